@@ -1,0 +1,230 @@
+"""The engine layer: one small interface over vLLM's AsyncLLM (and a fake for light tests).
+
+Everything above this module speaks in the engine-neutral dataclasses below, so the
+HTTP layer and the sampling core never import vLLM, and the fake engine can stand in
+for logic tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from .config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    name: str
+    lora_id: int
+    path: str
+
+
+@dataclass
+class SequenceOutput:
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class GenerationOutput:
+    sequences: list[SequenceOutput]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class Engine(Protocol):
+    vocab_size: int
+    max_model_len: int
+
+    async def generate(self, request_id: str, prompt: list[int], spec: GenerationSpec,
+                       adapter: AdapterRef | None) -> GenerationOutput: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int: ...
+
+    async def add_adapter(self, ref: AdapterRef) -> None: ...
+
+    async def remove_adapter(self, ref: AdapterRef) -> None: ...
+
+    @property
+    def dead_reason(self) -> str | None: ...
+
+    def running_requests(self) -> int: ...
+
+    async def shutdown(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------- vLLM
+
+
+@dataclass
+class VllmEngine:
+    llm: Any  # vllm.v1.engine.async_llm.AsyncLLM
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any
+    _running: int = field(default=0)
+
+    @classmethod
+    def create(cls, model_dir: str, cfg: ServerConfig) -> "VllmEngine":
+        """Blocking: spawns the engine core and waits until it is ready (~15 s for the tiny model on CPU)."""
+        # A per-process RPC dir: vLLM's IPC socket files otherwise pile up in /tmp.
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="sampler-vllm-rpc-"))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_dir,
+            dtype=cfg.dtype,  # type: ignore[arg-type]
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            seed=cfg.seed,
+            enable_lora=cfg.enable_lora,
+            max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank,
+            worker_extension_cls="sampler_pod.worker_extension.WeightLoaderExtension",
+            enable_log_requests=False,
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        mc = llm.model_config
+        # The tokenizer (and its chat template) is loaded here, once, never per request.
+        tokenizer = llm.get_tokenizer()
+        return cls(llm=llm, vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, tokenizer=tokenizer)
+
+    def _sampling_params(self, spec: GenerationSpec) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=spec.n,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            seed=spec.seed,
+            stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None,
+            # 0 still returns the sampled token's own logprob, which every sample reports.
+            logprobs=spec.logprobs,
+            prompt_logprobs=spec.topk_prompt_logprobs if spec.prompt_logprobs else None,
+            # Stop strings need text; otherwise skip detokenization (CPU the engine could use).
+            detokenize=bool(spec.stop),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(self, request_id: str, prompt: list[int], spec: GenerationSpec,
+                       adapter: AdapterRef | None) -> GenerationOutput:
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        lora = LoRARequest(adapter.name, adapter.lora_id, adapter.path) if adapter else None
+        final = None
+        self._running += 1
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), self._sampling_params(spec),
+                                               request_id, lora_request=lora):
+                final = out
+        except EngineDeadError as e:
+            raise EngineDead(str(e) or "engine core died") from e
+        finally:
+            self._running -= 1
+        assert final is not None
+        return _convert(prompt, spec, final)
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int:
+        counts = await self.llm.collective_rpc(
+            "sampler_load_checkpoint", kwargs={"files": files, "fail_after_tensors": fail_after_tensors}
+        )
+        # Cached prefixes were computed with the old weights.
+        await self.llm.reset_prefix_cache()
+        return int(counts[0])
+
+    async def add_adapter(self, ref: AdapterRef) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not await self.llm.add_lora(LoRARequest(ref.name, ref.lora_id, ref.path)):
+            raise RuntimeError(f"engine refused adapter {ref.name}")
+
+    async def remove_adapter(self, ref: AdapterRef) -> None:
+        await self.llm.remove_lora(ref.lora_id)
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self.llm.errored:
+            return f"engine core is dead: {self.llm.dead_error!r}"
+        return None
+
+    def running_requests(self) -> int:
+        return self._running
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
+
+
+def _convert(prompt: list[int], spec: GenerationSpec, out: Any) -> GenerationOutput:
+    seqs = []
+    for c in out.outputs:
+        tokens = list(c.token_ids)
+        lps: list[float] = []
+        tops: list[dict[int, float]] | None = [] if spec.logprobs > 0 else None
+        for i, t in enumerate(tokens):
+            d = c.logprobs[i] if c.logprobs is not None else {}
+            lps.append(float(d[t].logprob) if t in d else float("nan"))
+            if tops is not None:
+                tops.append({int(k): float(v.logprob) for k, v in d.items() if v.rank is not None and v.rank <= spec.logprobs})
+        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+        seqs.append(SequenceOutput(tokens=tokens, logprobs=lps, finish_reason=reason, top_logprobs=tops))
+    plp = topk = None
+    if spec.prompt_logprobs and out.prompt_logprobs is not None:
+        plp, topk = [], ([] if spec.topk_prompt_logprobs > 0 else None)
+        for i, d in enumerate(out.prompt_logprobs):
+            if d is None:
+                plp.append(None)
+                if topk is not None:
+                    topk.append(None)
+                continue
+            t = prompt[i]
+            plp.append(float(d[t].logprob) if t in d else None)
+            if topk is not None:
+                topk.append({int(k): float(v.logprob) for k, v in d.items()
+                             if v.rank is not None and v.rank <= spec.topk_prompt_logprobs})
+    return GenerationOutput(sequences=seqs, prompt_logprobs=plp, topk_prompt_logprobs=topk)

@@ -1,0 +1,96 @@
+"""Pydantic models for the native HTTP API: the edge where untrusted JSON becomes typed values.
+
+Field-level checks that need no engine knowledge live here (so the error names
+the field). Checks that need the model (vocabulary, context length) live in
+`request_checks.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(16, ge=1)
+    # 0.0 means greedy. It is a real value, never "unset".
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # -1 (or 0) disables top-k, as in vLLM.
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    # Number of top alternatives per generated token (0: just the sampled token's logprob).
+    logprobs: int = Field(0, ge=0, le=20)
+    prompt_logprobs: bool = False
+    # Top-k alternatives per prompt position (0: only the prompt token's own logprob).
+    topk_prompt_logprobs: int = Field(0, ge=0, le=20)
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stop(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class SampleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[list[StrictInt]] = Field(..., min_length=1, max_length=256)
+    num_samples: int = Field(1, ge=1)
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    adapter: str | None = None
+    # Per-request timeout override, capped by the server's max_request_timeout_s.
+    timeout_s: float | None = Field(None, gt=0)
+
+    @field_validator("prompts")
+    @classmethod
+    def _no_empty_prompt(cls, v: list[list[int]]) -> list[list[int]]:
+        for i, p in enumerate(v):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+        return v
+
+
+StopReason = Literal["stop", "length", "abort"]
+
+
+class Sequence(BaseModel):
+    tokens: list[int]
+    # logprob of each sampled token, same length as tokens.
+    logprobs: list[float]
+    # Optional alternatives per position: [{token_id: logprob}, ...].
+    top_logprobs: list[dict[int, float]] | None = None
+    stop_reason: StopReason
+    weights_version: int
+
+
+class PromptResult(BaseModel):
+    sequences: list[Sequence]
+    # logprob of each prompt token given its prefix; the first is None (no prefix).
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+class SampleResponse(BaseModel):
+    request_id: str
+    weights_version: int
+    weights_label: str
+    adapter: str | None = None
+    results: list[PromptResult]
+
+
+class SubmitResponse(BaseModel):
+    request_id: str
+
+
+class RetrieveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(..., min_length=1, max_length=200)
+    wait_s: float = Field(25.0, ge=0.0, le=30.0)
