@@ -11,10 +11,11 @@ import asyncio
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from .config import ServerConfig
+from .errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class GenerationSpec:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     logprobs: int = 0
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
@@ -139,6 +141,7 @@ class VllmEngine:
             seed=spec.seed,
             stop=list(spec.stop) or None,
             stop_token_ids=list(spec.stop_token_ids) or None,
+            ignore_eos=spec.ignore_eos,
             # 0 still returns the sampled token's own logprob, which every sample reports.
             logprobs=spec.logprobs,
             prompt_logprobs=spec.topk_prompt_logprobs if spec.prompt_logprobs else None,
@@ -151,21 +154,30 @@ class VllmEngine:
                        adapter: AdapterRef | None) -> GenerationOutput:
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         lora = LoRARequest(adapter.name, adapter.lora_id, adapter.path) if adapter else None
+        # vLLM refuses n > 1 with greedy sampling; greedy samples are identical by
+        # definition, so compute one and hand out n copies.
+        copies, run_spec = (spec.n, replace(spec, n=1)) if spec.temperature == 0 and spec.n > 1 else (1, spec)
         final = None
         self._running += 1
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), self._sampling_params(spec),
-                                               request_id, lora_request=lora):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt),
+                                               self._sampling_params(run_spec), request_id, lora_request=lora):
                 final = out
         except EngineDeadError as e:
             raise EngineDead(str(e) or "engine core died") from e
+        except VLLMClientError as e:  # vLLM's own request validation: the client's fault
+            raise InvalidRequest(f"engine rejected the request: {e}", field="sampling_params") from e
         finally:
             self._running -= 1
         assert final is not None
-        return _convert(prompt, spec, final)
+        result = _convert(prompt, run_spec, final)
+        if copies > 1:
+            result.sequences = [replace(result.sequences[0]) for _ in range(copies)]
+        return result
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

@@ -1,0 +1,22 @@
+"""Real-engine tier: one shared vLLM server for the read-only tests (startup is ~15 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.helpers.server import RunningServer, run_server
+
+
+@pytest.fixture(scope="session")
+def shared_server(tiny_model: Path) -> Iterator[RunningServer]:
+    with run_server(tiny_model, "--concurrent-task-limit", "128") as s:
+        yield s
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/engine/" in str(item.fspath):
+            item.add_marker(pytest.mark.engine)

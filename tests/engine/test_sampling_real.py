@@ -1,0 +1,165 @@
+"""Issue #2 acceptance on the REAL vLLM engine (CPU build) behind a real HTTP server."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.helpers.bad_requests import BAD_REQUESTS, GOOD
+from tests.helpers.server import RunningServer, run_server
+
+
+def body(max_tokens: int = 32, **sp: Any) -> dict[str, Any]:
+    return {"prompts": [[1, 20, 30, 40]], "sampling_params": {"max_tokens": max_tokens, **sp}}
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_32_concurrent_requests_run_concurrently_in_the_engine(shared_server: RunningServer) -> None:
+    with shared_server.client() as c:
+        serial = []
+        for _ in range(6):
+            t = time.perf_counter()
+            assert c.post("/v1/sample", json=body(128, temperature=1.0)).status_code == 200
+            serial.append(time.perf_counter() - t)
+        # Sample the engine's own gauge while the burst runs.
+        running_seen: list[float] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            with httpx.Client(base_url=shared_server.url) as w:
+                while not stop.is_set():
+                    running_seen.append(metric(w.get("/metrics").text, "vllm:num_requests_running"))
+                    time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(32) as pool:
+            rs = list(pool.map(lambda _: c.post("/v1/sample", json=body(128, temperature=1.0)), range(32)))
+        wall = time.perf_counter() - t0
+        stop.set()
+        watcher.join()
+    assert all(r.status_code == 200 for r in rs)
+    assert all(0 < len(r.json()["results"][0]["sequences"][0]["tokens"]) <= 128 for r in rs)
+    serial_sum = 32 * statistics.median(serial)
+    m = c_metrics(shared_server)
+    assert metric(m, "sampler_engine_requests_running_max") > 1
+    assert max(running_seen) > 1, "vLLM never had more than one request running"
+    assert wall < 0.5 * serial_sum, f"32 concurrent took {wall:.2f}s vs serial sum {serial_sum:.2f}s"
+
+
+def c_metrics(s: RunningServer) -> str:
+    return httpx.get(s.url + "/metrics").text
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(shared_server: RunningServer) -> None:
+    with shared_server.client() as c:
+        def toks(**sp: Any) -> list[list[int]]:
+            r = c.post("/v1/sample", json={**body(16, **sp), "num_samples": 3})
+            assert r.status_code == 200, r.text
+            return [s["tokens"] for s in r.json()["results"][0]["sequences"]]
+
+        assert toks(temperature=1.0, seed=11) == toks(temperature=1.0, seed=11)
+        assert toks(temperature=1.0, seed=11) != toks(temperature=1.0, seed=12)
+        greedy = toks(temperature=0.0)
+        assert greedy == toks(temperature=0.0)
+        assert greedy[0] == greedy[1] == greedy[2]  # greedy: every sample is the argmax path
+        r = c.post("/v1/sample", json=body(8, temperature=0.7, seed=1, logprobs=2, prompt_logprobs=True)).json()
+        seq = r["results"][0]["sequences"][0]
+        assert len(seq["logprobs"]) == len(seq["tokens"]) == 8 and seq["stop_reason"] == "length"
+        assert r["results"][0]["prompt_logprobs"][0] is None and len(r["results"][0]["prompt_logprobs"]) == 4
+        assert seq["weights_version"] == r["weights_version"] == 0
+
+
+def test_stop_token_ids_end_the_sequence(shared_server: RunningServer) -> None:
+    with shared_server.client() as c:
+        first = c.post("/v1/sample", json=body(8, temperature=0.0)).json()["results"][0]["sequences"][0]["tokens"]
+        r = c.post("/v1/sample", json=body(8, temperature=0.0, stop_token_ids=[first[2]])).json()
+        seq = r["results"][0]["sequences"][0]
+        assert seq["stop_reason"] == "stop" and seq["tokens"][-1] == first[2] and len(seq["tokens"]) <= 3
+
+
+def test_tiny_timeout_fails_alone(shared_server: RunningServer) -> None:
+    with shared_server.client() as c, ThreadPoolExecutor(9) as pool:
+        normal = [pool.submit(c.post, "/v1/sample", json=body(64, temperature=1.0)) for _ in range(8)]
+        slow = pool.submit(c.post, "/v1/sample", json={**body(400, temperature=1.0), "timeout_s": 0.05})
+        assert all(f.result().status_code == 200 for f in normal)
+        r = slow.result()
+        assert r.status_code == 504 and r.json()["error"]["category"] == "timeout"
+        h = c.get("/health").json()
+    assert h["status"] == "ok" and h["in_flight"] == 0
+
+
+def test_futures_submit_retrieve_unknown(shared_server: RunningServer) -> None:
+    with shared_server.client() as c:
+        sync = c.post("/v1/sample", json=body(8, temperature=0.0)).json()
+        rid = c.post("/v1/sample/submit", json=body(8, temperature=0.0)).json()["request_id"]
+        r = c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 30})
+        assert r.status_code == 200
+        fut = r.json()
+        assert set(fut) == set(sync) and fut["results"][0]["sequences"][0]["tokens"] == \
+            sync["results"][0]["sequences"][0]["tokens"]
+        assert c.post("/v1/sample/retrieve", json={"request_id": rid}).status_code == 410
+        r404 = c.post("/v1/sample/retrieve", json={"request_id": "no-such-id"})
+        assert r404.status_code == 404 and r404.json()["error"]["category"] == "not_found"
+
+
+@pytest.mark.parametrize("case,req,status,field", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_names_field_and_server_still_serves(shared_server: RunningServer, case: str, req: Any,
+                                                       status: int, field: str) -> None:
+    with shared_server.client() as c:
+        r = c.post("/v1/sample", json=req)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["field"] == field
+        assert c.post("/v1/sample", json=GOOD).status_code == 200
+        assert c.get("/health").json()["status"] == "ok"
+
+
+# ------------------------------------------------------------ a server with a small limit
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model: Path) -> Iterator[RunningServer]:
+    with run_server(tiny_model, "--concurrent-task-limit", "4", "--future-ttl-s", "1") as s:
+        yield s
+
+
+def test_fifth_request_gets_429_then_capacity_returns(small_server: RunningServer) -> None:
+    with small_server.client() as c, ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(c.post, "/v1/sample", json=body(400, temperature=1.0)) for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while c.get("/health").json()["in_flight"] < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        fifth = c.post("/v1/sample", json=body(8))
+        assert fifth.status_code == 429 and int(fifth.headers["retry-after"]) >= 1
+        assert fifth.json()["error"]["category"] == "overloaded"
+        assert all(f.result().status_code == 200 for f in running)
+        assert c.get("/health").json()["in_flight"] == 0
+        assert c.post("/v1/sample", json=body(8)).status_code == 200
+        assert metric(c.get("/metrics").text, "sampler_requests_rejected_total") >= 1
+
+
+def test_expired_future_gives_410(small_server: RunningServer) -> None:
+    with small_server.client() as c:
+        rid = c.post("/v1/sample/submit", json=body(4)).json()["request_id"]
+        deadline = time.monotonic() + 30
+        while c.get("/health").json()["in_flight"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.5)  # past the 1 s TTL of this server
+        r = c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 0})
+        assert r.status_code == 410 and "expired" in r.json()["error"]["message"]

@@ -1,0 +1,129 @@
+"""Fast logic tests: admission, futures store, reader/writer lock (no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sampler_pod.admission import AdmissionController
+from sampler_pod.errors import Expired, InvalidRequest, NotFound, Overloaded
+from sampler_pod.futures import FutureStore
+from sampler_pod.rwlock import RWLock
+
+
+def test_admission_rejects_past_limit_with_retry_after() -> None:
+    a = AdmissionController(limit=2)
+    s1, s2 = a.try_admit(), a.try_admit()
+    with pytest.raises(Overloaded) as e:
+        a.try_admit()
+    assert e.value.status_code == 429 and e.value.headers["Retry-After"] == "1"
+    assert a.rejected_total == 1
+    s1.release()
+    s1.release()  # idempotent: a finally block may run twice
+    assert a.in_flight == 1
+    a.try_admit()
+    s2.release()
+    assert a.in_flight == 1
+
+
+def test_admission_refuses_impossible_cost() -> None:
+    with pytest.raises(InvalidRequest):
+        AdmissionController(limit=2).try_admit(cost=3)
+
+
+async def test_futures_pending_done_and_gone() -> None:
+    now = [0.0]
+    store = FutureStore(ttl_s=10, clock=lambda: now[0])
+    gate = asyncio.Event()
+
+    async def work() -> str:
+        await gate.wait()
+        return "result"
+
+    rid = store.submit(work)
+    assert await store.retrieve(rid, wait_s=0.01) == (False, None)
+    gate.set()
+    assert await store.retrieve(rid, wait_s=1) == (True, "result")
+    with pytest.raises(Expired):  # handed out once
+        await store.retrieve(rid, wait_s=0)
+    with pytest.raises(NotFound):
+        await store.retrieve("never-issued", wait_s=0)
+
+
+async def test_futures_ttl_expires_only_finished_results() -> None:
+    now = [0.0]
+    store = FutureStore(ttl_s=10, clock=lambda: now[0])
+    never = asyncio.Event()
+
+    async def done() -> int:
+        return 1
+
+    async def running() -> int:
+        await never.wait()
+        return 2
+
+    a, b = store.submit(done), store.submit(running)
+    await asyncio.sleep(0.01)  # let the done-callbacks run
+    now[0] = 100.0
+    assert store.expire() == 1
+    with pytest.raises(Expired):
+        await store.retrieve(a, wait_s=0)
+    assert await store.retrieve(b, wait_s=0) == (False, None)
+    await store.close()
+
+
+async def test_futures_failed_request_raises_its_error() -> None:
+    store = FutureStore()
+
+    async def boom() -> None:
+        raise InvalidRequest("bad", field="x")
+
+    rid = store.submit(boom)
+    with pytest.raises(InvalidRequest):
+        await store.retrieve(rid, wait_s=1)
+
+
+async def test_rwlock_readers_share_writer_excludes_and_is_preferred() -> None:
+    lock = RWLock()
+    order: list[str] = []
+    r1_in, release_r1 = asyncio.Event(), asyncio.Event()
+
+    async def reader(name: str, hold: asyncio.Event | None = None) -> None:
+        async with lock.read():
+            order.append(f"{name}+")
+            if hold:
+                r1_in.set()
+                await hold.wait()
+            order.append(f"{name}-")
+
+    async def writer() -> None:
+        async with lock.write():
+            order.append("W+")
+            assert lock.readers == 0
+            order.append("W-")
+
+    t1 = asyncio.create_task(reader("r1", release_r1))
+    await r1_in.wait()
+    tw = asyncio.create_task(writer())
+    await asyncio.sleep(0.01)
+    t2 = asyncio.create_task(reader("r2"))  # arrives after the writer: must wait behind it
+    await asyncio.sleep(0.01)
+    assert order == ["r1+"] and lock.writers_waiting == 1
+    release_r1.set()
+    await asyncio.gather(t1, tw, t2)
+    assert order == ["r1+", "r1-", "W+", "W-", "r2+", "r2-"]
+
+
+async def test_rwlock_timeouts_leave_no_state_behind() -> None:
+    lock = RWLock()
+    async with lock.write():
+        with pytest.raises(TimeoutError):
+            await lock.acquire_read(timeout=0.01)
+    async with lock.read():
+        with pytest.raises(TimeoutError):
+            async with lock.write(timeout=0.01):
+                pass
+    assert (lock.readers, lock.writers_waiting, lock.writer_active) == (0, 0, False)
+    async with lock.write(timeout=0.1):
+        pass
