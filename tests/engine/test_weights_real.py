@@ -1,0 +1,194 @@
+"""Issue #3 acceptance on the REAL vLLM engine: validated loads, exclusive writes, versions, LoRA, uncertainty."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.helpers import corrupt_checkpoints as cc
+from tests.helpers.checkpoints import hf_greedy, hf_prompt_logprobs, make_lora_adapter, perturbed_checkpoint
+from tests.helpers.server import RunningServer, run_server
+
+PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
+
+
+@dataclass
+class WeightsEnv:
+    server: RunningServer
+    root: Path
+    outside: Path
+    model: Path
+
+
+@pytest.fixture(scope="module")
+def wenv(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WeightsEnv]:
+    base = tmp_path_factory.mktemp("weights")
+    root, outside = base / "checkpoints", base / "outside"
+    root.mkdir()
+    outside.mkdir()
+    with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-lora", "--max-lora-rank", "16") as s:
+        yield WeightsEnv(s, root, outside, tiny_model)
+
+
+def prompt_logprobs(c: httpx.Client, adapter: str | None = None) -> list[float]:
+    body: dict[str, Any] = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 1, "prompt_logprobs": True}}
+    if adapter:
+        body["adapter"] = adapter
+    r = c.post("/v1/sample", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["results"][0]["prompt_logprobs"][1:]
+
+
+def greedy(c: httpx.Client, n: int = 16) -> tuple[list[int], int]:
+    r = c.post("/v1/sample", json={"prompts": [PROMPT], "sampling_params": {"max_tokens": n, "temperature": 0.0}})
+    assert r.status_code == 200, r.text
+    seq = r.json()["results"][0]["sequences"][0]
+    return seq["tokens"], seq["weights_version"]
+
+
+def load(c: httpx.Client, path: str, label: str, **kw: Any) -> httpx.Response:
+    return c.post("/v1/checkpoints/load", json={"path": path, "version_label": label, **kw})
+
+
+def test_valid_checkpoint_loads_and_matches_hf_reference(wenv: WeightsEnv) -> None:
+    new = perturbed_checkpoint(wenv.model, wenv.root / "step-1", seed=1)
+    with wenv.server.client() as c:
+        before_version = c.get("/health").json()["weights_version"]
+        old = prompt_logprobs(c)
+        r = load(c, "step-1", "step-1")
+        assert r.status_code == 200, r.text
+        assert r.json()["weights_version"] == before_version + 1
+        got = prompt_logprobs(c)
+        tokens, version = greedy(c)
+        health = c.get("/health").json()
+    ref = hf_prompt_logprobs(new, PROMPT)
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-3, (got, ref)
+    assert max(abs(a - b) for a, b in zip(old, ref)) > 1e-2  # really new weights
+    assert tokens == hf_greedy(new, PROMPT, 16)[: len(tokens)]
+    assert version == before_version + 1 and health["weights_label"] == "step-1" and health["status"] == "ok"
+
+
+@pytest.mark.parametrize("kind", cc.INVALID_KINDS)
+def test_corrupt_checkpoint_rejected_before_any_write(wenv: WeightsEnv, kind: str) -> None:
+    case = cc.build_case(kind, wenv.model, root=wenv.root, outside=wenv.outside, name=f"bad-{kind}")
+    with wenv.server.client() as c:
+        before = prompt_logprobs(c)
+        version = c.get("/health").json()["weights_version"]
+        extra = {"sha256_manifest": case.sha256_manifest} if case.sha256_manifest is not None else {}
+        r = load(c, case.request_path, f"bad-{kind}", **extra)
+        assert 400 <= r.status_code < 500, r.text
+        err = r.json()["error"]
+        assert err["field"] == case.expected_field and err["code"] == case.expected_code, err
+        for name in (case.expected_file, case.expected_tensor):
+            if name:
+                assert name in err["message"], err
+        assert prompt_logprobs(c) == before  # bit-identical: the engine was never touched
+        assert c.get("/readyz").status_code == 200
+        assert c.get("/health").json()["weights_version"] == version
+
+
+def test_load_during_32_inflight_samples_is_exclusive(wenv: WeightsEnv) -> None:
+    perturbed_checkpoint(wenv.model, wenv.root / "step-2", seed=2)
+    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 96, "temperature": 1.0, "seed": 3}}
+    with wenv.server.client() as c, ThreadPoolExecutor(48) as pool:
+        v0 = c.get("/health").json()["weights_version"]
+        inflight = [pool.submit(c.post, "/v1/sample", json=body) for _ in range(32)]
+        deadline = time.monotonic() + 60
+        while c.get("/health").json()["in_flight"] < 32:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        loading = pool.submit(load, c, "step-2", "step-2")
+        while "sampler_weight_write_waiting 1.0" not in c.get("/metrics").text:
+            assert not loading.done(), loading.result().text
+            time.sleep(0.005)
+        during = [pool.submit(c.post, "/v1/sample", json=body) for _ in range(8)]
+        assert loading.result().status_code == 200, loading.result().text
+        first = [f.result() for f in inflight]
+        later = [f.result() for f in during]
+    for r in first:
+        assert r.status_code == 200, r.text
+        versions = {s["weights_version"] for s in r.json()["results"][0]["sequences"]} | {r.json()["weights_version"]}
+        assert versions == {v0}
+    for r in later:
+        assert r.status_code == 200, r.text
+        assert r.json()["weights_version"] == v0 + 1
+        assert {s["weights_version"] for s in r.json()["results"][0]["sequences"]} == {v0 + 1}
+
+
+def test_fifty_ordinary_failures_do_not_change_health(wenv: WeightsEnv) -> None:
+    bad = cc.build_case("wrong_shape", wenv.model, root=wenv.root, outside=wenv.outside, name="bad-50")
+    with wenv.server.client() as c:
+        for i in range(20):
+            assert c.post("/v1/sample", json={"prompts": [[1, 10**6]]}).status_code == 400
+        for i in range(15):
+            r = c.post("/v1/sample", json={"prompts": [PROMPT], "sampling_params": {"max_tokens": 300},
+                                           "timeout_s": 0.01})
+            assert r.status_code == 504, r.text
+        for i in range(15):
+            assert load(c, bad.request_path, "nope").status_code == 400
+        h = c.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["in_flight"] == 0
+        assert c.get("/readyz").status_code == 200
+        assert greedy(c)[0]
+
+
+def test_lora_adapter_matches_hf_peft_and_can_be_replaced(wenv: WeightsEnv) -> None:
+    # References are against the weights the server serves now (the last loaded checkpoint).
+    current = wenv.root / "step-2"
+    a1 = make_lora_adapter(current, wenv.root / "lora-a1", seed=1)
+    a2 = make_lora_adapter(current, wenv.root / "lora-a2", seed=2)
+    with wenv.server.client() as c:
+        base = prompt_logprobs(c)
+        r = c.post("/v1/adapters", json={"name": "policy", "path": "lora-a1"})
+        assert r.status_code == 200, r.text
+        assert [a["name"] for a in c.get("/v1/adapters").json()] == ["policy"]
+        with_a1 = prompt_logprobs(c, "policy")
+        unknown = c.post("/v1/sample", json={"prompts": [PROMPT], "adapter": "nope"})
+        assert unknown.status_code == 400 and unknown.json()["error"]["field"] == "adapter"
+        assert c.post("/v1/adapters", json={"name": "policy", "path": "lora-a2"}).status_code == 409
+        assert c.delete("/v1/adapters/policy").status_code == 204
+        assert c.post("/v1/sample", json={"prompts": [PROMPT], "adapter": "policy"}).status_code == 400
+        assert c.post("/v1/adapters", json={"name": "policy", "path": "lora-a2"}).status_code == 200
+        with_a2 = prompt_logprobs(c, "policy")
+        assert c.delete("/v1/adapters/nope").status_code == 404
+    ref1, ref2 = hf_prompt_logprobs(current, PROMPT, a1), hf_prompt_logprobs(current, PROMPT, a2)
+    assert max(abs(a - b) for a, b in zip(base, with_a1)) > 1e-2  # the adapter changes outputs
+    assert max(abs(a - b) for a, b in zip(with_a1, ref1)) < 2e-3, (with_a1, ref1)
+    assert max(abs(a - b) for a, b in zip(with_a2, ref2)) < 2e-3, (with_a2, ref2)
+
+
+# ------------------------------------------------------------ the uncertain write (its own server)
+
+
+def test_injected_midwrite_failure_makes_weights_uncertain(tiny_model: Path, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    perturbed_checkpoint(tiny_model, root / "step-1", seed=1)
+    with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-test-seams") as s, s.client() as c:
+        r = load(c, "step-1", "step-1", test_fail_after_tensors=3)
+        assert r.status_code == 500 and r.json()["error"]["category"] == "weight_write_failed", r.text
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "uncertain_weights"
+        assert "failed midway" in h.json()["reason"]
+        assert c.get("/readyz").status_code == 503
+        assert c.get("/healthz").status_code == 200  # the operator replaces it; kubelet must not restart it
+        sample = c.post("/v1/sample", json={"prompts": [PROMPT]})
+        assert sample.status_code == 503 and sample.json()["error"]["category"] == "uncertain_weights"
+        # Documented: there is no way back; a valid load is refused too, the replica must be replaced.
+        again = load(c, "step-1", "step-1-retry")
+        assert again.status_code == 503 and again.json()["error"]["category"] == "uncertain_weights"
+        assert "uncertain" in c.get("/metrics").text and c.get("/health").json()["status"] == "uncertain_weights"
+
+
+def test_test_seam_is_refused_without_the_flag(wenv: WeightsEnv) -> None:
+    with wenv.server.client() as c:
+        r = load(c, "step-1", "x", test_fail_after_tensors=1)
+        assert r.status_code == 400 and r.json()["error"]["field"] == "test_fail_after_tensors"
+        assert c.get("/health").json()["status"] == "ok"
