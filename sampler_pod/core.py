@@ -53,6 +53,7 @@ class SamplerCore:
         self.futures = FutureStore(ttl_s=self.cfg.future_ttl_s)
         self._engine_running = 0
         self.engine_running_max = 0
+        self.write_lock_wait_max = 0.0
         self.metrics.set_weights(self.weights.version, self.weights.label)
 
     # ------------------------------------------------------------------ state
@@ -148,6 +149,8 @@ class SamplerCore:
         try:
             if waited > 0.001:
                 self.metrics.write_lock_wait.observe(waited)
+                self.write_lock_wait_max = max(self.write_lock_wait_max, waited)
+                self.metrics.write_lock_wait_max.set(self.write_lock_wait_max)
             # The weights may have gone uncertain while we waited behind a writer.
             engine = self.require_serving()
             if adapter is not None and self.adapters.get(adapter.name) != adapter:

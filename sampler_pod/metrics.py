@@ -36,6 +36,8 @@ class Metrics:
         self.write_lock_wait = Histogram("sampler_write_lock_wait_seconds",
                                          "Time sampling requests waited on a weight write",
                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.write_lock_wait_max = Gauge("sampler_write_lock_wait_max_seconds",
+                                         "Longest any sampling request waited on a weight write", registry=r)
         self.write_waiting = Gauge("sampler_weight_write_waiting",
                                    "Weight writes waiting for in-flight samples to drain", registry=r)
         self.weights_version = Gauge("sampler_weights_version", "Current weights version", ["label"], registry=r)
