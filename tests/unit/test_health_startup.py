@@ -1,0 +1,44 @@
+"""Health states and startup failures (fake engine, real process for the exit path)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.bad_requests import GOOD
+from tests.helpers.inproc import fake_client, fake_core
+from tests.helpers.server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_dead_engine_fails_health_and_liveness() -> None:
+    core, engine = fake_core()
+    engine._dead = "engine core died"
+    async with fake_client(core) as c:
+        h = await c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "engine_dead"
+        assert (await c.get("/healthz")).status_code == 503  # kubelet restarts a dead engine
+        assert (await c.get("/readyz")).status_code == 503
+        r = await c.post("/v1/sample", json=GOOD)
+        assert r.status_code == 503 and r.json()["error"]["category"] == "engine_unavailable"
+
+
+async def test_starting_engine_reports_starting() -> None:
+    core, _ = fake_core()
+    core.engine = None
+    async with fake_client(core) as c:
+        assert (await c.get("/health")).json()["status"] == "starting"
+        assert (await c.get("/healthz")).status_code == 200
+        r = await c.post("/v1/sample", json=GOOD)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+
+
+def test_unusable_model_fails_startup_with_exit_1(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "sampler_pod", "--model", str(tmp_path / "missing"), "--engine", "fake",
+                        "--host", "127.0.0.1", "--port", str(free_port()),
+                        "--startup-lock-path", str(tmp_path / "lock")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert "engine startup failed" in p.stderr and "does not exist" in p.stderr
