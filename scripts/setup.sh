@@ -8,16 +8,20 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="${SAMPLER_CACHE_DIR:-$HOME/.cache/sampler-operator}"
 PY="${PYTHON:-python3}"
-HASH="$(cat "$ROOT/requirements/runtime.txt" "$ROOT/requirements/test.txt" "$ROOT/scripts/setup.sh" | sha256sum | cut -c1-16)"
+# Bump VENV_RECIPE when the install steps below change in a way that needs a rebuild.
+VENV_RECIPE=1
+HASH="$( (echo "$VENV_RECIPE"; cat "$ROOT/requirements/runtime.txt" "$ROOT/requirements/test.txt") | sha256sum | cut -c1-16)"
 VENV="$CACHE/venv-$HASH"
 
 if [[ ! -f "$VENV/.complete" ]]; then
-    echo "[setup] building venv $VENV (first run: ~3 min)" >&2
+    echo "[setup] building venv $VENV (first run: ~8 min)" >&2
     rm -rf "$VENV"
     mkdir -p "$CACHE"
     "$PY" -m venv "$VENV"
     # torchvision is pinned only so the resolver does not backtrack; it is removed below.
-    "$VENV/bin/pip" install --quiet -r "$ROOT/requirements/runtime.txt" -r "$ROOT/requirements/test.txt" torchvision==0.28.0
+    # (grep drops pip's warnings about this machine's optional local mirrors.)
+    "$VENV/bin/pip" install --quiet -r "$ROOT/requirements/runtime.txt" -r "$ROOT/requirements/test.txt" \
+        torchvision==0.28.0 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
     # PyPI's torchvision/torchaudio/torchcodec are not built against the CPU torch and make
     # `import vllm` fail; triton has no CPU backend and is 1 GB.
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
