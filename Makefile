@@ -1,0 +1,16 @@
+# Convenience targets; the scripts are the source of truth.
+.PHONY: setup demo test unit engine k8s-build cluster-up cluster-down bench
+
+setup:          ; bash scripts/setup.sh
+demo:           ; bash scripts/demo.sh
+test:           ; bash scripts/test.sh
+unit: setup     ; .venv/bin/python -m pytest tests/unit -q
+engine: setup   ; .venv/bin/python -m pytest tests/engine -q
+k8s-build:      ; bash scripts/k8s/build.sh
+# The real single-node cluster (kubelet + dockershim) in a private netns with only `lo`.
+cluster-up: k8s-build ; bash scripts/k8s/node-up.sh
+cluster-down:   ; bash scripts/k8s/node-down.sh
+bench: setup
+	.venv/bin/python bench/weight_swap.py
+	.venv/bin/python bench/protocols.py
+	.venv/bin/python bench/operator.py
