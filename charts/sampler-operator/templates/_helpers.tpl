@@ -1,0 +1,64 @@
+{{- define "sampler-operator.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "sampler-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sampler-operator.labels" -}}
+app.kubernetes.io/name: {{ include "sampler-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "sampler-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sampler-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "sampler-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "sampler-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Namespaces watched when not cluster-wide: the listed ones, else the release namespace. */}}
+{{- define "sampler-operator.watchNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- join "," .Values.watch.namespaces -}}
+{{- else -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Rules needed in every namespace holding SamplerReplicas. */}}
+{{- define "sampler-operator.namespacedRules" -}}
+# the custom resources: watch them, write kopf's finalizer/annotations, and the status subresource
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerreplicas]
+  verbs: [get, list, watch, patch]
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerreplicas/status]
+  verbs: [get, patch]
+# ownerReferences with blockOwnerDeletion need update on the owner's finalizers
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerreplicas/finalizers]
+  verbs: [update]
+# the sampler pods: create, replace, adopt (patch ownerReferences), watch
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, create, delete, patch]
+# Events explaining replacements (kopf posts core/v1 events)
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

@@ -1,0 +1,13 @@
+"""sampler-operator: keeps one healthy sampler pod per SamplerReplica custom resource.
+
+Read in this order: spec.py (what a user asks for), desired_pod.py (the pod we build for it),
+replacement_policy.py (when a pod must be swapped), status.py (what we report back),
+health_probe.py (how we look at a pod), reconcile.py (the loop tying them together),
+handlers.py (the kopf wiring), settings.py and __main__.py (how it runs).
+"""
+
+GROUP = "sampler.rl.dev"
+VERSION = "v1alpha1"
+PLURAL = "samplerreplicas"
+KIND = "SamplerReplica"
+API_VERSION = f"{GROUP}/{VERSION}"

@@ -1,0 +1,119 @@
+"""kopf wiring. Each handler does one thing and delegates; the logic lives in reconcile.py.
+
+  configure         startup: settings, API client, one HTTP session for all probes
+  replica_pods      an in-memory index of our pods, kept current by kopf's pod watch
+  wake_on_pod_event a pod of a replica changed: wake that replica's loop now
+  validate_spec     a spec was created/changed: report semantic errors as a condition
+  replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import kopf
+
+from . import GROUP, PLURAL, VERSION
+from . import settings as operator_settings
+from .desired_pod import LABEL_MANAGED_BY, LABEL_REPLICA, MANAGED_BY, label_value
+from .kube import Kube, load_config
+from .pod_view import PodView
+from .reconcile import Context, ReplicaMemory, step
+from .spec import InvalidSpec, parse_spec
+from .status import invalid_spec_status
+
+OUR_PODS = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_REPLICA: kopf.PRESENT}
+
+# One wake-up flag per replica loop, keyed like the pod index: (namespace, replica label value).
+_wakeups: dict[tuple[str, str], asyncio.Event] = {}
+
+
+def _wake(namespace: str | None, replica: str | None) -> None:
+    flag = _wakeups.get((namespace or "", replica or ""))
+    if flag is not None:
+        flag.set()
+
+
+def _emit(target: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(target, type=type_, reason=reason, message=message)
+
+
+async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
+    """Sleep `delay` seconds, or less if woken (pod/spec event) or stopped (replica deleted)."""
+    waiters = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait(delay))}
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    operator_settings.apply(settings, operator_settings.OperatorConfig.from_env())
+    load_config()
+    memo.kube = Kube()
+    memo.session = aiohttp.ClientSession()
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    session = getattr(memo, "session", None)
+    if session is not None:
+        await session.close()
+
+
+@kopf.on.probe(id="replicaLoops")
+def replica_loops(**_: Any) -> int:
+    """Shown on the --liveness endpoint: how many replica loops run here."""
+    return len(_wakeups)
+
+
+@kopf.index("pods", labels=OUR_PODS)
+def replica_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodView]:
+    return {(namespace, labels[LABEL_REPLICA]): PodView.from_pod(body)}
+
+
+@kopf.on.event("pods", labels=OUR_PODS)
+def wake_on_pod_event(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    _wake(namespace, labels.get(LABEL_REPLICA))
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def validate_spec(spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta, status: kopf.Status,
+                        body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        parse_spec(dict(spec))
+    except InvalidSpec as e:
+        await memo.kube.patch_replica_status(namespace, name, invalid_spec_status(
+            str(e), status.get("conditions"), meta.get("generation"), time.time()))
+        kopf.warn(body, reason="InvalidSpec", message=str(e))
+        # Permanent: retrying cannot fix a spec; the next spec change calls us again.
+        raise kopf.PermanentError(f"invalid spec: {e}")
+    _wake(namespace, label_value(name))
+
+
+# On deletion kopf first raises `stopped` (we exit at once), and cancels us only as a fallback.
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=5.0)
+async def replica_loop(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, replica_pods: kopf.Index,
+                       logger: kopf.Logger, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    key = (namespace, label_value(name))
+    wake = _wakeups.setdefault(key, asyncio.Event())
+    ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, log=logger)
+    mem = ReplicaMemory()
+    try:
+        while not stopped:
+            wake.clear()
+            try:
+                delay = await step(ctx, body, replica_pods.get(key, []), mem)
+            except Exception as e:  # an API hiccup must not end the loop; state is in the API
+                logger.warning(f"reconcile failed, retrying: {type(e).__name__}: {e}")
+                delay = 2.0
+            await _sleep(delay, wake, stopped)
+    finally:
+        if _wakeups.get(key) is wake:
+            del _wakeups[key]

@@ -1,0 +1,72 @@
+"""Look at one sampler pod: GET http://{podIP}:{port}/health with a timeout.
+
+`classify` is pure (status code + body -> observation), so the decision table in
+replacement_policy.py is tested without sockets; `probe` is the thin network part.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+class HealthState(str, enum.Enum):
+    OK = "ok"
+    STARTING = "starting"
+    UNCERTAIN_WEIGHTS = "uncertain_weights"
+    ENGINE_DEAD = "engine_dead"
+    UNREACHABLE = "unreachable"      # refused, reset, timed out: no answer at all
+    BAD_RESPONSE = "bad_response"    # answered, but not with the contract's JSON
+
+
+@dataclass(frozen=True)
+class HealthObservation:
+    state: HealthState
+    http_status: int | None = None
+    reason: str | None = None
+    weights_version: int | None = None
+    weights_label: str | None = None
+    in_flight: int | None = None
+
+    @property
+    def answered(self) -> bool:
+        return self.state not in (HealthState.UNREACHABLE, HealthState.BAD_RESPONSE)
+
+
+def classify(http_status: int, body: bytes | str) -> HealthObservation:
+    """Map a /health answer to an observation; anything off-contract is BAD_RESPONSE."""
+    try:
+        doc: Any = json.loads(body)
+        state = HealthState(doc["status"])
+    except (ValueError, KeyError, TypeError):
+        return HealthObservation(HealthState.BAD_RESPONSE, http_status, reason=f"HTTP {http_status}, not contract JSON")
+    if state in (HealthState.UNREACHABLE, HealthState.BAD_RESPONSE):  # not values a pod may report
+        return HealthObservation(HealthState.BAD_RESPONSE, http_status, reason=f"unknown status {doc['status']!r}")
+    version = doc.get("weights_version")
+    return HealthObservation(
+        state=state,
+        http_status=http_status,
+        reason=doc.get("reason"),
+        weights_version=version if isinstance(version, int) else None,
+        weights_label=doc.get("weights_label"),
+        in_flight=doc.get("in_flight"),
+    )
+
+
+def health_url(pod_ip: str, port: int) -> str:
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"http://{host}:{port}/health"
+
+
+async def probe(session: aiohttp.ClientSession, pod_ip: str, port: int, timeout_s: float) -> HealthObservation:
+    """One probe. Never raises for network trouble: unreachable is an observation, not an error."""
+    try:
+        async with session.get(health_url(pod_ip, port), timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            body = await resp.read()
+            return classify(resp.status, body)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return HealthObservation(HealthState.UNREACHABLE, reason=f"{type(e).__name__}: {e}"[:200])

@@ -1,0 +1,89 @@
+"""The few Kubernetes API calls the operator makes, as async functions returning plain dicts.
+
+The official client is synchronous; calls run in threads so the event loop (health probes of
+many replicas) never blocks. `_preload_content=False` keeps the API's own camelCase JSON instead
+of the client's snake_case model objects, so every module works with one data shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import kubernetes
+from kubernetes.client.rest import ApiException
+
+from . import GROUP, PLURAL, VERSION
+
+
+def load_config() -> None:
+    """In a pod: the service account. Elsewhere: $KUBECONFIG (read now, not at import time)."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+
+
+def _json(resp: Any) -> dict[str, Any]:
+    return json.loads(resp.data)
+
+
+class Kube:
+    def __init__(self, api_client: kubernetes.client.ApiClient | None = None) -> None:
+        self.core = kubernetes.client.CoreV1Api(api_client)
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+
+    async def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
+        resp = await asyncio.to_thread(self.core.list_namespaced_pod, namespace,
+                                       label_selector=label_selector, _preload_content=False)
+        return _json(resp)["items"]
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _json(await asyncio.to_thread(self.core.read_namespaced_pod, name, namespace,
+                                                 _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
+        """True if created, False if a pod of that name already exists (a retried create)."""
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete exactly that pod (uid precondition); gone already or a newer namesake is fine."""
+        options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid)) if uid else None
+        try:
+            await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options,
+                                    _preload_content=False)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    async def patch_pod_metadata(self, namespace: str, name: str, metadata: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.core.patch_namespaced_pod, name, namespace, {"metadata": metadata},
+                                _preload_content=False)
+
+    async def get_replica(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _json(await asyncio.to_thread(self.custom.get_namespaced_custom_object, GROUP, VERSION,
+                                                 namespace, PLURAL, name, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def patch_replica_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """A merge patch on the status subresource; returns the updated object."""
+        resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION,
+                                       namespace, PLURAL, name, {"status": status}, _preload_content=False)
+        return _json(resp)

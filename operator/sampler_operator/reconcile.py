@@ -1,0 +1,296 @@
+"""One pass of the control loop for one SamplerReplica.
+
+Two halves:
+  * `converge` makes the pods match the spec: exactly one live pod, of the current template.
+    It is a small state machine whose state lives in the API server (the CR's status and the
+    pods), never in memory, so an operator killed at any line resumes correctly:
+      1. decide to replace -> write status.pendingReplacement {oldPod, newPod, reason} FIRST;
+      2. delete the old pod (uid precondition);
+      3. once no old pod is left at all (terminating pods still hold the GPU and, with
+         hostNetwork, the port), create the new pod under its deterministic name;
+      4. record the outcome (replacements, lastReplacement) and clear the intent in ONE patch.
+    A restart in between re-reads the intent and repeats the missing steps; a repeated create
+    hits AlreadyExists, a repeated delete hits NotFound. So there are never two live pods.
+  * `observe` probes /health and reports status; it only asks `converge` to act when the
+    replacement policy says so.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from . import API_VERSION, KIND
+from .desired_pod import Owner, desired_pod, owner_reference, pod_name, pod_template, selector_labels, template_hash
+from .health_probe import HealthObservation, probe
+from .kube import Kube
+from .pod_view import PodView
+from .replacement_policy import Action, Decision, decide
+from .spec import InvalidSpec, SamplerReplicaSpec, parse_spec
+from .status import DEGRADED, iso, parse_iso, runtime_status, changed
+
+log = logging.getLogger("sampler_operator")
+
+REASON_UNCERTAIN = "UncertainWeights"
+REASON_SPEC_CHANGED = "SpecChanged"
+REASON_POD_FINISHED = "PodFinished"
+REASON_POD_DELETED = "PodDeleted"
+
+EventFn = Callable[[Mapping[str, Any], str, str, str], None]  # (body, type, reason, message)
+
+
+@dataclass
+class ReplicaMemory:
+    """In-memory notes of one replica's loop. Losing them on restart only resets a counter."""
+    consecutive_failures: int = 0
+    last_observation: HealthObservation | None = None
+    last_decision: Decision | None = None
+    newest_body: dict[str, Any] | None = None   # what our last status PATCH returned
+
+
+@dataclass
+class Context:
+    kube: Kube
+    session: aiohttp.ClientSession
+    emit: EventFn
+    clock: Callable[[], float] = time.time
+    log: logging.Logger | logging.LoggerAdapter = field(default=log)
+
+
+async def _test_pause(ctx: Context, stage: str) -> None:
+    """Test seam: hold still at a replacement step so a test can SIGKILL the operator right there."""
+    if os.environ.get("SAMPLER_OPERATOR_TEST_PAUSE_AT") == stage:
+        ctx.log.warning(f"test pause at {stage}")
+        await asyncio.sleep(float(os.environ.get("SAMPLER_OPERATOR_TEST_PAUSE_S", "30")))
+
+
+def owner_of(cr: Mapping[str, Any]) -> Owner:
+    meta = cr["metadata"]
+    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def _event_target(cr: Mapping[str, Any]) -> dict[str, Any]:
+    meta = cr["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
+
+
+def _rv(body: Mapping[str, Any] | None) -> int:
+    try:
+        return int((body or {}).get("metadata", {}).get("resourceVersion", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+def newest(live_body: Mapping[str, Any], mem: ReplicaMemory) -> Mapping[str, Any]:
+    """kopf's live body lags our own PATCHes by one watch event; prefer whichever is newer."""
+    if mem.newest_body is not None and _rv(mem.newest_body) > _rv(live_body):
+        return mem.newest_body
+    return live_body
+
+
+def pick_current(live: list[PodView], status: Mapping[str, Any]) -> PodView | None:
+    """With several live pods (should not happen), keep the one status names, else the newest."""
+    if not live:
+        return None
+    for p in live:
+        if p.name == status.get("podName"):
+            return p
+    return max(live, key=lambda p: (p.generation or -1, p.name))
+
+
+def needs_converge(cr: Mapping[str, Any], spec: SamplerReplicaSpec, pods: Iterable[PodView]) -> bool:
+    """Cheap check on cached data: is there structural work (create/delete/replace/adopt)?"""
+    status = cr.get("status") or {}
+    if status.get("pendingReplacement"):
+        return True
+    live = [p for p in pods if not p.deleting]
+    if len(live) != 1:
+        return True
+    pod = live[0]
+    want_hash = template_hash(pod_template(cr["metadata"]["name"], spec))
+    return pod.finished or pod.template_hash != want_hash or cr["metadata"]["uid"] not in pod.owner_uids
+
+
+def next_generation(status: Mapping[str, Any], pods: Iterable[PodView]) -> int:
+    """One more than any generation ever recorded or seen; 0 for the very first pod."""
+    seen = [p.generation for p in pods if p.generation is not None]
+    if status.get("podGeneration") is not None:
+        seen.append(int(status["podGeneration"]))
+    return max(seen) + 1 if seen else 0
+
+
+async def converge(ctx: Context, namespace: str, name: str, spec: SamplerReplicaSpec,
+                   mem: ReplicaMemory, *, replace: Decision | None = None) -> None:
+    """Drive pods toward the spec using FRESH reads (the cache may lag our own writes)."""
+    cr = await ctx.kube.get_replica(namespace, name)
+    if cr is None or cr["metadata"].get("deletionTimestamp"):
+        return  # being deleted: the garbage collector removes the pods
+    owner = owner_of(cr)
+    pods = [PodView.from_pod(p) for p in await ctx.kube.list_pods(namespace, selector_labels(name))]
+    status = cr.get("status") or {}
+    pending = status.get("pendingReplacement")
+    live = [p for p in pods if not p.deleting]
+    want_hash = template_hash(pod_template(name, spec))
+
+    if not pending:
+        current = pick_current(live, status)
+        for extra in (p for p in live if current is not None and p.name != current.name):
+            ctx.log.warning(f"deleting extra pod {extra.name}: one live pod per replica")
+            await ctx.kube.delete_pod(namespace, extra.name, extra.uid)
+        reason: tuple[str, str, bool] | None = None  # (reason, message, counts toward the cap)
+        if current is None:
+            if any(p.deleting for p in pods):
+                return  # wait for the old pod to be gone; its DELETED event wakes us
+            gen = next_generation(status, pods)
+            await _create_pod(ctx, cr, spec, gen)
+            patch: dict[str, Any] = {"podName": pod_name(name, gen), "podGeneration": gen, "podIP": None}
+            if status.get("podName"):
+                # The previous pod vanished (deleted by someone, evicted and reaped): a replacement.
+                patch.update(_outcome(status, old_pod=status["podName"], reason=REASON_POD_DELETED,
+                                      message=f"pod {status['podName']} disappeared; created {patch['podName']}",
+                                      counts=False, now=ctx.clock()))
+                ctx.emit(_event_target(cr), "Normal", REASON_POD_DELETED, patch["lastReplacement"]["message"])
+            mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
+            return
+        if owner.uid not in current.owner_uids:
+            # Found by label after a restart or a manual create: adopt it so GC and watches see it.
+            await ctx.kube.patch_pod_metadata(namespace, current.name, {"ownerReferences": [owner_reference(owner)]})
+        if current.finished:
+            reason = (REASON_POD_FINISHED, f"pod {current.name} is {current.phase}"
+                      f"{' (' + current.reason + ')' if current.reason else ''}", False)
+        elif current.template_hash != want_hash:
+            reason = (REASON_SPEC_CHANGED, f"pod {current.name} runs an older template", False)
+        elif replace is not None and replace.action is Action.REPLACE:
+            reason = (replace.reason, replace.message, True)
+        if reason is None:
+            return
+        gen = next_generation(status, pods)
+        pending = {"oldPod": current.name, "oldPodUid": current.uid, "newPod": pod_name(name, gen),
+                   "generation": gen, "reason": reason[0], "message": reason[1], "countsTowardCap": reason[2],
+                   "time": iso(ctx.clock())}
+        # Step 1: the intent, durable before anything is deleted.
+        cr = await ctx.kube.patch_replica_status(namespace, name, {"pendingReplacement": pending, "phase": "Replacing"})
+        mem.newest_body = cr
+        ctx.emit(_event_target(cr), "Warning" if reason[2] else "Normal", reason[0], f"replacing pod {current.name}: {reason[1]}")
+        ctx.log.info(f"replacing pod {current.name} -> {pending['newPod']}: {reason[0]}: {reason[1]}")
+        await _test_pause(ctx, "after-intent")
+
+    await _finish_replacement(ctx, cr, spec, pending, pods, mem)
+
+
+async def _create_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, gen: int) -> None:
+    body = desired_pod(owner_of(cr), spec, gen)
+    created = await ctx.kube.create_pod(cr["metadata"]["namespace"], body)
+    ctx.log.info(f"{'created' if created else 'found existing'} pod {body['metadata']['name']}")
+
+
+async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
+                              pending: Mapping[str, Any], pods: list[PodView], mem: ReplicaMemory) -> None:
+    namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    new_pod = pending["newPod"]
+    # Step 2: every pod except the replacement goes (normally just the old one).
+    for p in pods:
+        if p.name != new_pod and not p.deleting:
+            await ctx.kube.delete_pod(namespace, p.name, p.uid)
+            await _test_pause(ctx, "after-delete")
+    # Step 3: only when no other pod exists at all. Without a kubelet (or for unscheduled pods)
+    # the delete is immediate; otherwise the pod's DELETED event wakes the loop again.
+    for p in pods:
+        if p.name != new_pod and await ctx.kube.get_pod(namespace, p.name) is not None:
+            ctx.log.info(f"waiting for pod {p.name} to terminate before creating {new_pod}")
+            return
+    await _create_pod(ctx, cr, spec, int(pending["generation"]))
+    await _test_pause(ctx, "after-create")
+    # Step 4: outcome + clearing the intent, atomically in one status patch.
+    status = cr.get("status") or {}
+    patch = {"pendingReplacement": None, "podName": new_pod, "podGeneration": int(pending["generation"]),
+             "podIP": None, "weightsVersion": None, "weightsLabel": None,
+             **_outcome(status, old_pod=pending["oldPod"], reason=pending["reason"], message=pending["message"],
+                        counts=bool(pending.get("countsTowardCap")), now=ctx.clock(),
+                        policy_window=spec.replacement.window_seconds)}
+    mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
+    mem.consecutive_failures = 0
+    mem.last_observation = None
+    ctx.emit(_event_target(cr), "Normal", "Replaced", f"pod {pending['oldPod']} replaced by {new_pod} ({pending['reason']})")
+
+
+def _outcome(status: Mapping[str, Any], *, old_pod: str, reason: str, message: str, counts: bool,
+             now: float, policy_window: int | None = None) -> dict[str, Any]:
+    history = list(status.get("replacementHistory") or [])
+    if counts:
+        history.append(iso(now))
+    if policy_window is not None:
+        history = [t for t in history if now - parse_iso(t) < policy_window]
+    return {"replacements": int(status.get("replacements") or 0) + 1,
+            "lastReplacement": {"time": iso(now), "reason": reason, "message": message, "oldPod": old_pod},
+            "replacementHistory": history}
+
+
+async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pods: list[PodView],
+                  mem: ReplicaMemory) -> Decision | None:
+    """Probe the current pod, update status, and return the replacement decision."""
+    status = cr.get("status") or {}
+    pod = pick_current([p for p in pods if not p.deleting], status)
+    obs: HealthObservation | None = None
+    if pod is not None and pod.phase == "Running" and pod.pod_ip:
+        obs = await probe(ctx.session, pod.pod_ip, spec.port, spec.health.timeout_seconds)
+        mem.consecutive_failures = 0 if obs.answered else mem.consecutive_failures + 1
+        mem.last_observation = obs
+    now = ctx.clock()
+    history = [parse_iso(t) for t in status.get("replacementHistory") or []]
+    decision = decide(obs, history, spec.replacement, now)
+    mem.last_decision = decision
+    new_status = runtime_status(pod=pod, observation=obs, consecutive_failures=mem.consecutive_failures,
+                                failure_threshold=spec.health.failure_threshold, decision=decision,
+                                replacing=decision.action is Action.REPLACE, old_status=status,
+                                generation=cr["metadata"].get("generation"), now=now)
+    if pod is None:
+        new_status.pop("podName")  # converge owns podName while there is no pod
+    diff = changed(status, new_status)
+    if diff:
+        was_degraded = _condition_status(status, DEGRADED) == "True"
+        mem.newest_body = await ctx.kube.patch_replica_status(cr["metadata"]["namespace"], cr["metadata"]["name"], diff)
+        if decision.action is Action.CAPPED and not was_degraded:
+            ctx.emit(_event_target(cr), "Warning", decision.reason, decision.message)
+    return decision
+
+
+async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable[PodView],
+               mem: ReplicaMemory) -> float:
+    """One loop iteration; returns how long to sleep (unless a pod/spec event wakes us first)."""
+    cr = newest(live_body, mem)
+    try:
+        spec = parse_spec(cr.get("spec") or {})
+    except InvalidSpec:
+        return 60.0  # validate_spec reported it; fixing the spec wakes the loop
+    period = float(spec.health.period_seconds)
+    if cr["metadata"].get("deletionTimestamp"):
+        return period
+    namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    pods = list(cached_pods)
+    if needs_converge(cr, spec, pods):
+        await converge(ctx, namespace, name, spec, mem)
+        return min(1.0, period)  # look again soon: the pod cache catches up with our writes
+    decision = await observe(ctx, cr, spec, pods, mem)
+    if decision is not None and decision.action is Action.REPLACE:
+        await converge(ctx, namespace, name, spec, mem, replace=decision)
+        return min(1.0, period)
+    if decision is not None and decision.retry_after is not None:
+        return max(0.1, min(period, decision.retry_after))
+    return period
+
+
+def _condition_status(status: Mapping[str, Any], type_: str) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == type_:
+            return c.get("status")
+    return None
+
+

@@ -1,0 +1,58 @@
+"""Operator-wide kopf settings, read from the environment (the Helm chart sets them).
+
+The watch timeouts matter most: without them a watch connection that a load balancer or the
+API server silently drops can hang forever, and the operator stops seeing changes while looking
+healthy (kopf's "silent watch freeze"). With a server-side timeout the API server ends every
+watch after a while and kopf re-lists; the client-side timeout is the backstop when even that
+goodbye is lost.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import kopf
+
+from . import GROUP
+from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw not in (None, "") else default
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    watch_server_timeout: float = 300.0    # API server ends each watch after this many seconds
+    watch_client_timeout: float = 330.0    # ...and we give up on it a bit later if it did not
+    watch_connect_timeout: float = 30.0
+    request_timeout: float = 60.0          # any other API request
+    post_events_from_level: int = logging.WARNING  # kopf turns log lines >= this into k8s Events
+
+    @classmethod
+    def from_env(cls) -> "OperatorConfig":
+        server = _env_float("SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT", cls.watch_server_timeout)
+        return cls(
+            watch_server_timeout=server,
+            watch_client_timeout=_env_float("SAMPLER_OPERATOR_WATCH_CLIENT_TIMEOUT", server * 1.1),
+            watch_connect_timeout=_env_float("SAMPLER_OPERATOR_WATCH_CONNECT_TIMEOUT", cls.watch_connect_timeout),
+            request_timeout=_env_float("SAMPLER_OPERATOR_REQUEST_TIMEOUT", cls.request_timeout),
+        )
+
+
+def apply(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
+    settings.watching.server_timeout = int(cfg.watch_server_timeout)
+    settings.watching.client_timeout = int(cfg.watch_client_timeout)
+    settings.watching.connect_timeout = int(cfg.watch_connect_timeout)
+    settings.networking.request_timeout = cfg.request_timeout
+    # Our own names for kopf's bookkeeping, so it is obvious who wrote them.
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    # Watch only our pods, filtered by the API server: not every pod of the cluster.
+    settings.watching.label_selectors["v1", "pods"] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+    # Info-level lines stay in the log; posting each as an Event would cost an API call.
+    settings.posting.level = cfg.post_events_from_level

@@ -1,0 +1,168 @@
+"""The SamplerReplica spec as typed Python objects.
+
+The CRD's OpenAPI schema (crds/samplerreplica.yaml) already rejects wrong types, out-of-range
+numbers and unknown enum values at admission time, with a message naming the field. This module
+is the second line: it gives the rest of the operator typed objects instead of nested dicts, and
+it checks the *semantic* rules a structural schema on Kubernetes 1.20 cannot express (no CEL):
+combinations of fields, plausible model references. A failure here becomes a status condition
+(see handlers.validate_spec), never a crash loop.
+
+Defaults are repeated here so that unit tests (and a CR created against a CRD without defaults)
+parse to the same objects the API server would produce.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# A Hugging Face style id: "org/name" or "name", letters, digits, '-', '_', '.'.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+class _Model(BaseModel):
+    # populate_by_name: tests may use snake_case; the CR uses camelCase aliases.
+    model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
+
+
+class EngineArgs(_Model):
+    dtype: Literal["auto", "float16", "bfloat16", "float32", "half", "float"] = "auto"
+    max_model_len: int | None = Field(None, alias="maxModelLen", ge=1)
+    max_num_seqs: int = Field(128, alias="maxNumSeqs", ge=1)
+    tensor_parallel_size: int = Field(1, alias="tensorParallelSize", ge=1)
+    kv_cache_memory_bytes: int | None = Field(None, alias="kvCacheMemoryBytes", ge=1)
+    gpu_memory_utilization: float = Field(0.9, alias="gpuMemoryUtilization", gt=0, le=1)
+    enforce_eager: bool = Field(False, alias="enforceEager")
+    seed: int = 0
+    enable_lora: bool = Field(False, alias="enableLora")
+    max_loras: int = Field(4, alias="maxLoras", ge=1)
+    max_lora_rank: int = Field(16, alias="maxLoraRank", ge=1)
+    extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
+
+
+class CheckpointVolume(_Model):
+    """A volume holding checkpoints/adapters, mounted read-only unless told otherwise."""
+    name: str
+    mount_path: str = Field(alias="mountPath", pattern=r"^/")
+    read_only: bool = Field(True, alias="readOnly")
+    # The Kubernetes volume source (persistentVolumeClaim, hostPath, nfs, ...), passed through.
+    source: dict[str, Any]
+
+
+class Checkpoints(_Model):
+    allowed_roots: list[str] = Field(default_factory=list, alias="allowedRoots")
+    volumes: list[CheckpointVolume] = Field(default_factory=list)
+
+
+class SecretKeyRef(_Model):
+    name: str
+    key: str = "api-key"
+
+
+class HealthProbe(_Model):
+    period_seconds: int = Field(10, alias="periodSeconds", ge=1)
+    timeout_seconds: int = Field(3, alias="timeoutSeconds", ge=1)
+    failure_threshold: int = Field(3, alias="failureThreshold", ge=1)
+    # Engine start (weights load, compile) can take minutes; kubelet must not kill it meanwhile.
+    startup_timeout_seconds: int = Field(900, alias="startupTimeoutSeconds", ge=1)
+
+
+class ReplacementPolicy(_Model):
+    max_replacements: int = Field(3, alias="maxReplacements", ge=0)
+    window_seconds: int = Field(3600, alias="windowSeconds", ge=1)
+    backoff_seconds: float = Field(30, alias="backoffSeconds", ge=0)
+    max_backoff_seconds: float = Field(600, alias="maxBackoffSeconds", ge=0)
+
+
+class PodOverrides(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    service_account_name: str | None = Field(None, alias="serviceAccountName")
+    priority_class_name: str | None = Field(None, alias="priorityClassName")
+    termination_grace_period_seconds: int | None = Field(None, alias="terminationGracePeriodSeconds", ge=0)
+    # The interpreter path differs between images (python vs python3, a venv): overridable.
+    command: list[str] = Field(default_factory=lambda: ["python", "-m", "sampler_pod"])
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
+    env: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class SamplerReplicaSpec(_Model):
+    model: str = Field(min_length=1)
+    image: str = Field(min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", alias="imagePullPolicy")
+    engine: Literal["vllm", "fake"] = "vllm"
+    engine_args: EngineArgs = Field(default_factory=EngineArgs, alias="engineArgs")
+    resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    concurrent_task_limit: int = Field(128, alias="concurrentTaskLimit", ge=1)
+    request_timeout_seconds: int = Field(300, alias="requestTimeoutSeconds", ge=1)
+    max_request_timeout_seconds: int = Field(3600, alias="maxRequestTimeoutSeconds", ge=1)
+    checkpoints: Checkpoints = Field(default_factory=Checkpoints)
+    api_key_secret_ref: SecretKeyRef | None = Field(None, alias="apiKeySecretRef")
+    health: HealthProbe = Field(default_factory=HealthProbe)
+    replacement: ReplacementPolicy = Field(default_factory=ReplacementPolicy)
+    pool: str = "default"
+    port: int = Field(8000, ge=1, le=65535)
+    host_network: bool = Field(False, alias="hostNetwork")
+    pod: PodOverrides = Field(default_factory=PodOverrides)
+
+    @model_validator(mode="after")
+    def _semantic_rules(self) -> "SamplerReplicaSpec":
+        problems = list(_semantic_problems(self))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def gpu_count(self) -> int:
+        raw = self.resources.get("limits", {}).get(GPU_RESOURCE) or self.resources.get("requests", {}).get(GPU_RESOURCE)
+        return int(str(raw)) if raw not in (None, "") else 0
+
+
+def _semantic_problems(spec: SamplerReplicaSpec):
+    """Yield one human-readable sentence per broken rule, each naming the field."""
+    model = spec.model
+    if any(c.isspace() for c in model) or ".." in model.split("/"):
+        yield f"spec.model {model!r} is neither an absolute path nor a hub id"
+    elif not model.startswith("/") and not _HUB_ID.match(model):
+        yield f"spec.model {model!r} is neither an absolute path nor a hub id (org/name)"
+    tp = spec.engine_args.tensor_parallel_size
+    gpus = spec.gpu_count()
+    if spec.engine == "vllm" and tp > 1 and gpus < tp:
+        yield (f"spec.engineArgs.tensorParallelSize={tp} needs at least {tp} {GPU_RESOURCE} "
+               f"in spec.resources (has {gpus})")
+    if spec.request_timeout_seconds > spec.max_request_timeout_seconds:
+        yield "spec.requestTimeoutSeconds must not exceed spec.maxRequestTimeoutSeconds"
+    for root in spec.checkpoints.allowed_roots:
+        if not root.startswith("/"):
+            yield f"spec.checkpoints.allowedRoots entry {root!r} must be an absolute path"
+    names = [v.name for v in spec.checkpoints.volumes] + [v.get("name") for v in spec.pod.volumes]
+    if "startup-lock" in names:
+        yield "volume name 'startup-lock' is reserved by the operator"
+    if len(set(names)) != len(names):
+        yield "volume names in spec.checkpoints.volumes and spec.pod.volumes must be unique"
+    if spec.replacement.max_backoff_seconds < spec.replacement.backoff_seconds:
+        yield "spec.replacement.maxBackoffSeconds must be >= spec.replacement.backoffSeconds"
+    if spec.health.timeout_seconds > spec.health.period_seconds:
+        yield "spec.health.timeoutSeconds must not exceed spec.health.periodSeconds"
+
+
+class InvalidSpec(Exception):
+    """The spec is well-typed but makes no sense; retrying will not help."""
+
+
+def parse_spec(raw: dict[str, Any]) -> SamplerReplicaSpec:
+    """Parse a CR's spec, turning pydantic's error list into one readable message."""
+    try:
+        return SamplerReplicaSpec.model_validate(dict(raw))
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(f"spec.{loc}: {msg}" if loc else msg)
+        raise InvalidSpec("; ".join(parts)) from None

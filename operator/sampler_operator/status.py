@@ -1,0 +1,141 @@
+"""Build the SamplerReplica's .status from what the operator saw. Pure.
+
+Conditions follow the usual Kubernetes shape (type, status, reason, message, lastTransitionTime);
+lastTransitionTime only moves when the condition's status flips, as kubectl users expect.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .health_probe import HealthObservation, HealthState
+from .pod_view import PodView
+from .replacement_policy import Action, Decision
+
+READY = "Ready"
+WEIGHTS_CERTAIN = "WeightsCertain"
+DEGRADED = "Degraded"
+SPEC_VALID = "SpecValid"
+
+PHASE_PENDING = "Pending"
+PHASE_STARTING = "Starting"
+PHASE_READY = "Ready"
+PHASE_UNHEALTHY = "Unhealthy"
+PHASE_REPLACING = "Replacing"
+PHASE_DEGRADED = "Degraded"
+PHASE_INVALID = "Invalid"
+
+
+def iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_iso(text: str) -> float:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+def condition(type_: str, status: bool | None, reason: str, message: str, now: float) -> dict[str, str]:
+    return {"type": type_, "status": {True: "True", False: "False", None: "Unknown"}[status],
+            "reason": reason, "message": message[:1000], "lastTransitionTime": iso(now)}
+
+
+def merge_conditions(old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Replace conditions by type; keep lastTransitionTime when the status did not change."""
+    merged = {c["type"]: dict(c) for c in (old or [])}
+    for c in new:
+        prev = merged.get(c["type"])
+        c = dict(c)
+        if prev is not None and prev.get("status") == c["status"]:
+            c["lastTransitionTime"] = prev.get("lastTransitionTime", c["lastTransitionTime"])
+        merged[c["type"]] = c
+    order = [READY, WEIGHTS_CERTAIN, DEGRADED, SPEC_VALID]
+    return sorted(merged.values(), key=lambda c: (order.index(c["type"]) if c["type"] in order else 99, c["type"]))
+
+
+def invalid_spec_status(message: str, old_conditions: Sequence[Mapping[str, Any]] | None,
+                        generation: int | None, now: float) -> dict[str, Any]:
+    return {
+        "phase": PHASE_INVALID,
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old_conditions, [
+            condition(SPEC_VALID, False, "InvalidSpec", message, now),
+            condition(READY, False, "InvalidSpec", "the spec is invalid; no pod is managed", now),
+        ]),
+    }
+
+
+def runtime_status(*, pod: PodView | None, observation: HealthObservation | None, consecutive_failures: int,
+                   failure_threshold: int, decision: Decision | None, replacing: bool,
+                   old_status: Mapping[str, Any], generation: int | None, now: float) -> dict[str, Any]:
+    """The status fields that follow from the current pod and the latest probe."""
+    phase, ready_reason, ready_message = _phase(pod, observation, consecutive_failures, failure_threshold,
+                                                decision, replacing, old_status.get("phase"))
+    new_conditions = [condition(SPEC_VALID, True, "Valid", "spec accepted", now)]
+    single_miss = (observation is not None and not observation.answered and consecutive_failures < failure_threshold
+                   and not replacing and pod is not None)
+    if not single_miss:  # a lone missed probe changes nothing visible (and costs no PATCH)
+        new_conditions.append(condition(READY, phase == PHASE_READY, ready_reason, ready_message, now))
+    if observation is not None and observation.answered:
+        if observation.state is HealthState.UNCERTAIN_WEIGHTS:
+            new_conditions.append(condition(WEIGHTS_CERTAIN, False, "UncertainWeights",
+                                            observation.reason or "a checkpoint write failed midway", now))
+        else:
+            new_conditions.append(condition(WEIGHTS_CERTAIN, True, "WeightsConsistent",
+                                            f"weights version {observation.weights_version}", now))
+    if decision is not None and decision.action is Action.CAPPED:
+        new_conditions.append(condition(DEGRADED, True, decision.reason, decision.message, now))
+    elif observation is not None and observation.answered and observation.state is not HealthState.UNCERTAIN_WEIGHTS:
+        new_conditions.append(condition(DEGRADED, False, "Healthy", "no replacement needed", now))
+    elif not any(c.get("type") == DEGRADED for c in old_status.get("conditions") or []):
+        new_conditions.append(condition(DEGRADED, False, "Healthy", "no replacement needed", now))
+
+    out: dict[str, Any] = {
+        "phase": phase,
+        "podName": pod.name if pod else None,
+        "podIP": pod.pod_ip if pod else None,
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old_status.get("conditions"), new_conditions),
+    }
+    if observation is not None and observation.answered and observation.weights_version is not None:
+        out["weightsVersion"] = observation.weights_version
+        out["weightsLabel"] = observation.weights_label
+    elif pod is None or pod.name != old_status.get("podName"):
+        out["weightsVersion"] = None   # a different pod: the old pod's version says nothing
+        out["weightsLabel"] = None
+    return out
+
+
+def _phase(pod: PodView | None, obs: HealthObservation | None, failures: int, threshold: int,
+           decision: Decision | None, replacing: bool, old_phase: str | None) -> tuple[str, str, str]:
+    if replacing:
+        return PHASE_REPLACING, "Replacing", "the pod is being replaced"
+    if pod is None:
+        return PHASE_PENDING, "PodMissing", "no pod yet; creating one"
+    if pod.deleting or pod.finished:
+        return PHASE_REPLACING, "PodGone", f"pod {pod.name} is {'terminating' if pod.deleting else pod.phase}"
+    if pod.phase != "Running" or not pod.pod_ip:
+        return PHASE_PENDING, "PodPending", f"pod {pod.name} is {pod.phase}"
+    if obs is None:
+        return PHASE_STARTING, "NotProbed", "waiting for the first health probe"
+    if obs.state is HealthState.OK:
+        return PHASE_READY, "Healthy", f"serving weights version {obs.weights_version}"
+    if obs.state is HealthState.STARTING:
+        return PHASE_STARTING, "EngineStarting", obs.reason or "engine starting"
+    if obs.state is HealthState.UNCERTAIN_WEIGHTS:
+        if decision is not None and decision.action is Action.CAPPED:
+            return PHASE_DEGRADED, "UncertainWeights", decision.message
+        return PHASE_REPLACING, "UncertainWeights", obs.reason or "uncertain weights"
+    if obs.state is HealthState.ENGINE_DEAD:
+        return PHASE_UNHEALTHY, "EngineDead", obs.reason or "engine dead; kubelet restarts it"
+    # No answer. One miss is noise: keep the previous phase until the threshold is reached.
+    if failures >= threshold:
+        # No counter or error text in the message: it would change (and be PATCHed) every probe.
+        return PHASE_UNHEALTHY, "ProbeFailed", f"no answer to {threshold} or more consecutive /health probes"
+    kept = old_phase if old_phase in (PHASE_READY, PHASE_STARTING, PHASE_UNHEALTHY) else PHASE_STARTING
+    return kept, ("Healthy" if kept == PHASE_READY else "ProbeFailed"), f"probe missed ({failures}/{threshold}): {obs.reason}"
+
+
+def changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of `new` that differs from `old`: only real changes are PATCHed."""
+    return {k: v for k, v in new.items() if old.get(k) != v}

@@ -1,0 +1,24 @@
+"""Unit: the kopf settings the operator applies (watch timeouts, server-side pod filtering)."""
+import kopf
+from kopf._cogs.structs.references import Resource
+
+from sampler_operator import settings
+
+
+def test_watch_timeouts_and_names(monkeypatch):
+    monkeypatch.setenv("SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT", "120")
+    cfg = settings.OperatorConfig.from_env()
+    st = kopf.OperatorSettings()
+    settings.apply(st, cfg)
+    assert st.watching.server_timeout == 120 and st.watching.client_timeout == 132  # client > server
+    assert st.watching.connect_timeout == 30
+    assert st.persistence.finalizer == "sampler.rl.dev/finalizer"
+
+
+def test_only_our_pods_are_watched():
+    st = kopf.OperatorSettings()
+    settings.apply(st, settings.OperatorConfig())
+    pods = Resource(group="", version="v1", plural="pods", kind="Pod", namespaced=True)
+    crs = Resource(group="sampler.rl.dev", version="v1alpha1", plural="samplerreplicas", kind="SamplerReplica")
+    assert st.watching.label_selectors.collect(pods) == ["app.kubernetes.io/managed-by=sampler-operator"]
+    assert st.watching.label_selectors.collect(crs) == []
