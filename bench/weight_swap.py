@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, bench/ is sys.path[0], where bench/operator.py would shadow the stdlib `operator`.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import write_section  # noqa: E402

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(cfg, engine_starter(cfg, on_fatal))
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           access_log=False, timeout_graceful_shutdown=10))
+                                           access_log=False, timeout_graceful_shutdown=10,
+                                           # Longer than clients' pools (httpx: 5 s), so the server is
+                                           # never the side closing a connection a client is reusing.
+                                           timeout_keep_alive=75))
     server.run()
     core: SamplerCore = app.state.core
     return 1 if core.startup_error else 0

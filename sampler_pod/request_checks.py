@@ -50,6 +50,7 @@ def generation_spec(req: SampleRequest) -> GenerationSpec:
         seed=sp.seed,
         stop=tuple(sp.stop or ()),
         stop_token_ids=tuple(sp.stop_token_ids or ()),
+        ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
         prompt_logprobs=sp.prompt_logprobs or sp.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=sp.topk_prompt_logprobs,

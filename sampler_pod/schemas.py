@@ -24,6 +24,8 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    # Keep generating past EOS (Tinker's `stop=[]` means "no stop at all, EOS included").
+    ignore_eos: bool = False
     # Number of top alternatives per generated token (0: just the sampled token's logprob).
     logprobs: int = Field(0, ge=0, le=20)
     prompt_logprobs: bool = False
