@@ -95,7 +95,7 @@ def test_stop_token_ids_end_the_sequence(shared_server: RunningServer) -> None:
 def test_tiny_timeout_fails_alone(shared_server: RunningServer) -> None:
     with shared_server.client() as c, ThreadPoolExecutor(9) as pool:
         normal = [pool.submit(c.post, "/v1/sample", json=body(64, temperature=1.0)) for _ in range(8)]
-        slow = pool.submit(c.post, "/v1/sample", json={**body(400, temperature=1.0), "timeout_s": 0.05})
+        slow = pool.submit(c.post, "/v1/sample", json={**body(400, temperature=1.0, ignore_eos=True), "timeout_s": 0.05})
         assert all(f.result().status_code == 200 for f in normal)
         r = slow.result()
         assert r.status_code == 504 and r.json()["error"]["category"] == "timeout"
@@ -139,7 +139,8 @@ def small_server(tiny_model: Path) -> Iterator[RunningServer]:
 
 def test_fifth_request_gets_429_then_capacity_returns(small_server: RunningServer) -> None:
     with small_server.client() as c, ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(c.post, "/v1/sample", json=body(400, temperature=1.0)) for _ in range(4)]
+        running = [pool.submit(c.post, "/v1/sample", json=body(400, temperature=1.0, ignore_eos=True))
+                   for _ in range(4)]
         deadline = time.monotonic() + 30
         while c.get("/health").json()["in_flight"] < 4:
             assert time.monotonic() < deadline

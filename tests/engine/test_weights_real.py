@@ -97,7 +97,9 @@ def test_corrupt_checkpoint_rejected_before_any_write(wenv: WeightsEnv, kind: st
 
 def test_load_during_32_inflight_samples_is_exclusive(wenv: WeightsEnv) -> None:
     perturbed_checkpoint(wenv.model, wenv.root / "step-2", seed=2)
-    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 96, "temperature": 1.0, "seed": 3}}
+    # ignore_eos: a random model may emit EOS early, and these must stay in flight during the load.
+    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 160, "temperature": 1.0, "seed": 3,
+                                                     "ignore_eos": True}}
     with wenv.server.client() as c, ThreadPoolExecutor(48) as pool:
         v0 = c.get("/health").json()["weights_version"]
         inflight = [pool.submit(c.post, "/v1/sample", json=body) for _ in range(32)]
