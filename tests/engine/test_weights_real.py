@@ -98,7 +98,7 @@ def test_corrupt_checkpoint_rejected_before_any_write(wenv: WeightsEnv, kind: st
 def test_load_during_32_inflight_samples_is_exclusive(wenv: WeightsEnv) -> None:
     perturbed_checkpoint(wenv.model, wenv.root / "step-2", seed=2)
     # ignore_eos: a random model may emit EOS early, and these must stay in flight during the load.
-    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 160, "temperature": 1.0, "seed": 3,
+    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 400, "temperature": 1.0, "seed": 3,
                                                      "ignore_eos": True}}
     with wenv.server.client() as c, ThreadPoolExecutor(48) as pool:
         v0 = c.get("/health").json()["weights_version"]
@@ -143,11 +143,12 @@ def test_fifty_ordinary_failures_do_not_change_health(wenv: WeightsEnv) -> None:
 
 
 def test_lora_adapter_matches_hf_peft_and_can_be_replaced(wenv: WeightsEnv) -> None:
-    # References are against the weights the server serves now (the last loaded checkpoint).
-    current = wenv.root / "step-2"
+    # Pin the base weights this test compares against, whatever earlier tests left loaded.
+    current = perturbed_checkpoint(wenv.model, wenv.root / "step-lora", seed=7)
     a1 = make_lora_adapter(current, wenv.root / "lora-a1", seed=1)
     a2 = make_lora_adapter(current, wenv.root / "lora-a2", seed=2)
     with wenv.server.client() as c:
+        assert load(c, "step-lora", "step-lora").status_code == 200
         base = prompt_logprobs(c)
         r = c.post("/v1/adapters", json={"name": "policy", "path": "lora-a1"})
         assert r.status_code == 200, r.text

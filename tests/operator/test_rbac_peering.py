@@ -54,6 +54,9 @@ def test_least_privilege_rbac_and_peering(k8s, api, crd, tmp_path):
     try:
         high.wait_live()
         low.wait_live()
+        # Peering settles once the peers have seen each other's keepalives; only then is the
+        # lower one guaranteed idle. (Before that both may act; the reconcile is idempotent.)
+        low.wait_log("Pausing operations", timeout=30)
         create(api, ns, cr_body("r1", ks.free_port()))
         st = wait_phase(api, ns, "r1", "Ready", timeout=40)   # created, probed, replaced, Ready again
         assert st["replacements"] == 1 and st["podName"] == "r1-1"
