@@ -49,14 +49,17 @@ def test_least_privilege_rbac_and_peering(k8s, api, crd, tmp_path):
     as_sa = ks.Cluster(kubeconfig=str(kc), state_dir=k8s.state_dir, env={"KUBECONFIG": str(kc)})
 
     high = OperatorProcess(as_sa, [ns], tmp_path / "high.log", peering=["--peering", "sampler-operator", "--priority", "100"]).start()
-    low = OperatorProcess(as_sa, [ns], tmp_path / "low.log", peering=["--peering", "sampler-operator", "--priority", "1"]).start()
+    low = OperatorProcess(as_sa, [ns], tmp_path / "low.log", peering=["--peering", "sampler-operator", "--priority", "1"])
     kubelet = FakeKubelet(api.core, ns, lambda pod, n: uncertain(1) if pod == "r1-0" else ok(2))
     try:
         high.wait_live()
+        # Start the lower peer only once the higher one's keepalive is recorded: a peer that sees
+        # no other peer acts at once (kopf's peering is advisory; the reconcile is idempotent).
+        ks.wait_for(lambda: (api.custom.get_namespaced_custom_object(
+            "kopf.dev", "v1", ns, "kopfpeerings", "sampler-operator").get("status") or None), 30, 0.1,
+            "the high-priority peer's keepalive")
+        low.start()
         low.wait_live()
-        # Peering settles once the peers have seen each other's keepalives; only then is the
-        # lower one guaranteed idle. (Before that both may act; the reconcile is idempotent.)
-        low.wait_log("Pausing operations", timeout=30)
         create(api, ns, cr_body("r1", ks.free_port()))
         st = wait_phase(api, ns, "r1", "Ready", timeout=40)   # created, probed, replaced, Ready again
         assert st["replacements"] == 1 and st["podName"] == "r1-1"
