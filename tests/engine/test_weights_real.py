@@ -100,29 +100,39 @@ def test_load_during_32_inflight_samples_is_exclusive(wenv: WeightsEnv) -> None:
     # ignore_eos: a random model may emit EOS early, and these must stay in flight during the load.
     body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 400, "temperature": 1.0, "seed": 3,
                                                      "ignore_eos": True}}
-    with wenv.server.client() as c, ThreadPoolExecutor(48) as pool:
+    # Two samples each: 64 sequences over the engine's 32 slots, so none of the 32 finishes
+    # before the concurrent submits below have all been admitted.
+    body["num_samples"] = 2
+    with wenv.server.client() as c, ThreadPoolExecutor(32) as pool:
         v0 = c.get("/health").json()["weights_version"]
-        inflight = [pool.submit(c.post, "/v1/sample", json=body) for _ in range(32)]
-        deadline = time.monotonic() + 60
-        while c.get("/health").json()["in_flight"] < 32:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        # submit returns once the request is admitted: all 32 are provably in flight now.
+        inflight = list(pool.map(lambda _: c.post("/v1/sample/submit", json=body).json()["request_id"], range(32)))
+        assert c.get("/health").json()["in_flight"] == 32
         loading = pool.submit(load, c, "step-2", "step-2")
         while "sampler_weight_write_waiting 1.0" not in c.get("/metrics").text:
             assert not loading.done(), loading.result().text
             time.sleep(0.005)
-        during = [pool.submit(c.post, "/v1/sample", json=body) for _ in range(8)]
+        # The writer waits for the 32 to drain; these arrive behind it and must wait, not fail.
+        during = [c.post("/v1/sample/submit", json=body).json()["request_id"] for _ in range(8)]
         assert loading.result().status_code == 200, loading.result().text
-        first = [f.result() for f in inflight]
-        later = [f.result() for f in during]
+        assert loading.result().json()["drain_wait_s"] > 0
+        first = [retrieve(c, rid) for rid in inflight]
+        later = [retrieve(c, rid) for rid in during]
     for r in first:
-        assert r.status_code == 200, r.text
-        versions = {s["weights_version"] for s in r.json()["results"][0]["sequences"]} | {r.json()["weights_version"]}
+        versions = {s["weights_version"] for s in r["results"][0]["sequences"]} | {r["weights_version"]}
         assert versions == {v0}
     for r in later:
-        assert r.status_code == 200, r.text
-        assert r.json()["weights_version"] == v0 + 1
-        assert {s["weights_version"] for s in r.json()["results"][0]["sequences"]} == {v0 + 1}
+        assert r["weights_version"] == v0 + 1
+        assert {s["weights_version"] for s in r["results"][0]["sequences"]} == {v0 + 1}
+
+
+def retrieve(c: httpx.Client, request_id: str) -> dict[str, Any]:
+    for _ in range(20):
+        r = c.post("/v1/sample/retrieve", json={"request_id": request_id, "wait_s": 30})
+        if r.status_code == 200:
+            return r.json()
+        assert r.status_code == 202, r.text
+    raise AssertionError(f"{request_id} never finished")
 
 
 def test_fifty_ordinary_failures_do_not_change_health(wenv: WeightsEnv) -> None:
