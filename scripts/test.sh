@@ -12,6 +12,8 @@ cd "$ROOT"
 bash scripts/setup.sh
 bash scripts/k8s/build.sh           # ~8 min once on a fresh machine, ~1 s cached
 export SAMPLER_REQUIRE_K8S=1 PYTHONDONTWRITEBYTECODE=1
+# The cached venv may be shared by several checkouts: make every process import THIS one.
+export PYTHONPATH="$ROOT:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY="$ROOT/.venv/bin/python"
 
 status=0
