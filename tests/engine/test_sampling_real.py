@@ -36,7 +36,7 @@ def test_32_concurrent_requests_run_concurrently_in_the_engine(shared_server: Ru
         serial = []
         for _ in range(6):
             t = time.perf_counter()
-            assert c.post("/v1/sample", json=body(128, temperature=1.0)).status_code == 200
+            assert c.post("/v1/sample", json=body(400, temperature=1.0, ignore_eos=True)).status_code == 200
             serial.append(time.perf_counter() - t)
         # Sample the engine's own gauge while the burst runs.
         running_seen: list[float] = []
@@ -52,12 +52,14 @@ def test_32_concurrent_requests_run_concurrently_in_the_engine(shared_server: Ru
         watcher.start()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(32) as pool:
-            rs = list(pool.map(lambda _: c.post("/v1/sample", json=body(128, temperature=1.0)), range(32)))
+            # ignore_eos + 400 tokens: a burst long enough for the metrics poll to see it.
+            rs = list(pool.map(lambda _: c.post("/v1/sample", json=body(400, temperature=1.0, ignore_eos=True)),
+                               range(32)))
         wall = time.perf_counter() - t0
         stop.set()
         watcher.join()
     assert all(r.status_code == 200 for r in rs)
-    assert all(0 < len(r.json()["results"][0]["sequences"][0]["tokens"]) <= 128 for r in rs)
+    assert all(len(r.json()["results"][0]["sequences"][0]["tokens"]) == 400 for r in rs)
     serial_sum = 32 * statistics.median(serial)
     m = c_metrics(shared_server)
     assert metric(m, "sampler_engine_requests_running_max") > 1

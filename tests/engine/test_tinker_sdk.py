@@ -104,13 +104,15 @@ def test_32_concurrent_sdk_futures_run_together(shared_server: RunningServer, sd
     watcher.start()
     try:
         # Long enough (400 tokens each, ~4 s together) that the burst outlasts its own dispatch on a loaded box.
-        futures = [sdk.sample(types.ModelInput.from_ints(PROMPT + [i % 100]), 1,
+        # Four samples each (128 sequences over the engine's 32 slots): every request outlasts the
+        # SDK's one-by-one dispatch of the other 31.
+        futures = [sdk.sample(types.ModelInput.from_ints(PROMPT + [i % 100]), 4,
                               types.SamplingParams(max_tokens=400, seed=i, stop=[])) for i in range(32)]
         results = [f.result(timeout=300) for f in futures]
     finally:
         stop.set()
         watcher.join()
-    assert all(len(r.sequences[0].tokens) == 400 for r in results)
+    assert all(len(r.sequences) == 4 and len(r.sequences[0].tokens) == 400 for r in results)
     assert max(seen) >= 28, f"at most {max(seen)} requests were seen in flight together (samples: {seen})"
 
 

@@ -76,9 +76,13 @@ def operator(k8s, crd, tmp_path_factory):
 
 
 @pytest.fixture
-def ns(api):
+def ns(api, request):
     name = f"sr-{uuid.uuid4().hex[:8]}"
     api.core.create_namespace({"metadata": {"name": name}})
+    if "operator" in request.fixturenames:
+        from tests.operator.harness import ensure_watched
+
+        ensure_watched(api, request.getfixturevalue("operator"), name)
     yield name
     try:
         api.core.delete_namespace(name)

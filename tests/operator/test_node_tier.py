@@ -214,7 +214,10 @@ def operator(k8s_node, api, tmp_path_factory):
 
 @pytest.fixture
 def ns(api, operator):
+    from tests.operator.harness import ensure_watched
+
     name = new_namespace(api)
+    ensure_watched(api, operator, name)
     yield name
     try:
         api.core.delete_namespace(name)
