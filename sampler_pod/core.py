@@ -55,6 +55,10 @@ class SamplerCore:
         self.engine_running_max = 0
         self.write_lock_wait_max = 0.0
         self.metrics.set_weights(self.weights.version, self.weights.label)
+        # Gauges read the live counts, so no code path can leave them stale.
+        self.metrics.in_flight.set_function(lambda: self.admission.in_flight)
+        self.metrics.engine_running.set_function(lambda: self._engine_running)
+        self.metrics.write_waiting.set_function(lambda: self.lock.writers_waiting)
 
     # ------------------------------------------------------------------ state
 
@@ -101,7 +105,6 @@ class SamplerCore:
             self.metrics.rejected.inc()
             raise
         self.metrics.admitted.inc()
-        self.metrics.in_flight.set(self.admission.in_flight)
         return slot, timeout, adapter
 
     async def sample(self, req: SampleRequest) -> SampleResponse:
@@ -136,7 +139,6 @@ class SamplerCore:
             raise
         finally:
             slot.release()
-            self.metrics.in_flight.set(self.admission.in_flight)
             self.metrics.finished.labels(outcome=outcome).inc()
             self.metrics.latency.observe(time.monotonic() - t0)
 
@@ -196,13 +198,11 @@ class SamplerCore:
                            adapter: AdapterRef | None) -> GenerationOutput:
         self._engine_running += 1
         self.engine_running_max = max(self.engine_running_max, self._engine_running)
-        self.metrics.engine_running.set(self._engine_running)
         self.metrics.engine_running_max.set(self.engine_running_max)
         try:
             return await engine.generate(rid, prompt, spec, adapter)
         finally:
             self._engine_running -= 1
-            self.metrics.engine_running.set(self._engine_running)
 
     async def _abort_and_wait(self, engine: Engine, ids: list[str], tasks: list["asyncio.Task[Any]"]) -> None:
         """Abort unfinished engine calls and return only once they have really exited."""

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from .config import ServerConfig
@@ -82,8 +82,6 @@ class Engine(Protocol):
     @property
     def dead_reason(self) -> str | None: ...
 
-    def running_requests(self) -> int: ...
-
     async def shutdown(self) -> None: ...
 
 
@@ -96,7 +94,6 @@ class VllmEngine:
     vocab_size: int
     max_model_len: int
     tokenizer: Any
-    _running: int = field(default=0)
 
     @classmethod
     def create(cls, model_dir: str, cfg: ServerConfig) -> "VllmEngine":
@@ -162,7 +159,6 @@ class VllmEngine:
         # definition, so compute one and hand out n copies.
         copies, run_spec = (spec.n, replace(spec, n=1)) if spec.temperature == 0 and spec.n > 1 else (1, spec)
         final = None
-        self._running += 1
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt),
                                                self._sampling_params(run_spec), request_id, lora_request=lora):
@@ -171,8 +167,6 @@ class VllmEngine:
             raise EngineDead(str(e) or "engine core died") from e
         except VLLMClientError as e:  # vLLM's own request validation: the client's fault
             raise InvalidRequest(f"engine rejected the request: {e}", field="sampling_params") from e
-        finally:
-            self._running -= 1
         assert final is not None
         result = _convert(prompt, run_spec, final)
         if copies > 1:
@@ -204,9 +198,6 @@ class VllmEngine:
         if self.llm.errored:
             return f"engine core is dead: {self.llm.dead_error!r}"
         return None
-
-    def running_requests(self) -> int:
-        return self._running
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)

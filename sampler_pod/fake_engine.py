@@ -105,8 +105,5 @@ class FakeEngine:
     def dead_reason(self) -> str | None:
         return self._dead
 
-    def running_requests(self) -> int:
-        return len(self.running)
-
     async def shutdown(self) -> None:
         return None

@@ -108,10 +108,8 @@ class WeightsService:
             raise
         validation_s = time.monotonic() - t0
         m.validation_seconds.observe(validation_s)
-        m.write_waiting.inc()
         try:
             async with core.lock.write(timeout=max(0.0, t0 + timeout - time.monotonic())):
-                m.write_waiting.dec()
                 drained = time.monotonic()
                 engine = core.require_serving()
                 try:
@@ -138,7 +136,6 @@ class WeightsService:
                 m.weight_loads.labels(outcome="ok").inc()
                 done = time.monotonic()
         except TimeoutError:
-            m.write_waiting.dec()
             m.weight_loads.labels(outcome="rejected").inc()
             raise LoadTimedOut(f"in-flight samples did not drain within {timeout:.0f}s; nothing was written",
                                field="timeout_s") from None

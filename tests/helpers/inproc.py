@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 
 from sampler_pod.app import create_app
@@ -25,7 +23,3 @@ def fake_client(core: SamplerCore) -> httpx.AsyncClient:
 
     app = create_app(core.cfg, no_start, core=core)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-def model_dir_placeholder(tmp: Path) -> Path:
-    return tmp

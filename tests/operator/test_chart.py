@@ -12,7 +12,7 @@ from tests import k8s_support as ks
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "sampler-operator"
-needs_helm = pytest.mark.skipif(not Path(ks.HELM).exists(), reason="no helm: run scripts/k8s/build.sh")
+needs_helm = ks.needs_helm()
 
 
 def helm(*args: str) -> str:

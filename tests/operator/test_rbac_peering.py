@@ -15,7 +15,7 @@ from tests.operator.harness import FakeKubelet, OperatorProcess, ok, uncertain
 from tests.operator.test_fast_tier import cr_body, create, live_pods, wait_phase
 
 pytestmark = [pytest.mark.envtest,
-              pytest.mark.skipif(not Path(ks.HELM).exists(), reason="no helm: run scripts/k8s/build.sh")]
+              ks.needs_helm()]
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "sampler-operator"
 
