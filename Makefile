@@ -11,6 +11,6 @@ k8s-build:      ; bash scripts/k8s/build.sh
 cluster-up: k8s-build ; bash scripts/k8s/node-up.sh
 cluster-down:   ; bash scripts/k8s/node-down.sh
 bench: setup
-	.venv/bin/python bench/weight_swap.py
-	.venv/bin/python bench/protocols.py
-	.venv/bin/python bench/operator.py
+	.venv/bin/python -m bench.weight_swap
+	.venv/bin/python -m bench.protocols
+	.venv/bin/python -m bench.operator_replacement

@@ -16,31 +16,24 @@ generated tokens (the engine-core child excluded); "direct CPU" is the same for 
 
 from __future__ import annotations
 
-import os
-import sys
-
-# `python bench/protocols.py` puts bench/ first on sys.path, where bench/operator.py would shadow the
-# stdlib `operator` (imported by argparse/asyncio). Drop it before anything imports `operator`.
-if sys.path and os.path.basename(os.path.abspath(sys.path[0])) == "bench":
-    sys.path.pop(0)
-
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.server import run_server
 
-from sampler_pod.tiny_model import cached_tiny_model  # noqa: E402
-from tests.helpers.server import run_server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MAX_TOKENS = 128
 PROMPT_LEN = 16
@@ -114,7 +107,9 @@ def direct_client(llm: Any) -> OneRequest:
         sp = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0, seed=seed,
                             ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt(seed)), sp, f"direct-{seed}-{time.time_ns()}"):
+        async for out in llm.generate(
+            TokensPrompt(prompt_token_ids=prompt(seed)), sp, f"direct-{seed}-{time.time_ns()}"
+        ):
             final = out
         assert final is not None
         return len(final.outputs[0].token_ids)
@@ -169,7 +164,7 @@ def twinkle_client(http: aiohttp.ClientSession, url: str) -> OneRequest:
 
 
 def start_direct(model: Path) -> Any:
-    """In-process AsyncLLM with the server's engine args (tests/helpers/server.py CPU_ENGINE_ARGS)."""
+    """In-process AsyncLLM with the server's engine args (tests/support/server.py CPU_ENGINE_ARGS)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -190,7 +185,7 @@ async def bench(model: Path, rounds: int) -> dict[str, dict[int, Cell]]:
                 clients = {"direct": (direct_client(llm), os.getpid()),
                            "tinker": (retry_once(await tinker_client(http, server.url, str(model))), server.proc.pid),
                            "twinkle": (retry_once(twinkle_client(http, server.url)), server.proc.pid)}
-                for name, (one, pid) in clients.items():  # warm-up: first-request costs out of the way
+                for one, pid in clients.values():  # warm-up: first-request costs out of the way
                     await run_cell(one, 8, 16, 10_000_000, pid)
                 seed = 0
                 for rnd in range(rounds):
@@ -232,8 +227,8 @@ def table(results: dict[str, dict[int, Cell]], rounds: int) -> str:
         lines.append(f"| {c} | {t:,.0f} | {w:,.0f} | {d:,.0f} | {t / d:.2f}x | {w / d:.2f}x |")
     lines += ["", "Per-round ratio to direct (Tinker; Twinkle), to show the spread:", ""]
     for c in CONCURRENCY:
-        tr = [t / d for t, d in zip(results["tinker"][c].toks_per_s, results["direct"][c].toks_per_s)]
-        wr = [t / d for t, d in zip(results["twinkle"][c].toks_per_s, results["direct"][c].toks_per_s)]
+        tr = [t / d for t, d in zip(results["tinker"][c].toks_per_s, results["direct"][c].toks_per_s, strict=True)]
+        wr = [t / d for t, d in zip(results["twinkle"][c].toks_per_s, results["direct"][c].toks_per_s, strict=True)]
         lines.append(f"- c={c}: " + ", ".join(f"{a:.2f}" for a in tr) + "; " + ", ".join(f"{b:.2f}" for b in wr))
     lines += ["", "CPU-seconds per 1,000 generated tokens (median): server process for Tinker/Twinkle, "
               "the bench process for direct (its AsyncLLM front end):", "",

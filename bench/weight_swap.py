@@ -4,7 +4,7 @@ Runs a real vLLM CPU server on the tiny model, keeps 32 closed-loop samplers bus
 loads a new full checkpoint several times. Writes the "## Weight swap" section of
 docs/benchmarks.md.
 
-    .venv/bin/python bench/weight_swap.py [--loads 5]
+    .venv/bin/python -m bench.weight_swap [--loads 5]
 """
 
 from __future__ import annotations
@@ -12,22 +12,18 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, bench/ is sys.path[0], where bench/operator.py would shadow the stdlib `operator`.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
+from bench.report import write_section
+from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.checkpoints import perturbed_checkpoint
+from tests.support.server import run_server
 
-from bench.report import write_section  # noqa: E402
-from sampler_pod.tiny_model import cached_tiny_model  # noqa: E402
-from tests.helpers.checkpoints import perturbed_checkpoint  # noqa: E402
-from tests.helpers.server import run_server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BODY = {"prompts": [[1, 17, 42, 99]], "sampling_params": {"max_tokens": 32, "temperature": 1.0}}
 
@@ -84,7 +80,7 @@ def main() -> None:
         ("  validation (median)", f"{statistics.median(validation) * 1000:.1f} ms"),
         ("  drain wait for in-flight samples (median)", f"{statistics.median(drain) * 1000:.0f} ms"),
         ("  weight write (median)", f"{statistics.median(write) * 1000:.0f} ms"),
-        ("validation / load time", f"{statistics.median(v / t for v, t in zip(validation, total)):.1%}"),
+        ("validation / load time", f"{statistics.median(v / t for v, t in zip(validation, total, strict=True)):.1%}"),
         (f"sampling latency baseline (median, c={a.concurrency})", f"{base_med * 1000:.0f} ms"),
         ("max sampling latency overlapping a load", f"{max(overlapping) * 1000:.0f} ms"),
         ("max time a sampling request waited on a load (server-side, the pause)", f"{max_wait * 1000:.0f} ms"),

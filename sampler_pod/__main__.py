@@ -1,48 +1,16 @@
-"""`python -m sampler_pod --model DIR ...`: start the sampler server."""
+"""`python -m sampler_pod --model DIR ...`: start the sampler server (flags: `--help`)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
 import uvicorn
 
-from .app import create_app
-from .config import ServerConfig, parse_config
-from .core import SamplerCore
-
-log = logging.getLogger("sampler_pod")
-
-
-def engine_starter(cfg: ServerConfig, on_fatal: "callable[[], None]"):  # type: ignore[valid-type]
-    async def start(core: SamplerCore) -> None:
-        from .startup_lock import resolve_model, start_under_lock
-
-        try:
-            # Resolve (and download) the model before the lock: a slow download
-            # must not hold up a sibling engine's startup in the same pod.
-            model_dir = await asyncio.to_thread(resolve_model, cfg.model)
-            core.set_model_dir(model_dir)
-            if cfg.engine == "fake":
-                from .fake_engine import FakeEngine
-
-                core.engine = FakeEngine.for_model(model_dir)
-            else:
-                from .engine import VllmEngine
-
-                core.engine = await start_under_lock(
-                    cfg.startup_lock_path, cfg.startup_lock_timeout_s,
-                    lambda: asyncio.to_thread(VllmEngine.create, model_dir, cfg))
-            log.info("engine ready: model=%s", model_dir)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            core.startup_error = f"engine startup failed: {type(e).__name__}: {e}"
-            log.error("%s", core.startup_error)
-            on_fatal()
-
-    return start
+from .config import parse_config
+from .core.sampler import SamplerCore
+from .core.startup import engine_starter
+from .http.app import create_app
 
 
 def main(argv: list[str] | None = None) -> int:

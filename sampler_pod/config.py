@@ -1,105 +1,129 @@
-"""Server configuration from command-line flags, each with a `SAMPLER_*` environment fallback."""
+"""Server configuration: every flag, its default and its help, written once in `ServerConfig`.
+
+The command-line parser is built from the model's fields (as vLLM's `cli_args.py` builds its
+parser from dataclasses): field `max_num_seqs` is the flag `--max-num-seqs` and the environment
+variable `SAMPLER_MAX_NUM_SEQS`. A flag wins over the environment, the environment over the
+default; pydantic converts and validates all three the same way, so a bad value is refused
+with the field named, whichever way it came in.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 
 class ServerConfig(BaseModel):
-    model: str
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)
-    engine: Literal["vllm", "fake"] = "vllm"
+    model: str = Field(..., description="local model directory or hub id (required)")
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    engine: Literal["vllm", "fake"] = Field(
+        "vllm", description="inference engine; `fake` is a deterministic stand-in for logic tests")
 
     # Engine options, passed straight to vLLM's AsyncEngineArgs.
-    dtype: str = "auto"
-    max_model_len: int | None = Field(None, ge=16)
-    max_num_seqs: int = Field(128, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1 << 20)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enforce_eager: bool = False
-    seed: int = 0
+    dtype: str = Field("auto", description="vLLM dtype (auto, float32, bfloat16, ...)")
+    max_model_len: int | None = Field(None, ge=16, description="context length (default: the model's)")
+    max_num_seqs: int = Field(128, ge=1, description="most sequences the engine runs in one batch")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1 << 20, description="KV cache size; always set it on CPU (vLLM otherwise reserves ~11 GiB)")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU memory share for vLLM, when --kv-cache-memory-bytes is unset")
+    enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (always on CPU)")
+    seed: int = Field(0, description="engine seed (per-request seeds are separate)")
 
     # Serving policy.
-    concurrent_task_limit: int = Field(128, ge=1)
-    request_timeout_s: float = Field(300.0, gt=0)
-    max_request_timeout_s: float = Field(3600.0, gt=0)
-    max_num_samples: int = Field(64, ge=1)
-    max_body_bytes: int = Field(8 << 20, ge=1024)
-    future_ttl_s: float = Field(600.0, gt=0)
-    load_timeout_s: float = Field(600.0, gt=0)
+    concurrent_task_limit: int = Field(
+        128, ge=1, description="admitted requests at once; past it: 429 with Retry-After")
+    request_timeout_s: float = Field(300.0, gt=0, description="default per-request timeout")
+    max_request_timeout_s: float = Field(3600.0, gt=0, description="largest timeout_s a request may ask for")
+    max_num_samples: int = Field(64, ge=1, description="largest num_samples per request")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; past it: 413")
+    future_ttl_s: float = Field(600.0, gt=0, description="how long a finished future waits to be retrieved")
+    load_timeout_s: float = Field(600.0, gt=0, description="default timeout of a checkpoint load")
 
-    startup_lock_path: Path = Path("/var/run/sampler/engine-startup.lock")
-    startup_lock_timeout_s: float = Field(900.0, gt=0)
+    startup_lock_path: Path = Field(
+        Path("/var/run/sampler/engine-startup.lock"),
+        description="pod-local file lock held while the engine starts (one engine starts at a time)")
+    startup_lock_timeout_s: float = Field(900.0, gt=0, description="longest wait for the startup lock")
 
-    checkpoint_roots: list[Path] = Field(default_factory=list)
-    enable_lora: bool = False
-    max_loras: int = Field(4, ge=1)
-    max_lora_rank: int = Field(16, ge=1)
+    checkpoint_roots: list[Path] = Field(
+        default_factory=list,
+        description="allowed root for checkpoint/adapter paths (flag --checkpoint-root, repeatable; "
+                    "env: colon-separated)")
+    enable_lora: bool = Field(False, description="serve LoRA adapters")
+    max_loras: int = Field(4, ge=1, description="adapters loaded at once")
+    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank accepted")
 
-    api_key: str | None = None
-    enable_test_seams: bool = False
-    log_level: str = "info"
+    api_key: str | None = Field(None, description="API key required on every route but the probes")
+    enable_test_seams: bool = Field(
+        False, description="TEST ONLY: allow injecting a failure in the middle of a checkpoint write")
+    log_level: str = Field("info", description="log level")
 
 
-def _env(name: str) -> str | None:
-    return os.environ.get("SAMPLER_" + name.upper().replace("-", "_"))
+# Fields whose flag name differs from the field name (a repeatable flag reads as singular).
+_FLAG_NAMES = {"checkpoint_roots": "--checkpoint-root"}
 
 
-def _env_bool(name: str) -> bool:
-    return (_env(name) or "").lower() in {"1", "true", "yes", "on"}
+def env_name(field: str) -> str:
+    return "SAMPLER_" + field.upper()
+
+
+def _flag(field: str) -> str:
+    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+
+
+def _is_bool(field: str) -> bool:
+    return ServerConfig.model_fields[field].annotation is bool
+
+
+def _is_list(field: str) -> bool:
+    return str(ServerConfig.model_fields[field].annotation).startswith("list[")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sampler_pod", description="Concurrent vLLM sampling server.")
-    add = p.add_argument
-    add("--model", default=_env("model"), help="local model directory or hub id")
-    add("--host", default=_env("host") or "0.0.0.0")
-    add("--port", type=int, default=int(_env("port") or 8000))
-    add("--engine", choices=["vllm", "fake"], default=_env("engine") or "vllm")
-    add("--dtype", default=_env("dtype") or "auto")
-    add("--max-model-len", type=int, default=_int_env("max_model_len"))
-    add("--max-num-seqs", type=int, default=_int_env("max_num_seqs") or 128)
-    add("--tensor-parallel-size", type=int, default=_int_env("tensor_parallel_size") or 1)
-    add("--kv-cache-memory-bytes", type=int, default=_int_env("kv_cache_memory_bytes"))
-    add("--gpu-memory-utilization", type=float, default=float(_env("gpu_memory_utilization") or 0.9))
-    add("--enforce-eager", action="store_true", default=_env_bool("enforce_eager"))
-    add("--seed", type=int, default=_int_env("seed") or 0)
-    add("--concurrent-task-limit", type=int, default=_int_env("concurrent_task_limit") or 128)
-    add("--request-timeout-s", type=float, default=float(_env("request_timeout_s") or 300))
-    add("--max-request-timeout-s", type=float, default=float(_env("max_request_timeout_s") or 3600))
-    add("--max-num-samples", type=int, default=_int_env("max_num_samples") or 64)
-    add("--future-ttl-s", type=float, default=float(_env("future_ttl_s") or 600))
-    add("--load-timeout-s", type=float, default=float(_env("load_timeout_s") or 600))
-    add("--startup-lock-path", default=_env("startup_lock_path") or "/var/run/sampler/engine-startup.lock")
-    add("--startup-lock-timeout-s", type=float, default=float(_env("startup_lock_timeout_s") or 900))
-    add("--checkpoint-root", action="append", dest="checkpoint_roots",
-        default=[r for r in (_env("checkpoint_roots") or "").split(":") if r],
-        help="allowed root for checkpoint/adapter paths (repeatable; env: colon-separated)")
-    add("--enable-lora", action="store_true", default=_env_bool("enable_lora"))
-    add("--max-loras", type=int, default=_int_env("max_loras") or 4)
-    add("--max-lora-rank", type=int, default=_int_env("max_lora_rank") or 16)
-    add("--api-key", default=_env("api_key"))
-    add("--enable-test-seams", action="store_true", default=_env_bool("enable_test_seams"),
-        help="TEST ONLY: allow injecting a failure in the middle of a checkpoint write")
-    add("--log-level", default=_env("log_level") or "info")
+    p = argparse.ArgumentParser(prog="python -m sampler_pod", description="Concurrent vLLM sampling server.",
+                                argument_default=argparse.SUPPRESS)
+    for name, info in ServerConfig.model_fields.items():
+        default = "required" if info.is_required() else f"default: {info.get_default(call_default_factory=True)}"
+        help_text = f"{info.description} ({default}; env {env_name(name)})"
+        if _is_bool(name):
+            p.add_argument(_flag(name), dest=name, action="store_true", help=help_text)
+        elif _is_list(name):
+            p.add_argument(_flag(name), dest=name, action="append", help=help_text)
+        else:
+            p.add_argument(_flag(name), dest=name, help=help_text)
     return p
 
 
-def _int_env(name: str) -> int | None:
-    v = _env(name)
-    return int(v) if v else None
+def _from_env(environ: dict[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in ServerConfig.model_fields:
+        raw = environ.get(env_name(name))
+        if raw is None or raw == "":
+            continue
+        if _is_bool(name):
+            values[name] = raw.lower() in {"1", "true", "yes", "on"}
+        elif _is_list(name):
+            values[name] = [r for r in raw.split(":") if r]
+        else:
+            values[name] = raw
+    return values
 
 
-def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
+def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    if not ns.model:
-        parser.error("--model (or SAMPLER_MODEL) is required")
-    return ServerConfig(**vars(ns))
+    flags = vars(parser.parse_args(argv))
+    values = {**_from_env(dict(os.environ) if environ is None else environ), **flags}
+    try:
+        return ServerConfig(**values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first.get("loc") else "config"
+        parser.error(f"{_flag(field)} (or {env_name(field)}): {first['msg']}")
+        raise  # unreachable: parser.error exits

@@ -6,7 +6,10 @@ exception handler renders `{"error": {"category", "message", "field"}}`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from pydantic import ValidationError
 
 
 class SamplerError(Exception):
@@ -92,3 +95,18 @@ class LoadTimedOut(SamplerError):
 class Conflict(SamplerError):
     status_code = 409
     category = "conflict"
+
+
+def validation_error(e: ValidationError, prefix: str = "") -> InvalidRequest:
+    """A pydantic error as our 400 (see `first_invalid`)."""
+    return first_invalid(e.errors(), prefix)
+
+
+def first_invalid(details: Sequence[Mapping[str, Any]], prefix: str = "") -> InvalidRequest:
+    """The first of pydantic's error details as our 400, naming the field the way the client
+    wrote it: `sampling_params.top_p`, `prompts[0][3]`; `body` when there is no field to name."""
+    first = details[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    field = f"{prefix}{field}" if field else (prefix.rstrip(".") or "body")
+    return InvalidRequest(f"{field}: {first.get('msg')}", field=field)

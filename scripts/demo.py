@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sampler_pod.tiny_model import cached_tiny_model  # noqa: E402
-from tests.helpers.server import run_server  # noqa: E402
+from sampler_pod.testing.tiny_model import cached_tiny_model  # noqa: E402
+from tests.support.server import run_server  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
 
 def demo_checkpoint_load(c, model: Path, ckpt_root: Path) -> None:  # type: ignore[no-untyped-def]
     try:
-        from tests.helpers.checkpoints import perturbed_checkpoint
+        from tests.support.checkpoints import perturbed_checkpoint
     except ImportError:
         return
     new = perturbed_checkpoint(model, ckpt_root / "step-1", scale=0.05, seed=1)

@@ -29,6 +29,19 @@ if [[ ! -f "$VENV/.complete" ]]; then
     touch "$VENV/.complete"
 fi
 
+# Light layers on top (lint/type tools; see each file's header): their own stamp, so adding one is a
+# quick incremental pip install instead of a rebuild of the whole venv.
+for layer in "$ROOT"/requirements/tools.txt; do
+    [[ -f "$layer" ]] || continue
+    STAMP="$VENV/.layer-$(basename "$layer" .txt)-$(sha256sum "$layer" | cut -c1-16)"
+    if [[ ! -f "$STAMP" ]]; then
+        echo "[setup] installing $(basename "$layer") into the venv" >&2
+        "$VENV/bin/pip" install --quiet -r "$layer" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+        rm -f "$VENV/.layer-$(basename "$layer" .txt)-"*
+        touch "$STAMP"
+    fi
+done
+
 # The project itself: a .pth file instead of `pip install -e .`, so switching
 # between clones that share the cached venv is instant and needs no build backend.
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sampler_pod.tiny_model import cached_tiny_model
+from sampler_pod.testing.tiny_model import cached_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import aiohttp
 import kopf
@@ -24,7 +25,7 @@ from .reconcile import Context, ReplicaMemory, step
 from .spec import InvalidSpec, parse_spec
 from .status import invalid_spec_status
 
-OUR_PODS = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_REPLICA: kopf.PRESENT}
+OUR_PODS: Mapping[str, Any] = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_REPLICA: kopf.PRESENT}
 
 # One wake-up flag per replica loop, keyed like the pod index: (namespace, replica label value).
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
@@ -36,8 +37,8 @@ def _wake(namespace: str | None, replica: str | None) -> None:
         flag.set()
 
 
-def _emit(target: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(target, type=type_, reason=reason, message=message)
+def _emit(target: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(cast(kopf.Body, target), type=type_, reason=reason, message=message)
 
 
 async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
@@ -72,20 +73,22 @@ def replica_loops(**_: Any) -> int:
 
 
 @kopf.index("pods", labels=OUR_PODS)
-def replica_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodView]:
-    return {(namespace, labels[LABEL_REPLICA]): PodView.from_pod(body)}
+def replica_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body,
+                 **_: Any) -> dict[tuple[str, str], PodView]:
+    return {(namespace or "", labels[LABEL_REPLICA]): PodView.from_pod(body)}
 
 
 @kopf.on.event("pods", labels=OUR_PODS)
-def wake_on_pod_event(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+def wake_on_pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     _wake(namespace, labels.get(LABEL_REPLICA))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-async def validate_spec(spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta, status: kopf.Status,
-                        body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def validate_spec(spec: kopf.Spec, name: str, namespace: str | None, meta: kopf.Meta, status: kopf.Status,
+                        body: kopf.Body, memo: Any, **_: Any) -> None:
+    assert namespace is not None  # SamplerReplica is namespaced
     try:
         parse_spec(dict(spec))
     except InvalidSpec as e:
@@ -93,14 +96,16 @@ async def validate_spec(spec: kopf.Spec, name: str, namespace: str, meta: kopf.M
             str(e), status.get("conditions"), meta.get("generation"), time.time()))
         kopf.warn(body, reason="InvalidSpec", message=str(e))
         # Permanent: retrying cannot fix a spec; the next spec change calls us again.
-        raise kopf.PermanentError(f"invalid spec: {e}")
+        raise kopf.PermanentError(f"invalid spec: {e}") from e
     _wake(namespace, label_value(name))
 
 
 # On deletion kopf first raises `stopped` (we exit at once), and cancels us only as a fallback.
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=5.0)
-async def replica_loop(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, replica_pods: kopf.Index,
-                       logger: kopf.Logger, stopped: kopf.DaemonStopped, **_: Any) -> None:
+async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: Any, logger: kopf.Logger,
+                       stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    assert namespace is not None  # SamplerReplica is namespaced
+    replica_pods: kopf.Index[tuple[str, str], PodView] = kwargs["replica_pods"]  # kopf passes indices by name
     key = (namespace, label_value(name))
     wake = _wakeups.setdefault(key, asyncio.Event())
     ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, log=logger)

@@ -5,7 +5,6 @@ replacement_policy.py is tested without sockets; `probe` is the thin network par
 """
 from __future__ import annotations
 
-import asyncio
 import enum
 import json
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import Any
 import aiohttp
 
 
-class HealthState(str, enum.Enum):
+class HealthState(enum.StrEnum):
     OK = "ok"
     STARTING = "starting"
     UNCERTAIN_WEIGHTS = "uncertain_weights"
@@ -68,5 +67,5 @@ async def probe(session: aiohttp.ClientSession, pod_ip: str, port: int, timeout_
         async with session.get(health_url(pod_ip, port), timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             body = await resp.read()
             return classify(resp.status, body)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return HealthObservation(HealthState.UNREACHABLE, reason=f"{type(e).__name__}: {e}"[:200])

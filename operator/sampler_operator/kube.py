@@ -26,7 +26,8 @@ def load_config() -> None:
 
 
 def _json(resp: Any) -> dict[str, Any]:
-    return json.loads(resp.data)
+    doc: dict[str, Any] = json.loads(resp.data)
+    return doc
 
 
 class Kube:
@@ -38,7 +39,8 @@ class Kube:
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
         resp = await asyncio.to_thread(self.core.list_namespaced_pod, namespace,
                                        label_selector=label_selector, _preload_content=False)
-        return _json(resp)["items"]
+        items: list[dict[str, Any]] = _json(resp)["items"]
+        return items
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -61,7 +63,9 @@ class Kube:
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> None:
         """Delete exactly that pod (uid precondition); gone already or a newer namesake is fine."""
-        options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid)) if uid else None
+        options = (
+            kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid)) if uid else None
+        )
         try:
             await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options,
                                     _preload_content=False)

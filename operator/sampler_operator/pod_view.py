@@ -26,7 +26,7 @@ class PodView:
         return self.phase in ("Failed", "Succeeded")
 
     @classmethod
-    def from_pod(cls, pod: Any) -> "PodView":
+    def from_pod(cls, pod: Any) -> PodView:
         """Accepts a raw dict or a kopf body (both are Mappings with camelCase keys)."""
         meta = pod.get("metadata", {}) or {}
         status = pod.get("status", {}) or {}

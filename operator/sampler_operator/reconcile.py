@@ -33,7 +33,7 @@ from .kube import Kube
 from .pod_view import PodView
 from .replacement_policy import Action, Decision, decide
 from .spec import InvalidSpec, SamplerReplicaSpec, parse_spec
-from .status import DEGRADED, iso, parse_iso, runtime_status, changed
+from .status import DEGRADED, changed, iso, parse_iso, runtime_status
 
 log = logging.getLogger("sampler_operator")
 
@@ -43,6 +43,26 @@ REASON_POD_FINISHED = "PodFinished"
 REASON_POD_DELETED = "PodDeleted"
 
 EventFn = Callable[[Mapping[str, Any], str, str, str], None]  # (body, type, reason, message)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a pod is being replaced; only health-driven replacements count toward the cap."""
+    reason: str
+    message: str
+    counts_toward_cap: bool = False
+
+
+def replacement_reason(current: PodView, want_hash: str, replace: Decision | None) -> Reason | None:
+    """Pure: does the current pod have to go, and why? (None: keep it.)"""
+    if current.finished:
+        detail = f" ({current.reason})" if current.reason else ""
+        return Reason(REASON_POD_FINISHED, f"pod {current.name} is {current.phase}{detail}")
+    if current.template_hash != want_hash:
+        return Reason(REASON_SPEC_CHANGED, f"pod {current.name} runs an older template")
+    if replace is not None and replace.action is Action.REPLACE:
+        return Reason(replace.reason, replace.message, counts_toward_cap=True)
+    return None
 
 
 @dataclass
@@ -60,7 +80,7 @@ class Context:
     session: aiohttp.ClientSession
     emit: EventFn
     clock: Callable[[], float] = time.time
-    log: logging.Logger | logging.LoggerAdapter = field(default=log)
+    log: logging.Logger | logging.LoggerAdapter[Any] = field(default=log)
 
 
 async def _test_pause(ctx: Context, stage: str) -> None:
@@ -132,57 +152,66 @@ async def converge(ctx: Context, namespace: str, name: str, spec: SamplerReplica
     cr = await ctx.kube.get_replica(namespace, name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
         return  # being deleted: the garbage collector removes the pods
-    owner = owner_of(cr)
     pods = [PodView.from_pod(p) for p in await ctx.kube.list_pods(namespace, selector_labels(name))]
-    status = cr.get("status") or {}
-    pending = status.get("pendingReplacement")
-    live = [p for p in pods if not p.deleting]
-    want_hash = template_hash(pod_template(name, spec))
-
+    pending = (cr.get("status") or {}).get("pendingReplacement")
     if not pending:
-        current = pick_current(live, status)
-        for extra in (p for p in live if current is not None and p.name != current.name):
-            ctx.log.warning(f"deleting extra pod {extra.name}: one live pod per replica")
-            await ctx.kube.delete_pod(namespace, extra.name, extra.uid)
-        reason: tuple[str, str, bool] | None = None  # (reason, message, counts toward the cap)
-        if current is None:
-            if any(p.deleting for p in pods):
-                return  # wait for the old pod to be gone; its DELETED event wakes us
-            gen = next_generation(status, pods)
-            await _create_pod(ctx, cr, spec, gen)
-            patch: dict[str, Any] = {"podName": pod_name(name, gen), "podGeneration": gen, "podIP": None}
-            if status.get("podName"):
-                # The previous pod vanished (deleted by someone, evicted and reaped): a replacement.
-                patch.update(_outcome(status, old_pod=status["podName"], reason=REASON_POD_DELETED,
-                                      message=f"pod {status['podName']} disappeared; created {patch['podName']}",
-                                      counts=False, now=ctx.clock()))
-                ctx.emit(_event_target(cr), "Normal", REASON_POD_DELETED, patch["lastReplacement"]["message"])
-            mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
+        pending = await _start_replacement_if_needed(ctx, cr, spec, pods, mem, replace)
+        if pending is None:
             return
-        if owner.uid not in current.owner_uids:
-            # Found by label after a restart or a manual create: adopt it so GC and watches see it.
-            await ctx.kube.patch_pod_metadata(namespace, current.name, {"ownerReferences": [owner_reference(owner)]})
-        if current.finished:
-            reason = (REASON_POD_FINISHED, f"pod {current.name} is {current.phase}"
-                      f"{' (' + current.reason + ')' if current.reason else ''}", False)
-        elif current.template_hash != want_hash:
-            reason = (REASON_SPEC_CHANGED, f"pod {current.name} runs an older template", False)
-        elif replace is not None and replace.action is Action.REPLACE:
-            reason = (replace.reason, replace.message, True)
-        if reason is None:
-            return
-        gen = next_generation(status, pods)
-        pending = {"oldPod": current.name, "oldPodUid": current.uid, "newPod": pod_name(name, gen),
-                   "generation": gen, "reason": reason[0], "message": reason[1], "countsTowardCap": reason[2],
-                   "time": iso(ctx.clock())}
-        # Step 1: the intent, durable before anything is deleted.
-        cr = await ctx.kube.patch_replica_status(namespace, name, {"pendingReplacement": pending, "phase": "Replacing"})
-        mem.newest_body = cr
-        ctx.emit(_event_target(cr), "Warning" if reason[2] else "Normal", reason[0], f"replacing pod {current.name}: {reason[1]}")
-        ctx.log.info(f"replacing pod {current.name} -> {pending['newPod']}: {reason[0]}: {reason[1]}")
-        await _test_pause(ctx, "after-intent")
-
+        cr = mem.newest_body or cr
     await _finish_replacement(ctx, cr, spec, pending, pods, mem)
+
+
+async def _start_replacement_if_needed(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
+                                       pods: list[PodView], mem: ReplicaMemory,
+                                       replace: Decision | None) -> Mapping[str, Any] | None:
+    """Keep exactly one live pod; when it must go, durably record the intent (step 1) and return it."""
+    namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    status = cr.get("status") or {}
+    live = [p for p in pods if not p.deleting]
+    current = pick_current(live, status)
+    for extra in (p for p in live if current is not None and p.name != current.name):
+        ctx.log.warning(f"deleting extra pod {extra.name}: one live pod per replica")
+        await ctx.kube.delete_pod(namespace, extra.name, extra.uid)
+    if current is None:
+        if not any(p.deleting for p in pods):  # else: wait; the old pod's DELETED event wakes us
+            await _create_first_or_lost_pod(ctx, cr, spec, pods, mem)
+        return None
+    owner = owner_of(cr)
+    if owner.uid not in current.owner_uids:
+        # Found by label after a restart or a manual create: adopt it so GC and watches see it.
+        await ctx.kube.patch_pod_metadata(namespace, current.name, {"ownerReferences": [owner_reference(owner)]})
+    why = replacement_reason(current, template_hash(pod_template(name, spec)), replace)
+    if why is None:
+        return None
+    gen = next_generation(status, pods)
+    pending = {"oldPod": current.name, "oldPodUid": current.uid, "newPod": pod_name(name, gen),
+               "generation": gen, "reason": why.reason, "message": why.message,
+               "countsTowardCap": why.counts_toward_cap, "time": iso(ctx.clock())}
+    # Step 1: the intent, durable before anything is deleted.
+    mem.newest_body = await ctx.kube.patch_replica_status(namespace, name,
+                                                          {"pendingReplacement": pending, "phase": "Replacing"})
+    ctx.emit(_event_target(cr), "Warning" if why.counts_toward_cap else "Normal", why.reason,
+             f"replacing pod {current.name}: {why.message}")
+    ctx.log.info(f"replacing pod {current.name} -> {pending['newPod']}: {why.reason}: {why.message}")
+    await _test_pause(ctx, "after-intent")
+    return pending
+
+
+async def _create_first_or_lost_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
+                                    pods: list[PodView], mem: ReplicaMemory) -> None:
+    namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    status = cr.get("status") or {}
+    gen = next_generation(status, pods)
+    await _create_pod(ctx, cr, spec, gen)
+    patch: dict[str, Any] = {"podName": pod_name(name, gen), "podGeneration": gen, "podIP": None}
+    if status.get("podName"):
+        # The previous pod vanished (deleted by someone, evicted and reaped): a replacement.
+        patch.update(_outcome(status, old_pod=status["podName"], reason=REASON_POD_DELETED,
+                              message=f"pod {status['podName']} disappeared; created {patch['podName']}",
+                              counts=False, now=ctx.clock()))
+        ctx.emit(_event_target(cr), "Normal", REASON_POD_DELETED, patch["lastReplacement"]["message"])
+    mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
 
 
 async def _create_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, gen: int) -> None:
@@ -218,7 +247,9 @@ async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: Sampler
     mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
     mem.consecutive_failures = 0
     mem.last_observation = None
-    ctx.emit(_event_target(cr), "Normal", "Replaced", f"pod {pending['oldPod']} replaced by {new_pod} ({pending['reason']})")
+    ctx.emit(
+        _event_target(cr), "Normal", "Replaced", f"pod {pending['oldPod']} replaced by {new_pod} ({pending['reason']})"
+    )
 
 
 def _outcome(status: Mapping[str, Any], *, old_pod: str, reason: str, message: str, counts: bool,
@@ -290,7 +321,7 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
 def _condition_status(status: Mapping[str, Any], type_: str) -> str | None:
     for c in status.get("conditions") or []:
         if c.get("type") == type_:
-            return c.get("status")
+            return str(c.get("status"))
     return None
 
 

@@ -20,7 +20,7 @@ from .health_probe import HealthObservation, HealthState
 from .spec import ReplacementPolicy
 
 
-class Action(str, enum.Enum):
+class Action(enum.StrEnum):
     NONE = "none"
     REPLACE = "replace"
     WAIT_BACKOFF = "wait_backoff"   # will replace, but not yet
@@ -44,7 +44,7 @@ def backoff_delay(count_in_window: int, policy: ReplacementPolicy) -> float:
     """Seconds to wait after the latest replacement before the next one (0 for the first)."""
     if count_in_window <= 0:
         return 0.0
-    return min(policy.max_backoff_seconds, policy.backoff_seconds * 2 ** (count_in_window - 1))
+    return float(min(policy.max_backoff_seconds, policy.backoff_seconds * 2 ** (count_in_window - 1)))
 
 
 def decide(observation: HealthObservation | None, history: Sequence[float],
@@ -52,7 +52,9 @@ def decide(observation: HealthObservation | None, history: Sequence[float],
     if observation is None:
         return Decision(Action.NONE, "NotProbed", "no health observation yet")
     if observation.state is not HealthState.UNCERTAIN_WEIGHTS:
-        return Decision(Action.NONE, _no_action_reason(observation.state), observation.reason or observation.state.value)
+        return Decision(
+            Action.NONE, _no_action_reason(observation.state), observation.reason or observation.state.value
+        )
 
     window = recent(history, policy, now)
     if len(window) >= policy.max_replacements:

@@ -32,7 +32,7 @@ class OperatorConfig:
     post_events_from_level: int = logging.WARNING  # kopf turns log lines >= this into k8s Events
 
     @classmethod
-    def from_env(cls) -> "OperatorConfig":
+    def from_env(cls) -> OperatorConfig:
         server = _env_float("SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT", cls.watch_server_timeout)
         return cls(
             watch_server_timeout=server,

@@ -13,6 +13,7 @@ parse to the same objects the API server would produce.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -112,7 +113,7 @@ class SamplerReplicaSpec(_Model):
     pod: PodOverrides = Field(default_factory=PodOverrides)
 
     @model_validator(mode="after")
-    def _semantic_rules(self) -> "SamplerReplicaSpec":
+    def _semantic_rules(self) -> SamplerReplicaSpec:
         problems = list(_semantic_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
@@ -123,7 +124,7 @@ class SamplerReplicaSpec(_Model):
         return int(str(raw)) if raw not in (None, "") else 0
 
 
-def _semantic_problems(spec: SamplerReplicaSpec):
+def _semantic_problems(spec: SamplerReplicaSpec) -> Iterator[str]:
     """Yield one human-readable sentence per broken rule, each naming the field."""
     model = spec.model
     if any(c.isspace() for c in model) or ".." in model.split("/"):

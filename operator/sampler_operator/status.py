@@ -28,11 +28,11 @@ PHASE_INVALID = "Invalid"
 
 
 def iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_iso(text: str) -> float:
-    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
 
 
 def condition(type_: str, status: bool | None, reason: str, message: str, now: float) -> dict[str, str]:
@@ -71,31 +71,21 @@ def runtime_status(*, pod: PodView | None, observation: HealthObservation | None
     """The status fields that follow from the current pod and the latest probe."""
     phase, ready_reason, ready_message = _phase(pod, observation, consecutive_failures, failure_threshold,
                                                 decision, replacing, old_status.get("phase"))
-    new_conditions = [condition(SPEC_VALID, True, "Valid", "spec accepted", now)]
     single_miss = (observation is not None and not observation.answered and consecutive_failures < failure_threshold
                    and not replacing and pod is not None)
-    if not single_miss:  # a lone missed probe changes nothing visible (and costs no PATCH)
-        new_conditions.append(condition(READY, phase == PHASE_READY, ready_reason, ready_message, now))
-    if observation is not None and observation.answered:
-        if observation.state is HealthState.UNCERTAIN_WEIGHTS:
-            new_conditions.append(condition(WEIGHTS_CERTAIN, False, "UncertainWeights",
-                                            observation.reason or "a checkpoint write failed midway", now))
-        else:
-            new_conditions.append(condition(WEIGHTS_CERTAIN, True, "WeightsConsistent",
-                                            f"weights version {observation.weights_version}", now))
-    if decision is not None and decision.action is Action.CAPPED:
-        new_conditions.append(condition(DEGRADED, True, decision.reason, decision.message, now))
-    elif observation is not None and observation.answered and observation.state is not HealthState.UNCERTAIN_WEIGHTS:
-        new_conditions.append(condition(DEGRADED, False, "Healthy", "no replacement needed", now))
-    elif not any(c.get("type") == DEGRADED for c in old_status.get("conditions") or []):
-        new_conditions.append(condition(DEGRADED, False, "Healthy", "no replacement needed", now))
-
+    conditions = [
+        condition(SPEC_VALID, True, "Valid", "spec accepted", now),
+        # A lone missed probe changes nothing visible (and costs no PATCH).
+        None if single_miss else condition(READY, phase == PHASE_READY, ready_reason, ready_message, now),
+        _weights_certain(observation, now),
+        _degraded(observation, decision, old_status, now),
+    ]
     out: dict[str, Any] = {
         "phase": phase,
         "podName": pod.name if pod else None,
         "podIP": pod.pod_ip if pod else None,
         "observedGeneration": generation,
-        "conditions": merge_conditions(old_status.get("conditions"), new_conditions),
+        "conditions": merge_conditions(old_status.get("conditions"), [c for c in conditions if c is not None]),
     }
     if observation is not None and observation.answered and observation.weights_version is not None:
         out["weightsVersion"] = observation.weights_version
@@ -104,6 +94,27 @@ def runtime_status(*, pod: PodView | None, observation: HealthObservation | None
         out["weightsVersion"] = None   # a different pod: the old pod's version says nothing
         out["weightsLabel"] = None
     return out
+
+
+def _weights_certain(obs: HealthObservation | None, now: float) -> dict[str, str] | None:
+    if obs is None or not obs.answered:
+        return None  # no news: keep whatever was last known
+    if obs.state is HealthState.UNCERTAIN_WEIGHTS:
+        return condition(WEIGHTS_CERTAIN, False, "UncertainWeights", obs.reason or "a checkpoint write failed midway",
+                         now)
+    return condition(WEIGHTS_CERTAIN, True, "WeightsConsistent", f"weights version {obs.weights_version}", now)
+
+
+def _degraded(obs: HealthObservation | None, decision: Decision | None, old_status: Mapping[str, Any],
+              now: float) -> dict[str, str] | None:
+    if decision is not None and decision.action is Action.CAPPED:
+        return condition(DEGRADED, True, decision.reason, decision.message, now)
+    healthy = condition(DEGRADED, False, "Healthy", "no replacement needed", now)
+    if obs is not None and obs.answered and obs.state is not HealthState.UNCERTAIN_WEIGHTS:
+        return healthy
+    # Otherwise keep the last verdict, but every replica shows the condition from its first status.
+    has_degraded = any(c.get("type") == DEGRADED for c in old_status.get("conditions") or [])
+    return None if has_degraded else healthy
 
 
 def _phase(pod: PodView | None, obs: HealthObservation | None, failures: int, threshold: int,
@@ -133,7 +144,11 @@ def _phase(pod: PodView | None, obs: HealthObservation | None, failures: int, th
         # No counter or error text in the message: it would change (and be PATCHed) every probe.
         return PHASE_UNHEALTHY, "ProbeFailed", f"no answer to {threshold} or more consecutive /health probes"
     kept = old_phase if old_phase in (PHASE_READY, PHASE_STARTING, PHASE_UNHEALTHY) else PHASE_STARTING
-    return kept, ("Healthy" if kept == PHASE_READY else "ProbeFailed"), f"probe missed ({failures}/{threshold}): {obs.reason}"
+    return (
+        kept,
+        ("Healthy" if kept == PHASE_READY else "ProbeFailed"),
+        f"probe missed ({failures}/{threshold}): {obs.reason}",
+    )
 
 
 def changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,17 +31,17 @@ import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..core import SamplerCore
-from ..errors import Expired, InvalidRequest, NotFound, SamplerError
-from ..schemas import SampleResponse as CoreSampleResponse
-from .tinker_wire import ResponseShape, TinkerSampleRequest, encode_json, encode_proto, tinker_to_core, validation_error
+from ..core.sampler import SamplerCore
+from ..core.schemas import SampleResponse as CoreSampleResponse
+from ..errors import Expired, InvalidRequest, NotFound, SamplerError, validation_error
+from .tinker_wire import ResponseShape, TinkerSampleRequest, encode_json, encode_proto, tinker_to_core
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
         raise validation_error(e) from None
 
 
-# ---------------------------------------------------------------------------- state
+# ---------------------------------------------------------------------------- the service
 
 
 @dataclass
@@ -170,23 +170,13 @@ class _Pending:
     sequence_ids: list[str]
 
 
-class _Bounded(collections.OrderedDict):  # type: ignore[type-arg]
+class _Bounded(collections.OrderedDict[Any, Any]):
     """An insertion-ordered dict that forgets its oldest entries past MAX_TRACKED."""
 
     def put(self, key: Any, value: Any) -> None:
         self[key] = value
         while len(self) > MAX_TRACKED:
             self.popitem(last=False)
-
-
-@dataclass
-class TinkerState:
-    sessions: _Bounded  # session_id -> "active" | "finished"
-    pending: _Bounded  # request_id -> _Pending (how to shape the response)
-    by_seq: _Bounded  # (sampling_session_id, seq_id) -> request_id (idempotent resubmits)
-
-
-# ---------------------------------------------------------------------------- routes
 
 
 def client_config() -> dict[str, Any]:
@@ -197,130 +187,169 @@ def client_config() -> dict[str, Any]:
             "custom_loss_server_side": False}
 
 
-def tinker_router(core: SamplerCore, api_key: str | None) -> APIRouter:
-    from ..app import api_key_checker  # app imports this module lazily, so no cycle
+class TinkerService:
+    """The Tinker protocol's state and operations; the routes below are one line each.
 
-    r = APIRouter(prefix="/api/v1", tags=["tinker"])
-    auth: Callable[[Request], None] = api_key_checker(api_key)
-    st = TinkerState(sessions=_Bounded(), pending=_Bounded(), by_seq=_Bounded())
+    State is per process and bounded: sessions (bookkeeping only), the response shape of each
+    pending request, and (sampling session, seq id) -> request id for idempotent resubmits.
+    """
 
-    @r.get("/healthz")
-    async def healthz() -> Response:
-        # Open like /health: probes carry no key.
-        status = core.health().status
-        return _json({"status": status}, 200 if status == "ok" else 503)
+    def __init__(self, core: SamplerCore) -> None:
+        self.core = core
+        self.sessions = _Bounded()  # session_id -> "active" | "finished"
+        self.pending = _Bounded()  # request_id -> _Pending
+        self.by_seq = _Bounded()  # (sampling_session_id, seq_id) -> request_id
 
-    @r.post("/client/config")
-    async def config(request: Request) -> Response:
-        auth(request)
-        parse(_ConfigRequest, await request.body())
-        return _json(client_config())
+    def capabilities(self) -> dict[str, Any]:
+        engine = self.core.require_serving()
+        return {"supported_models": [{"model_name": self.core.cfg.model, "max_context_length": engine.max_model_len,
+                                      "trainable": False, "sampleable": True}]}
 
-    @r.post("/client/dynamic_config")
-    async def dynamic_config(request: Request) -> Response:
-        auth(request)
-        # No server-side cancel route: abandoned requests end at their own timeout.
-        return _json({"refresh_interval_sec": 300, "sample_cancel_enabled": False})
-
-    @r.get("/get_server_capabilities")
-    async def capabilities(request: Request) -> Response:
-        auth(request)
-        engine = core.require_serving()
-        return _json({"supported_models": [{"model_name": core.cfg.model, "max_context_length": engine.max_model_len,
-                                            "trainable": False, "sampleable": True}]})
-
-    @r.post("/create_session")
-    async def create_session(request: Request) -> Response:
-        auth(request)
-        parse(_CreateSession, await request.body())
+    def create_session(self) -> dict[str, Any]:
         sid = "sess-" + uuid.uuid4().hex
-        st.sessions.put(sid, "active")
-        return _json({"type": "create_session", "session_id": sid})
+        self.sessions.put(sid, "active")
+        return {"type": "create_session", "session_id": sid}
 
-    @r.post("/session_heartbeat")
-    async def heartbeat(request: Request) -> Response:
-        auth(request)
-        body = parse(_SessionId, await request.body())
-        if st.sessions.get(body.session_id) == "finished":
-            raise Expired(f"session {body.session_id} has finished", field="session_id")
+    def heartbeat(self, session_id: str) -> dict[str, Any]:
+        if self.sessions.get(session_id) == "finished":
+            raise Expired(f"session {session_id} has finished", field="session_id")
         # Sessions scope nothing here, so an id from before a restart is simply re-registered.
-        st.sessions.put(body.session_id, "active")
-        return _json({"type": "session_heartbeat"})
+        self.sessions.put(session_id, "active")
+        return {"type": "session_heartbeat"}
 
-    @r.post("/sessions/{session_id}/finish")
-    async def finish(session_id: str, request: Request) -> Response:
-        auth(request)
-        st.sessions.put(session_id, "finished")
-        return _json(None)
+    def finish(self, session_id: str) -> None:
+        self.sessions.put(session_id, "finished")
 
-    @r.post("/telemetry")
-    async def telemetry(request: Request) -> Response:
-        # The SDK reports its own client-side events; accepted and dropped (nothing to act on).
-        auth(request)
-        return _json({"status": "accepted"})
-
-    @r.post("/create_sampling_session")
-    async def create_sampling_session(request: Request) -> Response:
-        auth(request)
-        body = parse(_CreateSamplingSession, await request.body())
+    def create_sampling_session(self, body: _CreateSamplingSession) -> dict[str, Any]:
         # Resolve now so an unknown model fails at create_sampling_client(), not at the first sample.
-        resolve_target(core, body.base_model, body.model_path)
+        resolve_target(self.core, body.base_model, body.model_path)
         sid = encode_sampling_session(body.session_id, body.sampling_session_seq_id, body.base_model, body.model_path)
-        return _json({"type": "create_sampling_session", "sampling_session_id": sid})
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
 
-    @r.get("/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str, request: Request) -> Response:
-        auth(request)
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
         ref = decode_sampling_session(sampler_id)
-        target = resolve_target(core, ref.b, ref.m)
-        return _json({"sampler_id": sampler_id, "base_model": target.base_model, "model_path": ref.m})
+        target = resolve_target(self.core, ref.b, ref.m)
+        return {"sampler_id": sampler_id, "base_model": target.base_model, "model_path": ref.m}
 
-    @r.post("/asample")
-    async def asample(request: Request) -> Response:
-        auth(request)
-        req: TinkerSampleRequest = parse(TinkerSampleRequest, await request.body())
+    def asample(self, req: TinkerSampleRequest) -> Response:
         if req.sampling_session_id is not None:
             ref = decode_sampling_session(req.sampling_session_id)
-            target = resolve_target(core, req.base_model or ref.b, req.model_path or ref.m)
+            target = resolve_target(self.core, req.base_model or ref.b, req.model_path or ref.m)
         else:
-            target = resolve_target(core, req.base_model, req.model_path)
+            target = resolve_target(self.core, req.base_model, req.model_path)
         key = (req.sampling_session_id, req.seq_id) if req.sampling_session_id and req.seq_id is not None else None
-        if key is not None and (prev := st.by_seq.get(key)) is not None and prev in st.pending:
+        if key is not None and (prev := self.by_seq.get(key)) is not None and prev in self.pending:
             # A resubmit of a request we already admitted (its response was lost): same future.
-            return _asample_reply(prev, st.pending[prev])
-        engine = core.require_serving()
+            return _asample_reply(prev, self.pending[prev])
+        engine = self.core.require_serving()
         core_req, shape = tinker_to_core(req, target.adapter, engine.max_model_len, target.pinned_label)
-        request_id = core.submit(core_req)  # 4xx/503/429 come back here, as the SDK expects
+        request_id = self.core.submit(core_req)  # 4xx/503/429 come back here, as the SDK expects
         pending = _Pending(shape=shape, sequence_ids=[f"{request_id}:{i}" for i in range(req.num_samples)])
-        st.pending.put(request_id, pending)
+        self.pending.put(request_id, pending)
         if key is not None:
-            st.by_seq.put(key, request_id)
+            self.by_seq.put(key, request_id)
         return _asample_reply(request_id, pending)
 
-    @r.post("/retrieve_future")
-    async def retrieve_future(request: Request) -> Response:
-        auth(request)
-        body: _Retrieve = parse(_Retrieve, await request.body())
+    async def retrieve_future(self, request_id: str, accept: str) -> Response:
         try:
-            done, result = await core.futures.retrieve(body.request_id, LONG_POLL_S)
+            done, result = await self.core.futures.retrieve(request_id, LONG_POLL_S)
         except (NotFound, Expired) as e:
             # 410 makes the SDK resubmit the sample. Also for ids we never saw: after a restart the
             # SDK's futures are unknown here, and resubmitting is the recovery, not a fatal error.
             return _json({"error": e.message, "category": "server"}, 410)
         except SamplerError as e:
-            st.pending.pop(body.request_id, None)
+            self.pending.pop(request_id, None)
             return _failed(e)
         except Exception as e:  # engine bug: surface it as the request's failure, not a dropped connection
-            st.pending.pop(body.request_id, None)
-            log.exception("request %s failed", body.request_id)
+            self.pending.pop(request_id, None)
+            log.exception("request %s failed", request_id)
             return _json({"error": f"{type(e).__name__}: {e}", "category": "server"})
         if not done:
-            return _json({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
-        pending = st.pending.pop(body.request_id, None)
-        shape = pending.shape if pending else ResponseShape()
-        return _sample_reply(result, shape, request.headers.get("accept", ""))
+            return _json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        pending = self.pending.pop(request_id, None)
+        return _sample_reply(result, pending.shape if pending else ResponseShape(), accept)
 
-    return r
+
+# ---------------------------------------------------------------------------- routes
+
+# Open like /health: probes carry no key.
+probe_router = APIRouter(prefix="/api/v1", tags=["tinker"])
+# Behind the app's API-key dependency, like every other sampling route.
+router = APIRouter(prefix="/api/v1", tags=["tinker"])
+
+
+def _service(request: Request) -> TinkerService:
+    service: TinkerService = request.app.state.tinker
+    return service
+
+
+@probe_router.get("/healthz")
+async def healthz(request: Request) -> Response:
+    status = _service(request).core.health().status
+    return _json({"status": status}, 200 if status == "ok" else 503)
+
+
+@router.post("/client/config")
+async def config(request: Request) -> Response:
+    parse(_ConfigRequest, await request.body())
+    return _json(client_config())
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config() -> Response:
+    # No server-side cancel route: abandoned requests end at their own timeout.
+    return _json({"refresh_interval_sec": 300, "sample_cancel_enabled": False})
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request) -> Response:
+    return _json(_service(request).capabilities())
+
+
+@router.post("/create_session")
+async def create_session(request: Request) -> Response:
+    parse(_CreateSession, await request.body())
+    return _json(_service(request).create_session())
+
+
+@router.post("/session_heartbeat")
+async def heartbeat(request: Request) -> Response:
+    body: _SessionId = parse(_SessionId, await request.body())
+    return _json(_service(request).heartbeat(body.session_id))
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish(session_id: str, request: Request) -> Response:
+    _service(request).finish(session_id)
+    return _json(None)
+
+
+@router.post("/telemetry")
+async def telemetry() -> Response:
+    # The SDK reports its own client-side events; accepted and dropped (nothing to act on).
+    return _json({"status": "accepted"})
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> Response:
+    body: _CreateSamplingSession = parse(_CreateSamplingSession, await request.body())
+    return _json(_service(request).create_sampling_session(body))
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request) -> Response:
+    return _json(_service(request).get_sampler(sampler_id))
+
+
+@router.post("/asample")
+async def asample(request: Request) -> Response:
+    return _service(request).asample(parse(TinkerSampleRequest, await request.body()))
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request) -> Response:
+    body: _Retrieve = parse(_Retrieve, await request.body())
+    return await _service(request).retrieve_future(body.request_id, request.headers.get("accept", ""))
 
 
 def _asample_reply(request_id: str, pending: _Pending) -> Response:

@@ -5,8 +5,6 @@ Rules this module enforces, because silently ignoring a field would hand an RL l
 samples it did not ask for:
 - every SDK 0.38 request field is either mapped onto the core or refused with a 400 naming it;
 - a field this server does not know (a newer SDK) is accepted only at its "off" value.
-
-Also holds the small helpers Twinkle shares (stop parsing, seed range, default max_tokens).
 """
 
 from __future__ import annotations
@@ -14,88 +12,30 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+# Imported, not copied: the SDK package is a dependency and owns the wire schema.
+from tinker.proto import tinker_public_pb2 as pb
+
+from ..core.schemas import SampleRequest as CoreSampleRequest
+from ..core.schemas import SampleResponse as CoreSampleResponse
 from ..errors import InvalidRequest
-from ..schemas import SampleRequest as CoreSampleRequest
-from ..schemas import SampleResponse as CoreSampleResponse
-from ..schemas import SamplingParams as CoreSamplingParams
+from .common import (
+    MAX_TOPK,
+    build_core_request,
+    check_seed,
+    default_max_tokens,
+    parse_stop,
+    reject_unknown_on,
+    topk_pairs,
+)
 
-# vLLM seeds a torch.Generator; it also maps -1 to "unseeded", so negative seeds are refused
-# rather than silently changing meaning. The SDK folds its proto seeds into this range too.
-SEED_MAX = 2**63
 # Proto TopkLogprobs fills empty cells with these (the SDK's topk_to_lists reads them as "none").
 TOPK_EMPTY_TOKEN = 0
 TOPK_EMPTY_LOGPROB = -99999.0
-# The core caps top-k widths at 20 (schemas.SamplingParams); refuse above it at the edge.
-MAX_TOPK = 20
-
-
-# ---------------------------------------------------------------------------- shared helpers
-
-
-def validation_error(e: ValidationError, prefix: str = "") -> InvalidRequest:
-    """A pydantic error as our 400, naming the field the way the client wrote it."""
-    first = e.errors()[0]
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    field = f"{prefix}{field}" if field else (prefix.rstrip(".") or "body")
-    return InvalidRequest(f"{field}: {first.get('msg')}", field=field)
-
-
-def reject_unknown_on(model: BaseModel, where: str) -> None:
-    """Unknown fields (from a newer client) pass only when they are off (None/False/0/empty)."""
-    for name, value in (model.model_extra or {}).items():
-        if value not in (None, False, 0, "", [], {}):
-            raise InvalidRequest(f"{where}{name} is not supported by this server", field=f"{where}{name}")
-
-
-@dataclass(frozen=True)
-class StopSpec:
-    stop: list[str] | None
-    stop_token_ids: list[int] | None
-    ignore_eos: bool
-
-
-def parse_stop(stop: str | list[StrictStr | StrictInt] | None, field: str) -> StopSpec:
-    """Tinker/Twinkle `stop`: None keeps EOS stopping; a string or list of strings adds stop strings;
-    a list of ints adds stop token ids; [] disables every stop, EOS included (Tinker's documented meaning)."""
-    if stop is None:
-        return StopSpec(None, None, False)
-    if isinstance(stop, str):
-        stop = [stop]
-    if not stop:
-        return StopSpec(None, None, True)
-    if all(isinstance(s, str) for s in stop):
-        return StopSpec([str(s) for s in stop], None, False)
-    if all(isinstance(s, int) for s in stop):
-        return StopSpec(None, [int(s) for s in stop], False)
-    raise InvalidRequest(f"{field} mixes strings and token ids; use one kind", field=field)
-
-
-def check_seed(seed: int | None, field: str) -> None:
-    if seed is not None and not 0 <= seed < SEED_MAX:
-        raise InvalidRequest(f"{field} must be in [0, 2**63)", field=field)
-
-
-def default_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
-    """None means 'up to the context length' (vLLM's own default), never a hidden small cap."""
-    if max_tokens is not None:
-        return max_tokens
-    return max(1, max_model_len - prompt_len)
-
-
-def build_core_request(prompts: list[list[int]], num_samples: int, params: dict[str, Any],
-                       adapter: str | None) -> CoreSampleRequest:
-    """The core's own request model, so the core's checks (vocab, context, limits) apply unchanged."""
-    try:
-        return CoreSampleRequest(prompts=prompts, num_samples=num_samples,
-                                 sampling_params=CoreSamplingParams(**params), adapter=adapter)
-    except ValidationError as e:
-        raise validation_error(e) from None
 
 
 # ---------------------------------------------------------------------------- Tinker requests
@@ -214,13 +154,13 @@ def tinker_to_core(req: TinkerSampleRequest, adapter: str | None, max_model_len:
 
 # ---------------------------------------------------------------------------- Tinker responses
 
-# Imported here, not copied: the SDK package is a dependency and owns the schema.
-from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
-
 _PB_STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
-def _masked_prompt_logprobs(values: list[float | None], last_n: int | None) -> list[float | None]:
+T = TypeVar("T")
+
+
+def _masked_prompt_logprobs(values: list[T | None], last_n: int | None) -> list[T | None]:
     if last_n is None:
         return values
     cut = len(values) - last_n
@@ -262,14 +202,14 @@ def encode_proto(resp: CoreSampleResponse, shape: ResponseShape) -> bytes:
         plp = _masked_prompt_logprobs(result.prompt_logprobs, shape.last_n)
         msg.prompt_logprobs = array("f", [math.nan if v is None else v for v in plp]).tobytes()
     if shape.topk_prompt and result.topk_prompt_logprobs is not None:
-        rows = _masked_prompt_logprobs(result.topk_prompt_logprobs, shape.last_n)  # type: ignore[arg-type]
-        msg.topk_prompt_logprobs.CopyFrom(_pb_topk(rows, shape.topk_prompt))  # type: ignore[arg-type]
-    return msg.SerializeToString()
+        rows = _masked_prompt_logprobs(result.topk_prompt_logprobs, shape.last_n)
+        msg.topk_prompt_logprobs.CopyFrom(_pb_topk(rows, shape.topk_prompt))
+    encoded: bytes = msg.SerializeToString()
+    return encoded
 
 
 def _json_topk(rows: list[dict[int, float] | None], k: int) -> list[list[list[float]] | None]:
-    return [None if not row else [[t, lp] for t, lp in sorted(row.items(), key=lambda kv: -kv[1])[:k]]
-            for row in rows]
+    return [topk_pairs(row, k) for row in rows]
 
 
 def encode_json(resp: CoreSampleResponse, shape: ResponseShape) -> bytes:
@@ -287,7 +227,7 @@ def encode_json(resp: CoreSampleResponse, shape: ResponseShape) -> bytes:
     if shape.prompt_logprobs and result.prompt_logprobs is not None:
         body["prompt_logprobs"] = _masked_prompt_logprobs(result.prompt_logprobs, shape.last_n)
     if shape.topk_prompt and result.topk_prompt_logprobs is not None:
-        rows = _masked_prompt_logprobs(result.topk_prompt_logprobs, shape.last_n)  # type: ignore[arg-type]
-        body["topk_prompt_logprobs"] = _json_topk(rows, shape.topk_prompt)  # type: ignore[arg-type]
+        rows = _masked_prompt_logprobs(result.topk_prompt_logprobs, shape.last_n)
+        body["topk_prompt_logprobs"] = _json_topk(rows, shape.topk_prompt)
     # NaN is not JSON: a missing sampled-token logprob becomes null.
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

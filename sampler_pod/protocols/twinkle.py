@@ -14,17 +14,18 @@ penalty, include_stop_str_in_output) are refused with a 400 naming them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from ..core import SamplerCore
-from ..errors import InvalidRequest, NotFound
-from ..schemas import SampleResponse as CoreSampleResponse
-from .tinker_wire import MAX_TOPK, build_core_request, check_seed, default_max_tokens, parse_stop, validation_error
+from ..core.sampler import SamplerCore
+from ..core.schemas import SampleResponse as CoreSampleResponse
+from ..errors import InvalidRequest, NotFound, validation_error
+from .common import MAX_TOPK, build_core_request, check_seed, default_max_tokens, parse_stop, topk_pairs
 
 
 class TwinkleSamplingParams(BaseModel):
@@ -105,7 +106,9 @@ def resolve_adapter(core: SamplerCore, name: str, uri: str | None) -> str | None
 
 def twinkle_params(sp: TwinkleSamplingParams, prompts: list[list[int]], max_model_len: int) -> dict[str, Any]:
     if sp.repetition_penalty != 1.0:
-        raise InvalidRequest("repetition_penalty is not supported by this server", field="sampling_params.repetition_penalty")
+        raise InvalidRequest(
+            "repetition_penalty is not supported by this server", field="sampling_params.repetition_penalty"
+        )
     if sp.include_stop_str_in_output:
         raise InvalidRequest("include_stop_str_in_output is not supported by this server",
                              field="sampling_params.include_stop_str_in_output")
@@ -126,10 +129,6 @@ def twinkle_params(sp: TwinkleSamplingParams, prompts: list[list[int]], max_mode
     }
 
 
-def _pairs(row: dict[int, float] | None, k: int) -> list[list[float]] | None:
-    return None if not row else [[t, lp] for t, lp in sorted(row.items(), key=lambda kv: -kv[1])[:k]]
-
-
 def twinkle_response(resp: CoreSampleResponse, sp: TwinkleSamplingParams,
                      decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
     k = sp.logprobs or 0
@@ -141,12 +140,12 @@ def twinkle_response(resp: CoreSampleResponse, sp: TwinkleSamplingParams,
             seq: dict[str, Any] = {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs,
                                    "decoded": decode(s.tokens) if decode else None, "new_input_feature": None}
             if k and s.top_logprobs is not None:
-                seq["topk_logprobs"] = [_pairs(row, k) for row in s.top_logprobs]
+                seq["topk_logprobs"] = [topk_pairs(row, k) for row in s.top_logprobs]
             seqs.append(seq)
         samples.append({
             "sequences": seqs,
             "prompt_logprobs": pr.prompt_logprobs if sp.prompt_logprobs is not None else None,
-            "topk_prompt_logprobs": ([_pairs(row, kp) for row in pr.topk_prompt_logprobs]
+            "topk_prompt_logprobs": ([topk_pairs(row, kp) for row in pr.topk_prompt_logprobs]
                                      if kp and pr.topk_prompt_logprobs is not None else None),
         })
     return {"samples": samples, "weights_version": resp.weights_version, "weights_label": resp.weights_label,
@@ -160,31 +159,36 @@ def decoder(engine: Any) -> Callable[[list[int]], str] | None:
     return None if tok is None else tok.decode
 
 
-def twinkle_router(core: SamplerCore) -> APIRouter:
-    r = APIRouter(prefix="/twinkle", tags=["twinkle"])
+router = APIRouter(prefix="/twinkle", tags=["twinkle"])
 
-    @r.post("/create")
-    async def create() -> Response:
-        # Twinkle clients call this as a handshake before sampling.
-        return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @r.post("/sample")
-    async def sample(request: Request) -> Response:
-        try:
-            body = TwinkleSampleRequest.model_validate_json(await request.body() or b"{}")
-        except ValidationError as e:
-            raise validation_error(e) from None
-        prompts = parse_inputs(body.inputs)
-        sp = body.sampling_params or TwinkleSamplingParams()
-        engine = core.require_serving()
-        adapter = resolve_adapter(core, body.adapter_name, body.adapter_uri)
-        req = build_core_request(prompts, sp.num_samples, twinkle_params(sp, prompts, engine.max_model_len), adapter)
-        resp = await core.sample(req)
-        if any(s.stop_reason == "abort" for p in resp.results for s in p.sequences):
-            # Twinkle's client schema only knows length/stop; an engine abort is a retryable failure.
-            return Response(orjson.dumps({"error": {"category": "aborted", "message": "sampling was aborted by "
-                                                    "the engine; retry"}}), status_code=503,
-                            media_type="application/json", headers={"Retry-After": "1"})
-        return Response(orjson.dumps(twinkle_response(resp, sp, decoder(engine))), media_type="application/json")
+def _core(request: Request) -> SamplerCore:
+    core: SamplerCore = request.app.state.core
+    return core
 
-    return r
+
+@router.post("/create")
+async def create() -> Response:
+    # Twinkle clients call this as a handshake before sampling.
+    return Response(b'{"status":"ok"}', media_type="application/json")
+
+
+@router.post("/sample")
+async def sample(request: Request) -> Response:
+    core = _core(request)
+    try:
+        body = TwinkleSampleRequest.model_validate_json(await request.body() or b"{}")
+    except ValidationError as e:
+        raise validation_error(e) from None
+    prompts = parse_inputs(body.inputs)
+    sp = body.sampling_params or TwinkleSamplingParams()
+    engine = core.require_serving()
+    adapter = resolve_adapter(core, body.adapter_name, body.adapter_uri)
+    req = build_core_request(prompts, sp.num_samples, twinkle_params(sp, prompts, engine.max_model_len), adapter)
+    resp = await core.sample(req)
+    if any(s.stop_reason == "abort" for p in resp.results for s in p.sequences):
+        # Twinkle's client schema only knows length/stop; an engine abort is a retryable failure.
+        return Response(orjson.dumps({"error": {"category": "aborted", "message": "sampling was aborted by "
+                                                "the engine; retry"}}), status_code=503,
+                        media_type="application/json", headers={"Retry-After": "1"})
+    return Response(orjson.dumps(twinkle_response(resp, sp, decoder(engine))), media_type="application/json")

@@ -55,7 +55,7 @@ echo "[test-node] node-up: $(el "$t")" >&2
 cd "$REPO_ROOT"
 t=$(ts)
 timeout --kill-after=30 "${NODE_TEST_TIMEOUT:-1800}" \
-  "$K8S_SCRIPTS/node-exec.sh" --state "$S" "$PY" -m pytest -m node tests/operator -q "$@" 9>&-
+  "$K8S_SCRIPTS/node-exec.sh" --state "$S" "$PY" -m pytest -m node tests/operator/node -q "$@" 9>&-
 rc=$?
 echo "[test-node] pytest exited $rc after $(el "$t")" >&2
 exit $rc

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from tests.helpers.server import RunningServer, run_server
+from tests.support.server import RunningServer, run_server
 
 
 @pytest.fixture(scope="session")

@@ -6,15 +6,16 @@ import re
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers.bad_requests import BAD_REQUESTS, GOOD
-from tests.helpers.server import RunningServer, run_server
+from tests.support.bad_requests import BAD_REQUESTS, GOOD
+from tests.support.server import RunningServer, run_server
 
 
 def body(max_tokens: int = 32, **sp: Any) -> dict[str, Any]:
@@ -101,7 +102,9 @@ def test_stop_token_ids_end_the_sequence(shared_server: RunningServer) -> None:
 def test_tiny_timeout_fails_alone(shared_server: RunningServer) -> None:
     with shared_server.client() as c, ThreadPoolExecutor(9) as pool:
         normal = [pool.submit(c.post, "/v1/sample", json=body(64, temperature=1.0)) for _ in range(8)]
-        slow = pool.submit(c.post, "/v1/sample", json={**body(400, temperature=1.0, ignore_eos=True), "timeout_s": 0.05})
+        slow = pool.submit(
+            c.post, "/v1/sample", json={**body(400, temperature=1.0, ignore_eos=True), "timeout_s": 0.05}
+        )
         assert all(f.result().status_code == 200 for f in normal)
         r = slow.result()
         assert r.status_code == 504 and r.json()["error"]["category"] == "timeout"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from sampler_pod.startup_lock import TRACE_ENV
-from tests.helpers.lock_trace import assert_serialized
-from tests.helpers.server import run_server, wait_healthy
+from sampler_pod.engine.startup_lock import TRACE_ENV
+from tests.support.lock_trace import assert_serialized
+from tests.support.server import run_server, wait_healthy
 
 
 def test_two_real_engines_take_turns(tiny_model: Path, tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.helpers.server import RunningServer, run_server
+from tests.support.server import RunningServer, run_server
 
 PROMPT = [1, 20, 30, 40, 50, 60]
 KEY = "tml-test-key"
@@ -59,7 +60,7 @@ def test_seeded_sdk_samples_equal_native(shared_server: RunningServer, sdk: tink
     assert [s.tokens for s in got.sequences] == [s["tokens"] for s in want["sequences"]]
     assert [s.stop_reason for s in got.sequences] == [s["stop_reason"] for s in want["sequences"]]
     # float32 on the wire: equal to the native float64 rounded to float32.
-    for g, w in zip(got.sequences, want["sequences"]):
+    for g, w in zip(got.sequences, want["sequences"], strict=True):
         assert np.array_equal(g.logprobs_np, np.asarray(w["logprobs"], dtype=np.float32))
 
 
@@ -85,7 +86,9 @@ def test_greedy_is_deterministic_and_stop_tokens_end_with_stop(shared_server: Ru
                      types.SamplingParams(max_tokens=16, temperature=0.0, stop=[tokens[stop_at]])).result()
     assert cut.sequences[0].stop_reason == "stop" and cut.sequences[0].tokens == tokens[:stop_at + 1]
     # stop=[] disables every stop (EOS included): always max_tokens tokens.
-    full = sdk.sample(types.ModelInput.from_ints(PROMPT), 4, types.SamplingParams(max_tokens=40, seed=3, stop=[])).result()
+    full = sdk.sample(
+        types.ModelInput.from_ints(PROMPT), 4, types.SamplingParams(max_tokens=40, seed=3, stop=[])
+    ).result()
     assert all(len(s.tokens) == 40 and s.stop_reason == "length" for s in full.sequences)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.helpers.server import RunningServer
+from tests.support.server import RunningServer
 
 PROMPTS = [[1, 20, 30, 40, 50], [7, 8, 9]]
 
@@ -28,14 +28,18 @@ def test_shape_and_seeds_equal_native(shared_server: RunningServer) -> None:
     want = native(shared_server, PROMPTS, 2, max_tokens=20, seed=42, logprobs=2, prompt_logprobs=True,
                   topk_prompt_logprobs=1)
     assert len(out["samples"]) == 2
-    for sample, res, prompt in zip(out["samples"], want["results"], PROMPTS):
+    for sample, res, prompt in zip(out["samples"], want["results"], PROMPTS, strict=True):
         assert [s["tokens"] for s in sample["sequences"]] == [s["tokens"] for s in res["sequences"]]
         assert [s["logprobs"] for s in sample["sequences"]] == [s["logprobs"] for s in res["sequences"]]
         for seq in sample["sequences"]:
             assert seq["stop_reason"] in ("stop", "length") and isinstance(seq["decoded"], str)
-            assert len(seq["topk_logprobs"]) == len(seq["tokens"]) and all(len(row) <= 2 for row in seq["topk_logprobs"])
+            assert len(seq["topk_logprobs"]) == len(seq["tokens"]) and all(
+                len(row) <= 2 for row in seq["topk_logprobs"]
+            )
         assert sample["prompt_logprobs"] == res["prompt_logprobs"] and len(sample["prompt_logprobs"]) == len(prompt)
-        assert sample["topk_prompt_logprobs"][0] is None and all(len(r) == 1 for r in sample["topk_prompt_logprobs"][1:])
+        assert sample["topk_prompt_logprobs"][0] is None and all(
+            len(r) == 1 for r in sample["topk_prompt_logprobs"][1:]
+        )
     again = twinkle(shared_server, PROMPTS, max_tokens=20, seed=42, num_samples=2)
     assert [[s["tokens"] for s in x["sequences"]] for x in again["samples"]] == \
         [[s["tokens"] for s in x["sequences"]] for x in out["samples"]]

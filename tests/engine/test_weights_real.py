@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import math
-import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers import corrupt_checkpoints as cc
-from tests.helpers.checkpoints import hf_greedy, hf_prompt_logprobs, make_lora_adapter, perturbed_checkpoint
-from tests.helpers.server import RunningServer, run_server
+from tests.support import corrupt_checkpoints as cc
+from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, make_lora_adapter, perturbed_checkpoint
+from tests.support.server import RunningServer, run_server
 
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
 
@@ -70,8 +69,8 @@ def test_valid_checkpoint_loads_and_matches_hf_reference(wenv: WeightsEnv) -> No
         tokens, version = greedy(c)
         health = c.get("/health").json()
     ref = hf_prompt_logprobs(new, PROMPT)
-    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-3, (got, ref)
-    assert max(abs(a - b) for a, b in zip(old, ref)) > 1e-2  # really new weights
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-3, (got, ref)
+    assert max(abs(a - b) for a, b in zip(old, ref, strict=True)) > 1e-2  # really new weights
     assert tokens == hf_greedy(new, PROMPT, 16)[: len(tokens)]
     assert version == before_version + 1 and health["weights_label"] == "step-1" and health["status"] == "ok"
 
@@ -140,13 +139,13 @@ def retrieve(c: httpx.Client, request_id: str) -> dict[str, Any]:
 def test_fifty_ordinary_failures_do_not_change_health(wenv: WeightsEnv) -> None:
     bad = cc.build_case("wrong_shape", wenv.model, root=wenv.root, outside=wenv.outside, name="bad-50")
     with wenv.server.client() as c:
-        for i in range(20):
+        for _ in range(20):
             assert c.post("/v1/sample", json={"prompts": [[1, 10**6]]}).status_code == 400
-        for i in range(15):
+        for _ in range(15):
             r = c.post("/v1/sample", json={"prompts": [PROMPT], "sampling_params": {"max_tokens": 300},
                                            "timeout_s": 0.01})
             assert r.status_code == 504, r.text
-        for i in range(15):
+        for _ in range(15):
             assert load(c, bad.request_path, "nope").status_code == 400
         h = c.get("/health")
         assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["in_flight"] == 0
@@ -175,9 +174,9 @@ def test_lora_adapter_matches_hf_peft_and_can_be_replaced(wenv: WeightsEnv) -> N
         with_a2 = prompt_logprobs(c, "policy")
         assert c.delete("/v1/adapters/nope").status_code == 404
     ref1, ref2 = hf_prompt_logprobs(current, PROMPT, a1), hf_prompt_logprobs(current, PROMPT, a2)
-    assert max(abs(a - b) for a, b in zip(base, with_a1)) > 1e-2  # the adapter changes outputs
-    assert max(abs(a - b) for a, b in zip(with_a1, ref1)) < 2e-3, (with_a1, ref1)
-    assert max(abs(a - b) for a, b in zip(with_a2, ref2)) < 2e-3, (with_a2, ref2)
+    assert max(abs(a - b) for a, b in zip(base, with_a1, strict=True)) > 1e-2  # the adapter changes outputs
+    assert max(abs(a - b) for a, b in zip(with_a1, ref1, strict=True)) < 2e-3, (with_a1, ref1)
+    assert max(abs(a - b) for a, b in zip(with_a2, ref2, strict=True)) < 2e-3, (with_a2, ref2)
 
 
 # ------------------------------------------------------------ the uncertain write (its own server)

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from sampler_pod.admission import AdmissionController
+from sampler_pod.core.admission import AdmissionController
+from sampler_pod.core.futures import FutureStore
+from sampler_pod.core.rwlock import RWLock
 from sampler_pod.errors import Expired, InvalidRequest, NotFound, Overloaded
-from sampler_pod.futures import FutureStore
-from sampler_pod.rwlock import RWLock
 
 
 def test_admission_rejects_past_limit_with_retry_after() -> None:

@@ -6,14 +6,18 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from sampler_pod.checkpoint_validation import (
+from sampler_pod.errors import SamplerError
+from sampler_pod.weights.safetensors_header import SafetensorsHeaderError, read_header
+from sampler_pod.weights.validation import (
     CheckpointInvalid,
     TensorSpec,
     ValidatedCheckpoint,
@@ -23,9 +27,7 @@ from sampler_pod.checkpoint_validation import (
     validate_checkpoint,
     validate_lora_adapter,
 )
-from sampler_pod.errors import SamplerError
-from sampler_pod.safetensors_header import SafetensorsHeaderError, read_header
-from tests.helpers import corrupt_checkpoints as cc
+from tests.support import corrupt_checkpoints as cc
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -63,7 +65,7 @@ def tiny_sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _tiny_llama(seed: int = 0):  # type: ignore[no-untyped-def]
+def _tiny_llama(seed: int = 0) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -94,7 +96,7 @@ def _copy_into(src: Path, root: Path, name: str = "ckpt") -> Path:
     return Path(shutil.copytree(src, root / name))
 
 
-def _raises(fn, *args, **kw) -> CheckpointInvalid:  # type: ignore[no-untyped-def]
+def _raises(fn: Callable[..., Any], *args: Any, **kw: Any) -> CheckpointInvalid:
     with pytest.raises(CheckpointInvalid) as ei:
         fn(*args, **kw)
     return ei.value
@@ -266,13 +268,13 @@ def test_field_name_is_configurable(root: Path) -> None:
 # --------------------------------------------------------------------------- headers
 
 
-def _write(path: Path, header: dict | bytes, data: bytes = b"") -> Path:  # type: ignore[type-arg]
+def _write(path: Path, header: dict[str, Any] | bytes, data: bytes = b"") -> Path:
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
     return path
 
 
-def _entry(dtype: str, shape: list[int], begin: int, end: int) -> dict:  # type: ignore[type-arg]
+def _entry(dtype: str, shape: list[int], begin: int, end: int) -> dict[str, Any]:
     return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
 
 
@@ -295,7 +297,7 @@ def _entry(dtype: str, shape: list[int], begin: int, end: int) -> dict:  # type:
         (b"\xff\xfe", b"", "UTF-8 JSON", None),
     ],
 )
-def test_header_checks(tmp_path: Path, header: dict | bytes, data: bytes, needle: str,  # type: ignore[type-arg]
+def test_header_checks(tmp_path: Path, header: dict[str, Any] | bytes, data: bytes, needle: str,
                        tensor: str | None) -> None:
     path = _write(tmp_path / "x.safetensors", header, data)
     with pytest.raises(SafetensorsHeaderError) as ei:
@@ -304,7 +306,7 @@ def test_header_checks(tmp_path: Path, header: dict | bytes, data: bytes, needle
     if needle == "twice":
         return  # deliberately stricter than the reference reader, which keeps one of the two entries
     # The reference implementation refuses the same file, so nothing passes here and fails in the engine.
-    with pytest.raises(Exception):
+    with pytest.raises(SafetensorError):
         with safe_open(str(path), "pt") as f:
             [f.get_tensor(k) for k in f.keys()]
 
@@ -459,7 +461,9 @@ def test_lora_valid(adapter: Path, root: Path, lora_dirs: dict[str, Path]) -> No
     v = validate_lora_adapter("adapter", [root], max_rank=16, base_schema=base_schema)
     assert v.rank == v.max_module_rank == LORA_RANK and v.lora_alpha == 8.0
     assert sorted(v.target_modules) == ["q_proj", "v_proj"]
-    assert [m.name for m in v.modules] == [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]
+    assert [m.name for m in v.modules] == [
+        f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")
+    ]
     assert all((m.in_features, m.out_features) == (64, 64) for m in v.modules)
     assert v.total_bytes == (adapter / "adapter_model.safetensors").stat().st_size
     json.dumps(v.to_dict())
@@ -527,7 +531,7 @@ def test_lora_truncated_weights(adapter: Path, root: Path) -> None:
     assert (err.code, err.file) == ("truncated", "adapter_model.safetensors") and err.tensor
 
 
-def _edit_adapter_tensors(adapter: Path, edit) -> None:  # type: ignore[no-untyped-def]
+def _edit_adapter_tensors(adapter: Path, edit: Callable[[list[cc.RawTensor]], list[cc.RawTensor]]) -> None:
     p = adapter / "adapter_model.safetensors"
     meta, tensors = cc.read_raw(p)
     cc.write_raw(p, edit(tensors), meta)

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from sampler_pod.core.schemas import SampleRequest
 from sampler_pod.errors import Overloaded, RequestTimedOut, UncertainWeights
-from sampler_pod.schemas import SampleRequest
-from tests.helpers.inproc import fake_core
+from tests.support.inproc import fake_core
 
 
 def req(max_tokens: int = 8, **kw: object) -> SampleRequest:
@@ -45,7 +45,7 @@ async def test_timeout_fails_alone_and_frees_slot_after_engine_exit() -> None:
 
 
 async def test_slot_held_until_engine_really_lets_go(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sampler_pod.core as core_mod
+    import sampler_pod.core.sampler as core_mod
 
     monkeypatch.setattr(core_mod, "ABORT_GRACE_S", 0.2)
     core, engine = fake_core(token_delay_s=0.01)
@@ -53,9 +53,9 @@ async def test_slot_held_until_engine_really_lets_go(monkeypatch: pytest.MonkeyP
     real_generate = engine.generate
 
     async def stuck(rid: str, *a: object) -> object:
-        return await real_generate(rid + engine.stuck_marker, *a)  # type: ignore[arg-type]
+        return await real_generate(rid + engine.stuck_marker, *a)
 
-    engine.generate = stuck  # type: ignore[method-assign]
+    engine.generate = stuck
     task = asyncio.create_task(core.sample(req(400, timeout_s=0.05)))
     await asyncio.sleep(0.1)
     assert core.admission.in_flight == 1  # timed out, but the engine has not let go yet

@@ -6,11 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.bad_requests import GOOD
-from tests.helpers.inproc import fake_client, fake_core
-from tests.helpers.server import free_port
+from tests.support import REPO_ROOT
+from tests.support.bad_requests import GOOD
+from tests.support.inproc import fake_client, fake_core
+from tests.support.server import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 
 
 async def test_dead_engine_fails_health_and_liveness() -> None:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from tests.helpers.bad_requests import BAD_REQUESTS, GOOD
-from tests.helpers.inproc import fake_client, fake_core
+from tests.support.bad_requests import BAD_REQUESTS, GOOD
+from tests.support.inproc import fake_client, fake_core
 
 
 @pytest.mark.parametrize("case,body,status,field", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])

@@ -17,12 +17,12 @@ import tinker
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
-from sampler_pod.engine import AdapterRef
+from sampler_pod.engine.base import AdapterRef
+from sampler_pod.errors import InvalidRequest
 from sampler_pod.protocols import tinker as tinker_routes
 from sampler_pod.protocols.tinker_wire import TinkerSampleRequest, _topk_rows, parse_stop, tinker_to_core
-from sampler_pod.errors import InvalidRequest
-from tests.helpers.inproc import fake_client, fake_core
-from tests.helpers.server import run_server
+from tests.support.inproc import fake_client, fake_core
+from tests.support.server import run_server
 
 PB = {"Accept": "application/x-protobuf"}
 
@@ -44,7 +44,9 @@ async def submit_and_get(c: httpx.AsyncClient, body: dict[str, Any], headers: di
 async def test_session_flow_and_protobuf_sample() -> None:
     core, _ = fake_core()
     async with fake_client(core) as c:
-        assert (await c.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})).json()["pjwt_auth_enabled"] is False
+        assert (await c.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})).json()[
+            "pjwt_auth_enabled"
+        ] is False
         sid = (await c.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0",
                                                              "type": "create_session"})).json()["session_id"]
         assert (await c.post("/api/v1/session_heartbeat", json={"session_id": sid})).status_code == 200
@@ -58,7 +60,9 @@ async def test_session_flow_and_protobuf_sample() -> None:
         got = await c.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}, headers=PB)
         assert got.headers["content-type"] == "application/x-protobuf"
         resp = deserialize_sample_response(got.content)
-        assert len(resp.sequences) == 3 and all(len(s.tokens) == 5 and s.stop_reason == "length" for s in resp.sequences)
+        assert len(resp.sequences) == 3 and all(
+            len(s.tokens) == 5 and s.stop_reason == "length" for s in resp.sequences
+        )
         assert resp.prompt_logprobs is not None and resp.prompt_logprobs[0] is None and len(resp.prompt_logprobs) == 4
         # Sessions end: a heartbeat after finish says "gone", which stops the SDK's heartbeat loop.
         assert (await c.post(f"/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}})).status_code == 200
@@ -78,9 +82,15 @@ async def test_retrieve_semantics_try_again_410_and_unknown() -> None:
     async with fake_client(core) as c:
         tinker_routes.LONG_POLL_S, old = 0.01, tinker_routes.LONG_POLL_S
         try:
-            rid = (await c.post("/api/v1/asample", json=sample_body(sampling_params={"max_tokens": 40}))).json()["request_id"]
+            rid = (await c.post("/api/v1/asample", json=sample_body(sampling_params={"max_tokens": 40}))).json()[
+                "request_id"
+            ]
             r = await c.post("/api/v1/retrieve_future", json={"request_id": rid})
-            assert r.status_code == 200 and r.json() == {"type": "try_again", "request_id": rid, "queue_state": "active"}
+            assert r.status_code == 200 and r.json() == {
+                "type": "try_again",
+                "request_id": rid,
+                "queue_state": "active",
+            }
         finally:
             tinker_routes.LONG_POLL_S = old
         assert (await c.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=PB)).status_code == 200
@@ -92,7 +102,9 @@ async def test_retrieve_semantics_try_again_410_and_unknown() -> None:
 async def test_asample_429_when_full() -> None:
     core, _ = fake_core(token_delay_s=0.02, concurrent_task_limit=1)
     async with fake_client(core) as c:
-        assert (await c.post("/api/v1/asample", json=sample_body(sampling_params={"max_tokens": 30}))).status_code == 200
+        assert (
+            await c.post("/api/v1/asample", json=sample_body(sampling_params={"max_tokens": 30}))
+        ).status_code == 200
         r = await c.post("/api/v1/asample", json=sample_body())
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
 
@@ -179,7 +191,9 @@ async def test_model_path_selects_adapter_or_label_and_refuses_unknown() -> None
         assert deserialize_sample_response(pinned.content).sequences[0].tokens == base
         for kw, field in [({"model_path": "tinker://run-1/weights/nope"}, "model_path"),
                           ({"base_model": "Qwen/Qwen3-8B"}, "base_model")]:
-            r = await c.post("/api/v1/create_sampling_session", json={"session_id": "s", "sampling_session_seq_id": 0, **kw})
+            r = await c.post(
+                "/api/v1/create_sampling_session", json={"session_id": "s", "sampling_session_seq_id": 0, **kw}
+            )
             assert r.status_code == 404 and r.json()["error"]["field"] == field
             assert (await c.post("/api/v1/asample", json=sample_body(**kw))).status_code == 404
 
@@ -201,7 +215,9 @@ async def test_api_key_required_when_configured_health_open() -> None:
         assert (await c.post("/api/v1/client/config", json={})).status_code == 401
         r = await c.post("/api/v1/asample", json=sample_body(), headers={"X-API-Key": "tml-wrong"})
         assert r.status_code == 401
-        assert (await c.post("/api/v1/asample", json=sample_body(), headers={"X-API-Key": "tml-secret"})).status_code == 200
+        assert (
+            await c.post("/api/v1/asample", json=sample_body(), headers={"X-API-Key": "tml-secret"})
+        ).status_code == 200
 
 
 def test_real_sdk_over_http_on_fake_engine(tiny_model: Path) -> None:
@@ -233,6 +249,8 @@ async def test_concurrent_retrieves_long_poll_together() -> None:
     async with fake_client(core) as c:
         rids = [(await c.post("/api/v1/asample", json=sample_body(sampling_params={"max_tokens": 20, "seed": i}))
                  ).json()["request_id"] for i in range(16)]
-        got = await asyncio.gather(*(c.post("/api/v1/retrieve_future", json={"request_id": r}, headers=PB) for r in rids))
+        got = await asyncio.gather(
+            *(c.post("/api/v1/retrieve_future", json={"request_id": r}, headers=PB) for r in rids)
+        )
         assert all(g.status_code == 200 for g in got)
         assert engine.max_running >= 8

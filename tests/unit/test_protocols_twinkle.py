@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from sampler_pod.engine import AdapterRef
-from tests.helpers.inproc import fake_client, fake_core
+from sampler_pod.engine.base import AdapterRef
+from tests.support.inproc import fake_client, fake_core
 
 
 def body(inputs: Any = None, **sp: Any) -> dict[str, Any]:
@@ -23,7 +23,7 @@ async def test_shape_multiple_inputs_and_samples() -> None:
         assert r.status_code == 200, r.text
         out = r.json()
         assert len(out["samples"]) == 2 and out["weights_version"] == 0
-        for sample, plen in zip(out["samples"], [3, 2]):
+        for sample, plen in zip(out["samples"], [3, 2], strict=True):
             assert len(sample["sequences"]) == 2
             assert len(sample["prompt_logprobs"]) == plen and sample["prompt_logprobs"][0] is None
             for seq in sample["sequences"]:
@@ -36,8 +36,10 @@ async def test_shape_multiple_inputs_and_samples() -> None:
 async def test_seeds_reproduce_and_differ() -> None:
     core, _ = fake_core()
     async with fake_client(core) as c:
-        a, b, other = [(await c.post("/twinkle/sample", json=body(seed=s))).json()["samples"][0]["sequences"][0]["tokens"]
-                       for s in (7, 7, 8)]
+        a, b, other = [
+            (await c.post("/twinkle/sample", json=body(seed=s))).json()["samples"][0]["sequences"][0]["tokens"]
+            for s in (7, 7, 8)
+        ]
         assert a == b != other
 
 
@@ -85,4 +87,6 @@ async def test_api_key_applies_to_twinkle() -> None:
     core, _ = fake_core(api_key="tml-secret")
     async with fake_client(core) as c:
         assert (await c.post("/twinkle/sample", json=body())).status_code == 401
-        assert (await c.post("/twinkle/sample", json=body(), headers={"Authorization": "Bearer tml-secret"})).status_code == 200
+        assert (
+            await c.post("/twinkle/sample", json=body(), headers={"Authorization": "Bearer tml-secret"})
+        ).status_code == 200

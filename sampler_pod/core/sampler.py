@@ -1,0 +1,236 @@
+"""The sampling core: one code path below every HTTP protocol (native, Tinker, Twinkle).
+
+A request's life:
+    check (4xx) -> admit (429) -> [task] read-lock (waits during a weight write)
+    -> engine calls with a deadline -> abort + wait on timeout -> release slot.
+Exactly one terminal state per admitted request: ok | timeout | error | cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ServerConfig
+from ..engine.base import AdapterRef, Engine, EngineDead, EngineRejected, GenerationOutput
+from ..errors import EngineFailure, EngineUnavailable, InvalidRequest, RequestTimedOut, SamplerError, UncertainWeights
+from .admission import AdmissionController, Slot
+from .futures import FutureStore
+from .health import HealthReport, WeightsState, health_status
+from .metrics import Metrics
+from .request_checks import ModelLimits, check_sample_request, effective_timeout, generation_spec
+from .rwlock import RWLock
+from .schemas import PromptResult, SampleRequest, SampleResponse, Sequence
+
+log = logging.getLogger(__name__)
+
+# After an abort, how long the engine gets to confirm it let go before we cancel the call.
+ABORT_GRACE_S = 10.0
+
+
+@dataclass
+class SamplerCore:
+    cfg: ServerConfig
+    metrics: Metrics = field(default_factory=Metrics)
+    engine: Engine | None = None
+    startup_error: str | None = None
+    weights: WeightsState = field(default_factory=WeightsState)
+    adapters: dict[str, AdapterRef] = field(default_factory=dict)
+    lock: RWLock = field(default_factory=RWLock)
+
+    model_dir: str | None = None
+
+    def set_model_dir(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+
+    def __post_init__(self) -> None:
+        self.admission = AdmissionController(limit=self.cfg.concurrent_task_limit)
+        self.futures = FutureStore(ttl_s=self.cfg.future_ttl_s)
+        self._engine_running = 0
+        self.engine_running_max = 0
+        self.write_lock_wait_max = 0.0
+        self.metrics.set_weights(self.weights.version, self.weights.label)
+        # Gauges read the live counts, so no code path can leave them stale.
+        self.metrics.in_flight.set_function(lambda: self.admission.in_flight)
+        self.metrics.engine_running.set_function(lambda: self._engine_running)
+        self.metrics.write_waiting.set_function(lambda: self.lock.writers_waiting)
+
+    # ------------------------------------------------------------------ state
+
+    def health(self) -> HealthReport:
+        dead = self.engine.dead_reason if self.engine is not None else None
+        status, reason = health_status(self.engine is not None, self.startup_error, dead, self.weights)
+        return HealthReport(status=status, reason=reason, weights_version=self.weights.version,
+                            weights_label=self.weights.label, in_flight=self.admission.in_flight,
+                            limit=self.admission.limit, model=self.cfg.model)
+
+    def require_serving(self) -> Engine:
+        """The engine, if this replica may serve now; else the 503 that says why."""
+        if self.weights.uncertain_reason is not None:
+            raise UncertainWeights(f"weights are uncertain ({self.weights.uncertain_reason}); "
+                                   "this replica must be replaced")
+        if self.engine is None:
+            raise EngineUnavailable(self.startup_error or "engine is starting", headers={"Retry-After": "5"})
+        dead = self.engine.dead_reason
+        if dead is not None:
+            raise EngineUnavailable(dead)
+        return self.engine
+
+    def limits(self, engine: Engine) -> ModelLimits:
+        return ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+                           max_num_samples=self.cfg.max_num_samples)
+
+    # ------------------------------------------------------------------ sampling
+
+    def admit(self, req: SampleRequest) -> tuple[Slot, float, AdapterRef | None]:
+        """Everything that can be refused synchronously: 4xx, 503, then 429 last."""
+        engine = self.require_serving()
+        check_sample_request(req, self.limits(engine))
+        timeout = effective_timeout(req.timeout_s, self.cfg.request_timeout_s, self.cfg.max_request_timeout_s)
+        adapter = None
+        if req.adapter is not None:
+            adapter = self.adapters.get(req.adapter)
+            if adapter is None:
+                # Never fall back to the base model silently.
+                raise InvalidRequest(f"unknown adapter {req.adapter!r}; loaded: {sorted(self.adapters)}",
+                                     field="adapter")
+        try:
+            slot = self.admission.try_admit()
+        except SamplerError:
+            self.metrics.rejected.inc()
+            raise
+        self.metrics.admitted.inc()
+        return slot, timeout, adapter
+
+    async def sample(self, req: SampleRequest) -> SampleResponse:
+        """Synchronous form: admit, run, wait. The work runs in its own task so a
+        client that disconnects never cuts it short of releasing its slot properly."""
+        request_id = uuid.uuid4().hex
+        slot, timeout, adapter = self.admit(req)
+        task = asyncio.ensure_future(self._run(request_id, req, slot, timeout, adapter))
+        return await asyncio.shield(task)
+
+    def submit(self, req: SampleRequest) -> str:
+        """Futures form: admit now (so 429/4xx come back at submit), run in the background."""
+        request_id = uuid.uuid4().hex
+        slot, timeout, adapter = self.admit(req)
+        return self.futures.submit(lambda: self._run(request_id, req, slot, timeout, adapter), request_id)
+
+    async def _run(self, request_id: str, req: SampleRequest, slot: Slot, timeout: float,
+                   adapter: AdapterRef | None) -> SampleResponse:
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        outcome = "error"
+        try:
+            resp = await self._read_locked(request_id, req, deadline, adapter)
+            outcome = "ok"
+            return resp
+        except RequestTimedOut:
+            outcome = "timeout"
+            self.metrics.timed_out.inc()
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            slot.release()
+            self.metrics.finished.labels(outcome=outcome).inc()
+            self.metrics.latency.observe(time.monotonic() - t0)
+
+    async def _read_locked(self, request_id: str, req: SampleRequest, deadline: float,
+                           adapter: AdapterRef | None) -> SampleResponse:
+        try:
+            waited = await self.lock.acquire_read(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise RequestTimedOut("timed out waiting for a weight load to finish", field="timeout_s") from None
+        try:
+            if waited > 0.001:
+                self.metrics.write_lock_wait.observe(waited)
+                self.write_lock_wait_max = max(self.write_lock_wait_max, waited)
+                self.metrics.write_lock_wait_max.set(self.write_lock_wait_max)
+            # The weights may have gone uncertain while we waited behind a writer.
+            engine = self.require_serving()
+            if adapter is not None and self.adapters.get(adapter.name) != adapter:
+                raise InvalidRequest(f"adapter {adapter.name!r} was removed or replaced while queued", field="adapter")
+            # Readers exclude writers, so this version holds for every token of every sequence.
+            version, label = self.weights.version, self.weights.label
+            outputs = await self._generate_all(engine, request_id, req, deadline, adapter)
+        finally:
+            await self.lock.release_read()
+        results = [
+            PromptResult(
+                sequences=[Sequence(tokens=s.tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                                    stop_reason=s.finish_reason, weights_version=version) for s in o.sequences],
+                prompt_logprobs=o.prompt_logprobs, topk_prompt_logprobs=o.topk_prompt_logprobs)
+            for o in outputs
+        ]
+        self.metrics.tokens.inc(sum(len(s.tokens) for o in outputs for s in o.sequences))
+        return SampleResponse(request_id=request_id, weights_version=version, weights_label=label,
+                              adapter=adapter.name if adapter else None, results=results)
+
+    async def _generate_all(self, engine: Engine, request_id: str, req: SampleRequest, deadline: float,
+                            adapter: AdapterRef | None) -> list[GenerationOutput]:
+        spec = generation_spec(req)
+        ids = [f"{request_id}-{i}" for i in range(len(req.prompts))]
+        tasks = [asyncio.ensure_future(self._engine_call(engine, rid, p, spec, adapter))
+                 for rid, p in zip(ids, req.prompts, strict=True)]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()),
+                                            return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            await self._abort_and_wait(engine, ids, tasks)
+            raise
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if pending or failed:
+            await self._abort_and_wait(engine, ids, tasks)
+        if failed:
+            error = failed[0].exception()
+            assert error is not None
+            raise _map_engine_error(error)
+        if pending:
+            raise RequestTimedOut(f"request {request_id} timed out and was aborted", field="timeout_s")
+        return [t.result() for t in tasks]
+
+    async def _engine_call(self, engine: Engine, rid: str, prompt: list[int], spec: Any,
+                           adapter: AdapterRef | None) -> GenerationOutput:
+        self._engine_running += 1
+        self.engine_running_max = max(self.engine_running_max, self._engine_running)
+        self.metrics.engine_running_max.set(self.engine_running_max)
+        try:
+            return await engine.generate(rid, prompt, spec, adapter)
+        finally:
+            self._engine_running -= 1
+
+    async def _abort_and_wait(self, engine: Engine, ids: list[str], tasks: list[asyncio.Task[Any]]) -> None:
+        """Abort unfinished engine calls and return only once they have really exited."""
+        live = [(rid, t) for rid, t in zip(ids, tasks, strict=True) if not t.done()]
+        for rid, _ in live:
+            try:
+                await engine.abort(rid)
+            except Exception:  # the engine may be dead; cancelling below still ends the call
+                log.exception("abort of %s failed", rid)
+        still = [t for _, t in live]
+        if still:
+            _, still_pending = await asyncio.wait(still, timeout=ABORT_GRACE_S)
+            for t in still_pending:
+                log.warning("engine did not confirm abort within %.0fs; cancelling the call", ABORT_GRACE_S)
+                t.cancel()
+            if still_pending:
+                await asyncio.wait(still_pending)
+        for t in tasks:  # mark exceptions observed
+            if t.done() and not t.cancelled():
+                t.exception()
+
+
+def _map_engine_error(e: BaseException) -> SamplerError:
+    if isinstance(e, SamplerError):
+        return e
+    if isinstance(e, EngineDead):
+        return EngineUnavailable(f"engine died: {e}")
+    if isinstance(e, EngineRejected):  # vLLM's own request validation: the client's fault
+        return InvalidRequest(f"engine rejected the request: {e}", field="sampling_params")
+    return EngineFailure(f"engine error: {type(e).__name__}: {e}")

@@ -1,0 +1,47 @@
+"""Engine startup: resolve the model, then build the engine under the pod-local startup lock.
+
+The model is resolved (and downloaded, for a hub id) BEFORE the lock: a slow download must
+not hold up a sibling engine's startup in the same pod. A failure is recorded on the core
+(`/health` reports `engine_dead` with the reason) and `on_fatal` stops the server, so the
+kubelet restarts the container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from ..config import ServerConfig
+from ..engine.startup_lock import resolve_model, start_under_lock
+from .sampler import SamplerCore
+
+log = logging.getLogger(__name__)
+
+
+def engine_starter(cfg: ServerConfig,
+                   on_fatal: Callable[[], None]) -> Callable[[SamplerCore], Coroutine[Any, Any, None]]:
+    async def start(core: SamplerCore) -> None:
+        try:
+            model_dir = await asyncio.to_thread(resolve_model, cfg.model)
+            core.set_model_dir(model_dir)
+            if cfg.engine == "fake":
+                from ..engine.fake import FakeEngine
+
+                core.engine = FakeEngine.for_model(model_dir)
+            else:
+                from ..engine.vllm import VllmEngine
+
+                core.engine = await start_under_lock(
+                    cfg.startup_lock_path, cfg.startup_lock_timeout_s,
+                    lambda: asyncio.to_thread(VllmEngine.create, model_dir, cfg))
+            log.info("engine ready: model=%s", model_dir)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            core.startup_error = f"engine startup failed: {type(e).__name__}: {e}"
+            log.error("%s", core.startup_error)
+            on_fatal()
+
+    return start

@@ -1,0 +1,109 @@
+"""A deterministic in-process engine with the same interface as `VllmEngine`.
+
+For fast unit tests of admission, futures, timeouts and locking, and for light pods
+in operator tests. It is never the only test of a path: the real-engine tier runs
+the same routes on vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .base import AdapterRef, FinishReason, GenerationOutput, GenerationSpec, SequenceOutput
+
+
+class FakeWriteFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class FakeEngine:
+    vocab_size: int = 512
+    max_model_len: int = 512
+    # Seconds per generated token: gives requests a duration so concurrency is observable.
+    token_delay_s: float = 0.001
+    running: set[str] = field(default_factory=set)
+    max_running: int = 0
+    weights_salt: int = 0
+    adapters: dict[str, AdapterRef] = field(default_factory=dict)
+    _aborted: set[str] = field(default_factory=set)
+    _dead: str | None = None
+    # Test hook: a request id containing this substring ignores aborts (a stuck engine call).
+    stuck_marker: str = "__stuck__"
+
+    @classmethod
+    def for_model(cls, model_dir: str, token_delay_s: float = 0.001) -> FakeEngine:
+        vocab, max_len = 512, 512
+        cfg = Path(model_dir) / "config.json"
+        if cfg.is_file():
+            data = json.loads(cfg.read_text())
+            vocab = int(data.get("vocab_size", vocab))
+            max_len = int(data.get("max_position_embeddings", max_len))
+        return cls(vocab_size=vocab, max_model_len=max_len, token_delay_s=token_delay_s)
+
+    def _token(self, *parts: object) -> int:
+        h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+        return int.from_bytes(h, "little") % self.vocab_size
+
+    async def generate(self, request_id: str, prompt: list[int], spec: GenerationSpec,
+                       adapter: AdapterRef | None) -> GenerationOutput:
+        if self._dead:
+            raise RuntimeError(self._dead)
+        self.running.add(request_id)
+        self.max_running = max(self.max_running, len(self.running))
+        try:
+            seqs = []
+            # Unseeded sampling still differs per call, as a real engine's would.
+            seed = spec.seed if spec.seed is not None else id(object())
+            for j in range(spec.n):
+                toks: list[int] = []
+                reason: FinishReason = "length"
+                for i in range(spec.max_tokens):
+                    await asyncio.sleep(self.token_delay_s)
+                    if request_id in self._aborted and self.stuck_marker not in request_id:
+                        reason = "abort"
+                        break
+                    key = (prompt, i, self.weights_salt, adapter.name if adapter else None)
+                    t = self._token(*key) if spec.temperature == 0 else self._token(*key, seed, j)
+                    toks.append(t)
+                    if t in spec.stop_token_ids:
+                        reason = "stop"
+                        break
+                seqs.append(SequenceOutput(tokens=toks, logprobs=[-math.log(self.vocab_size)] * len(toks),
+                                           finish_reason=reason))
+            plp = [None] + [-math.log(self.vocab_size)] * (len(prompt) - 1) if spec.prompt_logprobs else None
+            return GenerationOutput(sequences=seqs, prompt_logprobs=plp)
+        finally:
+            self.running.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self._aborted.add(request_id)
+
+    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int:
+        await asyncio.sleep(0.01)
+        if fail_after_tensors is not None:
+            # Mirrors vLLM: a failed in-place reload leaves the engine unusable.
+            self._dead = "weights half-written (fake engine)"
+            raise FakeWriteFailure(f"test seam: failing after {fail_after_tensors} tensors were written")
+        self.weights_salt += 1
+        return len(files)
+
+    async def add_adapter(self, ref: AdapterRef) -> None:
+        self.adapters[ref.name] = ref
+
+    async def remove_adapter(self, ref: AdapterRef) -> None:
+        self.adapters.pop(ref.name, None)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    async def shutdown(self) -> None:
+        return None

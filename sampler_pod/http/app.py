@@ -1,0 +1,54 @@
+"""`create_app`: the FastAPI application, assembled in one place (the shape of vLLM's `build_app`).
+
+Routers are thin and hold no state: the services live on `app.state` (`core`, `weights`,
+`tinker`), and authentication is applied here, once, to every router but the probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from fastapi import Depends, FastAPI
+
+from ..config import ServerConfig
+from ..core.sampler import SamplerCore
+from ..protocols import tinker, twinkle
+from ..weights.service import WeightsService
+from .auth import APIKeyAuth
+from .errors import BodyLimitMiddleware, install_error_handlers
+from .routes import health, native, weights
+
+EngineStarter = Callable[[SamplerCore], Coroutine[Any, Any, None]]
+
+
+def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore | None = None) -> FastAPI:
+    core = core or SamplerCore(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Start the engine in the background so /healthz and /health answer ("starting") at once.
+        app.state.startup_task = asyncio.create_task(start_engine(core))
+        try:
+            yield
+        finally:
+            app.state.startup_task.cancel()
+            await core.futures.close()
+            if core.engine is not None:
+                await core.engine.shutdown()
+
+    app = FastAPI(title="sampler-pod", version="0.1.0", lifespan=lifespan)
+    app.state.core = core
+    app.state.weights = WeightsService(core)
+    app.state.tinker = tinker.TinkerService(core)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    install_error_handlers(app)
+
+    for open_router in (health.router, tinker.probe_router):
+        app.include_router(open_router)
+    auth = [Depends(APIKeyAuth(cfg.api_key))]
+    for router in (native.router, weights.router, tinker.router, twinkle.router):
+        app.include_router(router, dependencies=auth)
+    return app

@@ -1,0 +1,37 @@
+"""The native sampling API: `/v1/sample` (wait for the result) and submit/retrieve (futures)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ...core.sampler import SamplerCore
+from ...core.schemas import RetrieveRequest, SampleRequest, SampleResponse, SubmitResponse
+
+router = APIRouter(prefix="/v1", tags=["sampling"])
+
+
+def _core(request: Request) -> SamplerCore:
+    core: SamplerCore = request.app.state.core
+    return core
+
+
+@router.post("/sample", response_model=SampleResponse)
+async def sample(req: SampleRequest, request: Request) -> SampleResponse:
+    return await _core(request).sample(req)
+
+
+@router.post("/sample/submit", response_model=SubmitResponse)
+async def submit(req: SampleRequest, request: Request) -> SubmitResponse:
+    return SubmitResponse(request_id=_core(request).submit(req))
+
+
+@router.post("/sample/retrieve", response_model=SampleResponse,
+             responses={202: {"description": "still running: retrieve again"}})
+async def retrieve(req: RetrieveRequest, request: Request) -> Any:
+    done, result = await _core(request).futures.retrieve(req.request_id, req.wait_s)
+    if not done:
+        return JSONResponse({"status": "pending", "request_id": req.request_id}, status_code=202)
+    return result

@@ -1,0 +1,47 @@
+"""Checkpoint and adapter routes: thin HTTP over `WeightsService`.
+
+Every mutation runs in its own shielded task: a client that hangs up must not cancel a
+weight write halfway (that would leave the weights uncertain for no reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request, Response
+
+from ...weights.service import (
+    AdapterInfo,
+    AddAdapterRequest,
+    LoadCheckpointRequest,
+    LoadCheckpointResponse,
+    WeightsService,
+)
+
+router = APIRouter(prefix="/v1", tags=["weights"])
+
+
+def _service(request: Request) -> WeightsService:
+    service: WeightsService = request.app.state.weights
+    return service
+
+
+@router.post("/checkpoints/load", response_model=LoadCheckpointResponse)
+async def load_checkpoint(req: LoadCheckpointRequest, request: Request) -> LoadCheckpointResponse:
+    return await asyncio.shield(asyncio.ensure_future(_service(request).load_checkpoint(req)))
+
+
+@router.get("/adapters", response_model=list[AdapterInfo])
+async def list_adapters(request: Request) -> list[AdapterInfo]:
+    return _service(request).list_adapters()
+
+
+@router.post("/adapters", response_model=AdapterInfo)
+async def add_adapter(req: AddAdapterRequest, request: Request) -> AdapterInfo:
+    return await asyncio.shield(asyncio.ensure_future(_service(request).add_adapter(req)))
+
+
+@router.delete("/adapters/{name}", status_code=204)
+async def remove_adapter(name: str, request: Request) -> Response:
+    await asyncio.shield(asyncio.ensure_future(_service(request).remove_adapter(name)))
+    return Response(status_code=204)

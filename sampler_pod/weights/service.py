@@ -1,0 +1,199 @@
+"""Weight mutations: full-checkpoint loads and LoRA adapters. Writers under the read/write lock.
+
+A load is: validate (pure, no lock, 4xx on failure, engine untouched) -> take the write
+lock (in-flight samples drain, new ones queue) -> write -> bump the version.
+Only an exception once the write has begun makes the weights uncertain; there is no
+way back from that (a failed in-place reload leaves vLLM's parameters half-written and
+its engine core dead), so later loads are refused too and the operator replaces the pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core.sampler import SamplerCore
+from ..engine.base import AdapterRef, Engine
+from ..errors import Conflict, EngineFailure, InvalidRequest, LoadTimedOut, NotFound, SamplerError
+from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
+
+log = logging.getLogger(__name__)
+
+
+class WeightWriteFailed(SamplerError):
+    status_code = 500
+    category = "weight_write_failed"
+
+
+class LoadCheckpointRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(..., min_length=1)
+    version_label: str = Field(..., min_length=1, max_length=200)
+    sha256_manifest: dict[str, str] | None = None
+    timeout_s: float | None = Field(None, gt=0)
+    # TEST SEAM (documented in docs/sampler.md): only honoured with --enable-test-seams.
+    # The worker raises after writing this many tensors: a real mid-write failure.
+    test_fail_after_tensors: int | None = Field(None, ge=0)
+
+
+class LoadCheckpointResponse(BaseModel):
+    weights_version: int
+    weights_label: str
+    tensors: int
+    total_bytes: int
+    validation_s: float
+    drain_wait_s: float
+    write_s: float
+
+
+class AddAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    path: str = Field(..., min_length=1)
+    sha256_manifest: dict[str, str] | None = None
+
+
+class AdapterInfo(BaseModel):
+    name: str
+    path: str
+    rank: int | None = None
+
+
+class WeightsService:
+    def __init__(self, core: SamplerCore) -> None:
+        self.core = core
+        self._lora_ids = itertools.count(1)
+        self.schema: dict[str, TensorSpec] | None = None
+        self.adapter_info: dict[str, AdapterInfo] = {}
+
+    @property
+    def roots(self) -> list[Path]:
+        if not self.core.cfg.checkpoint_roots:
+            raise InvalidRequest("this server has no --checkpoint-root; loads are disabled", field="path")
+        return self.core.cfg.checkpoint_roots
+
+    def _schema(self) -> dict[str, TensorSpec]:
+        if self.schema is None:
+            from .validation import schema_from_checkpoint_dir
+
+            if self.core.model_dir is None:
+                raise InvalidRequest("the base model is not loaded yet", field="path")
+            # Read once from the base model's own safetensors headers: the shapes and dtypes
+            # every checkpoint for this replica must match.
+            self.schema = schema_from_checkpoint_dir(self.core.model_dir)
+        return self.schema
+
+    # ------------------------------------------------------------ checkpoints
+
+    async def load_checkpoint(self, req: LoadCheckpointRequest) -> LoadCheckpointResponse:
+        """Validate -> drain (write lock) -> write -> bump the version. The outcome metric is
+        recorded once, whatever the way out: ok | rejected (nothing written) | uncertain."""
+        core, m = self.core, self.core.metrics
+        if req.test_fail_after_tensors is not None and not core.cfg.enable_test_seams:
+            raise InvalidRequest("test_fail_after_tensors needs a server started with --enable-test-seams",
+                                 field="test_fail_after_tensors")
+        core.require_serving()
+        t0 = time.monotonic()
+        deadline = t0 + (req.timeout_s or core.cfg.load_timeout_s)
+        outcome = "rejected"
+        try:
+            validated = await asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
+                                                sha256_manifest=req.sha256_manifest)
+            validation_s = time.monotonic() - t0
+            m.validation_seconds.observe(validation_s)
+            try:
+                async with core.lock.write(timeout=max(0.0, deadline - time.monotonic())):
+                    drained = time.monotonic()
+                    engine = core.require_serving()
+                    validated.assert_unchanged()  # the files may have changed while we drained
+                    outcome = "uncertain"  # from here on the engine's weights are being overwritten
+                    n = await self._write(engine, validated, req, deadline)
+                    outcome = "ok"
+            except TimeoutError:
+                raise LoadTimedOut(f"in-flight samples did not drain within {deadline - t0:.0f}s; nothing was "
+                                   "written", field="timeout_s") from None
+        finally:
+            m.weight_loads.labels(outcome=outcome).inc()
+        done = time.monotonic()
+        m.load_seconds.observe(done - t0)
+        log.info("loaded checkpoint %s as version %d (%d tensors)", req.version_label, core.weights.version, n)
+        return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
+                                      tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
+                                      drain_wait_s=drained - t0 - validation_s, write_s=done - drained)
+
+    async def _write(self, engine: Engine, validated: ValidatedCheckpoint, req: LoadCheckpointRequest,
+                     deadline: float) -> int:
+        """The write itself, under the write lock. Any failure here leaves the weights uncertain."""
+        core, m = self.core, self.core.metrics
+        try:
+            n = await asyncio.wait_for(
+                engine.load_checkpoint([str(s.path) for s in validated.shards], req.test_fail_after_tensors),
+                timeout=max(0.001, deadline - time.monotonic()))
+        except BaseException as e:
+            reason = f"write of checkpoint {req.version_label!r} failed midway: {type(e).__name__}: {e}"
+            core.weights.uncertain_reason = reason
+            m.weights_uncertain.set(1)
+            log.error("%s; weights are now UNCERTAIN and this replica must be replaced", reason)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise WeightWriteFailed(reason + "; weights are uncertain, the replica must be replaced") from e
+        core.weights.bump(req.version_label)
+        m.set_weights(core.weights.version, core.weights.label)
+        return n
+
+    # ------------------------------------------------------------ adapters
+
+    def _require_lora(self) -> None:
+        if not self.core.cfg.enable_lora:
+            raise InvalidRequest("this server was started without --enable-lora", field="name")
+
+    async def add_adapter(self, req: AddAdapterRequest) -> AdapterInfo:
+        self._require_lora()
+        core, m = self.core, self.core.metrics
+        engine = core.require_serving()
+        if req.name in core.adapters:
+            raise Conflict(f"adapter {req.name!r} is already loaded; remove it first", field="name")
+        try:
+            v = await asyncio.to_thread(validate_lora_adapter, req.path, self.roots, max_rank=core.cfg.max_lora_rank,
+                                        base_schema=self._schema(), sha256_manifest=req.sha256_manifest)
+        except CheckpointInvalid:
+            m.weight_loads.labels(outcome="rejected").inc()
+            raise
+        # A fresh integer id per add: vLLM caches adapters by id, so re-adding a name
+        # with new files must never hit the old cached weights.
+        ref = AdapterRef(name=req.name, lora_id=next(self._lora_ids), path=str(v.path))
+        async with core.lock.write(timeout=core.cfg.load_timeout_s):
+            if req.name in core.adapters:
+                raise Conflict(f"adapter {req.name!r} is already loaded; remove it first", field="name")
+            try:
+                await engine.add_adapter(ref)
+            except Exception as e:
+                # The base weights are untouched by an adapter add: not an uncertain write.
+                m.weight_loads.labels(outcome="rejected").inc()
+                raise EngineFailure(f"engine could not load adapter {req.name!r}: {e}", field="path") from e
+            core.adapters[req.name] = ref
+        m.weight_loads.labels(outcome="ok").inc()
+        info = AdapterInfo(name=req.name, path=str(v.path), rank=v.rank)
+        self.adapter_info[req.name] = info
+        return info
+
+    async def remove_adapter(self, name: str) -> None:
+        self._require_lora()
+        core = self.core
+        if name not in core.adapters:
+            raise NotFound(f"no adapter named {name!r}", field="name")
+        async with core.lock.write(timeout=core.cfg.load_timeout_s):
+            ref = core.adapters.pop(name, None)
+            if ref is not None and core.engine is not None:
+                await core.engine.remove_adapter(ref)
+        self.adapter_info.pop(name, None)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [self.adapter_info[n] for n in sorted(self.core.adapters) if n in self.adapter_info]

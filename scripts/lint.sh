@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Lint (ruff: style, bugs, import order) and types (mypy --strict on sampler_pod and the operator),
+# both configured in pyproject.toml. Run by scripts/test.sh before any test.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+export PYTHONPATH="$ROOT:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
+echo "=== ruff" >&2
+.venv/bin/ruff check .
+echo "=== mypy" >&2
+.venv/bin/mypy

@@ -1,0 +1,521 @@
+"""Node tier: the operator against a REAL kubelet (scripts/k8s/node-up.sh) running real sampler pods.
+
+Run inside the node namespace (scripts/k8s/test-node.sh does all of this):
+    scripts/k8s/node-up.sh
+    scripts/k8s/node-exec.sh .venv/bin/python -m pytest -m node tests/operator/node -q -p no:cacheprovider
+    scripts/k8s/node-down.sh
+Outside it the tests skip (or FAIL with SAMPLER_REQUIRE_K8S=1).
+
+Pods run `python -m sampler_pod` with the host's interpreter, venv and source mounted read-only
+(tests.support.k8s.sampler_pod_volumes), hostNetwork, each replica on its own port; the kubelet's
+readiness/liveness/startup probes are real. `--engine fake` keeps most cases fast; the uncertain-weights
+replacement uses the REAL vLLM CPU engine on the tiny model, so the startup flock in the pod's emptyDir
+is exercised for real too. A checkpoint load with the `test_fail_after_tensors` seam (--enable-test-seams)
+makes a pod report uncertain_weights for real.
+
+One operator (a subprocess of pytest, inside the namespace) serves the module; the SIGKILL case runs its
+own operators on its own namespace.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO_ROOT
+from tests.support import k8s as ks
+from tests.support.operator_harness import OperatorProcess
+
+pytestmark = pytest.mark.node
+k8s_node = ks.node_fixture()
+
+G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
+REPO = REPO_ROOT
+NS_PREFIX = "nt-"            # namespaces of the shared operator (it watches "nt-*")
+# The venv is shared between checkouts (cached by requirements hash) and its .pth names whichever checkout
+# ran scripts/setup.sh last: name THIS checkout explicitly, for the operator processes and in every pod.
+SRC_PATH = f"{REPO}:{REPO / 'operator'}"
+PERIOD = 2                   # health.periodSeconds of every replica here (kubelet probes + operator probe)
+
+
+def _log(msg: str) -> None:
+    print(f"[node-tier {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ bodies
+def replica(name: str, port: int, model: Path, *, engine: str = "fake", **spec: Any) -> dict[str, Any]:
+    vols, mounts = ks.sampler_pod_volumes()
+    python = str((REPO / ".venv").resolve() / "bin" / "python")
+    body: dict[str, Any] = {
+        "model": str(model), "image": "local/sampler-base:dev", "imagePullPolicy": "Never", "engine": engine,
+        "hostNetwork": True, "port": port,
+        "engineArgs": {"extraArgs": ["--enable-test-seams"]},
+        "checkpoints": {"allowedRoots": [str(model.parent)]},
+        "resources": {"limits": {"memory": "2Gi"}, "requests": {"cpu": "100m", "memory": "256Mi"}},
+        "health": {"periodSeconds": PERIOD, "timeoutSeconds": 2, "failureThreshold": 3,
+                   "startupTimeoutSeconds": 240},
+        "replacement": {"maxReplacements": 2, "windowSeconds": 600, "backoffSeconds": 0},
+        "pod": {"command": [python, "-m", "sampler_pod"], "terminationGracePeriodSeconds": 5,
+                "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}, {"name": "PYTHONPATH", "value": SRC_PATH}],
+                "volumes": vols + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}]}}
+    for k, v in spec.items():
+        body[k] = {**body[k], **v} if isinstance(v, dict) and isinstance(body.get(k), dict) else v
+    return {"apiVersion": f"{G}/{V}", "kind": "SamplerReplica", "metadata": {"name": name}, "spec": body}
+
+
+def cpu_engine_args() -> dict[str, Any]:
+    """tests/support/server.py CPU_ENGINE_ARGS as the CR's engineArgs (the operator renders the flags)."""
+    from tests.support.server import CPU_ENGINE_ARGS
+    flags = dict(itertools.pairwise(CPU_ENGINE_ARGS))
+    out: dict[str, Any] = {"enforceEager": "--enforce-eager" in CPU_ENGINE_ARGS}
+    for flag, key, conv in (("--kv-cache-memory-bytes", "kvCacheMemoryBytes", int),
+                            ("--max-model-len", "maxModelLen", int), ("--max-num-seqs", "maxNumSeqs", int),
+                            ("--dtype", "dtype", str)):
+        out[key] = conv(flags[flag])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Api:
+    def __init__(self, cluster: ks.Cluster) -> None:
+        import kubernetes
+        client = cluster.api_client()
+        self.cluster = cluster
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+
+    def apply(self, ns: str, body: dict) -> None:
+        self.cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(body))
+
+    def cr(self, ns: str, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(G, V, ns, P, name)
+
+    def status(self, ns: str, name: str) -> dict:
+        return self.cr(ns, name).get("status") or {}
+
+    def live_pods(self, ns: str) -> list:
+        return [p for p in self.core.list_namespaced_pod(ns).items if p.metadata.deletion_timestamp is None]
+
+    def wait_status(self, ns: str, name: str, pred, timeout: float, what: str) -> dict:
+        last: dict = {}
+
+        def check():
+            nonlocal last
+            last = self.status(ns, name)
+            return pred(last) and last
+        try:
+            return ks.wait_for(check, timeout, 0.5, f"{ns}/{name}: {what}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; last status: {json.dumps(last)[:3000]}") from None
+
+    def wait_ready(self, ns: str, name: str, pod: str, timeout: float) -> dict:
+        st = self.wait_status(ns, name, lambda s: s.get("podName") == pod and s.get("phase") == "Ready"
+                              and s.get("podIP") and s.get("weightsVersion") is not None, timeout,
+                              f"Ready on {pod}")
+        ks.wait_pod_ready(pod, ns, timeout=30, cluster=self.cluster)   # the kubelet's readiness probe agrees
+        return st
+
+    def events(self, ns: str, name: str, reason: str) -> list:
+        return [e for e in self.core.list_namespaced_event(ns).items
+                if e.reason == reason and e.involved_object.name == name]
+
+    def pod_log(self, ns: str, pod: str) -> str:
+        return self.cluster.kubectl("-n", ns, "logs", pod, check=False)
+
+
+class PodMonitor:
+    """Polls a namespace's pods: the most live (not terminating) pods ever seen at once, and the order
+    in which pods appeared and vanished (to prove the old pod is gone before the new one exists)."""
+
+    def __init__(self, core, ns: str) -> None:
+        self.core, self.ns = core, ns
+        self.max_live = 0
+        self.first_seen: dict[str, float] = {}
+        self.gone: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pods = self.core.list_namespaced_pod(self.ns).items
+                now = time.monotonic()
+                names = {p.metadata.name for p in pods}
+                self.max_live = max(self.max_live, sum(p.metadata.deletion_timestamp is None for p in pods))
+                for n in names:
+                    self.first_seen.setdefault(n, now)
+                for n in set(self.first_seen) - names:
+                    self.gone.setdefault(n, now)
+            except Exception:  # keep polling
+                pass
+            self._stop.wait(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+
+def docker_container(pod: str) -> dict:
+    """`docker inspect` of the sampler container the kubelet started for `pod` (dockershim labels)."""
+    import subprocess
+    ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label=io.kubernetes.pod.name={pod}",
+                          "--filter", "label=io.kubernetes.container.name=sampler"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert len(ids) == 1, ids
+    out = subprocess.run(["docker", "inspect", ids[0]], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]
+
+
+def new_namespace(api: Api, prefix: str = NS_PREFIX) -> str:
+    ns = f"{prefix}{uuid.uuid4().hex[:6]}"
+    api.core.create_namespace({"metadata": {"name": ns}})
+    ks.wait_for(lambda: api.core.list_namespaced_service_account(ns).items, 30, 0.2, f"{ns} default SA")
+    return ns
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def api(k8s_node) -> Api:
+    a = Api(k8s_node)
+    k8s_node.kubectl("apply", "-f", str(REPO / "crds" / "samplerreplica.yaml"))
+    ks.wait_crd_established("samplerreplicas.sampler.rl.dev", cluster=k8s_node)
+    return a
+
+
+@pytest.fixture(scope="module")
+def operator(k8s_node, api, tmp_path_factory):
+    """One operator for the module, watching the namespaces nt-*."""
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, env={"PYTHONPATH": SRC_PATH}).start()
+    op.wait_live(timeout=120)
+    yield op
+    op.stop()
+    _log(f"operator log: {log}")
+
+
+@pytest.fixture
+def ns(api, operator):
+    from tests.support.operator_harness import ensure_watched
+
+    name = new_namespace(api)
+    ensure_watched(api, operator, name)
+    yield name
+    try:
+        api.core.delete_namespace(name)
+    except Exception:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _timing(request):
+    t0 = time.monotonic()
+    yield
+    _log(f"{request.node.name}: {time.monotonic() - t0:.1f}s")
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_apply_creates_one_running_pod_and_ready_status(api, ns, operator, tiny_model, tmp_path):
+    """(1) kubectl apply -> exactly one pod (owner ref, probes, lock emptyDir, resources), run by the
+    kubelet (readiness passes), CR Ready with podIP and weightsVersion, `kubectl get sr` columns."""
+    port = ks.free_port()
+    api.apply(ns, replica("r1", port, Path(tiny_model)))
+    st = api.wait_ready(ns, "r1", "r1-0", timeout=180)
+    [pod] = api.live_pods(ns)
+    assert pod.metadata.name == "r1-0" and st["podIP"] == "127.0.0.1" and st["weightsVersion"] == 0
+    ref = pod.metadata.owner_references[0]
+    cr = api.cr(ns, "r1")
+    assert (ref.kind, ref.name, ref.uid, ref.controller) == ("SamplerReplica", "r1", cr["metadata"]["uid"], True)
+    c = pod.spec.containers[0]
+    assert c.readiness_probe.http_get.path == "/readyz" and c.liveness_probe.http_get.path == "/healthz"
+    assert c.startup_probe.http_get.path == "/healthz" and c.readiness_probe.period_seconds == PERIOD
+    lock = next(v for v in pod.spec.volumes if v.name == "startup-lock")
+    assert lock.empty_dir is not None
+    assert any(m.name == "startup-lock" and m.mount_path == "/var/run/sampler" for m in c.volume_mounts)
+    assert c.resources.limits == {"memory": "2Gi"} and c.resources.requests == {"cpu": "100m", "memory": "256Mi"}
+    assert c.args[c.args.index("--port") + 1] == str(port)
+    # the kubelet really runs it: container ready, probes passed, docker has the limit and the emptyDir
+    cs = pod.status.container_statuses[0]
+    assert cs.ready and cs.started and cs.state.running is not None and cs.restart_count == 0
+    d = docker_container("r1-0")
+    assert d["HostConfig"]["Memory"] == 2 << 30
+    assert any(m["Destination"] == "/var/run/sampler" and "empty-dir" in m["Source"] for m in d["Mounts"])
+    assert api.core.read_namespaced_pod("r1-0", ns).status.pod_ip == "127.0.0.1"
+    # printer columns (a fresh discovery cache: the CRD may be newer than kubectl's cached API list)
+    table = api.cluster.kubectl("--cache-dir", str(tmp_path / "kube-cache"), "-n", ns, "get", "sr")
+    lines = table.splitlines()
+    assert lines[0].split() == ["NAME", "PHASE", "POD", "WEIGHTS", "REPLACEMENTS", "AGE"], table
+    assert lines[1].split()[:4] == ["r1", "Ready", "r1-0", "0"], table
+    _log("\n" + table)
+
+
+def test_kubectl_delete_pod_creates_a_new_one(api, ns, operator, tiny_model):
+    """(2) deleting the pod with kubectl: a new pod, and the status follows it."""
+    api.apply(ns, replica("r2", ks.free_port(), Path(tiny_model)))
+    api.wait_ready(ns, "r2", "r2-0", timeout=180)
+    mon = PodMonitor(api.core, ns)
+    try:
+        t0 = time.monotonic()
+        api.cluster.kubectl("-n", ns, "delete", "pod", "r2-0", "--wait=false")
+        st = api.wait_ready(ns, "r2", "r2-1", timeout=180)
+        _log(f"pod deleted -> replacement Ready in {time.monotonic() - t0:.1f}s")
+    finally:
+        mon.stop()
+    assert [p.metadata.name for p in api.live_pods(ns)] == ["r2-1"]
+    assert st["replacements"] == 1 and st["lastReplacement"]["reason"] == "PodDeleted"
+    assert st["lastReplacement"]["oldPod"] == "r2-0" and not st.get("pendingReplacement")
+    assert mon.max_live == 1 and mon.gone["r2-0"] <= mon.first_seen["r2-1"], (mon.gone, mon.first_seen)
+    assert api.events(ns, "r2", "PodDeleted")
+
+
+def test_spec_change_rolls_the_pod_and_deleting_the_replica_collects_it(api, ns, operator, tiny_model):
+    """(6) a spec change replaces the pod with the new args; deleting the CR garbage-collects its pod."""
+    api.apply(ns, replica("r3", ks.free_port(), Path(tiny_model)))
+    api.wait_ready(ns, "r3", "r3-0", timeout=180)
+    old_args = api.core.read_namespaced_pod("r3-0", ns).spec.containers[0].args
+    assert old_args[old_args.index("--max-num-seqs") + 1] == "128"
+    api.cluster.kubectl("-n", ns, "patch", "sr", "r3", "--type", "merge",
+                        "-p", json.dumps({"spec": {"engineArgs": {"maxNumSeqs": 7}}}))
+    st = api.wait_ready(ns, "r3", "r3-1", timeout=180)
+    args = api.core.read_namespaced_pod("r3-1", ns).spec.containers[0].args
+    assert args[args.index("--max-num-seqs") + 1] == "7"
+    dargs = docker_container("r3-1")["Args"]        # what the kubelet really started
+    assert dargs[dargs.index("--max-num-seqs") + 1] == "7"
+    assert st["lastReplacement"]["reason"] == "SpecChanged" and st["observedGeneration"] == 2
+    assert [p.metadata.name for p in api.live_pods(ns)] == ["r3-1"]
+
+    t0 = time.monotonic()
+    api.cluster.kubectl("-n", ns, "delete", "sr", "r3", "--wait=false")
+    ks.wait_for(lambda: not api.core.list_namespaced_pod(ns).items, 120, 0.5, "pod garbage-collected")
+    ks.wait_for(lambda: not api.custom.list_namespaced_custom_object(G, V, ns, P)["items"], 30, 0.5, "CR gone")
+    _log(f"CR deleted -> pod gone in {time.monotonic() - t0:.1f}s")
+
+
+@pytest.mark.parametrize("stage", ["after-delete"])
+def test_operator_sigkilled_mid_replacement_leaves_one_pod(api, k8s_node, tiny_model, tmp_path, stage):
+    """(7) SIGKILL the operator while it is paused inside a replacement (old pod already being deleted
+    by the real kubelet), restart it: exactly one live pod, the replacement completes."""
+    ns = new_namespace(api, prefix="ntk-")       # not nt-*: the shared operator does not see it
+    log = tmp_path / "operator.log"
+    port = ks.free_port()
+    paused = OperatorProcess(k8s_node, [ns], log, env={"SAMPLER_OPERATOR_TEST_PAUSE_AT": stage, "PYTHONPATH": SRC_PATH,
+                                                       "SAMPLER_OPERATOR_TEST_PAUSE_S": "120"}).start()
+    restarted = None
+    mon = PodMonitor(api.core, ns)
+    try:
+        paused.wait_live(timeout=120)
+        api.apply(ns, replica("r7", port, Path(tiny_model)))
+        api.wait_ready(ns, "r7", "r7-0", timeout=180)
+        code, body = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
+                          {"path": str(tiny_model), "version_label": "broken", "test_fail_after_tensors": 1})
+        assert code == 500 and body["error"]["category"] == "weight_write_failed", body
+        paused.wait_log(f"test pause at {stage}", timeout=60)
+        paused.kill()
+        t_kill = time.monotonic()
+        mid = api.status(ns, "r7")
+        assert mid["pendingReplacement"]["oldPod"] == "r7-0" and mid["phase"] == "Replacing", mid
+        restarted = OperatorProcess(k8s_node, [ns], log, env={"PYTHONPATH": SRC_PATH}).start()
+        st = api.wait_ready(ns, "r7", "r7-1", timeout=180)
+        _log(f"operator restarted -> replacement Ready in {time.monotonic() - t_kill:.1f}s")
+        time.sleep(2 * PERIOD)    # a few more loops of the restarted operator: nothing else happens
+        assert [p.metadata.name for p in api.live_pods(ns)] == ["r7-1"]
+        st = api.status(ns, "r7")
+        assert st["replacements"] == 1 and not st.get("pendingReplacement") and st["phase"] == "Ready"
+        assert st["lastReplacement"]["reason"] == "UncertainWeights" and st["lastReplacement"]["oldPod"] == "r7-0"
+        assert mon.max_live == 1, "never two live pods"
+        assert mon.gone["r7-0"] <= mon.first_seen["r7-1"], (mon.gone, mon.first_seen)
+        assert sorted(mon.first_seen) == ["r7-0", "r7-1"]
+    finally:
+        mon.stop()
+        for op in (paused, restarted):
+            if op:
+                op.stop()
+        try:
+            api.core.delete_namespace(ns)
+        except Exception:
+            pass
+
+
+def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_path):
+    """Stretch: `helm install` the chart; the operator runs as a real in-cluster Deployment (service-account
+    token, the chart's least-privilege RBAC, peering) and brings a replica to Ready; `helm uninstall` cleans up.
+    The image has no Python: the host's interpreter/venv/source are hostPath-mounted (extraVolumes), and
+    hostNetwork lets it reach the API server and the pods at 127.0.0.1 (no kube-proxy here). The node tier's
+    API server runs without the ServiceAccount admission plugin (no token volume is injected), so the
+    service-account token Secret (filled by the controller-manager's token controller) is mounted via
+    extraVolumes at the standard path."""
+    suffix = uuid.uuid4().hex[:6]
+    ops, watched = f"helm-ops-{suffix}", f"helm-sr-{suffix}"    # not nt-*: the shared operator ignores it
+    for n in (ops, watched):
+        api.core.create_namespace({"metadata": {"name": n}})
+    vols, mounts = ks.sampler_pod_volumes()
+    liveness_port = ks.free_port()
+    values = {
+        "image": {"repository": "local/sampler-base", "tag": "dev", "pullPolicy": "Never",
+                  "command": [str((REPO / ".venv").resolve() / "bin" / "python"), "-m", "sampler_operator"]},
+        "watch": {"allNamespaces": False, "namespaces": [watched]},
+        "hostNetwork": True,
+        "liveness": {"port": liveness_port, "probe": {"initialDelaySeconds": 30, "periodSeconds": 5}},
+        "logLevel": "verbose",
+        "watchTimeouts": {"serverTimeout": 30, "clientTimeout": 40},
+        # in-cluster config reads KUBERNETES_SERVICE_HOST/PORT: the ClusterIP is unroutable without kube-proxy
+        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                     {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"},
+                     {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}, {"name": "PYTHONPATH", "value": SRC_PATH}],
+        "extraVolumes": vols + [{"name": "sa-token", "secret": {
+            "secretName": "so-token", "items": [{"key": k, "path": k} for k in ("token", "ca.crt", "namespace")]}}],
+        "extraVolumeMounts": mounts + [{"name": "sa-token", "readOnly": True,
+                                        "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}],
+        # the host's pyenv lives under /root (mode 700): run as root, still without any capability
+        "podSecurityContext": {"runAsNonRoot": False, "runAsUser": 0},
+    }
+    vf = tmp_path / "values.json"
+    vf.write_text(json.dumps(values))
+    release = "so"
+    installed = False
+    try:
+        t0 = time.monotonic()
+        k8s_node.helm("install", release, str(REPO / "charts" / "sampler-operator"), "-n", ops, "-f", str(vf))
+        installed = True
+        dep = "so-sampler-operator"
+        # the SA exists now (helm created it): a token Secret for it; the kubelet retries the mount until then
+        api.core.create_namespaced_secret(ops, {"metadata": {
+            "name": "so-token", "annotations": {"kubernetes.io/service-account.name": dep}},
+            "type": "kubernetes.io/service-account-token"})
+
+        def operator_pod():
+            pods = api.core.list_namespaced_pod(ops, label_selector="app.kubernetes.io/instance=so").items
+            return pods[0] if len(pods) == 1 and pods[0].status.phase == "Running" and all(
+                c.ready for c in pods[0].status.container_statuses or [{}]) else None
+        opod = ks.wait_for(operator_pod, 180, 0.5, "operator pod Running")
+        assert opod.spec.host_network and opod.spec.service_account_name == dep
+        # kopf's liveness endpoint (the chart's livenessProbe target) answers on the pod's (host) network
+        ks.wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{liveness_port}/healthz", timeout=2).status
+                    == 200, 120, 0.5, "in-cluster operator liveness")
+        _log(f"helm install -> operator live in {time.monotonic() - t0:.1f}s")
+
+        api.apply(watched, replica("rh", ks.free_port(), Path(tiny_model)))
+        st = api.wait_ready(watched, "rh", "rh-0", timeout=180)
+        assert st["weightsVersion"] == 0
+        log = k8s_node.kubectl("-n", ops, "logs", opod.metadata.name)
+        assert "rh-0" in log, log[-3000:]
+        _log(f"helm install -> replica Ready in {time.monotonic() - t0:.1f}s")
+
+        t0 = time.monotonic()
+        k8s_node.helm("uninstall", release, "-n", ops)
+        installed = False
+        ks.wait_for(lambda: not api.core.list_namespaced_pod(ops).items, 120, 0.5, "operator pod gone")
+        for kind in ("deployment", "serviceaccount", "role", "rolebinding"):
+            left = k8s_node.kubectl("get", kind, "-A", "-l", "app.kubernetes.io/instance=so", "-o", "name")
+            assert not left.strip(), (kind, left)
+        assert not k8s_node.kubectl("-n", watched, "get", "kopfpeerings", "-o", "name").strip()
+        assert not k8s_node.kubectl("get", "clusterrole,clusterrolebinding", "-l", "app.kubernetes.io/instance=so",
+                                    "-o", "name").strip()
+        # the token Secret goes with its ServiceAccount (token controller)
+        ks.wait_for(lambda: not api.core.list_namespaced_secret(ops, field_selector="metadata.name=so-token").items,
+                    60, 0.5, "token secret removed with its ServiceAccount")
+        _log(f"helm uninstall: operator pod and release objects gone in {time.monotonic() - t0:.1f}s")
+    finally:
+        if installed:
+            k8s_node.helm("uninstall", release, "-n", ops, check=False)
+        for n in (watched, ops):
+            try:
+                api.core.delete_namespace(n)
+            except Exception:
+                pass
+
+
+def test_uncertain_write_on_real_vllm_replaces_the_pod(api, ns, operator, tiny_model, tmp_path):
+    """(3) REAL vLLM engine in a kubelet-run pod: a mid-write checkpoint failure -> uncertain_weights ->
+    the operator replaces the pod (Event, replacements == 1, lastReplacement.reason) and the new pod
+    serves samples. The engine startup flock in the pod's emptyDir is exercised for real."""
+    tiny_model = Path(tiny_model)
+    ckpt_root = tmp_path / "checkpoints"
+    (ckpt_root / "step-1").mkdir(parents=True)
+    shutil.copy(tiny_model / "model.safetensors", ckpt_root / "step-1" / "model.safetensors")
+    os.chmod(ckpt_root / "step-1" / "model.safetensors", 0o644)
+    port = ks.free_port()
+    body = replica("rv", port, tiny_model, engine="vllm",
+                   engineArgs={**cpu_engine_args(), "extraArgs": ["--enable-test-seams"]},
+                   checkpoints={"allowedRoots": ["/checkpoints"], "volumes": [
+                       {"name": "ckpt", "mountPath": "/checkpoints",
+                        "source": {"hostPath": {"path": str(ckpt_root), "type": "Directory"}}}]},
+                   resources={"limits": {"memory": "4Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}},
+                   health={"startupTimeoutSeconds": 600})
+    # local/sampler-base:dev has no C++ compiler, and vLLM's sampler ops are torch.compile'd (inductor
+    # needs g++ at the first sample): run them eagerly in this test image.
+    body["spec"]["pod"]["env"].append({"name": "TORCH_COMPILE_DISABLE", "value": "1"})
+    t0 = time.monotonic()
+    api.apply(ns, body)
+    st = api.wait_ready(ns, "rv", "rv-0", timeout=600)
+    _log(f"vLLM replica rv-0 Ready in {time.monotonic() - t0:.1f}s (weightsVersion {st['weightsVersion']})")
+    args = api.core.read_namespaced_pod("rv-0", ns).spec.containers[0].args
+    assert args[args.index("--engine") + 1] == "vllm" and "--enforce-eager" in args
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
+    log0 = api.pod_log(ns, "rv-0")
+    assert "engine startup lock /var/run/sampler/engine-startup.lock acquired" in log0, log0[-3000:]
+    assert "engine ready" in log0 and "vllm" in log0.lower()
+    # ... and the lock file really sits in the pod's emptyDir on the node (what docker mounted there)
+    lock_src = next(m["Source"] for m in docker_container("rv-0")["Mounts"] if m["Destination"] == "/var/run/sampler")
+    assert "kubernetes.io~empty-dir/startup-lock" in lock_src and (Path(lock_src) / "engine-startup.lock").is_file()
+    prompt = [1, 17, 42, 99, 123, 7]
+    code, out = post(f"http://127.0.0.1:{port}/v1/sample",
+                     {"prompts": [prompt], "sampling_params": {"max_tokens": 4, "temperature": 0.0}})
+    assert code == 200 and len(_tokens(out)[0]) == 4, out
+    before = _tokens(out)
+
+    # a real mid-write failure in the live replica
+    mon = PodMonitor(api.core, ns)
+    try:
+        t_fail = time.monotonic()
+        code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
+                         {"path": "/checkpoints/step-1", "version_label": "broken", "test_fail_after_tensors": 1})
+        assert code == 500 and out["error"]["category"] == "weight_write_failed", out
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            assert r.status == 200    # liveness stays 200: the operator replaces, kubelet must not restart
+        ev = ks.wait_for(lambda: api.events(ns, "rv", "UncertainWeights"), 4 * PERIOD + 20, 0.25,
+                         "UncertainWeights event")
+        t_detect = time.monotonic() - t_fail
+        assert ev[0].type == "Warning" and "rv-0" in ev[0].message
+        st = api.wait_ready(ns, "rv", "rv-1", timeout=600)
+        t_ready = time.monotonic() - t_fail
+    finally:
+        mon.stop()
+    _log(f"uncertain write -> UncertainWeights event {t_detect:.1f}s, replacement rv-1 Ready {t_ready:.1f}s")
+    assert t_detect <= 4 * PERIOD + 20          # within a probe period (plus scheduling slack on a busy box)
+    assert st["replacements"] == 1 and st["lastReplacement"]["reason"] == "UncertainWeights"
+    assert st["lastReplacement"]["oldPod"] == "rv-0" and not st.get("pendingReplacement")
+    assert [p.metadata.name for p in api.live_pods(ns)] == ["rv-1"]
+    assert mon.max_live == 1 and mon.gone["rv-0"] <= mon.first_seen["rv-1"]
+    assert st["weightsVersion"] == 0
+    log1 = api.pod_log(ns, "rv-1")
+    assert "engine startup lock /var/run/sampler/engine-startup.lock acquired" in log1, log1[-3000:]
+    # the new pod serves samples (same greedy answer as the original weights)
+    code, out = post(f"http://127.0.0.1:{port}/v1/sample",
+                     {"prompts": [prompt], "sampling_params": {"max_tokens": 4, "temperature": 0.0}})
+    assert code == 200 and out["weights_version"] == 0, out
+    assert _tokens(out) == before, (out, before)      # greedy on the same base weights: the same tokens
+
+
+def _tokens(resp: dict) -> list[list[int]]:
+    return [seq["tokens"] for r in resp["results"] for seq in r["sequences"]]

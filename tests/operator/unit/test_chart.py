@@ -1,0 +1,66 @@
+"""The Helm chart: lint, render in both watch modes, and the CRD copy stays identical.
+Needs only the helm binary (scripts/k8s/build.sh), no cluster."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from tests.support import REPO_ROOT
+from tests.support import k8s as ks
+
+REPO = REPO_ROOT
+CHART = REPO / "charts" / "sampler-operator"
+needs_helm = ks.needs_helm()
+
+
+def helm(*args: str) -> str:
+    return subprocess.run([ks.HELM, *args], check=True, capture_output=True, text=True).stdout
+
+
+def render(*sets: str) -> list[dict]:
+    out = helm("template", "rel", str(CHART), "--namespace", "ops", *[a for s in sets for a in ("--set", s)])
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_chart_crd_is_the_repo_crd():
+    assert (CHART / "crds" / "samplerreplica.yaml").read_text() == (REPO / "crds" / "samplerreplica.yaml").read_text()
+
+
+@needs_helm
+@pytest.mark.parametrize("sets", [[], ["watch.allNamespaces=false", "watch.namespaces={a,b}", "peering.enabled=false"]])
+def test_helm_lint(sets):
+    helm("lint", "--strict", str(CHART), *[a for s in sets for a in ("--set", s)])
+
+
+@needs_helm
+def test_cluster_wide_render():
+    docs = render("hostNetwork=true", "watchTimeouts.serverTimeout=120")
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["hostNetwork"] is True
+    assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"] and "--peering=sampler-operator" in c["args"]
+    assert "--all-namespaces" in c["args"]
+    assert {"name": "SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT", "value": "120"} in c["env"]
+    assert c["livenessProbe"]["httpGet"]["port"] == "liveness"
+    rules = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
+    granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    assert ("", "secrets") not in granted and ("", "pods") in granted
+    assert ("sampler.rl.dev", "samplerreplicas/status") in granted
+
+
+@needs_helm
+def test_namespaced_render_uses_roles_and_standalone():
+    docs = render("watch.allNamespaces=false", "watch.namespaces={a,b}", "peering.enabled=false")
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["a", "b"]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--standalone" in args and "--namespace=a" in args and "--namespace=b" in args
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    cluster_rules = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
+    assert all("pods" not in r["resources"] for r in cluster_rules)  # pods only via namespaced Roles

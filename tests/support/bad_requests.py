@@ -1,0 +1,38 @@
+"""The malformed-request matrix: (case id, body, expected status, field the error must name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GOOD: dict[str, Any] = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4}}
+
+
+def _with(**kw: Any) -> dict[str, Any]:
+    body = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4}}
+    sp = kw.pop("sampling_params", None)
+    if sp:
+        body["sampling_params"] = {**body["sampling_params"], **sp}
+    body.update(kw)
+    return body
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
+    ("token_outside_vocab", _with(prompts=[[1, 2, 10**6]]), 400, "prompts[0][2]"),
+    ("negative_token", _with(prompts=[[1, -5]]), 400, "prompts[0][1]"),
+    ("prompt_plus_max_tokens_over_max_model_len", _with(sampling_params={"max_tokens": 600}), 400,
+     "sampling_params.max_tokens"),
+    ("negative_temperature", _with(sampling_params={"temperature": -0.1}), 400, "sampling_params.temperature"),
+    ("top_p_zero", _with(sampling_params={"top_p": 0.0}), 400, "sampling_params.top_p"),
+    ("top_p_over_one", _with(sampling_params={"top_p": 1.5}), 400, "sampling_params.top_p"),
+    ("num_samples_zero", _with(num_samples=0), 400, "num_samples"),
+    ("num_samples_over_limit", _with(num_samples=10_000), 400, "num_samples"),
+    ("empty_prompt", _with(prompts=[[]]), 400, "prompts"),
+    ("no_prompts", _with(prompts=[]), 400, "prompts"),
+    ("prompt_not_a_list", _with(prompts="hello"), 400, "prompts"),
+    ("token_is_string", _with(prompts=[[1, "2"]]), 400, "prompts[0][1]"),
+    ("max_tokens_is_string", _with(sampling_params={"max_tokens": "many"}), 400, "sampling_params.max_tokens"),
+    ("unknown_field", _with(bogus=1), 400, "bogus"),
+    ("timeout_over_max", _with(timeout_s=10**7), 400, "timeout_s"),
+    ("unknown_adapter", _with(adapter="nope"), 400, "adapter"),
+    ("body_over_limit", {"prompts": [[1] * 5_000_000]}, 413, "body"),
+]

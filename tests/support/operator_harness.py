@@ -1,0 +1,212 @@
+"""Fast-tier test harness: the operator as a subprocess, and a fake kubelet.
+
+envtest has no kubelet, so `FakeKubelet` plays one: it watches (polls) the pods of a namespace,
+gives each new pod its own loopback address (127.0.0.2, 127.0.0.3, ...), starts a tiny HTTP
+server there on the pod's container port serving /health (and /readyz, /healthz), and patches
+pods/status to Running + Ready with that podIP. The operator then probes
+http://{podIP}:{port}/health exactly as it would in a cluster. Each test decides per pod what the
+server answers through `behaviour(pod_name, n)`.
+"""
+from __future__ import annotations
+
+import http.server
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.support import k8s as ks
+
+HANG = "hang"      # sleep past the probe timeout
+CLOSE = "close"    # drop the connection without an answer
+
+Behaviour = Callable[[str, int], Any]  # (pod name, request number) -> health dict | HANG | CLOSE
+
+
+def ok(version: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"status": "ok", "reason": None, "weights_version": version, "weights_label": f"v{version}",
+            "in_flight": 0, "limit": 128, "model": "/models/tiny", **extra}
+
+
+def uncertain(version: int = 1) -> dict[str, Any]:
+    return {**ok(version), "status": "uncertain_weights", "reason": "checkpoint load failed after 3 tensors"}
+
+
+_ips = (f"127.0.{a}.{b}" for a in range(0, 256) for b in range(2, 255))
+
+
+class PodServer:
+    """One pod's HTTP endpoint on its own loopback IP."""
+
+    def __init__(self, ip: str, port: int, pod: str, behaviour: Behaviour) -> None:
+        counter = itertools.count()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                answer = behaviour(pod, next(counter)) if self.path == "/health" else ok()
+                if answer == HANG:
+                    time.sleep(3)
+                    return
+                if answer == CLOSE:
+                    self.close_connection = True
+                    return
+                code = 200 if answer["status"] == "ok" else 503
+                if self.path == "/healthz":
+                    code = 200
+                data = json.dumps(answer).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer((ip, port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeKubelet:
+    """Runs every pod of one namespace: Running + Ready + a /health server per pod."""
+
+    def __init__(self, core: Any, namespace: str, behaviour: Behaviour, serve: Callable[[str], bool] = lambda n: True):
+        self.core, self.namespace, self.behaviour, self.serve = core, namespace, behaviour, serve
+        self.servers: dict[str, PodServer] = {}   # pod uid -> server
+        self.ips: dict[str, str] = {}             # pod name -> ip
+        self.max_live = 0                         # most live (not terminating) pods seen at once
+        self.seen: list[str] = []                 # pod names in order of appearance
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as e:  # keep playing kubelet
+                print(f"fake kubelet: {e!r}", file=sys.stderr)
+            self._stop.wait(0.1)
+
+    def _sync(self) -> None:
+        pods = self.core.list_namespaced_pod(self.namespace).items
+        live = [p for p in pods if p.metadata.deletion_timestamp is None]
+        self.max_live = max(self.max_live, len(live))
+        for uid in set(self.servers) - {p.metadata.uid for p in live}:
+            self.servers.pop(uid).stop()
+        for p in live:
+            name = p.metadata.name
+            if name not in self.seen:
+                self.seen.append(name)
+            if p.metadata.uid in self.servers or p.status.phase == "Running":
+                continue
+            ip = next(_ips)
+            port = p.spec.containers[0].ports[0].container_port
+            if self.serve(name):
+                self.servers[p.metadata.uid] = PodServer(ip, port, name, self.behaviour)
+            self.ips[name] = ip
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {
+                "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1", "startTime": now,
+                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for s in self.servers.values():
+            s.stop()
+        self.servers.clear()
+
+
+class OperatorProcess:
+    """`python -m sampler_operator` as a child process (so tests can SIGKILL and restart it)."""
+
+    def __init__(self, cluster: ks.Cluster, namespaces: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 peering: list[str] | None = None):
+        self.cluster, self.namespaces, self.log_path = cluster, namespaces, log_path
+        self.extra_env = env or {}
+        self.peering = peering or ["--standalone"]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> OperatorProcess:
+        port = ks.free_port()
+        args = [sys.executable, "-m", "sampler_operator", *self.peering, "--verbose",
+                "--liveness", f"http://127.0.0.1:{port}/healthz"]
+        for n in self.namespaces:
+            args += ["--namespace", n]
+        env = {**self.cluster.subprocess_env(), "SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT": "30",
+               "SAMPLER_OPERATOR_WATCH_CLIENT_TIMEOUT": "40", **self.extra_env}
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.liveness_url = f"http://127.0.0.1:{port}/healthz"
+        return self
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, text: str, timeout: float = 30) -> None:
+        ks.wait_for(lambda: text in self.logs(), timeout, 0.05, f"operator log line {text!r}")
+
+    def wait_live(self, timeout: float = 60) -> None:
+        """kopf's --liveness endpoint answers 200 once the operator is up (startup handlers done)."""
+        import urllib.request
+
+        def live() -> bool:
+            assert self.alive(), self.logs()[-3000:]
+            with urllib.request.urlopen(self.liveness_url, timeout=1) as r:
+                return r.status == 200
+        ks.wait_for(live, timeout, 0.2, "operator liveness endpoint")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def ensure_watched(api: Any, op: OperatorProcess, namespace: str, timeout: float = 60) -> None:
+    """Wait until a glob-watching operator has started its watch in a brand-new namespace.
+
+    kopf discovers namespaces matching a glob through a namespaces watch; a namespace created
+    right after the operator started can be missed until that namespace changes again (seen here
+    with kopf 1.45 on the first namespace of a session). Touching the namespace (a label) makes
+    kopf look again. Documented in docs/operator.md as a known limitation with its workaround.
+    """
+    line = f"Starting the watch-stream for samplerreplicas.v1alpha1.sampler.rl.dev in '{namespace}'"
+    deadline = time.monotonic() + timeout
+    touched = 0
+    while line not in op.logs():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"operator never started watching {namespace}")
+        if time.monotonic() > deadline - timeout + 5 * (touched + 1):
+            touched += 1
+            api.core.patch_namespace(namespace, {"metadata": {"labels": {"sampler.rl.dev/touch": str(touched)}}})
+        time.sleep(0.1)

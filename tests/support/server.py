@@ -1,0 +1,85 @@
+"""Start a real sampler server process on 127.0.0.1 and stop it: the one way tests run a server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from sampler_pod.testing.net import free_port
+
+# Engine args that keep vLLM small on a 2-core CPU box (docs/development.md).
+CPU_ENGINE_ARGS = ["--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--max-model-len", "512",
+                   "--max-num-seqs", "32", "--dtype", "float32"]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kw)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 240.0,
+                 want: str = "ok") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.get(url + "/health", timeout=2)
+            if r.json().get("status") == want:
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"server at {url} not {want} after {timeout}s:\n{log_path.read_text()[-4000:]}")
+
+
+@contextlib.contextmanager
+def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[str, str] | None = None,
+               wait: bool = True) -> Iterator[RunningServer]:
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="sampler-test-"))
+    log_path = workdir / "server.log"
+    args = [sys.executable, "-m", "sampler_pod", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--engine", engine,
+            "--startup-lock-path", str(workdir / "lock" / "engine-startup.lock"), *extra]
+    if engine == "vllm":
+        args += CPU_ENGINE_ARGS
+    full_env = {**os.environ, "VLLM_RPC_BASE_PATH": str(workdir / "rpc"), **(env or {})}
+    (workdir / "rpc").mkdir()
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if wait:
+            wait_healthy(url, proc, log_path)
+        yield RunningServer(url=url, proc=proc, log_path=log_path)
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
