@@ -6,6 +6,7 @@ that hash in an annotation and replaces the pod when the hash it would build now
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -14,6 +15,7 @@ from typing import Any
 
 from . import API_VERSION, GROUP, KIND
 from .spec import SamplerReplicaSpec
+from .weights_intent import WeightsRef
 
 LABEL_REPLICA = f"{GROUP}/replica"
 LABEL_POOL = f"{GROUP}/pool"
@@ -110,8 +112,10 @@ def _probes(spec: SamplerReplicaSpec) -> dict[str, Any]:
         # restart would race it) and fails for a dead engine, which a restart does fix.
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, **base,
                           "failureThreshold": h.failure_threshold},
-        # Liveness only starts once the process answered once, so a slow weights load is not killed.
-        "startupProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, **base,
+        # Startup = engine start + loading the intended weights. It must end in `ok` within
+        # startupTimeoutSeconds, or the kubelet restarts the container: a hung engine start is
+        # bounded (docs/operator.md). Liveness only begins after it.
+        "startupProbe": {"httpGet": {"path": "/readyz", "port": PORT_NAME}, **base,
                          "failureThreshold": max(1, math.ceil(h.startup_timeout_seconds / h.period_seconds))},
     }
 
@@ -176,12 +180,32 @@ def template_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def desired_pod(owner: Owner, spec: SamplerReplicaSpec, generation: int) -> dict[str, Any]:
-    """The full Pod body to create for `owner` at pod generation `generation`."""
+def startup_weights_env(weights: WeightsRef | None, adapters: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The weights a new pod loads before it is ready (sampler flags `--initial-*`, docs/contract.md)."""
+    env: list[dict[str, str]] = []
+    if weights is not None:
+        env += [{"name": "SAMPLER_INITIAL_CHECKPOINT", "value": weights.checkpoint},
+                {"name": "SAMPLER_INITIAL_VERSION_LABEL", "value": weights.version_label}]
+        if weights.sha256_manifest:
+            env.append({"name": "SAMPLER_INITIAL_SHA256_MANIFEST",
+                        "value": json.dumps(dict(weights.sha256_manifest), sort_keys=True)})
+    if adapters:
+        env.append({"name": "SAMPLER_INITIAL_ADAPTERS", "value": json.dumps(adapters, sort_keys=True)})
+    return env
+
+
+def desired_pod(owner: Owner, spec: SamplerReplicaSpec, generation: int, weights: WeightsRef | None = None,
+                adapters: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The full Pod body to create for `owner` at pod generation `generation`, starting at `weights`.
+
+    The startup weights are added AFTER the template hash: they are the replica's state, not its
+    template, so a new checkpoint never makes a running pod look out of date."""
     template = pod_template(owner.name, spec)
     annotations = {**template["annotations"],
                    ANNOTATION_TEMPLATE_HASH: template_hash(template),
                    ANNOTATION_POD_GENERATION: str(generation)}
+    pod_spec = copy.deepcopy(template["spec"])
+    pod_spec["containers"][0]["env"] += startup_weights_env(weights, adapters or [])
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -193,7 +217,7 @@ def desired_pod(owner: Owner, spec: SamplerReplicaSpec, generation: int) -> dict
             # controller=True: the garbage collector deletes the pod with its SamplerReplica.
             "ownerReferences": [owner_reference(owner)],
         },
-        "spec": template["spec"],
+        "spec": pod_spec,
     }
 
 

@@ -2,6 +2,7 @@
 
   configure         startup: settings, API client, one HTTP session for all probes
   replica_pods      an in-memory index of our pods, kept current by kopf's pod watch
+  replica_fleet     an index of every SamplerReplica's `status.replacing` (the fleet-wide cap)
   wake_on_pod_event a pod of a replica changed: wake that replica's loop now
   validate_spec     a spec was created/changed: report semantic errors as a condition
   replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
@@ -18,10 +19,12 @@ import kopf
 
 from . import GROUP, PLURAL, VERSION
 from . import settings as operator_settings
+from .context import Context, ReplicaMemory
 from .desired_pod import LABEL_MANAGED_BY, LABEL_REPLICA, MANAGED_BY, label_value
+from .fleet import ReplacementSlots
 from .kube import Kube, load_config
 from .pod_view import PodView
-from .reconcile import Context, ReplicaMemory, step
+from .reconcile import step
 from .spec import InvalidSpec, parse_spec
 from .status import invalid_spec_status
 
@@ -53,7 +56,9 @@ async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped)
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    operator_settings.apply(settings, operator_settings.OperatorConfig.from_env())
+    config = operator_settings.OperatorConfig.from_env()
+    operator_settings.apply(settings, config)
+    memo.slots = ReplacementSlots(config.max_parallel_replacements)
     load_config()
     memo.kube = Kube()
     memo.session = aiohttp.ClientSession()
@@ -76,6 +81,12 @@ def replica_loops(**_: Any) -> int:
 def replica_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body,
                  **_: Any) -> dict[tuple[str, str], PodView]:
     return {(namespace or "", labels[LABEL_REPLICA]): PodView.from_pod(body)}
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def replica_fleet(namespace: str | None, name: str | None, status: kopf.Status,
+                  **_: Any) -> dict[tuple[str, str], bool]:
+    return {(namespace or "", name or ""): bool(status.get("replacing"))}
 
 
 @kopf.on.event("pods", labels=OUR_PODS)
@@ -106,9 +117,11 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
                        stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
     assert namespace is not None  # SamplerReplica is namespaced
     replica_pods: kopf.Index[tuple[str, str], PodView] = kwargs["replica_pods"]  # kopf passes indices by name
+    fleet: kopf.Index[tuple[str, str], bool] = kwargs["replica_fleet"]
+    memo.slots.fleet = lambda: fleet
     key = (namespace, label_value(name))
     wake = _wakeups.setdefault(key, asyncio.Event())
-    ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, log=logger)
+    ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger)
     mem = ReplicaMemory()
     try:
         while not stopped:
@@ -120,5 +133,6 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
                 delay = 2.0
             await _sleep(delay, wake, stopped)
     finally:
+        memo.slots.release((namespace, name))  # a deleted replica frees its fleet slot
         if _wakeups.get(key) is wake:
             del _wakeups[key]

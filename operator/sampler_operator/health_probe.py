@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,13 @@ class HealthObservation:
     weights_version: int | None = None
     weights_label: str | None = None
     in_flight: int | None = None
+    # Declared-weights contract (docs/contract.md): where the current weights came from, the
+    # newest validated load (what a replacement must load), and the checkpoint whose write failed.
+    weights_checkpoint: str | None = None
+    weights_loaded_at: str | None = None
+    intended: Mapping[str, Any] | None = None
+    failed_write: Mapping[str, Any] | None = None
+    adapters: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def answered(self) -> bool:
@@ -53,7 +61,16 @@ def classify(http_status: int, body: bytes | str) -> HealthObservation:
         weights_version=version if isinstance(version, int) else None,
         weights_label=doc.get("weights_label"),
         in_flight=doc.get("in_flight"),
+        weights_checkpoint=_str_or_none(doc.get("weights_checkpoint")),
+        weights_loaded_at=_str_or_none(doc.get("weights_loaded_at")),
+        intended=doc.get("intended") if isinstance(doc.get("intended"), dict) else None,
+        failed_write=doc.get("failed_write") if isinstance(doc.get("failed_write"), dict) else None,
+        adapters=tuple(a for a in doc.get("adapters") or [] if isinstance(a, dict)),
     )
+
+
+def _str_or_none(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 def health_url(pod_ip: str, port: int) -> str:

@@ -7,6 +7,7 @@ of the client's snake_case model objects, so every module works with one data sh
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 from typing import Any
@@ -76,6 +77,18 @@ class Kube:
     async def patch_pod_metadata(self, namespace: str, name: str, metadata: dict[str, Any]) -> None:
         await asyncio.to_thread(self.core.patch_namespaced_pod, name, namespace, {"metadata": metadata},
                                 _preload_content=False)
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None if the Secret or the key is missing."""
+        try:
+            doc = _json(await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace,
+                                                _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        raw = (doc.get("data") or {}).get(key)
+        return base64.b64decode(raw).decode() if raw is not None else None
 
     async def get_replica(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -16,34 +16,24 @@ Two halves:
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
-from . import API_VERSION, KIND
-from .desired_pod import Owner, desired_pod, owner_reference, pod_name, pod_template, selector_labels, template_hash
-from .health_probe import HealthObservation, probe
-from .kube import Kube
+from .context import Context, ReplicaMemory, event_target, owner_of, test_pause
+from .desired_pod import desired_pod, owner_reference, pod_name, pod_template, selector_labels, template_hash
+from .health_probe import HealthObservation, HealthState, probe
 from .pod_view import PodView
-from .replacement_policy import Action, Decision, decide
+from .replacement_policy import Action, Decision, decide, queue_for_fleet_cap
 from .spec import InvalidSpec, SamplerReplicaSpec, parse_spec
 from .status import DEGRADED, changed, iso, parse_iso, runtime_status
-
-log = logging.getLogger("sampler_operator")
+from .weights_intent import observed_weights, startup_adapters, startup_weights, weights_synced
+from .weights_sync import sync_weights
 
 REASON_UNCERTAIN = "UncertainWeights"
 REASON_SPEC_CHANGED = "SpecChanged"
 REASON_POD_FINISHED = "PodFinished"
 REASON_POD_DELETED = "PodDeleted"
-
-EventFn = Callable[[Mapping[str, Any], str, str, str], None]  # (body, type, reason, message)
-
 
 @dataclass(frozen=True)
 class Reason:
@@ -63,42 +53,6 @@ def replacement_reason(current: PodView, want_hash: str, replace: Decision | Non
     if replace is not None and replace.action is Action.REPLACE:
         return Reason(replace.reason, replace.message, counts_toward_cap=True)
     return None
-
-
-@dataclass
-class ReplicaMemory:
-    """In-memory notes of one replica's loop. Losing them on restart only resets a counter."""
-    consecutive_failures: int = 0
-    last_observation: HealthObservation | None = None
-    last_decision: Decision | None = None
-    newest_body: dict[str, Any] | None = None   # what our last status PATCH returned
-
-
-@dataclass
-class Context:
-    kube: Kube
-    session: aiohttp.ClientSession
-    emit: EventFn
-    clock: Callable[[], float] = time.time
-    log: logging.Logger | logging.LoggerAdapter[Any] = field(default=log)
-
-
-async def _test_pause(ctx: Context, stage: str) -> None:
-    """Test seam: hold still at a replacement step so a test can SIGKILL the operator right there."""
-    if os.environ.get("SAMPLER_OPERATOR_TEST_PAUSE_AT") == stage:
-        ctx.log.warning(f"test pause at {stage}")
-        await asyncio.sleep(float(os.environ.get("SAMPLER_OPERATOR_TEST_PAUSE_S", "30")))
-
-
-def owner_of(cr: Mapping[str, Any]) -> Owner:
-    meta = cr["metadata"]
-    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-
-
-def _event_target(cr: Mapping[str, Any]) -> dict[str, Any]:
-    meta = cr["metadata"]
-    return {"apiVersion": API_VERSION, "kind": KIND,
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
 
 
 def _rv(body: Mapping[str, Any] | None) -> int:
@@ -188,13 +142,14 @@ async def _start_replacement_if_needed(ctx: Context, cr: Mapping[str, Any], spec
     pending = {"oldPod": current.name, "oldPodUid": current.uid, "newPod": pod_name(name, gen),
                "generation": gen, "reason": why.reason, "message": why.message,
                "countsTowardCap": why.counts_toward_cap, "time": iso(ctx.clock())}
-    # Step 1: the intent, durable before anything is deleted.
-    mem.newest_body = await ctx.kube.patch_replica_status(namespace, name,
-                                                          {"pendingReplacement": pending, "phase": "Replacing"})
-    ctx.emit(_event_target(cr), "Warning" if why.counts_toward_cap else "Normal", why.reason,
+    # Step 1: the intent, durable before anything is deleted. `replacing` holds a fleet-wide slot
+    # (fleet.py) until the new pod reports ok.
+    intent = {"pendingReplacement": pending, "phase": "Replacing", "replacing": why.counts_toward_cap}
+    mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, intent)
+    ctx.emit(event_target(cr), "Warning" if why.counts_toward_cap else "Normal", why.reason,
              f"replacing pod {current.name}: {why.message}")
     ctx.log.info(f"replacing pod {current.name} -> {pending['newPod']}: {why.reason}: {why.message}")
-    await _test_pause(ctx, "after-intent")
+    await test_pause(ctx, "after-intent")
     return pending
 
 
@@ -210,14 +165,19 @@ async def _create_first_or_lost_pod(ctx: Context, cr: Mapping[str, Any], spec: S
         patch.update(_outcome(status, old_pod=status["podName"], reason=REASON_POD_DELETED,
                               message=f"pod {status['podName']} disappeared; created {patch['podName']}",
                               counts=False, now=ctx.clock()))
-        ctx.emit(_event_target(cr), "Normal", REASON_POD_DELETED, patch["lastReplacement"]["message"])
+        ctx.emit(event_target(cr), "Normal", REASON_POD_DELETED, patch["lastReplacement"]["message"])
     mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
 
 
 async def _create_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, gen: int) -> None:
-    body = desired_pod(owner_of(cr), spec, gen)
+    """A new pod starts at the replica's intended weights, never silently at the base model."""
+    weights_status = (cr.get("status") or {}).get("weights") or {}
+    weights, why = startup_weights(spec, weights_status)
+    body = desired_pod(owner_of(cr), spec, gen, weights, startup_adapters(spec, weights_status))
     created = await ctx.kube.create_pod(cr["metadata"]["namespace"], body)
-    ctx.log.info(f"{'created' if created else 'found existing'} pod {body['metadata']['name']}")
+    label = weights.version_label if weights else "the base model"
+    ctx.log.info(f"{'created' if created else 'found existing'} pod {body['metadata']['name']}, "
+                 f"starting at {label}: {why}")
 
 
 async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
@@ -228,7 +188,7 @@ async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: Sampler
     for p in pods:
         if p.name != new_pod and not p.deleting:
             await ctx.kube.delete_pod(namespace, p.name, p.uid)
-            await _test_pause(ctx, "after-delete")
+            await test_pause(ctx, "after-delete")
     # Step 3: only when no other pod exists at all. Without a kubelet (or for unscheduled pods)
     # the delete is immediate; otherwise the pod's DELETED event wakes the loop again.
     for p in pods:
@@ -236,7 +196,7 @@ async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: Sampler
             ctx.log.info(f"waiting for pod {p.name} to terminate before creating {new_pod}")
             return
     await _create_pod(ctx, cr, spec, int(pending["generation"]))
-    await _test_pause(ctx, "after-create")
+    await test_pause(ctx, "after-create")
     # Step 4: outcome + clearing the intent, atomically in one status patch.
     status = cr.get("status") or {}
     patch = {"pendingReplacement": None, "podName": new_pod, "podGeneration": int(pending["generation"]),
@@ -248,7 +208,7 @@ async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: Sampler
     mem.consecutive_failures = 0
     mem.last_observation = None
     ctx.emit(
-        _event_target(cr), "Normal", "Replaced", f"pod {pending['oldPod']} replaced by {new_pod} ({pending['reason']})"
+        event_target(cr), "Normal", "Replaced", f"pod {pending['oldPod']} replaced by {new_pod} ({pending['reason']})"
     )
 
 
@@ -276,20 +236,49 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
         mem.last_observation = obs
     now = ctx.clock()
     history = [parse_iso(t) for t in status.get("replacementHistory") or []]
-    decision = decide(obs, history, spec.replacement, now)
+    decision = _fleet_capped(ctx, cr, decide(obs, history, spec.replacement, now), spec, obs, pod)
     mem.last_decision = decision
+    weights = observed_weights(obs, pod.name if pod else None, status.get("weights") or {})
     new_status = runtime_status(pod=pod, observation=obs, consecutive_failures=mem.consecutive_failures,
                                 failure_threshold=spec.health.failure_threshold, decision=decision,
                                 replacing=decision.action is Action.REPLACE, old_status=status,
-                                generation=cr["metadata"].get("generation"), now=now)
+                                generation=cr["metadata"].get("generation"), now=now,
+                                weights_synced=weights_synced(spec, weights, obs))
+    new_status["weights"] = weights
+    if status.get("replacing") and not ctx.slots.holds(owner_key(cr)):
+        new_status["replacing"] = False  # the new pod is ok (or the replica gave up): slot freed
     if pod is None:
         new_status.pop("podName")  # converge owns podName while there is no pod
     diff = changed(status, new_status)
     if diff:
-        was_degraded = _condition_status(status, DEGRADED) == "True"
+        entering = {Action.CAPPED: _condition_status(status, DEGRADED) != "True",
+                    Action.QUEUED: status.get("phase") != "ReplacementQueued"}
         mem.newest_body = await ctx.kube.patch_replica_status(cr["metadata"]["namespace"], cr["metadata"]["name"], diff)
-        if decision.action is Action.CAPPED and not was_degraded:
-            ctx.emit(_event_target(cr), "Warning", decision.reason, decision.message)
+        if entering.get(decision.action):
+            ctx.emit(event_target(cr), "Warning", decision.reason, decision.message)
+    return decision
+
+
+def owner_key(cr: Mapping[str, Any]) -> tuple[str, str]:
+    return cr["metadata"]["namespace"], cr["metadata"]["name"]
+
+
+def _fleet_capped(ctx: Context, cr: Mapping[str, Any], decision: Decision, spec: SamplerReplicaSpec,
+                  obs: HealthObservation | None, pod: PodView | None) -> Decision:
+    """Apply the fleet-wide cap to a replacement decision, and keep the replica's slot current:
+    claimed while its replacement runs, freed once the new pod is ok AND Ready for the kubelet
+    (serving through Services again), or when the replica gives up (capped)."""
+    key = owner_key(cr)
+    replacing = bool((cr.get("status") or {}).get("replacing"))
+    if decision.action is Action.REPLACE:
+        decision = queue_for_fleet_cap(decision, ctx.slots.busy_elsewhere(key), ctx.slots.cap(),
+                                       float(spec.health.period_seconds))
+        if decision.action is Action.REPLACE:
+            ctx.slots.claim(key)
+    elif replacing and (decision.action is Action.CAPPED
+                        or (obs is not None and obs.state is HealthState.OK and pod is not None and pod.ready)):
+        ctx.slots.release(key)
+    # (After an operator restart, a replacement in progress keeps its slot through the index.)
     return decision
 
 
@@ -313,6 +302,11 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
     if decision is not None and decision.action is Action.REPLACE:
         await converge(ctx, namespace, name, spec, mem, replace=decision)
         return min(1.0, period)
+    obs = mem.last_observation
+    if obs is not None and obs.state is HealthState.OK:
+        pod = pick_current([p for p in pods if not p.deleting], cr.get("status") or {})
+        if pod is not None and pod.pod_ip and await sync_weights(ctx, newest(cr, mem), spec, pod.pod_ip, obs, mem):
+            return min(1.0, period)  # a load changed the pod: look at it again soon
     if decision is not None and decision.retry_after is not None:
         return max(0.1, min(period, decision.retry_after))
     return period

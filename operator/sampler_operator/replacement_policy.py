@@ -25,6 +25,7 @@ class Action(enum.StrEnum):
     REPLACE = "replace"
     WAIT_BACKOFF = "wait_backoff"   # will replace, but not yet
     CAPPED = "capped"               # the window's budget is spent: Degraded until it frees up
+    QUEUED = "queued"               # would replace, but the fleet-wide cap is reached: wait for a slot
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,25 @@ def decide(observation: HealthObservation | None, history: Sequence[float],
                         f"uncertain weights; next replacement in {wait:.1f}s (backoff)", retry_after=wait)
     return Decision(Action.REPLACE, "UncertainWeights",
                     f"pod reported uncertain_weights: {observation.reason or 'failed checkpoint write'}")
+
+
+def fleet_cap(setting: str, managed_replicas: int) -> int:
+    """Most replacements in progress at once across the operator's replicas: an absolute count
+    ("3") or a share of the managed replicas ("10%"), never below 1 (a broken replica must be
+    replaceable in a small fleet)."""
+    text = setting.strip()
+    if text.endswith("%"):
+        return max(1, int(float(text[:-1]) * managed_replicas / 100))
+    return max(1, int(text))
+
+
+def queue_for_fleet_cap(decision: Decision, in_progress: int, cap: int, period: float) -> Decision:
+    """A REPLACE decision waits while `cap` replacements are already in progress elsewhere."""
+    if decision.action is not Action.REPLACE or in_progress < cap:
+        return decision
+    return Decision(Action.QUEUED, "WaitingForReplacementSlot",
+                    f"{decision.message}; waiting: {in_progress} of at most {cap} replacements are in "
+                    "progress across the fleet", retry_after=period)
 
 
 def _no_action_reason(state: HealthState) -> str:

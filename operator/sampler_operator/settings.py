@@ -16,6 +16,7 @@ import kopf
 
 from . import GROUP
 from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY
+from .replacement_policy import fleet_cap
 
 
 def _env_float(name: str, default: float) -> float:
@@ -30,6 +31,8 @@ class OperatorConfig:
     watch_connect_timeout: float = 30.0
     request_timeout: float = 60.0          # any other API request
     post_events_from_level: int = logging.WARNING  # kopf turns log lines >= this into k8s Events
+    # Fleet-wide: most replicas being replaced at once ("10%" of the managed replicas, or a count).
+    max_parallel_replacements: str = "10%"
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -39,7 +42,19 @@ class OperatorConfig:
             watch_client_timeout=_env_float("SAMPLER_OPERATOR_WATCH_CLIENT_TIMEOUT", server * 1.1),
             watch_connect_timeout=_env_float("SAMPLER_OPERATOR_WATCH_CONNECT_TIMEOUT", cls.watch_connect_timeout),
             request_timeout=_env_float("SAMPLER_OPERATOR_REQUEST_TIMEOUT", cls.request_timeout),
+            max_parallel_replacements=_cap_setting(os.environ.get("SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS")
+                                                   or cls.max_parallel_replacements),
         )
+
+
+def _cap_setting(raw: str) -> str:
+    """Refuse a bad setting at startup (with the variable named), not at the first replacement."""
+    try:
+        fleet_cap(raw, 10)
+    except ValueError:
+        raise ValueError(f"SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS={raw!r}: "
+                         "want a count (3) or a share (10%)") from None
+    return raw
 
 
 def apply(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:

@@ -58,6 +58,19 @@ class Checkpoints(_Model):
     volumes: list[CheckpointVolume] = Field(default_factory=list)
 
 
+class DeclaredWeights(_Model):
+    """Weights a replica must serve: a checkpoint directory inside the pod (under one of
+    `checkpoints.allowedRoots`), the label samples are stamped with, and optional file digests."""
+    checkpoint: str = Field(min_length=1)
+    version_label: str = Field(alias="versionLabel", min_length=1, max_length=200)
+    sha256_manifest: dict[str, str] | None = Field(None, alias="sha256Manifest")
+
+
+class DeclaredAdapter(_Model):
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    path: str = Field(min_length=1)
+
+
 class SecretKeyRef(_Model):
     name: str
     key: str = "api-key"
@@ -111,6 +124,10 @@ class SamplerReplicaSpec(_Model):
     port: int = Field(8000, ge=1, le=65535)
     host_network: bool = Field(False, alias="hostNetwork")
     pod: PodOverrides = Field(default_factory=PodOverrides)
+    # Declared weights: loaded IN PLACE through the pod's validated load route when they change
+    # (never part of the pod template: a new checkpoint must not restart the engine).
+    weights: DeclaredWeights | None = None
+    adapters: list[DeclaredAdapter] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _semantic_rules(self) -> SamplerReplicaSpec:
@@ -150,6 +167,24 @@ def _semantic_problems(spec: SamplerReplicaSpec) -> Iterator[str]:
         yield "spec.replacement.maxBackoffSeconds must be >= spec.replacement.backoffSeconds"
     if spec.health.timeout_seconds > spec.health.period_seconds:
         yield "spec.health.timeoutSeconds must not exceed spec.health.periodSeconds"
+    declared = ([("spec.weights.checkpoint", spec.weights.checkpoint)] if spec.weights else []) + [
+        (f"spec.adapters[{i}].path", a.path) for i, a in enumerate(spec.adapters)]
+    for field, path in declared:
+        if not _under_any(path, spec.checkpoints.allowed_roots):
+            yield f"{field} {path!r} must be an absolute path under one of spec.checkpoints.allowedRoots"
+    if spec.adapters and not spec.engine_args.enable_lora:
+        yield "spec.adapters needs spec.engineArgs.enableLora: true"
+    adapter_names = [a.name for a in spec.adapters]
+    if len(set(adapter_names)) != len(adapter_names):
+        yield "spec.adapters names must be unique"
+
+
+def _under_any(path: str, roots: list[str]) -> bool:
+    """Lexically under a root (the pod re-checks with the real, symlink-resolved paths)."""
+    parts = path.split("/")
+    if not path.startswith("/") or ".." in parts:
+        return False
+    return any(path == r.rstrip("/") or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
 class InvalidSpec(Exception):

@@ -12,9 +12,11 @@ from typing import Any
 from .health_probe import HealthObservation, HealthState
 from .pod_view import PodView
 from .replacement_policy import Action, Decision
+from .weights_intent import Synced
 
 READY = "Ready"
 WEIGHTS_CERTAIN = "WeightsCertain"
+WEIGHTS_SYNCED = "WeightsSynced"
 DEGRADED = "Degraded"
 SPEC_VALID = "SpecValid"
 
@@ -23,6 +25,7 @@ PHASE_STARTING = "Starting"
 PHASE_READY = "Ready"
 PHASE_UNHEALTHY = "Unhealthy"
 PHASE_REPLACING = "Replacing"
+PHASE_QUEUED = "ReplacementQueued"   # must be replaced; waiting for a fleet-wide replacement slot
 PHASE_DEGRADED = "Degraded"
 PHASE_INVALID = "Invalid"
 
@@ -49,7 +52,7 @@ def merge_conditions(old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapp
         if prev is not None and prev.get("status") == c["status"]:
             c["lastTransitionTime"] = prev.get("lastTransitionTime", c["lastTransitionTime"])
         merged[c["type"]] = c
-    order = [READY, WEIGHTS_CERTAIN, DEGRADED, SPEC_VALID]
+    order = [READY, WEIGHTS_SYNCED, WEIGHTS_CERTAIN, DEGRADED, SPEC_VALID]
     return sorted(merged.values(), key=lambda c: (order.index(c["type"]) if c["type"] in order else 99, c["type"]))
 
 
@@ -67,7 +70,8 @@ def invalid_spec_status(message: str, old_conditions: Sequence[Mapping[str, Any]
 
 def runtime_status(*, pod: PodView | None, observation: HealthObservation | None, consecutive_failures: int,
                    failure_threshold: int, decision: Decision | None, replacing: bool,
-                   old_status: Mapping[str, Any], generation: int | None, now: float) -> dict[str, Any]:
+                   old_status: Mapping[str, Any], generation: int | None, now: float,
+                   weights_synced: Synced | None = None) -> dict[str, Any]:
     """The status fields that follow from the current pod and the latest probe."""
     phase, ready_reason, ready_message = _phase(pod, observation, consecutive_failures, failure_threshold,
                                                 decision, replacing, old_status.get("phase"))
@@ -79,6 +83,7 @@ def runtime_status(*, pod: PodView | None, observation: HealthObservation | None
         None if single_miss else condition(READY, phase == PHASE_READY, ready_reason, ready_message, now),
         _weights_certain(observation, now),
         _degraded(observation, decision, old_status, now),
+        None if weights_synced is None else synced_condition(weights_synced, now),
     ]
     out: dict[str, Any] = {
         "phase": phase,
@@ -94,6 +99,10 @@ def runtime_status(*, pod: PodView | None, observation: HealthObservation | None
         out["weightsVersion"] = None   # a different pod: the old pod's version says nothing
         out["weightsLabel"] = None
     return out
+
+
+def synced_condition(synced: Synced, now: float) -> dict[str, str]:
+    return condition(WEIGHTS_SYNCED, synced.status, synced.reason, synced.message, now)
 
 
 def _weights_certain(obs: HealthObservation | None, now: float) -> dict[str, str] | None:
@@ -136,6 +145,8 @@ def _phase(pod: PodView | None, obs: HealthObservation | None, failures: int, th
     if obs.state is HealthState.UNCERTAIN_WEIGHTS:
         if decision is not None and decision.action is Action.CAPPED:
             return PHASE_DEGRADED, "UncertainWeights", decision.message
+        if decision is not None and decision.action is Action.QUEUED:
+            return PHASE_QUEUED, decision.reason, decision.message
         return PHASE_REPLACING, "UncertainWeights", obs.reason or "uncertain weights"
     if obs.state is HealthState.ENGINE_DEAD:
         return PHASE_UNHEALTHY, "EngineDead", obs.reason or "engine dead; kubelet restarts it"

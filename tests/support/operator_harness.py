@@ -9,11 +9,13 @@ server answers through `behaviour(pod_name, n)`.
 """
 from __future__ import annotations
 
+import base64
 import http.server
 import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +49,8 @@ class PodServer:
 
     def __init__(self, ip: str, port: int, pod: str, behaviour: Behaviour) -> None:
         counter = itertools.count()
+        self.last_status: str | None = None  # of the last /health answer: what a readiness probe sees
+        server_state = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a: Any) -> None:
@@ -61,6 +65,8 @@ class PodServer:
                     self.close_connection = True
                     return
                 code = 200 if answer["status"] == "ok" else 503
+                if self.path == "/health":
+                    server_state.last_status = answer["status"]
                 if self.path == "/healthz":
                     code = 200
                 data = json.dumps(answer).encode()
@@ -88,6 +94,7 @@ class FakeKubelet:
         self.ips: dict[str, str] = {}             # pod name -> ip
         self.max_live = 0                         # most live (not terminating) pods seen at once
         self.seen: list[str] = []                 # pod names in order of appearance
+        self.ready: dict[str, bool] = {}          # pod uid -> the Ready condition we last set
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -111,6 +118,7 @@ class FakeKubelet:
             if name not in self.seen:
                 self.seen.append(name)
             if p.metadata.uid in self.servers or p.status.phase == "Running":
+                self._sync_ready(p)
                 continue
             ip = next(_ips)
             port = p.spec.containers[0].ports[0].container_port
@@ -120,7 +128,20 @@ class FakeKubelet:
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {
                 "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1", "startTime": now,
-                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})
+                "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}]}})
+            self.ready[p.metadata.uid] = False
+
+    def _sync_ready(self, pod: Any) -> None:
+        """Like the kubelet's readiness probe: Ready follows the pod's last /health answer."""
+        server = self.servers.get(pod.metadata.uid)
+        if server is None or server.last_status is None:
+            return
+        ready = server.last_status == "ok"
+        if self.ready.get(pod.metadata.uid) != ready:
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, {"status": {"conditions": [
+                {"type": "Ready", "status": str(ready), "lastTransitionTime": now}]}})
+        self.ready[pod.metadata.uid] = ready
 
     def stop(self) -> None:
         self._stop.set()
@@ -128,6 +149,101 @@ class FakeKubelet:
         for s in self.servers.values():
             s.stop()
         self.servers.clear()
+
+
+class ProcessKubelet:
+    """Runs every pod of one namespace as a REAL sampler process (`python -m sampler_pod`, here
+    with the fake engine) on its own loopback IP: the pod's own command line and environment,
+    its `secretKeyRef`s resolved from the API server like a kubelet does. So the operator talks
+    to the real HTTP API: real auth, real checkpoint validation, real weights bookkeeping.
+
+    Pod-local paths (startup lock, weights state) move under `workdir/<pod>`; `--host` becomes the
+    pod's IP. A pod's status turns Running with its IP once its process listens."""
+
+    def __init__(self, core: Any, namespace: str, workdir: Path) -> None:
+        self.core, self.namespace, self.workdir = core, namespace, workdir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}   # pod uid -> process
+        self.ips: dict[str, str] = {}
+        self.uids: dict[str, str] = {}                        # pod name -> uid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def url(self, pod: str, port: int) -> str:
+        return f"http://{self.ips[pod]}:{port}"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as e:  # keep playing kubelet
+                print(f"process kubelet: {e!r}", file=sys.stderr)
+            self._stop.wait(0.1)
+
+    def _env(self, container: Any) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SAMPLER_")}
+        for e in container.env or []:
+            if e.value is not None:
+                env[e.name] = e.value
+            elif e.value_from is not None and e.value_from.secret_key_ref is not None:
+                ref = e.value_from.secret_key_ref
+                secret = self.core.read_namespaced_secret(ref.name, self.namespace)
+                env[e.name] = base64.b64decode(secret.data[ref.key]).decode()
+        return env
+
+    def _argv(self, pod: Any, ip: str, home: Path) -> list[str]:
+        c = pod.spec.containers[0]
+        args = list(c.args or [])
+        overrides = {"--host": ip, "--startup-lock-path": str(home / "engine-startup.lock")}
+        for i, a in enumerate(args[:-1]):
+            if a in overrides:
+                args[i + 1] = overrides[a]
+        return [sys.executable, *list(c.command)[1:], *args, "--weights-state-path", str(home / "weights.json")]
+
+    def _sync(self) -> None:
+        pods = self.core.list_namespaced_pod(self.namespace).items
+        live = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None}
+        for uid in set(self.procs) - set(live):
+            _stop_process(self.procs.pop(uid))
+        for uid, p in live.items():
+            name = p.metadata.name
+            if uid in self.procs or p.status.phase == "Running":
+                continue
+            ip = next(_ips)
+            home = self.workdir / name
+            home.mkdir(parents=True, exist_ok=True)
+            log = open(home / "sampler.log", "ab")
+            self.procs[uid] = subprocess.Popen(self._argv(p, ip, home), env=self._env(p.spec.containers[0]),
+                                               stdout=log, stderr=subprocess.STDOUT)
+            self.ips[name], self.uids[name] = ip, uid
+            port = p.spec.containers[0].ports[0].container_port
+            ks.wait_for(lambda ip=ip, port=port: _listening(ip, port), 60, 0.05, f"pod {name} listening")
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {
+                "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1", "startTime": now,
+                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for proc in self.procs.values():
+            _stop_process(proc)
+        self.procs.clear()
+
+
+def _listening(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((ip, port)) == 0
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 class OperatorProcess:

@@ -57,6 +57,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, delete, patch]
+# the replica's API key (spec.apiKeySecretRef), to load declared weights through the pod's
+# authenticated load route; get only: no list/watch of the namespace's secrets
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 # Events explaining replacements (kopf posts core/v1 events)
 - apiGroups: [""]
   resources: [events]

@@ -92,8 +92,9 @@ def test_create_gives_one_pod_then_ready_with_printer_columns(api, ns, operator,
     # a fresh discovery cache: kubectl cached the API list before the CRD existed
     table = k8s.kubectl("--cache-dir", str(tmp_path / "kube-cache"), "-n", ns, "get", "sr")
     header = table.splitlines()[0].split()
-    assert header == ["NAME", "PHASE", "POD", "WEIGHTS", "REPLACEMENTS", "AGE"], table
-    assert table.splitlines()[1].split()[:4] == ["r1", "Ready", "r1-0", "3"], table
+    assert header == ["NAME", "PHASE", "POD", "DESIRED", "CURRENT", "VERSION", "REPLACEMENTS", "AGE"], table
+    # DESIRED is empty (no spec.weights); CURRENT is the label the pod serves, VERSION its version.
+    assert table.splitlines()[1].split()[:5] == ["r1", "Ready", "r1-0", "v3", "3"], table
     print(table)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.operator.test_fast_tier import cr_body, create, live_pods, wait_phase
+from tests.operator.envtest.test_fast_tier import cr_body, create, live_pods, wait_phase
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.operator_harness import FakeKubelet, OperatorProcess, ok, uncertain

@@ -1,0 +1,61 @@
+"""What every step of a replica's loop works with: the API, the pods' HTTP, events, the clock,
+the fleet-wide replacement slots, and the loop's small in-memory notes."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from . import API_VERSION, KIND
+from .desired_pod import Owner
+from .fleet import ReplacementSlots
+from .health_probe import HealthObservation
+from .kube import Kube
+from .replacement_policy import Decision
+
+log = logging.getLogger("sampler_operator")
+
+EventFn = Callable[[Mapping[str, Any], str, str, str], None]  # (body, type, reason, message)
+
+
+@dataclass
+class ReplicaMemory:
+    """In-memory notes of one replica's loop. Losing them on restart only resets a counter."""
+    consecutive_failures: int = 0
+    last_observation: HealthObservation | None = None
+    last_decision: Decision | None = None
+    newest_body: dict[str, Any] | None = None   # what our last status PATCH returned
+
+
+@dataclass
+class Context:
+    kube: Kube
+    session: aiohttp.ClientSession
+    emit: EventFn
+    slots: ReplacementSlots = field(default_factory=lambda: ReplacementSlots("10%"))
+    clock: Callable[[], float] = time.time
+    log: logging.Logger | logging.LoggerAdapter[Any] = field(default=log)
+
+
+async def test_pause(ctx: Context, stage: str) -> None:
+    """Test seam: hold still at a replacement step so a test can SIGKILL the operator right there."""
+    if os.environ.get("SAMPLER_OPERATOR_TEST_PAUSE_AT") == stage:
+        ctx.log.warning(f"test pause at {stage}")
+        await asyncio.sleep(float(os.environ.get("SAMPLER_OPERATOR_TEST_PAUSE_S", "30")))
+
+
+def owner_of(cr: Mapping[str, Any]) -> Owner:
+    meta = cr["metadata"]
+    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def event_target(cr: Mapping[str, Any]) -> dict[str, Any]:
+    meta = cr["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}

@@ -1,0 +1,193 @@
+"""Which weights a replica serves, must serve, and must come back at. Pure: values in, values out.
+
+Three views of a replica's weights, all kept in `status.weights`:
+
+  declared   `spec.weights` (and `spec.adapters`): what the user asked for. When it changes, the
+             operator loads it IN PLACE through the pod's validated load route, once; `declared`
+             in status records the spec it last acted on, so a restart never loads it twice.
+  observed   what the pod's /health reports: the current label, version, checkpoint, load time;
+             its `intended` (the newest load that passed validation, including loads a trainer
+             sent straight to the pod); and, while uncertain, the checkpoint whose write failed.
+  intended   what a NEW pod (a replacement, or the first one) must load before it is ready:
+             the newest of the declared and the observed intent, with one exception: a write
+             that failed midway is retried once on a fresh pod; if it fails there too, the next
+             pod goes back to the last weights that were known good.
+
+| event | status.weights | WeightsSynced |
+|---|---|---|
+| spec.weights changed | -- | False, Loading |
+| load passed | declared = spec, label = spec's | True |
+| load refused by validation | declared = spec, result InvalidCheckpoint | False, InvalidCheckpoint (file, tensor) |
+| write failed midway | failedWrite {checkpoint, pods} | False, Uncertain (pod replaced at intended) |
+| a trainer loaded step-N on the pod | intended = step-N (from /health) | True |
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .health_probe import HealthObservation, HealthState
+from .spec import SamplerReplicaSpec
+
+LOADED = "Loaded"
+INVALID = "InvalidCheckpoint"
+WRITE_FAILED = "WriteFailed"
+# A checkpoint whose write failed midway on this many pods is not tried again on the next one.
+MAX_WRITE_ATTEMPTS = 2
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """A checkpoint a pod can load: where it is, the label its samples carry, optional digests."""
+    checkpoint: str
+    version_label: str
+    sha256_manifest: Mapping[str, str] | None = None
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"checkpoint": self.checkpoint, "versionLabel": self.version_label}
+        if self.sha256_manifest:
+            out["sha256Manifest"] = dict(self.sha256_manifest)
+        return out
+
+    def to_load_request(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"path": self.checkpoint, "version_label": self.version_label}
+        if self.sha256_manifest:
+            body["sha256_manifest"] = dict(self.sha256_manifest)
+        return body
+
+    @classmethod
+    def from_status(cls, doc: Mapping[str, Any] | None) -> WeightsRef | None:
+        if not doc or not doc.get("checkpoint") or not doc.get("versionLabel"):
+            return None
+        return cls(str(doc["checkpoint"]), str(doc["versionLabel"]), doc.get("sha256Manifest") or None)
+
+    @classmethod
+    def from_health(cls, doc: Mapping[str, Any] | None) -> WeightsRef | None:
+        """From the pod's /health (snake_case keys)."""
+        if not doc or not doc.get("checkpoint") or not doc.get("version_label"):
+            return None
+        return cls(str(doc["checkpoint"]), str(doc["version_label"]), doc.get("sha256_manifest") or None)
+
+
+def declared_ref(spec: SamplerReplicaSpec) -> WeightsRef | None:
+    w = spec.weights
+    return None if w is None else WeightsRef(w.checkpoint, w.version_label, w.sha256_manifest)
+
+
+def declared_adapters(spec: SamplerReplicaSpec) -> list[dict[str, str]]:
+    return [{"name": a.name, "path": a.path} for a in spec.adapters]
+
+
+def needs_declared_load(spec: SamplerReplicaSpec, weights: Mapping[str, Any]) -> bool:
+    """spec.weights changed since the operator last acted on it (whatever the outcome was)."""
+    ref = declared_ref(spec)
+    return ref is not None and ref.to_status() != (weights.get("declared") or None)
+
+
+def adapter_changes(spec: SamplerReplicaSpec, weights: Mapping[str, Any],
+                    on_pod: Sequence[Mapping[str, Any]] | None) -> tuple[list[dict[str, str]], list[str]]:
+    """(adapters to add, adapter names to remove) so the pod matches spec.adapters.
+
+    Only adapters the spec declares, or declared before and dropped since, are touched: an
+    adapter a trainer loaded straight onto the pod is left alone."""
+    want = {a["name"]: a for a in declared_adapters(spec)}
+    have = {str(a.get("name")): str(a.get("path")) for a in on_pod or []}
+    previously = {str(a.get("name")) for a in weights.get("declaredAdapters") or []}
+    add = [a for name, a in sorted(want.items()) if have.get(name) != a["path"]]
+    remove = sorted(n for n in previously - set(want) if n in have)
+    # A declared adapter whose path changed is removed first, then added again.
+    remove += sorted(a["name"] for a in add if a["name"] in have)
+    return add, remove
+
+
+def startup_weights(spec: SamplerReplicaSpec, weights: Mapping[str, Any]) -> tuple[WeightsRef | None, str]:
+    """What a new pod must load before it is ready, and why (for the Event and the docs).
+
+    None means the base model: only when nothing else was ever declared or loaded."""
+    declared = declared_ref(spec)
+    if declared is not None and needs_declared_load(spec, weights):
+        return declared, "declared in spec.weights (not yet loaded)"
+    failed = weights.get("failedWrite") or {}
+    last_certain = WeightsRef.from_status(weights.get("lastCertain"))
+    if len(failed.get("pods") or []) >= MAX_WRITE_ATTEMPTS:
+        return last_certain, (f"the write of {failed.get('versionLabel')!r} failed midway on "
+                              f"{len(failed['pods'])} pods; back to the last certain weights")
+    intended = WeightsRef.from_status(weights.get("intended"))
+    if intended is not None:
+        if failed.get("versionLabel") == intended.version_label:
+            return intended, f"retrying {intended.version_label!r}, whose write failed midway (once)"
+        return intended, "the newest load that passed validation on the replica"
+    if last_certain is not None:
+        return last_certain, "the last weights the replica served"
+    return declared, "declared in spec.weights" if declared else "the base model"
+
+
+def startup_adapters(spec: SamplerReplicaSpec, weights: Mapping[str, Any]) -> list[dict[str, str]]:
+    observed = weights.get("adapters")
+    return [dict(a) for a in observed] if observed is not None else declared_adapters(spec)
+
+
+def observed_weights(obs: HealthObservation | None, pod_name: str | None,
+                     old: Mapping[str, Any]) -> dict[str, Any]:
+    """`status.weights` after one /health observation (the declared-load bookkeeping is kept)."""
+    out = dict(old)
+    if obs is None or not obs.answered or obs.state is HealthState.STARTING:
+        return out  # a starting pod's numbers say nothing yet
+    if obs.state is HealthState.OK:
+        out.update({"label": obs.weights_label, "version": obs.weights_version,
+                    "checkpoint": obs.weights_checkpoint, "loadedAt": obs.weights_loaded_at})
+        current = (WeightsRef(obs.weights_checkpoint, obs.weights_label or "")
+                   if obs.weights_checkpoint and obs.weights_label else None)
+        out["lastCertain"] = current.to_status() if current else None
+        failed = out.get("failedWrite") or {}
+        if failed and failed.get("versionLabel") == obs.weights_label:
+            out["failedWrite"] = None  # the retry on a fresh pod succeeded
+        out["adapters"] = [dict(a) for a in obs.adapters]
+    intended = WeightsRef.from_health(obs.intended)
+    if intended is not None:
+        out["intended"] = intended.to_status()
+    if obs.state is HealthState.UNCERTAIN_WEIGHTS and obs.failed_write:
+        fw = obs.failed_write
+        prev = out.get("failedWrite") or {}
+        same = prev.get("checkpoint") == fw.get("checkpoint") and prev.get("versionLabel") == fw.get("version_label")
+        pods = list(prev.get("pods") or []) if same else []
+        if pod_name and pod_name not in pods:
+            pods.append(pod_name)
+        out["failedWrite"] = {"checkpoint": fw.get("checkpoint"), "versionLabel": fw.get("version_label"),
+                              "reason": str(fw.get("reason") or obs.reason or "")[:1000], "pods": pods}
+    return out
+
+
+def declared_outcome(spec: SamplerReplicaSpec, result: str, message: str) -> dict[str, Any]:
+    """The status.weights fields recording that the operator acted on the current spec.weights."""
+    ref = declared_ref(spec)
+    return {"declared": ref.to_status() if ref else None, "declaredResult": result,
+            "declaredMessage": message[:1000]}
+
+
+@dataclass(frozen=True)
+class Synced:
+    status: bool
+    reason: str
+    message: str
+
+
+def weights_synced(spec: SamplerReplicaSpec, weights: Mapping[str, Any], obs: HealthObservation | None,
+                   loading: str | None = None) -> Synced | None:
+    """The WeightsSynced condition; None when there is nothing new to say (keep the last one)."""
+    if loading is not None:
+        return Synced(False, "Loading", f"loading {loading}")
+    if obs is not None and obs.state is HealthState.UNCERTAIN_WEIGHTS:
+        return Synced(False, "Uncertain", obs.reason or "a weight write failed midway")
+    declared = declared_ref(spec)
+    if (declared is not None and weights.get("declaredResult") == INVALID
+            and (weights.get("declared") or {}).get("versionLabel") == declared.version_label):
+        return Synced(False, INVALID, str(weights.get("declaredMessage") or "the declared checkpoint is invalid"))
+    if obs is None or obs.state is not HealthState.OK:
+        return None
+    target, why = startup_weights(spec, weights)
+    label = target.version_label if target else "base"
+    if obs.weights_label == label:
+        return Synced(True, "Synced", f"serving {label!r} (version {obs.weights_version}): {why}")
+    return Synced(False, "Loading", f"serving {obs.weights_label!r}; intended {label!r} ({why})")

@@ -1,0 +1,114 @@
+"""Bring a healthy pod to the declared weights, in place, through its validated load route.
+
+Called by the replica loop only while the pod reports `ok`. Steps, each recorded in status so a
+restarted operator neither repeats a finished load nor forgets an unfinished one:
+  1. spec.weights changed since the operator last acted on it (`status.weights.declared`):
+     WeightsSynced=False/Loading, then `POST /v1/checkpoints/load` with the pod's API key;
+     the outcome (Loaded | InvalidCheckpoint | WriteFailed) goes to status with the spec it was
+     for. A checkpoint the pod refuses leaves the pod serving its current, certain weights.
+     Busy/unreachable/timed out: nothing is recorded and the next loop tries again.
+  2. spec.adapters: add the missing ones, remove those the spec dropped.
+The pod stays the same pod: weights are not part of the pod template.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .context import Context, ReplicaMemory, event_target
+from .health_probe import HealthObservation
+from .pod_client import Outcome, PodAnswer, call
+from .spec import SamplerReplicaSpec
+from .status import merge_conditions, synced_condition
+from .weights_intent import (
+    INVALID,
+    LOADED,
+    WRITE_FAILED,
+    Synced,
+    adapter_changes,
+    declared_adapters,
+    declared_outcome,
+    declared_ref,
+    needs_declared_load,
+)
+
+# A load validates (reads every header), drains in-flight samples, then writes: minutes for a
+# large checkpoint. The pod bounds each phase itself; this only guards against a lost connection.
+LOAD_TIMEOUT_S = 1800.0
+ADAPTER_TIMEOUT_S = 600.0
+
+
+async def sync_weights(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
+                       obs: HealthObservation, mem: ReplicaMemory) -> bool:
+    """One sync step; True when it changed something on the pod (look at it again soon)."""
+    weights = (cr.get("status") or {}).get("weights") or {}
+    if needs_declared_load(spec, weights):
+        return await _load_declared(ctx, cr, spec, pod_ip, obs, mem)
+    add, remove = adapter_changes(spec, weights, obs.adapters)
+    if add or remove:
+        return await _sync_adapters(ctx, cr, spec, pod_ip, add, remove, mem)
+    return False
+
+
+async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
+                         obs: HealthObservation, mem: ReplicaMemory) -> bool:
+    ref = declared_ref(spec)
+    assert ref is not None
+    if obs.weights_label == ref.version_label and obs.weights_checkpoint == ref.checkpoint:
+        # The pod started at these weights (a new pod loads undeclared-yet weights at startup).
+        await _record(ctx, cr, declared_outcome(spec, LOADED, "loaded at pod startup"), None, mem)
+        return False
+    await _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem)
+    ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
+    answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", await _api_key(ctx, cr, spec),
+                        ref.to_load_request(), LOAD_TIMEOUT_S)
+    if answer.outcome is Outcome.TRANSIENT:
+        ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
+        return False
+    result, event_type = {Outcome.DONE: (LOADED, "Normal"), Outcome.INVALID: (INVALID, "Warning"),
+                          Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
+    synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
+    await _record(ctx, cr, declared_outcome(spec, result, answer.message), synced, mem)
+    verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]
+    ctx.emit(event_target(cr), event_type, f"Weights{result}",
+             f"declared weights {ref.version_label!r} {verb}: {answer.message}"[:1000])
+    return True
+
+
+async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
+                         add: list[dict[str, str]], remove: list[str], mem: ReplicaMemory) -> bool:
+    key = await _api_key(ctx, cr, spec)
+    answers: list[tuple[str, PodAnswer]] = []
+    for name in remove:
+        answers.append((f"remove {name}", await call(ctx.session, "DELETE", pod_ip, spec.port, f"/v1/adapters/{name}",
+                                                     key, None, ADAPTER_TIMEOUT_S)))
+    for adapter in add:
+        answers.append((f"add {adapter['name']}", await call(ctx.session, "POST", pod_ip, spec.port, "/v1/adapters",
+                                                             key, adapter, ADAPTER_TIMEOUT_S)))
+    if any(a.outcome is Outcome.TRANSIENT for _, a in answers):
+        return False  # try the whole set again later
+    refused = [f"{what}: {a.message}" for what, a in answers if a.outcome is not Outcome.DONE]
+    await _record(ctx, cr, {"declaredAdapters": declared_adapters(spec)}, None, mem)
+    if refused:
+        ctx.emit(event_target(cr), "Warning", "AdapterRefused", "; ".join(refused)[:1000])
+    return True
+
+
+async def _record(ctx: Context, cr: Mapping[str, Any], weights_fields: Mapping[str, Any], synced: Synced | None,
+                  mem: ReplicaMemory) -> None:
+    status = (mem.newest_body or cr).get("status") or {}
+    patch: dict[str, Any] = {}
+    if weights_fields:
+        patch["weights"] = {**(status.get("weights") or {}), **weights_fields}
+    if synced is not None:
+        patch["conditions"] = merge_conditions(status.get("conditions"), [synced_condition(synced, ctx.clock())])
+    if patch:
+        meta = cr["metadata"]
+        mem.newest_body = await ctx.kube.patch_replica_status(meta["namespace"], meta["name"], patch)
+
+
+async def _api_key(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec) -> str | None:
+    ref = spec.api_key_secret_ref
+    if ref is None:
+        return None
+    return await ctx.kube.read_secret_key(cr["metadata"]["namespace"], ref.name, ref.key)

@@ -1,0 +1,181 @@
+"""Fast tier: declared weights and the fleet-wide replacement cap, against a REAL kube-apiserver.
+
+The declared-weights cases run REAL sampler processes (`python -m sampler_pod --engine fake`, the
+pod's own command line and environment) on loopback IPs (harness.ProcessKubelet), so the operator
+goes through the real HTTP API: the API key from the Secret, real checkpoint validation, real
+/health. The fleet-cap case uses the light fake kubelet, whose Ready condition follows each pod's
+/health like a readiness probe, and checks the cap on the API server's pods over time (a watch).
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import urllib3
+
+from tests.operator.envtest.test_fast_tier import cond, cr_body, create, status
+from tests.support import corrupt_checkpoints as cc
+from tests.support import k8s as ks
+from tests.support.operator_harness import FakeKubelet, OperatorProcess, ProcessKubelet, ok, uncertain
+
+pytestmark = pytest.mark.envtest
+G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
+KEY = "tml-declared-weights-key"
+
+
+@pytest.fixture
+def world(api, ns, operator, tiny_model: Path, tmp_path: Path):
+    """A namespace with the API-key Secret, a checkpoint root holding step-1, and a process kubelet."""
+    root = tmp_path / "ckpt"
+    (root / "step-1").mkdir(parents=True)
+    shutil.copy(tiny_model / "model.safetensors", root / "step-1" / "model.safetensors")
+    api.core.create_namespaced_secret(ns, {"metadata": {"name": "sampler-key"}, "stringData": {"api-key": KEY}})
+    kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
+    yield {"root": root, "kubelet": kubelet, "model": tiny_model}
+    kubelet.stop()
+
+
+def replica(name: str, port: int, w: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    body = cr_body(name, port, model=str(w["model"]), checkpoints={"allowedRoots": [str(w["root"])]},
+                   apiKeySecretRef={"name": "sampler-key"}, **spec)
+    body["spec"].pop("resources")  # the fake engine needs no GPU
+    return body
+
+
+def pod_metric(w: dict[str, Any], pod: str, port: int, line: str) -> float:
+    with urllib.request.urlopen(w["kubelet"].url(pod, port) + "/metrics", timeout=5) as r:
+        for text in r.read().decode().splitlines():
+            if text.startswith(line + " "):
+                return float(text.split()[-1])
+    return 0.0
+
+
+def wait_status(api, ns: str, name: str, pred, what: str, timeout: float = 60) -> dict[str, Any]:
+    return ks.wait_for(lambda: (s := status(api, ns, name)) and pred(s) and s, timeout, 0.1, what)
+
+
+def test_patching_spec_weights_loads_them_in_place_once_with_the_key(api, ns, world):
+    port = ks.free_port()
+    create(api, ns, replica("w1", port, world))
+    st = wait_status(api, ns, "w1", lambda s: s.get("phase") == "Ready" and (s.get("weights") or {}).get("label"),
+                     "w1 Ready at the base model")
+    assert st["weights"]["label"] == "base" and cond(st, "WeightsSynced")["status"] == "True"
+    uid = world["kubelet"].uids["w1-0"]
+    # The pod refuses a keyless load: the operator's load below can only succeed with the Secret's key.
+    req = urllib.request.Request(world["kubelet"].url("w1-0", port) + "/v1/checkpoints/load", method="POST",
+                                 data=b'{"path": "step-1", "version_label": "x"}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 401
+
+    checkpoint = str(world["root"] / "step-1")
+    api.custom.patch_namespaced_custom_object(G, V, ns, P, "w1", {"spec": {"weights": {
+        "checkpoint": checkpoint, "versionLabel": "step-1"}}})
+    st = wait_status(api, ns, "w1", lambda s: (s.get("weights") or {}).get("label") == "step-1"
+                     and cond(s, "WeightsSynced").get("status") == "True", "w1 at step-1, WeightsSynced")
+    w = st["weights"]
+    assert (w["checkpoint"], w["version"], w["declaredResult"]) == (checkpoint, 1, "Loaded")
+    assert w["declared"] == {"checkpoint": checkpoint, "versionLabel": "step-1"}
+    assert st["phase"] == "Ready" and st["podName"] == "w1-0"
+    pods = api.core.list_namespaced_pod(ns).items
+    assert [(p.metadata.name, p.metadata.uid) for p in pods] == [("w1-0", uid)], "the pod was not recreated"
+    # Exactly one load reached the pod (its own counter), and more probe periods add none.
+    assert pod_metric(world, "w1-0", port, 'sampler_weight_loads_total{outcome="ok"}') == 1
+    ks.wait_for(lambda: status(api, ns, "w1").get("observedGeneration") == st.get("observedGeneration"), 5, 0.5,
+                "a few more loop periods")
+    assert pod_metric(world, "w1-0", port, 'sampler_weight_loads_total{outcome="ok"}') == 1
+    events = [e for e in api.core.list_namespaced_event(ns).items if e.involved_object.name == "w1"]
+    assert any(e.reason == "WeightsLoaded" and "step-1" in e.message for e in events)
+
+
+def test_an_invalid_declared_checkpoint_keeps_the_replica_ready_on_its_weights(api, ns, world):
+    port = ks.free_port()
+    create(api, ns, replica("w2", port, world))
+    wait_status(api, ns, "w2", lambda s: s.get("phase") == "Ready", "w2 Ready")
+    bad = cc.build_case("wrong_shape", world["root"] / "step-1", root=world["root"], outside=world["root"].parent / "o",
+                        name="step-bad")
+    api.custom.patch_namespaced_custom_object(G, V, ns, P, "w2", {"spec": {"weights": {
+        "checkpoint": str(bad.directory), "versionLabel": "step-bad"}}})
+    st = wait_status(api, ns, "w2", lambda s: cond(s, "WeightsSynced").get("reason") == "InvalidCheckpoint",
+                     "WeightsSynced=False InvalidCheckpoint")
+    synced = cond(st, "WeightsSynced")
+    assert synced["status"] == "False"
+    assert bad.file in synced["message"] and bad.tensor in synced["message"], synced["message"]
+    assert st["phase"] == "Ready" and cond(st, "Ready")["status"] == "True"
+    assert st["weights"]["label"] == "base" and st["weights"]["declaredResult"] == "InvalidCheckpoint"
+    assert [p.metadata.name for p in api.core.list_namespaced_pod(ns).items] == ["w2-0"], "nothing replaced"
+    assert pod_metric(world, "w2-0", port, 'sampler_weight_loads_total{outcome="rejected"}') == 1
+
+
+def _replacements_in_progress(events: list[tuple[str, Any]]) -> int:
+    """Replay the pod watch: most replicas at once whose old pod is gone or going while their new
+    pod is not Ready yet (a replacement in progress, as the API server shows it)."""
+    gen0_gone: set[str] = set()
+    gen1_ready: set[str] = set()
+    most = 0
+    for kind, pod in events:
+        replica_name, gen = pod.metadata.name.rsplit("-", 1)
+        if gen == "0" and (kind == "DELETED" or pod.metadata.deletion_timestamp is not None):
+            gen0_gone.add(replica_name)
+        if gen == "1":
+            ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+            (gen1_ready.add if ready and pod.status.phase == "Running" else gen1_ready.discard)(replica_name)
+        most = max(most, len(gen0_gone - gen1_ready))
+    return most
+
+
+def test_fleet_cap_bounds_replacements_in_progress(api, ns, k8s, crd, tmp_path):
+    """10 replicas go uncertain at once with a fleet cap of 2: at most 2 replacements in progress."""
+    import kubernetes
+
+    op = OperatorProcess(k8s, [ns], tmp_path / "op.log", env={"SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS": "2"})
+    op.start()
+    # A new pod answers `starting` for its first probes, like an engine loading weights, so each
+    # replacement takes a few probe periods and overlaps are visible.
+    kubelet = FakeKubelet(api.core, ns, lambda pod, n: uncertain(1) if pod.endswith("-0")
+                          else ok(1) if n >= 3 else {**ok(1), "status": "starting"})
+    events: list[tuple[str, Any]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        """Every pod event, in order. A watch connection may end at any time: resume it from the
+        last resourceVersion seen, so no event is missed (what every Kubernetes client does)."""
+        rv = api.core.list_namespaced_pod(ns).metadata.resource_version
+        while not done.is_set():
+            try:
+                for ev in kubernetes.watch.Watch().stream(api.core.list_namespaced_pod, ns, resource_version=rv,
+                                                          timeout_seconds=5):
+                    events.append((ev["type"], ev["object"]))
+                    rv = ev["object"].metadata.resource_version
+            except urllib3.exceptions.ProtocolError:
+                continue
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        op.wait_live()
+        for i in range(10):
+            create(api, ns, cr_body(f"f{i}", ks.free_port()))
+
+        def all_replaced() -> bool:
+            pods = [p for p in api.core.list_namespaced_pod(ns).items if p.metadata.deletion_timestamp is None]
+            names = sorted(p.metadata.name for p in pods)
+            return names == sorted(f"f{i}-1" for i in range(10)) and all(
+                status(api, ns, f"f{i}").get("phase") == "Ready" for i in range(10))
+        ks.wait_for(all_replaced, 240, 0.5, "all 10 replicas replaced and Ready")
+        done.set()
+        thread.join(10)
+        most = _replacements_in_progress(events)
+        assert most == 2, f"at most 2 replacements in progress at once, and the cap is used: saw {most}"
+        queued = [e for e in api.core.list_namespaced_event(ns).items if e.reason == "WaitingForReplacementSlot"]
+        assert queued, "replicas past the cap say they wait"
+        assert all(not status(api, ns, f"f{i}").get("replacing") for i in range(10))
+    finally:
+        done.set()
+        kubelet.stop()
+        op.stop()

@@ -1,0 +1,190 @@
+"""Unit: declared / observed / intended weights, the pod's answers to a load, the fleet-wide cap."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sampler_operator.desired_pod import ANNOTATION_TEMPLATE_HASH, Owner, desired_pod
+from sampler_operator.fleet import ReplacementSlots
+from sampler_operator.health_probe import classify
+from sampler_operator.pod_client import Outcome, outcome_of
+from sampler_operator.replacement_policy import Action, Decision, fleet_cap, queue_for_fleet_cap
+from sampler_operator.spec import InvalidSpec, parse_spec
+from sampler_operator.weights_intent import (
+    INVALID,
+    LOADED,
+    WeightsRef,
+    adapter_changes,
+    declared_outcome,
+    needs_declared_load,
+    observed_weights,
+    startup_weights,
+    weights_synced,
+)
+
+ROOT = "/ckpt"
+BASE = {"model": "/models/tiny", "image": "img", "checkpoints": {"allowedRoots": [ROOT]}}
+
+
+def spec(**kw: Any) -> Any:
+    return parse_spec({**BASE, **kw})
+
+
+def step(n: int) -> dict[str, str]:
+    return {"checkpoint": f"{ROOT}/step-{n}", "versionLabel": f"step-{n}"}
+
+
+def health(status: str = "ok", label: str = "base", version: int = 0, checkpoint: str | None = None,
+           **extra: Any) -> Any:
+    import json
+    doc = {"status": status, "reason": extra.pop("reason", None), "weights_version": version, "weights_label": label,
+           "in_flight": 0, "limit": 128, "model": "/models/tiny", "weights_checkpoint": checkpoint, **extra}
+    return classify(200 if status == "ok" else 503, json.dumps(doc))
+
+
+# ------------------------------------------------------------------------------- spec
+def test_declared_weights_must_be_under_allowed_roots() -> None:
+    assert spec(weights=step(1)).weights.version_label == "step-1"
+    with pytest.raises(InvalidSpec, match=r"spec.weights.checkpoint '/elsewhere/x' must be an absolute path under"):
+        spec(weights={"checkpoint": "/elsewhere/x", "versionLabel": "x"})
+    with pytest.raises(InvalidSpec, match=r"spec.weights.checkpoint"):
+        spec(weights={"checkpoint": f"{ROOT}/../etc", "versionLabel": "x"})
+    with pytest.raises(InvalidSpec, match="spec.adapters needs spec.engineArgs.enableLora"):
+        spec(adapters=[{"name": "a", "path": f"{ROOT}/a"}])
+
+
+def test_weights_are_not_part_of_the_pod_template() -> None:
+    """A new checkpoint is loaded in place: the template hash (what triggers a pod roll) ignores it."""
+    owner = Owner("r", "ns", "uid")
+    a = desired_pod(owner, spec(), 0)
+    b = desired_pod(owner, spec(weights=step(3)), 0, WeightsRef(f"{ROOT}/step-3", "step-3", {"m.safetensors": "ab"}),
+                    [{"name": "x", "path": f"{ROOT}/x"}])
+    hashes = {pod["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH] for pod in (a, b)}
+    assert len(hashes) == 1
+    env = {e["name"]: e.get("value") for e in b["spec"]["containers"][0]["env"]}
+    assert env["SAMPLER_INITIAL_CHECKPOINT"] == f"{ROOT}/step-3" and env["SAMPLER_INITIAL_VERSION_LABEL"] == "step-3"
+    assert env["SAMPLER_INITIAL_SHA256_MANIFEST"] == '{"m.safetensors": "ab"}'
+    assert env["SAMPLER_INITIAL_ADAPTERS"] == '[{"name": "x", "path": "/ckpt/x"}]'
+    assert not any(e["name"].startswith("SAMPLER_INITIAL_") for e in a["spec"]["containers"][0]["env"])
+
+
+def test_startup_probe_bounds_the_whole_start_on_readyz() -> None:
+    probe = desired_pod(Owner("r", "ns", "u"), spec(health={"periodSeconds": 5, "startupTimeoutSeconds": 60}), 0)
+    startup = probe["spec"]["containers"][0]["startupProbe"]
+    assert startup["httpGet"]["path"] == "/readyz" and startup["failureThreshold"] * startup["periodSeconds"] == 60
+
+
+# ------------------------------------------------------------------------------- intended weights
+def test_a_new_declaration_is_loaded_once_and_then_recorded() -> None:
+    s = spec(weights=step(1))
+    assert needs_declared_load(s, {})
+    recorded = declared_outcome(s, LOADED, "ok")
+    assert not needs_declared_load(s, recorded)
+    assert needs_declared_load(spec(weights=step(2)), recorded)
+    # A refused checkpoint is acted on too: not loaded again until the spec changes.
+    assert not needs_declared_load(s, declared_outcome(s, INVALID, "bad tensor"))
+
+
+def test_startup_weights_follow_the_newest_intent() -> None:
+    s = spec(weights=step(1))
+    # A brand-new replica starts at its declaration.
+    assert startup_weights(s, {})[0] == WeightsRef(f"{ROOT}/step-1", "step-1")
+    # A trainer then loaded step-5 straight onto the pod: that is newer than the spec.
+    w = {**declared_outcome(s, LOADED, "ok"), "intended": step(5)}
+    assert startup_weights(s, w)[0] == WeightsRef(f"{ROOT}/step-5", "step-5")
+    # A spec change after that wins again.
+    assert startup_weights(spec(weights=step(6)), w)[0] == WeightsRef(f"{ROOT}/step-6", "step-6")
+    # Nothing declared, nothing loaded: the base model.
+    assert startup_weights(spec(), {})[0] is None
+
+
+def test_a_failed_write_is_retried_once_then_the_last_certain_weights() -> None:
+    s = spec()
+    w = observed_weights(health(label="step-1", version=1, checkpoint=f"{ROOT}/step-1",
+                                intended={"checkpoint": f"{ROOT}/step-1", "version_label": "step-1"}), "r-0", {})
+    assert w["lastCertain"] == step(1)
+    failed = {"checkpoint": f"{ROOT}/step-2", "version_label": "step-2", "reason": "boom"}
+    intended2 = {"checkpoint": f"{ROOT}/step-2", "version_label": "step-2"}
+    w = observed_weights(health("uncertain_weights", reason="boom", failed_write=failed, intended=intended2), "r-0", w)
+    assert w["failedWrite"]["pods"] == ["r-0"]
+    ref, why = startup_weights(s, w)
+    assert ref == WeightsRef(f"{ROOT}/step-2", "step-2") and "retrying" in why
+    # The same observation again (next probe) does not count twice.
+    w = observed_weights(health("uncertain_weights", reason="boom", failed_write=failed, intended=intended2), "r-0", w)
+    assert w["failedWrite"]["pods"] == ["r-0"]
+    # It fails midway on the replacement too: the next pod goes back to step-1.
+    w = observed_weights(health("uncertain_weights", reason="boom", failed_write=failed, intended=intended2), "r-1", w)
+    ref, why = startup_weights(s, w)
+    assert ref == WeightsRef(f"{ROOT}/step-1", "step-1") and "failed midway on 2 pods" in why
+    # ...and a success there clears the failure record.
+    w2 = observed_weights(health(label="step-2", version=1, checkpoint=f"{ROOT}/step-2"), "r-1",
+                          {**w, "failedWrite": {**w["failedWrite"], "pods": ["r-0"]}})
+    assert w2["failedWrite"] is None
+
+
+def test_weights_synced_condition() -> None:
+    s = spec(weights=step(1))
+    assert weights_synced(s, {}, None, loading="step-1") is not None
+    ok1 = health(label="step-1", version=1, checkpoint=f"{ROOT}/step-1")
+    w = declared_outcome(s, LOADED, "ok")
+    synced = weights_synced(s, w, ok1)
+    assert synced is not None and synced.status is True
+    bad = declared_outcome(s, INVALID, "model.safetensors: tensor 'x' has shape [2], expected [3]")
+    synced = weights_synced(s, bad, health(label="base"))
+    assert synced is not None and (synced.status, synced.reason) == (False, "InvalidCheckpoint")
+    assert "model.safetensors" in synced.message and "tensor 'x'" in synced.message
+    synced = weights_synced(s, w, health("uncertain_weights", reason="write failed"))
+    assert synced is not None and (synced.status, synced.reason) == (False, "Uncertain")
+
+
+def test_adapter_changes_touch_only_declared_adapters() -> None:
+    s = spec(engineArgs={"enableLora": True}, adapters=[{"name": "a", "path": f"{ROOT}/a"}])
+    on_pod = [{"name": "mine", "path": "/x/mine"}]  # loaded by a trainer: left alone
+    assert adapter_changes(s, {}, on_pod) == ([{"name": "a", "path": f"{ROOT}/a"}], [])
+    on_pod.append({"name": "a", "path": f"{ROOT}/a"})
+    assert adapter_changes(s, {}, on_pod) == ([], [])
+    dropped = spec(engineArgs={"enableLora": True})
+    assert adapter_changes(dropped, {"declaredAdapters": [{"name": "a", "path": f"{ROOT}/a"}]}, on_pod) == ([], ["a"])
+
+
+# ------------------------------------------------------------------------------- pod answers
+@pytest.mark.parametrize(("code", "body", "outcome"), [
+    (200, b'{"weights_version": 2}', Outcome.DONE),
+    (400, b'{"error": {"category": "invalid_checkpoint", "message": "f.safetensors: tensor t: bad shape"}}',
+     Outcome.INVALID),
+    (500, b'{"error": {"category": "weight_write_failed", "message": "midway"}}', Outcome.WRITE_FAILED),
+    (504, b'{"error": {"category": "load_timeout", "message": "drain"}}', Outcome.TRANSIENT),
+    (503, b'{"error": {"category": "engine_unavailable", "message": "starting"}}', Outcome.TRANSIENT),
+    (401, b'{"error": {"category": "unauthorized", "message": "key"}}', Outcome.TRANSIENT),
+    (502, b"<html>", Outcome.TRANSIENT),
+])
+def test_outcome_of_a_load(code: int, body: bytes, outcome: Outcome) -> None:
+    answer = outcome_of(code, body)
+    assert answer.outcome is outcome
+    if outcome is Outcome.INVALID:
+        assert answer.message == "f.safetensors: tensor t: bad shape"
+
+
+# ------------------------------------------------------------------------------- fleet cap
+@pytest.mark.parametrize(("setting", "managed", "cap"), [("10%", 100, 10), ("10%", 5, 1), ("25%", 10, 2),
+                                                         ("3", 100, 3), ("0", 10, 1)])
+def test_fleet_cap(setting: str, managed: int, cap: int) -> None:
+    assert fleet_cap(setting, managed) == cap
+
+
+def test_replacements_queue_past_the_fleet_cap() -> None:
+    replace = Decision(Action.REPLACE, "UncertainWeights", "pod reported uncertain_weights")
+    assert queue_for_fleet_cap(replace, 1, 2, 5.0) is replace
+    queued = queue_for_fleet_cap(replace, 2, 2, 5.0)
+    assert queued.action is Action.QUEUED and "2 of at most 2" in queued.message and queued.retry_after == 5.0
+
+
+def test_slots_count_the_index_and_our_own_unseen_claims() -> None:
+    index = {("ns", f"r{i}"): [i < 2] for i in range(10)}  # r0, r1 replacing per the API server
+    slots = ReplacementSlots("20%", fleet=lambda: index)
+    assert slots.cap() == 2 and slots.busy_elsewhere(("ns", "r5")) == 2
+    assert slots.busy_elsewhere(("ns", "r0")) == 1
+    slots.release(("ns", "r0"))   # its new pod is ok; the index has not caught up yet
+    slots.claim(("ns", "r5"))     # not in the index yet either
+    assert slots.in_progress() == {("ns", "r1"), ("ns", "r5")}
