@@ -11,6 +11,8 @@ from .config import parse_config
 from .core.sampler import SamplerCore
 from .core.startup import engine_starter
 from .http.app import create_app
+from .weights.service import WeightsService
+from .weights.startup import with_initial_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,14 +24,17 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(cfg, engine_starter(cfg, on_fatal))
+    core = SamplerCore(cfg)
+    weights = WeightsService(core)
+    # The engine first, then the weights the replica must serve, and only then ready.
+    start = with_initial_weights(cfg, weights, engine_starter(cfg, on_fatal), on_fatal)
+    app = create_app(cfg, start, core=core, weights_service=weights)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                            access_log=False, timeout_graceful_shutdown=10,
                                            # Longer than clients' pools (httpx: 5 s), so the server is
                                            # never the side closing a connection a client is reusing.
                                            timeout_keep_alive=75))
     server.run()
-    core: SamplerCore = app.state.core
     return 1 if core.startup_error else 0
 
 

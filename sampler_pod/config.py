@@ -10,12 +10,33 @@ with the field named, whichever way it came in.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+
+def _json_if_str(value: object) -> object:
+    """A flag or environment variable carries JSON text; a caller building the model in Python passes
+    the object itself. Either way pydantic then validates the same structure."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+
+
+class InitialAdapter(BaseModel):
+    """One LoRA adapter a starting server loads (after its initial checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    path: str = Field(..., min_length=1)
 
 
 class ServerConfig(BaseModel):
@@ -45,7 +66,10 @@ class ServerConfig(BaseModel):
     max_num_samples: int = Field(64, ge=1, description="largest num_samples per request")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; past it: 413")
     future_ttl_s: float = Field(600.0, gt=0, description="how long a finished future waits to be retrieved")
-    load_timeout_s: float = Field(600.0, gt=0, description="default timeout of a checkpoint load")
+    load_timeout_s: float = Field(
+        600.0, gt=0, description="default timeout of a checkpoint load's validation and drain (not of its write)")
+    write_timeout_s: float = Field(
+        600.0, gt=0, description="longest a weight write may run once it has started (past it: uncertain_weights)")
 
     startup_lock_path: Path = Field(
         Path("/var/run/sampler/engine-startup.lock"),
@@ -60,10 +84,49 @@ class ServerConfig(BaseModel):
     max_loras: int = Field(4, ge=1, description="adapters loaded at once")
     max_lora_rank: int = Field(16, ge=1, description="largest adapter rank accepted")
 
+    # The weights a starting server loads before it reports ready (the operator sets these on a
+    # replacement pod). The state file below, when present, wins: it is newer.
+    initial_checkpoint: str | None = Field(
+        None, min_length=1,
+        description="checkpoint to load at startup, before /readyz is ok (needs --initial-version-label)")
+    initial_version_label: str | None = Field(
+        None, min_length=1, max_length=200, description="version label of --initial-checkpoint")
+    initial_sha256_manifest: Annotated[dict[str, str] | None, BeforeValidator(_json_if_str)] = Field(
+        None, description='sha256 manifest of --initial-checkpoint, a JSON object {"file": "hex", ...}')
+    initial_adapters: Annotated[list[InitialAdapter] | None, BeforeValidator(_json_if_str)] = Field(
+        None, description='LoRA adapters to load at startup, a JSON list [{"name": ..., "path": ...}, ...]')
+    weights_state_path: Path = Field(
+        Path("/var/run/sampler/weights.json"),
+        description="where the replica records the weights it must serve (survives a container restart, "
+                    "on the pod's emptyDir); read at startup, it wins over the --initial-* flags")
+
     api_key: str | None = Field(None, description="API key required on every route but the probes")
     enable_test_seams: bool = Field(
-        False, description="TEST ONLY: allow injecting a failure in the middle of a checkpoint write")
+        False, description="TEST ONLY: allow the test seams (a failure in the middle of a checkpoint write, "
+                           "--test-hang-startup)")
+    test_hang_startup: bool = Field(
+        False, description="TEST ONLY (needs --enable-test-seams): engine startup never completes")
     log_level: str = Field("info", description="log level")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ServerConfig:
+        # Flag names in the messages: these errors are read by whoever wrote the command line.
+        if (self.initial_checkpoint is None) != (self.initial_version_label is None):
+            raise ValueError("--initial-checkpoint and --initial-version-label go together "
+                             "(env SAMPLER_INITIAL_CHECKPOINT, SAMPLER_INITIAL_VERSION_LABEL)")
+        if self.initial_sha256_manifest is not None and self.initial_checkpoint is None:
+            raise ValueError("--initial-sha256-manifest needs --initial-checkpoint")
+        if self.initial_checkpoint is not None and not self.checkpoint_roots:
+            raise ValueError("--initial-checkpoint needs a --checkpoint-root (env SAMPLER_CHECKPOINT_ROOTS)")
+        if self.initial_adapters and not self.enable_lora:
+            raise ValueError("--initial-adapters needs --enable-lora")
+        if self.initial_adapters and not self.checkpoint_roots:
+            raise ValueError("--initial-adapters needs a --checkpoint-root (env SAMPLER_CHECKPOINT_ROOTS)")
+        if self.initial_adapters and len({a.name for a in self.initial_adapters}) != len(self.initial_adapters):
+            raise ValueError("--initial-adapters names an adapter twice")
+        if self.test_hang_startup and not self.enable_test_seams:
+            raise ValueError("--test-hang-startup needs --enable-test-seams")
+        return self
 
 
 # Fields whose flag name differs from the field name (a repeatable flag reads as singular).
@@ -83,7 +146,8 @@ def _is_bool(field: str) -> bool:
 
 
 def _is_list(field: str) -> bool:
-    return str(ServerConfig.model_fields[field].annotation).startswith("list[")
+    # Only a plain `list[...]` is a repeatable flag; `list[...] | None` (a JSON value) is not.
+    return get_origin(ServerConfig.model_fields[field].annotation) is list
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +188,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | No
         return ServerConfig(**values)
     except ValidationError as e:
         first = e.errors()[0]
-        field = str(first["loc"][0]) if first.get("loc") else "config"
+        if not first.get("loc"):  # a check across fields: its message names the flags itself
+            parser.error(str(first["msg"]).removeprefix("Value error, "))
+        field = str(first["loc"][0])
         parser.error(f"{_flag(field)} (or {env_name(field)}): {first['msg']}")
         raise  # unreachable: parser.error exits

@@ -3,11 +3,39 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 Status = Literal["starting", "ok", "uncertain_weights", "engine_dead"]
+
+
+class IntendedWeights(BaseModel):
+    """The newest checkpoint load that passed validation and whose write started (written or being
+    written): what this replica is meant to serve, and so what a replacement must load."""
+
+    checkpoint: str  # the checkpoint directory, resolved (absolute, symlinks followed)
+    version_label: str
+    sha256_manifest: dict[str, str] | None = None
+
+
+class FailedWrite(BaseModel):
+    """The write that left the weights uncertain."""
+
+    checkpoint: str
+    version_label: str
+    reason: str
+
+
+class AdapterEntry(BaseModel):
+    name: str
+    path: str  # resolved, like IntendedWeights.checkpoint
+
+
+def utc_now_iso() -> str:
+    """ISO-8601 UTC with a `Z`, the form Kubernetes uses for its own timestamps."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -16,16 +44,26 @@ class WeightsState:
 
     `uncertain_reason` is set only by a failure during a weight write; nothing else.
     There is no way back: a failed in-place reload leaves the engine unusable, so
-    the replica must be replaced (the operator does that).
+    the replica must be replaced (the operator does that, loading `intended`).
     """
 
     version: int = 0
     label: str = "base"
+    checkpoint: str | None = None  # where the serving weights came from; None: the base model
+    loaded_at: str | None = None
+    intended: IntendedWeights | None = None
     uncertain_reason: str | None = None
+    failed_write: FailedWrite | None = None
 
-    def bump(self, label: str) -> None:
+    def bump(self, label: str, checkpoint: str | None = None) -> None:
         self.version += 1
         self.label = label
+        self.checkpoint = checkpoint
+        self.loaded_at = utc_now_iso()
+
+    def mark_uncertain(self, failed: FailedWrite) -> None:
+        self.uncertain_reason = failed.reason
+        self.failed_write = failed
 
 
 class HealthReport(BaseModel):
@@ -33,13 +71,18 @@ class HealthReport(BaseModel):
     reason: str | None = None
     weights_version: int
     weights_label: str
+    weights_checkpoint: str | None = None
+    weights_loaded_at: str | None = None
+    intended: IntendedWeights | None = None
+    failed_write: FailedWrite | None = None
+    adapters: list[AdapterEntry] = Field(default_factory=list)
     in_flight: int
     limit: int
     model: str
 
 
 def health_status(engine_ready: bool, startup_error: str | None, engine_dead_reason: str | None,
-                  weights: WeightsState) -> tuple[Status, str | None]:
+                  weights: WeightsState, restoring: str | None = None) -> tuple[Status, str | None]:
     # An uncertain write usually kills the engine too; report the cause, not the symptom,
     # because only `uncertain_weights` tells the operator to replace the pod.
     if weights.uncertain_reason is not None:
@@ -50,6 +93,9 @@ def health_status(engine_ready: bool, startup_error: str | None, engine_dead_rea
         return "engine_dead", engine_dead_reason
     if not engine_ready:
         return "starting", "engine is starting"
+    # The engine is up but still on weights it must not serve (it is loading the intended ones).
+    if restoring is not None:
+        return "starting", restoring
     return "ok", None
 
 

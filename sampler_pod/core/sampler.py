@@ -20,7 +20,7 @@ from ..engine.base import AdapterRef, Engine, EngineDead, EngineRejected, Genera
 from ..errors import EngineFailure, EngineUnavailable, InvalidRequest, RequestTimedOut, SamplerError, UncertainWeights
 from .admission import AdmissionController, Slot
 from .futures import FutureStore
-from .health import HealthReport, WeightsState, health_status
+from .health import AdapterEntry, HealthReport, WeightsState, health_status
 from .metrics import Metrics
 from .request_checks import ModelLimits, check_sample_request, effective_timeout, generation_spec
 from .rwlock import RWLock
@@ -43,6 +43,9 @@ class SamplerCore:
     lock: RWLock = field(default_factory=RWLock)
 
     model_dir: str | None = None
+    # Set while a started engine still has to load the weights this replica must serve (startup):
+    # the reason `/health` gives for `starting`. Samples are refused until it is cleared.
+    restoring: str | None = None
 
     def set_model_dir(self, model_dir: str) -> None:
         self.model_dir = model_dir
@@ -63,13 +66,17 @@ class SamplerCore:
 
     def health(self) -> HealthReport:
         dead = self.engine.dead_reason if self.engine is not None else None
-        status, reason = health_status(self.engine is not None, self.startup_error, dead, self.weights)
-        return HealthReport(status=status, reason=reason, weights_version=self.weights.version,
-                            weights_label=self.weights.label, in_flight=self.admission.in_flight,
-                            limit=self.admission.limit, model=self.cfg.model)
+        w = self.weights
+        status, reason = health_status(self.engine is not None, self.startup_error, dead, w, self.restoring)
+        return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
+                            weights_checkpoint=w.checkpoint, weights_loaded_at=w.loaded_at, intended=w.intended,
+                            failed_write=w.failed_write,
+                            adapters=[AdapterEntry(name=n, path=self.adapters[n].path) for n in sorted(self.adapters)],
+                            in_flight=self.admission.in_flight, limit=self.admission.limit, model=self.cfg.model)
 
-    def require_serving(self) -> Engine:
-        """The engine, if this replica may serve now; else the 503 that says why."""
+    def require_engine(self) -> Engine:
+        """The engine, if it is up, alive and its weights certain; else the 503 that says why.
+        Enough for a weight write (the startup restore writes before the replica may serve)."""
         if self.weights.uncertain_reason is not None:
             raise UncertainWeights(f"weights are uncertain ({self.weights.uncertain_reason}); "
                                    "this replica must be replaced")
@@ -79,6 +86,15 @@ class SamplerCore:
         if dead is not None:
             raise EngineUnavailable(dead)
         return self.engine
+
+    def require_serving(self) -> Engine:
+        """The engine, if this replica may serve now (samples, client weight mutations); else a 503."""
+        engine = self.require_engine()
+        if self.restoring is not None:
+            # Never serve (or let a client rewrite) the weights a restarted replica had before it
+            # loaded the ones it must serve.
+            raise EngineUnavailable(f"replica is starting: {self.restoring}", headers={"Retry-After": "5"})
+        return engine
 
     def limits(self, engine: Engine) -> ModelLimits:
         return ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,

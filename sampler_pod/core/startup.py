@@ -19,10 +19,17 @@ from .sampler import SamplerCore
 
 log = logging.getLogger(__name__)
 
+# What `create_app` runs in the background at startup: it sets `core.engine` (or records the error).
+EngineStarter = Callable[[SamplerCore], Coroutine[Any, Any, None]]
 
-def engine_starter(cfg: ServerConfig,
-                   on_fatal: Callable[[], None]) -> Callable[[SamplerCore], Coroutine[Any, Any, None]]:
+
+def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineStarter:
     async def start(core: SamplerCore) -> None:
+        if cfg.test_hang_startup:
+            # TEST SEAM (parse_config refuses it without --enable-test-seams): a hung engine start,
+            # so the operator's startup deadline can be tested. `/health` stays `starting`.
+            log.warning("TEST SEAM --test-hang-startup: the engine will never start")
+            await asyncio.Event().wait()
         try:
             model_dir = await asyncio.to_thread(resolve_model, cfg.model)
             core.set_model_dir(model_dir)

@@ -21,6 +21,15 @@ class FakeWriteFailure(RuntimeError):
     pass
 
 
+def _digest(files: list[str]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for path in files:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return int.from_bytes(h.digest(), "little")
+
+
 @dataclass
 class FakeEngine:
     vocab_size: int = 512
@@ -35,6 +44,11 @@ class FakeEngine:
     _dead: str | None = None
     # Test hook: a request id containing this substring ignores aborts (a stuck engine call).
     stuck_marker: str = "__stuck__"
+    # Test hooks for weight writes: every write fails midway; a write holds until the gate opens
+    # (`write_started` is set once a write is inside the engine).
+    fail_writes: bool = False
+    write_gate: asyncio.Event | None = None
+    write_started: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     def for_model(cls, model_dir: str, token_delay_s: float = 0.001) -> FakeEngine:
@@ -87,12 +101,17 @@ class FakeEngine:
             self._aborted.add(request_id)
 
     async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int:
+        self.write_started.set()
+        if self.write_gate is not None:
+            await self.write_gate.wait()
         await asyncio.sleep(0.01)
-        if fail_after_tensors is not None:
+        if fail_after_tensors is not None or self.fail_writes:
             # Mirrors vLLM: a failed in-place reload leaves the engine unusable.
             self._dead = "weights half-written (fake engine)"
-            raise FakeWriteFailure(f"test seam: failing after {fail_after_tensors} tensors were written")
-        self.weights_salt += 1
+            raise FakeWriteFailure(f"test seam: failing after {fail_after_tensors or 0} tensors were written")
+        # Outputs are a function of the checkpoint's bytes, as a real engine's are of its weights:
+        # any two fake engines that loaded the same checkpoint answer alike, whatever came before.
+        self.weights_salt = await asyncio.to_thread(_digest, files)
         return len(files)
 
     async def add_adapter(self, ref: AdapterRef) -> None:

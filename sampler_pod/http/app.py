@@ -8,23 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI
 
 from ..config import ServerConfig
 from ..core.sampler import SamplerCore
+from ..core.startup import EngineStarter
 from ..protocols import tinker, twinkle
 from ..weights.service import WeightsService
 from .auth import APIKeyAuth
 from .errors import BodyLimitMiddleware, install_error_handlers
 from .routes import health, native, weights
 
-EngineStarter = Callable[[SamplerCore], Coroutine[Any, Any, None]]
 
-
-def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore | None = None) -> FastAPI:
+def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore | None = None,
+               weights_service: WeightsService | None = None) -> FastAPI:
+    """`weights_service` (on `core`) when the caller's starter needs it too (the startup restore)."""
     core = core or SamplerCore(cfg)
 
     @contextlib.asynccontextmanager
@@ -41,7 +41,7 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
 
     app = FastAPI(title="sampler-pod", version="0.1.0", lifespan=lifespan)
     app.state.core = core
-    app.state.weights = WeightsService(core)
+    app.state.weights = weights_service or WeightsService(core)
     app.state.tinker = tinker.TinkerService(core)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     install_error_handlers(app)

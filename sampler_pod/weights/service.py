@@ -1,10 +1,19 @@
 """Weight mutations: full-checkpoint loads and LoRA adapters. Writers under the read/write lock.
 
 A load is: validate (pure, no lock, 4xx on failure, engine untouched) -> take the write
-lock (in-flight samples drain, new ones queue) -> write -> bump the version.
+lock (in-flight samples drain, new ones queue) -> record the intended state -> write ->
+bump the version.
+
+Timeouts: the load's `timeout_s` (default `--load-timeout-s`) bounds validation and the
+drain only. Past it the load is an ordinary 504 `load_timeout`: nothing was written, the
+replica stays `ok`. Once the write has started it runs to the end, bounded only by
+`--write-timeout-s`: stopping it halfway is exactly what would cost the replica its weights,
+and a client's short timeout must never do that.
+
 Only an exception once the write has begun makes the weights uncertain; there is no
 way back from that (a failed in-place reload leaves vLLM's parameters half-written and
-its engine core dead), so later loads are refused too and the operator replaces the pod.
+its engine core dead), so later loads are refused too and the operator replaces the pod
+with one that loads `intended` (reported by `/health`).
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..core.health import FailedWrite, IntendedWeights
 from ..core.sampler import SamplerCore
 from ..engine.base import AdapterRef, Engine
-from ..errors import Conflict, EngineFailure, InvalidRequest, LoadTimedOut, NotFound, SamplerError
+from ..errors import Conflict, EngineFailure, EngineUnavailable, InvalidRequest, LoadTimedOut, NotFound, SamplerError
+from .state_file import PersistedAdapter, PersistedWeights, StatePersistFailed, write_state
 from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
 
 log = logging.getLogger(__name__)
@@ -92,61 +103,108 @@ class WeightsService:
 
     # ------------------------------------------------------------ checkpoints
 
-    async def load_checkpoint(self, req: LoadCheckpointRequest) -> LoadCheckpointResponse:
-        """Validate -> drain (write lock) -> write -> bump the version. The outcome metric is
-        recorded once, whatever the way out: ok | rejected (nothing written) | uncertain."""
+    async def load_checkpoint(self, req: LoadCheckpointRequest, *, restoring: bool = False) -> LoadCheckpointResponse:
+        """Validate -> drain (write lock) -> record the intended state -> write -> bump the version.
+        The outcome metric is recorded once, whatever the way out: ok | rejected (nothing written) |
+        uncertain.
+
+        `restoring`: the startup restore (`weights/startup.py`) loads through this same path before
+        the replica may serve; it skips the state file, which the restore writes once when done.
+        """
         core, m = self.core, self.core.metrics
         if req.test_fail_after_tensors is not None and not core.cfg.enable_test_seams:
             raise InvalidRequest("test_fail_after_tensors needs a server started with --enable-test-seams",
                                  field="test_fail_after_tensors")
-        core.require_serving()
+        require = core.require_engine if restoring else core.require_serving
+        require()
         t0 = time.monotonic()
-        deadline = t0 + (req.timeout_s or core.cfg.load_timeout_s)
+        budget = req.timeout_s or core.cfg.load_timeout_s
+        deadline = t0 + budget
         outcome = "rejected"
         try:
-            validated = await asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
-                                                sha256_manifest=req.sha256_manifest)
+            try:
+                # The thread cannot be stopped, but the load no longer waits for it: its result is dropped.
+                validated = await asyncio.wait_for(
+                    asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
+                                      sha256_manifest=req.sha256_manifest),
+                    timeout=budget)
+            except TimeoutError:
+                raise LoadTimedOut(f"validation did not finish within timeout_s={budget:g}s; nothing was written",
+                                   field="timeout_s") from None
             validation_s = time.monotonic() - t0
             m.validation_seconds.observe(validation_s)
             try:
+                # Only taking the lock can raise TimeoutError here: nothing in the body lets one out
+                # (`_persist` and `_write` turn every failure into their own errors).
                 async with core.lock.write(timeout=max(0.0, deadline - time.monotonic())):
                     drained = time.monotonic()
-                    engine = core.require_serving()
+                    engine = require()
                     validated.assert_unchanged()  # the files may have changed while we drained
+                    intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
+                                               sha256_manifest=req.sha256_manifest)
+                    # Recorded at the point of no return, not before the drain: a load that then
+                    # times out (504, nothing written) must leave the replica's intent unchanged.
+                    if not restoring:
+                        self._persist(intended)
+                    core.weights.intended = intended
                     outcome = "uncertain"  # from here on the engine's weights are being overwritten
-                    n = await self._write(engine, validated, req, deadline)
+                    n = await self._write(engine, validated, intended, req.test_fail_after_tensors)
                     outcome = "ok"
             except TimeoutError:
-                raise LoadTimedOut(f"in-flight samples did not drain within {deadline - t0:.0f}s; nothing was "
+                raise LoadTimedOut(f"in-flight samples did not drain within timeout_s={budget:g}s; nothing was "
                                    "written", field="timeout_s") from None
         finally:
             m.weight_loads.labels(outcome=outcome).inc()
         done = time.monotonic()
         m.load_seconds.observe(done - t0)
-        log.info("loaded checkpoint %s as version %d (%d tensors)", req.version_label, core.weights.version, n)
+        log.info("loaded checkpoint %s (%s) as version %d (%d tensors)", req.version_label, validated.path,
+                 core.weights.version, n)
         return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
                                       tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
                                       drain_wait_s=drained - t0 - validation_s, write_s=done - drained)
 
-    async def _write(self, engine: Engine, validated: ValidatedCheckpoint, req: LoadCheckpointRequest,
-                     deadline: float) -> int:
+    async def _write(self, engine: Engine, validated: ValidatedCheckpoint, intended: IntendedWeights,
+                     fail_after_tensors: int | None) -> int:
         """The write itself, under the write lock. Any failure here leaves the weights uncertain."""
         core, m = self.core, self.core.metrics
+        limit = core.cfg.write_timeout_s
         try:
             n = await asyncio.wait_for(
-                engine.load_checkpoint([str(s.path) for s in validated.shards], req.test_fail_after_tensors),
-                timeout=max(0.001, deadline - time.monotonic()))
+                engine.load_checkpoint([str(s.path) for s in validated.shards], fail_after_tensors), timeout=limit)
         except BaseException as e:
-            reason = f"write of checkpoint {req.version_label!r} failed midway: {type(e).__name__}: {e}"
-            core.weights.uncertain_reason = reason
+            why = f"did not finish within --write-timeout-s={limit:g}s" if isinstance(e, TimeoutError) else (
+                f"{type(e).__name__}: {e}")
+            reason = f"write of checkpoint {intended.version_label!r} failed midway: {why}"
+            core.weights.mark_uncertain(FailedWrite(checkpoint=intended.checkpoint,
+                                                    version_label=intended.version_label, reason=reason))
             m.weights_uncertain.set(1)
             log.error("%s; weights are now UNCERTAIN and this replica must be replaced", reason)
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise WeightWriteFailed(reason + "; weights are uncertain, the replica must be replaced") from e
-        core.weights.bump(req.version_label)
+        core.weights.bump(intended.version_label, intended.checkpoint)
         m.set_weights(core.weights.version, core.weights.label)
         return n
+
+    # ------------------------------------------------------------ the state file
+
+    def state(self, intended: IntendedWeights | None = None,
+              adapters: dict[str, AdapterRef] | None = None) -> PersistedWeights:
+        """The replica's intended state (current, or with a pending change applied)."""
+        intended = intended if intended is not None else self.core.weights.intended
+        adapters = adapters if adapters is not None else self.core.adapters
+        return PersistedWeights(
+            checkpoint=intended.checkpoint if intended else None,
+            version_label=intended.version_label if intended else None,
+            sha256_manifest=intended.sha256_manifest if intended else None,
+            adapters=[PersistedAdapter(name=n, path=adapters[n].path) for n in sorted(adapters)])
+
+    def _persist(self, intended: IntendedWeights | None = None, adapters: dict[str, AdapterRef] | None = None) -> None:
+        write_state(self.core.cfg.weights_state_path, self.state(intended, adapters))
+
+    def persist_state(self) -> None:
+        """Record the current intended state (the startup restore calls this once it is done)."""
+        self._persist()
 
     # ------------------------------------------------------------ adapters
 
@@ -154,10 +212,12 @@ class WeightsService:
         if not self.core.cfg.enable_lora:
             raise InvalidRequest("this server was started without --enable-lora", field="name")
 
-    async def add_adapter(self, req: AddAdapterRequest) -> AdapterInfo:
+    async def add_adapter(self, req: AddAdapterRequest, *, restoring: bool = False) -> AdapterInfo:
+        """`restoring`: as for `load_checkpoint` (the startup restore; no state-file write)."""
         self._require_lora()
         core, m = self.core, self.core.metrics
-        engine = core.require_serving()
+        require = core.require_engine if restoring else core.require_serving
+        engine = require()
         if req.name in core.adapters:
             raise Conflict(f"adapter {req.name!r} is already loaded; remove it first", field="name")
         try:
@@ -178,6 +238,17 @@ class WeightsService:
                 # The base weights are untouched by an adapter add: not an uncertain write.
                 m.weight_loads.labels(outcome="rejected").inc()
                 raise EngineFailure(f"engine could not load adapter {req.name!r}: {e}", field="path") from e
+            if not restoring:
+                try:
+                    self._persist(adapters={**core.adapters, req.name: ref})
+                except StatePersistFailed:
+                    # Unrecorded, the adapter would vanish on a restart: undo the add, report the failure.
+                    m.weight_loads.labels(outcome="rejected").inc()
+                    try:
+                        await engine.remove_adapter(ref)
+                    except Exception:
+                        log.exception("could not unload adapter %s after failing to record it", req.name)
+                    raise
             core.adapters[req.name] = ref
         m.weight_loads.labels(outcome="ok").inc()
         info = AdapterInfo(name=req.name, path=str(v.path), rank=v.rank)
@@ -187,9 +258,14 @@ class WeightsService:
     async def remove_adapter(self, name: str) -> None:
         self._require_lora()
         core = self.core
+        if core.restoring is not None:
+            raise EngineUnavailable(f"replica is starting: {core.restoring}", headers={"Retry-After": "5"})
         if name not in core.adapters:
             raise NotFound(f"no adapter named {name!r}", field="name")
         async with core.lock.write(timeout=core.cfg.load_timeout_s):
+            if name in core.adapters:
+                # Recorded first: if that fails, nothing was changed.
+                self._persist(adapters={n: r for n, r in core.adapters.items() if n != name})
             ref = core.adapters.pop(name, None)
             if ref is not None and core.engine is not None:
                 await core.engine.remove_adapter(ref)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import httpx
 
 from sampler_pod.config import ServerConfig
@@ -11,6 +14,8 @@ from sampler_pod.http.app import create_app
 
 
 def fake_core(token_delay_s: float = 0.001, **cfg: object) -> tuple[SamplerCore, FakeEngine]:
+    # A private state file: never the pod default under /var/run/sampler.
+    cfg.setdefault("weights_state_path", Path(tempfile.mkdtemp(prefix="sampler-state-")) / "weights.json")
     core = SamplerCore(ServerConfig(model="fake", engine="fake", **cfg))
     engine = FakeEngine(token_delay_s=token_delay_s)
     core.engine = engine

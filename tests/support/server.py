@@ -57,7 +57,10 @@ def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[s
     log_path = workdir / "server.log"
     args = [sys.executable, "-m", "sampler_pod", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--engine", engine,
-            "--startup-lock-path", str(workdir / "lock" / "engine-startup.lock"), *extra]
+            "--startup-lock-path", str(workdir / "lock" / "engine-startup.lock"),
+            # Never the default /var/run/sampler/weights.json: one test's loads must not become the
+            # next test server's startup weights. A test that restarts a server passes its own (last wins).
+            "--weights-state-path", str(workdir / "lock" / "weights.json"), *extra]
     if engine == "vllm":
         args += CPU_ENGINE_ARGS
     full_env = {**os.environ, "VLLM_RPC_BASE_PATH": str(workdir / "rpc"), **(env or {})}

@@ -1,0 +1,103 @@
+"""Startup restore: a starting replica loads the weights it must serve before it reports ready.
+
+What it must serve: the state file (`--weights-state-path`, see `state_file.py`) if it holds a
+readable record, else the `--initial-*` flags, else the base model. The checkpoint goes through
+the same validation and write path as `POST /v1/checkpoints/load`
+(`WeightsService.load_checkpoint`), then the adapters through `add_adapter`. Until that is done
+`/health` says `starting` (reason: `loading initial weights <label>`), `/readyz` is 503 and
+samples get 503: the replica never serves the base model when it was told otherwise.
+
+Outcomes:
+- an initial checkpoint or adapter that fails validation (or any other failure before a write)
+  is a startup error: `engine_dead` naming the file or tensor, and the server stops (exit 1);
+- a write that fails midway is the ordinary uncertain path (`uncertain_weights`, the process
+  stays up for the operator to read `failed_write` and replace the pod).
+
+Why here and not in `core/startup.py`: the restore needs `WeightsService`, which sits in a layer
+above `core` (imports only point down, `tests/unit/test_layers.py`). So this wraps core's engine
+starter, and `__main__` hands the wrapped starter to `create_app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ..config import ServerConfig
+from ..core.sampler import SamplerCore
+from ..core.startup import EngineStarter
+from ..errors import SamplerError
+from .service import AddAdapterRequest, LoadCheckpointRequest, WeightsService, WeightWriteFailed
+from .state_file import PersistedAdapter, PersistedWeights, read_state
+
+log = logging.getLogger(__name__)
+
+
+def intended_at_startup(cfg: ServerConfig) -> PersistedWeights | None:
+    """The weights this replica must come up with: the state file wins over the flags (it is newer:
+    it records loads sent straight to this pod). None: the base model, no adapters."""
+    state = read_state(cfg.weights_state_path)
+    if state is not None:
+        log.info("weights state file %s: restoring checkpoint %s (%s), adapters %s", cfg.weights_state_path,
+                 state.version_label, state.checkpoint, [a.name for a in state.adapters])
+        return None if state.empty else state
+    if cfg.initial_checkpoint is None and not cfg.initial_adapters:
+        return None
+    return PersistedWeights(checkpoint=cfg.initial_checkpoint, version_label=cfg.initial_version_label,
+                            sha256_manifest=cfg.initial_sha256_manifest,
+                            adapters=[PersistedAdapter(name=a.name, path=a.path) for a in cfg.initial_adapters or []])
+
+
+def _what(target: PersistedWeights) -> str:
+    return f"initial weights {target.version_label}" if target.version_label else "initial adapters"
+
+
+async def restore(service: WeightsService, target: PersistedWeights) -> None:
+    """Load `target` into a started engine (the core is `restoring`), then record it in the state file."""
+    core = service.core
+    if target.checkpoint is not None and target.version_label is not None:
+        core.restoring = f"loading initial weights {target.version_label}"
+        await service.load_checkpoint(
+            LoadCheckpointRequest(path=target.checkpoint, version_label=target.version_label,
+                                  sha256_manifest=target.sha256_manifest), restoring=True)
+    for a in target.adapters:
+        core.restoring = f"loading initial adapter {a.name}"
+        await service.add_adapter(AddAdapterRequest(name=a.name, path=a.path), restoring=True)
+    # Once, complete: a file rewritten after the checkpoint alone would forget the adapters if the
+    # container died before they were back.
+    await asyncio.to_thread(service.persist_state)
+
+
+def with_initial_weights(cfg: ServerConfig, service: WeightsService, start_engine: EngineStarter,
+                         on_fatal: Callable[[], None]) -> EngineStarter:
+    """`start_engine`, then the restore of the intended weights, before the replica reports ready."""
+
+    async def start(core: SamplerCore) -> None:
+        target = await asyncio.to_thread(intended_at_startup, cfg)
+        if target is not None:
+            # Set before the engine exists, so no /health read between "engine up" and "restore
+            # started" can ever see `ok` on the base weights.
+            core.restoring = f"loading {_what(target)}"
+        try:
+            await start_engine(core)
+            if target is None or core.engine is None or core.startup_error is not None:
+                return  # nothing to restore, or engine startup failed (already recorded, on_fatal called)
+            await restore(service, target)
+            log.info("restored %s", _what(target))
+        except asyncio.CancelledError:
+            raise
+        except WeightWriteFailed:
+            # `_write` recorded `uncertain_weights` and `failed_write`; the process stays up so the
+            # operator reads them and replaces the pod.
+            log.error("the initial weights write failed midway; the replica must be replaced")
+        except Exception as e:
+            what = _what(target) if target is not None else "startup"
+            detail = e.message if isinstance(e, SamplerError) else f"{type(e).__name__}: {e}"
+            core.startup_error = f"{what} could not be loaded: {detail}"
+            log.error("%s", core.startup_error)
+            on_fatal()
+        finally:
+            core.restoring = None
+
+    return start

@@ -1,0 +1,91 @@
+"""The replica's intended weights on disk: what it must come back at after a container restart.
+
+The file lives on the pod's emptyDir (next to the engine startup lock), so it survives a
+container restart but not a pod replacement; a replacement gets the same facts from the
+operator, which reads them from `/health` (`intended`, `adapters`) into the `--initial-*` flags.
+It records the loads that trainers send straight to the pod's HTTP API, which the operator's
+flags cannot know of yet, so at startup the file wins over the flags.
+
+Written atomically (a temporary file in the same directory, fsync, `os.replace`): a crash
+leaves the old file or the new one, never half of one. A file that does not parse is not
+trusted: startup logs a warning and falls back to the flags (it never crashes on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from ..errors import SamplerError
+
+log = logging.getLogger(__name__)
+
+
+class StatePersistFailed(SamplerError):
+    """The intended state could not be recorded: the mutation was not made (nothing was written)."""
+
+    status_code = 500
+    category = "state_write_failed"
+
+
+class PersistedAdapter(BaseModel):
+    name: str = Field(..., min_length=1)
+    path: str = Field(..., min_length=1)
+
+
+class PersistedWeights(BaseModel):
+    """`{"checkpoint", "version_label", "sha256_manifest", "adapters": [{"name", "path"}]}`."""
+
+    checkpoint: str | None = Field(None, min_length=1)
+    version_label: str | None = Field(None, min_length=1)
+    sha256_manifest: dict[str, str] | None = None
+    adapters: list[PersistedAdapter] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _checkpoint_has_label(self) -> PersistedWeights:
+        if (self.checkpoint is None) != (self.version_label is None):
+            raise ValueError("checkpoint and version_label go together")
+        return self
+
+    @property
+    def empty(self) -> bool:
+        return self.checkpoint is None and not self.adapters
+
+
+def read_state(path: Path) -> PersistedWeights | None:
+    """The recorded state; None if there is none, or if it is unreadable (with a warning)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("cannot read the weights state file %s (%s); falling back to the --initial-* flags", path, e)
+        return None
+    try:
+        return PersistedWeights.model_validate(json.loads(text))
+    except (json.JSONDecodeError, ValidationError, UnicodeDecodeError) as e:
+        log.warning("weights state file %s is corrupt (%s); falling back to the --initial-* flags",
+                    path, str(e).splitlines()[0])
+        return None
+
+
+def write_state(path: Path, state: PersistedWeights) -> None:
+    """Replace the recorded state atomically. Raises `StatePersistFailed` (and leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(state.model_dump_json(indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise StatePersistFailed(f"could not record the intended weights in {path}: {e}; nothing was changed "
+                                 "(a restart would not come back at these weights)") from e

@@ -1,0 +1,55 @@
+"""The startup-weights flags: parsed from flags and environment alike, refused with the flag named."""
+
+from __future__ import annotations
+
+import pytest
+
+from sampler_pod.config import InitialAdapter, parse_config
+
+
+def parse_error(capsys: pytest.CaptureFixture[str], argv: list[str], environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--model", "m", *argv], environ=environ or {})
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_initial_weights_from_flags_and_from_env() -> None:
+    flags = parse_config(["--model", "m", "--checkpoint-root", "/ck", "--enable-lora",
+                          "--initial-checkpoint", "step-2", "--initial-version-label", "step-2",
+                          "--initial-sha256-manifest", '{"model.safetensors": "ab"}',
+                          "--initial-adapters", '[{"name": "policy", "path": "lora-a"}]'], environ={})
+    env = parse_config(["--model", "m"], environ={
+        "SAMPLER_CHECKPOINT_ROOTS": "/ck", "SAMPLER_ENABLE_LORA": "1",
+        "SAMPLER_INITIAL_CHECKPOINT": "step-2", "SAMPLER_INITIAL_VERSION_LABEL": "step-2",
+        "SAMPLER_INITIAL_SHA256_MANIFEST": '{"model.safetensors": "ab"}',
+        "SAMPLER_INITIAL_ADAPTERS": '[{"name": "policy", "path": "lora-a"}]'})
+    for cfg in (flags, env):
+        assert cfg.initial_checkpoint == "step-2" and cfg.initial_version_label == "step-2"
+        assert cfg.initial_sha256_manifest == {"model.safetensors": "ab"}
+        assert cfg.initial_adapters == [InitialAdapter(name="policy", path="lora-a")]
+    defaults = parse_config(["--model", "m"], environ={})
+    assert defaults.initial_checkpoint is None and defaults.initial_adapters is None
+    assert str(defaults.weights_state_path) == "/var/run/sampler/weights.json"
+    assert defaults.write_timeout_s == 600 and not defaults.test_hang_startup
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--checkpoint-root", "/ck", "--initial-checkpoint", "step-2"], "--initial-version-label"),
+    (["--checkpoint-root", "/ck", "--initial-version-label", "step-2"], "--initial-checkpoint"),
+    (["--initial-checkpoint", "s", "--initial-version-label", "s"], "--checkpoint-root"),
+    (["--initial-sha256-manifest", '{"a": "b"}'], "--initial-sha256-manifest needs --initial-checkpoint"),
+    (["--checkpoint-root", "/ck", "--initial-checkpoint", "s", "--initial-version-label", "s",
+      "--initial-sha256-manifest", "{not json"], "--initial-sha256-manifest"),
+    (["--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a", "path": "p"}]'], "--enable-lora"),
+    (["--enable-lora", "--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a"}]'], "--initial-adapters"),
+    (["--test-hang-startup"], "--test-hang-startup needs --enable-test-seams"),
+])
+def test_bad_combinations_are_refused_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                      message: str) -> None:
+    assert message in parse_error(capsys, argv)
+
+
+def test_hang_seam_is_accepted_with_the_seams_flag() -> None:
+    cfg = parse_config(["--model", "m", "--enable-test-seams", "--test-hang-startup"], environ={})
+    assert cfg.test_hang_startup and cfg.enable_test_seams

@@ -1,0 +1,361 @@
+"""Issue #9 on the fake engine: the intended-weights state file, the startup restore, load timeouts.
+
+In-process cores for the ordering (gates, not sleeps, hold a write open), real server processes
+for what a restart is: a new process that finds the state file its predecessor wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sampler_pod.core.sampler import SamplerCore
+from sampler_pod.engine.fake import FakeEngine
+from sampler_pod.weights.service import WeightsService
+from sampler_pod.weights.startup import with_initial_weights
+from tests.support import REPO_ROOT
+from tests.support import corrupt_checkpoints as cc
+from tests.support.checkpoints import make_lora_adapter
+from tests.support.inproc import fake_client, fake_core
+from tests.support.server import RunningServer, free_port, run_server, wait_healthy
+
+PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
+
+
+@dataclass(frozen=True)
+class Ckpts:
+    model: Path
+    root: Path
+
+    def real(self, name: str) -> str:
+        return os.path.realpath(self.root / name)
+
+
+def variant(model: Path, out: Path, seed: int) -> Path:
+    """A full checkpoint of the tiny model with other weights (other bytes: the fake engine answers differently)."""
+    g = torch.Generator().manual_seed(seed)
+    base = load_file(model / "model.safetensors")
+    tensors = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
+    root = tmp_path_factory.mktemp("restore") / "checkpoints"
+    variant(tiny_model, root / "step-1", seed=1)
+    variant(tiny_model, root / "step-2", seed=2)
+    make_lora_adapter(tiny_model, root / "lora-a", seed=1)
+    cc.build_case("wrong_shape", tiny_model, root=root, outside=root.parent / "outside", name="bad-shape")
+    return Ckpts(tiny_model, root)
+
+
+def greedy_body(adapter: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}}
+    if adapter:
+        body["adapter"] = adapter
+    return body
+
+
+def greedy(c: httpx.Client, adapter: str | None = None) -> list[int]:
+    r = c.post("/v1/sample", json=greedy_body(adapter))
+    assert r.status_code == 200, r.text
+    tokens: list[int] = r.json()["results"][0]["sequences"][0]["tokens"]
+    return tokens
+
+
+def load(c: httpx.Client, path: str, label: str, **kw: Any) -> httpx.Response:
+    return c.post("/v1/checkpoints/load", json={"path": path, "version_label": label, **kw})
+
+
+def fake_server(ck: Ckpts, state: Path, *flags: str) -> Any:
+    return run_server(ck.model, "--checkpoint-root", str(ck.root), "--enable-lora", "--weights-state-path", str(state),
+                      *flags, engine="fake")
+
+
+@pytest.fixture(scope="module")
+def reference(ck: Ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy tokens of a server that loaded each checkpoint over HTTP (the fake engine's outputs for them)."""
+    state = tmp_path_factory.mktemp("reference") / "weights.json"
+    with fake_server(ck, state) as s, s.client() as c:
+        out = {"base": greedy(c)}
+        for label in ("step-2", "step-1"):
+            assert load(c, label, label).status_code == 200
+            out[label] = greedy(c)
+        assert c.post("/v1/adapters", json={"name": "policy", "path": "lora-a"}).status_code == 200
+        out["step-1+policy"] = greedy(c, "policy")
+    assert len({tuple(v) for v in out.values()}) == len(out)  # the checks below can tell them apart
+    return out
+
+
+def health(s: RunningServer) -> dict[str, Any]:
+    with s.client() as c:
+        h: dict[str, Any] = c.get("/health").json()
+        return h
+
+
+# ------------------------------------------------------------------------ the state file across restarts
+
+
+def test_http_load_is_recorded_and_a_restart_comes_back_at_it(ck: Ckpts, reference: dict[str, list[int]],
+                                                               tmp_path: Path) -> None:
+    state = tmp_path / "weights.json"
+    with fake_server(ck, state) as s, s.client() as c:
+        assert not state.exists()  # nothing loaded yet: nothing to record
+        assert load(c, "step-1", "step-1").status_code == 200
+        assert json.loads(state.read_text()) == {"checkpoint": ck.real("step-1"), "version_label": "step-1",
+                                                 "sha256_manifest": None, "adapters": []}
+        assert c.post("/v1/adapters", json={"name": "policy", "path": "lora-a"}).status_code == 200
+        recorded = json.loads(state.read_text())
+        assert recorded["adapters"] == [{"name": "policy", "path": ck.real("lora-a")}]
+        assert recorded["checkpoint"] == ck.real("step-1")
+    # Other flags, then none: the file is newer than any flag and wins.
+    for flags in (["--initial-checkpoint", "step-2", "--initial-version-label", "step-2"], []):
+        with fake_server(ck, state, *flags) as s, s.client() as c:
+            h = c.get("/health").json()
+            assert h["status"] == "ok" and h["weights_label"] == "step-1" and h["weights_version"] == 1, h
+            assert h["weights_checkpoint"] == ck.real("step-1") and h["weights_loaded_at"].endswith("Z")
+            assert h["intended"] == {"checkpoint": ck.real("step-1"), "version_label": "step-1",
+                                     "sha256_manifest": None}
+            assert h["adapters"] == [{"name": "policy", "path": ck.real("lora-a")}] and h["failed_write"] is None
+            assert greedy(c) == reference["step-1"]
+            assert greedy(c, "policy") == reference["step-1+policy"]
+            if not flags:
+                # Removing the adapter is recorded too (a restart reads the file, as just proved).
+                assert c.delete("/v1/adapters/policy").status_code == 204
+                assert json.loads(state.read_text())["adapters"] == [] and health(s)["adapters"] == []
+                assert json.loads(state.read_text())["version_label"] == "step-1"
+
+
+def test_corrupt_state_file_falls_back_to_the_flags(ck: Ckpts, reference: dict[str, list[int]],
+                                                    tmp_path: Path) -> None:
+    state = tmp_path / "weights.json"
+    for corrupt in ('{"checkpoint": "step-1"', '{"checkpoint": "step-1", "version_label": null}'):
+        state.write_text(corrupt)
+        with fake_server(ck, state, "--initial-checkpoint", "step-2", "--initial-version-label", "step-2") as s:
+            with s.client() as c:
+                h = c.get("/health").json()
+                assert h["status"] == "ok" and h["weights_label"] == "step-2", h
+                assert greedy(c) == reference["step-2"]
+            assert "is corrupt" in s.log()
+            # The restore recorded what it loaded: the next restart reads a good file again.
+            assert json.loads(state.read_text())["version_label"] == "step-2"
+
+
+def test_invalid_initial_checkpoint_stops_the_server_naming_file_and_tensor(ck: Ckpts, tmp_path: Path) -> None:
+    bad = ck.root / "bad-shape"
+    _, tensors = cc.read_raw(bad / "model.safetensors")
+    tensor = sorted(t.name for t in tensors if t.data)[0]  # the one cc's wrong_shape case reshaped
+    p = subprocess.run([sys.executable, "-m", "sampler_pod", "--model", str(ck.model), "--engine", "fake",
+                        "--host", "127.0.0.1", "--port", str(free_port()),
+                        "--startup-lock-path", str(tmp_path / "lock"), "--weights-state-path", str(tmp_path / "w.json"),
+                        "--checkpoint-root", str(ck.root),
+                        "--initial-checkpoint", "bad-shape", "--initial-version-label", "step-bad"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "initial weights step-bad could not be loaded" in p.stderr
+    assert "model.safetensors" in p.stderr and tensor in p.stderr
+    assert not (tmp_path / "w.json").exists()
+
+
+def test_hang_seam_keeps_the_server_starting(ck: Ckpts) -> None:
+    with run_server(ck.model, "--enable-test-seams", "--test-hang-startup", engine="fake", wait=False) as s:
+        wait_healthy(s.url, s.proc, s.log_path, timeout=120, want="starting")
+        while "TEST SEAM --test-hang-startup" not in s.log():  # the startup task has reached the hang
+            assert s.proc.poll() is None, s.log()
+            time.sleep(0.05)
+        with s.client() as c:
+            h = c.get("/health")
+            assert h.status_code == 503 and h.json()["status"] == "starting", h.text
+            assert h.json()["reason"] == "engine is starting"
+            assert c.get("/readyz").status_code == 503 and c.get("/healthz").status_code == 200
+            assert c.post("/v1/sample", json=greedy_body()).status_code == 503
+
+
+# ------------------------------------------------------------------------ the restore, in process
+
+
+@dataclass
+class Restoring:
+    core: SamplerCore
+    engine: FakeEngine
+    service: WeightsService
+    fatal: list[str]
+    start: Callable[[SamplerCore], Awaitable[None]]
+
+
+def restoring(ck: Ckpts, tmp_path: Path, **cfg: Any) -> Restoring:
+    core, engine = fake_core(checkpoint_roots=[ck.root], weights_state_path=tmp_path / "weights.json", **cfg)
+    core.engine = None
+    core.set_model_dir(str(ck.model))
+    service = WeightsService(core)
+    fatal: list[str] = []
+
+    async def start_engine(c: SamplerCore) -> None:
+        c.engine = engine
+
+    start = with_initial_weights(core.cfg, service, start_engine, lambda: fatal.append("fatal"))
+    return Restoring(core, engine, service, fatal, start)
+
+
+async def test_not_ready_and_no_samples_until_the_initial_weights_are_written(ck: Ckpts, tmp_path: Path) -> None:
+    r = restoring(ck, tmp_path, initial_checkpoint="step-1", initial_version_label="step-1")
+    r.engine.write_gate = asyncio.Event()
+    task = asyncio.ensure_future(r.start(r.core))
+    await r.engine.write_started.wait()
+    async with fake_client(r.core) as c:
+        h = await c.get("/health")
+        assert h.status_code == 503, h.text
+        assert h.json()["status"] == "starting" and h.json()["reason"] == "loading initial weights step-1"
+        # Being written: it is what a replacement would have to load.
+        assert h.json()["intended"]["checkpoint"] == ck.real("step-1") and h.json()["weights_version"] == 0
+        assert (await c.get("/readyz")).status_code == 503
+        sample = await c.post("/v1/sample", json=greedy_body())
+        assert sample.status_code == 503 and "loading initial weights step-1" in sample.text
+        # A client's load would race the restore: refused the same way.
+        assert (await c.post("/v1/checkpoints/load", json={"path": "step-2", "version_label": "x"})).status_code == 503
+        r.engine.write_gate.set()
+        await task
+        h = await c.get("/health")
+        assert h.status_code == 200 and h.json()["weights_label"] == "step-1" and h.json()["weights_version"] == 1
+        assert (await c.post("/v1/sample", json=greedy_body())).status_code == 200
+    assert not r.fatal
+    assert json.loads((tmp_path / "weights.json").read_text())["version_label"] == "step-1"
+
+
+async def test_midwrite_failure_at_startup_is_uncertain_and_names_the_checkpoint(ck: Ckpts, tmp_path: Path) -> None:
+    r = restoring(ck, tmp_path, initial_checkpoint="step-1", initial_version_label="step-1")
+    r.engine.fail_writes = True
+    await r.start(r.core)
+    assert not r.fatal  # the process stays up: the operator reads failed_write and replaces the pod
+    h = r.core.health()
+    assert h.status == "uncertain_weights" and h.reason is not None and "failed midway" in h.reason
+    assert h.failed_write is not None and h.failed_write.checkpoint == ck.real("step-1")
+    assert h.failed_write.version_label == "step-1"
+    assert h.intended is not None and h.intended.checkpoint == ck.real("step-1")
+    async with fake_client(r.core) as c:
+        assert (await c.get("/readyz")).status_code == 503 and (await c.get("/healthz")).status_code == 200
+        body = (await c.get("/health")).json()
+        assert body["failed_write"] == {"checkpoint": ck.real("step-1"), "version_label": "step-1",
+                                        "reason": h.reason}
+
+
+async def test_invalid_initial_adapter_is_a_startup_error(ck: Ckpts, tmp_path: Path) -> None:
+    r = restoring(ck, tmp_path, enable_lora=True, initial_adapters=[{"name": "policy", "path": "step-1"}])
+    await r.start(r.core)
+    assert r.fatal == ["fatal"]
+    h = r.core.health()
+    assert h.status == "engine_dead" and h.reason is not None and "initial adapters could not be loaded" in h.reason
+
+
+# ------------------------------------------------------------------------ load timeouts and the state file
+
+
+def inproc(ck: Ckpts, tmp_path: Path, token_delay_s: float = 0.001, **cfg: Any) -> tuple[SamplerCore, FakeEngine]:
+    cfg.setdefault("weights_state_path", tmp_path / "weights.json")
+    core, engine = fake_core(token_delay_s=token_delay_s, checkpoint_roots=[ck.root], **cfg)
+    core.set_model_dir(str(ck.model))
+    return core, engine
+
+
+async def test_tiny_load_timeout_is_a_504_and_costs_nothing(ck: Ckpts, tmp_path: Path) -> None:
+    core, _ = inproc(ck, tmp_path)
+    async with fake_client(core) as c:
+        before = (await c.post("/v1/sample", json=greedy_body())).json()["results"]
+        r = await c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "s", "timeout_s": 1e-6})
+        assert r.status_code == 504 and r.json()["error"]["category"] == "load_timeout", r.text
+        h = (await c.get("/health")).json()
+        assert h["status"] == "ok" and h["weights_version"] == 0 and h["intended"] is None
+        assert (await c.post("/v1/sample", json=greedy_body())).json()["results"] == before
+    assert not (tmp_path / "weights.json").exists()
+
+
+async def test_a_started_write_outlives_the_load_timeout(ck: Ckpts, tmp_path: Path) -> None:
+    core, engine = inproc(ck, tmp_path)
+    engine.write_gate = asyncio.Event()
+    async with fake_client(core) as c:
+        t0 = asyncio.get_running_loop().time()
+        loading = asyncio.ensure_future(
+            c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "step-1", "timeout_s": 1.0}))
+        await engine.write_started.wait()
+        # Recorded before the write started; the serving weights are still the old ones.
+        assert json.loads((tmp_path / "weights.json").read_text())["version_label"] == "step-1"
+        h = (await c.get("/health")).json()
+        assert h["intended"]["version_label"] == "step-1" and h["weights_label"] == "base"
+        await asyncio.sleep(max(0.0, t0 + 1.2 - asyncio.get_running_loop().time()))  # past the client's timeout
+        engine.write_gate.set()
+        r = await loading
+        assert r.status_code == 200 and r.json()["weights_version"] == 1, r.text
+        assert (await c.get("/health")).json()["status"] == "ok"
+
+
+async def test_a_write_past_write_timeout_is_uncertain(ck: Ckpts, tmp_path: Path) -> None:
+    core, engine = inproc(ck, tmp_path, write_timeout_s=0.2)
+    engine.write_gate = asyncio.Event()  # never opened: a hung write
+    async with fake_client(core) as c:
+        r = await c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "step-1", "timeout_s": 60})
+        assert r.status_code == 500 and r.json()["error"]["category"] == "weight_write_failed", r.text
+        h = (await c.get("/health")).json()
+        assert h["status"] == "uncertain_weights" and "--write-timeout-s=0.2s" in h["reason"]
+        assert h["failed_write"]["checkpoint"] == ck.real("step-1") and h["intended"]["version_label"] == "step-1"
+
+
+async def test_drain_timeout_is_a_504_and_leaves_weights_and_state_file(ck: Ckpts, tmp_path: Path) -> None:
+    core, engine = inproc(ck, tmp_path, token_delay_s=0.05)
+    state = tmp_path / "weights.json"
+    async with fake_client(core) as c:
+        assert (await c.post("/v1/checkpoints/load", json={"path": "step-2", "version_label": "step-2"})).status_code \
+            == 200
+        recorded = state.read_bytes(), state.stat().st_mtime_ns
+        long = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 60, "temperature": 0.0}}
+        rid = (await c.post("/v1/sample/submit", json=long)).json()["request_id"]
+        while not engine.running:  # the sample holds the read lock inside the engine
+            await asyncio.sleep(0.005)
+        r = await c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "step-1", "timeout_s": 0.5})
+        assert r.status_code == 504 and r.json()["error"]["category"] == "load_timeout", r.text
+        assert "did not drain" in r.json()["error"]["message"]
+        h = (await c.get("/health")).json()
+        assert h["status"] == "ok" and h["weights_label"] == "step-2" and h["intended"]["version_label"] == "step-2"
+        assert (state.read_bytes(), state.stat().st_mtime_ns) == recorded
+        done = await c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 30})
+        assert done.status_code == 200 and done.json()["weights_label"] == "step-2"
+
+
+async def test_validation_failure_leaves_the_state_file_untouched(ck: Ckpts, tmp_path: Path) -> None:
+    core, _ = inproc(ck, tmp_path)
+    state = tmp_path / "weights.json"
+    async with fake_client(core) as c:
+        assert (await c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "step-1"})).status_code \
+            == 200
+        recorded = state.read_bytes(), state.stat().st_mtime_ns
+        r = await c.post("/v1/checkpoints/load", json={"path": "bad-shape", "version_label": "bad"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "shape_mismatch", r.text
+        assert (state.read_bytes(), state.stat().st_mtime_ns) == recorded
+        h = (await c.get("/health")).json()
+        assert h["intended"]["version_label"] == "step-1" and h["weights_label"] == "step-1"
+
+
+async def test_a_load_that_cannot_be_recorded_is_refused_before_any_write(ck: Ckpts, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    core, engine = inproc(ck, tmp_path, weights_state_path=blocker / "weights.json")
+    async with fake_client(core) as c:
+        r = await c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "step-1"})
+        assert r.status_code == 500 and r.json()["error"]["category"] == "state_write_failed", r.text
+        h = (await c.get("/health")).json()
+        assert h["status"] == "ok" and h["weights_version"] == 0 and h["intended"] is None
+    assert not engine.write_started.is_set()
