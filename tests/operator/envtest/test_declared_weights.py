@@ -8,8 +8,10 @@ goes through the real HTTP API: the API key from the Secret, real checkpoint val
 """
 from __future__ import annotations
 
+import json
 import shutil
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -100,12 +102,13 @@ def test_an_invalid_declared_checkpoint_keeps_the_replica_ready_on_its_weights(a
     bad = cc.build_case("wrong_shape", world["root"] / "step-1", root=world["root"], outside=world["root"].parent / "o",
                         name="step-bad")
     api.custom.patch_namespaced_custom_object(G, V, ns, P, "w2", {"spec": {"weights": {
-        "checkpoint": str(bad.directory), "versionLabel": "step-bad"}}})
+        "checkpoint": str(bad.checkpoint_dir), "versionLabel": "step-bad"}}})
     st = wait_status(api, ns, "w2", lambda s: cond(s, "WeightsSynced").get("reason") == "InvalidCheckpoint",
                      "WeightsSynced=False InvalidCheckpoint")
     synced = cond(st, "WeightsSynced")
     assert synced["status"] == "False"
-    assert bad.file in synced["message"] and bad.tensor in synced["message"], synced["message"]
+    assert bad.expected_file and bad.expected_tensor
+    assert bad.expected_file in synced["message"] and bad.expected_tensor in synced["message"], synced["message"]
     assert st["phase"] == "Ready" and cond(st, "Ready")["status"] == "True"
     assert st["weights"]["label"] == "base" and st["weights"]["declaredResult"] == "InvalidCheckpoint"
     assert [p.metadata.name for p in api.core.list_namespaced_pod(ns).items] == ["w2-0"], "nothing replaced"
@@ -179,3 +182,36 @@ def test_fleet_cap_bounds_replacements_in_progress(api, ns, k8s, crd, tmp_path):
         done.set()
         kubelet.stop()
         op.stop()
+
+
+def test_a_replacement_starts_at_the_weights_the_pod_was_loading_not_the_base(api, ns, world):
+    """A trainer loads step-1 straight onto the pod, then step-2 fails midway: the replacement pod is
+    created with step-2 as its start-up weights (it passed validation: one retry) and serves it."""
+    port = ks.free_port()
+    (world["root"] / "step-2").mkdir()
+    shutil.copy(world["root"] / "step-1" / "model.safetensors", world["root"] / "step-2" / "model.safetensors")
+    create(api, ns, replica("w3", port, world, engineArgs={"extraArgs": ["--enable-test-seams"]}))
+    wait_status(api, ns, "w3", lambda s: s.get("phase") == "Ready", "w3 Ready")
+    url = world["kubelet"].url("w3-0", port)
+
+    def load(body: dict[str, Any]) -> int:
+        req = urllib.request.Request(url + "/v1/checkpoints/load", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "X-API-Key": KEY})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert load({"path": str(world["root"] / "step-1"), "version_label": "step-1"}) == 200
+    wait_status(api, ns, "w3", lambda s: (s.get("weights") or {}).get("label") == "step-1", "w3 reports step-1")
+    assert load({"path": str(world["root"] / "step-2"), "version_label": "step-2", "test_fail_after_tensors": 1}) == 500
+    st = wait_status(api, ns, "w3", lambda s: s.get("podName") == "w3-1" and s.get("phase") == "Ready"
+                     and (s.get("weights") or {}).get("label") == "step-2", "w3-1 Ready at step-2", timeout=90)
+    assert st["weights"].get("failedWrite") is None, "the retry on the new pod succeeded"
+    assert st["weights"]["lastCertain"]["versionLabel"] == "step-2"
+    env = {e.name: e.value for e in api.core.read_namespaced_pod("w3-1", ns).spec.containers[0].env}
+    assert env["SAMPLER_INITIAL_CHECKPOINT"] == str(world["root"] / "step-2")
+    assert env["SAMPLER_INITIAL_VERSION_LABEL"] == "step-2"
+    assert cond(st, "WeightsSynced")["status"] == "True"
+    assert st["lastReplacement"]["reason"] == "UncertainWeights"
