@@ -51,7 +51,7 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
     from .protocols.twinkle import twinkle_router
 
     app.include_router(tinker_router(core, cfg.api_key))
-    app.include_router(twinkle_router(core), dependencies=[Depends(api_key_checker(cfg.api_key))])
+    app.include_router(twinkle_router(core, cfg.api_key, cfg.twinkle_session_ttl_s))
     return app
 
 

@@ -44,6 +44,8 @@ class ServerConfig(BaseModel):
     max_lora_rank: int = Field(16, ge=1)
 
     api_key: str | None = None
+    # Twinkle-client sessions expire this long after their last heartbeat (Twinkle's default: 24 h).
+    twinkle_session_ttl_s: float = Field(86400.0, gt=0)
     enable_test_seams: bool = False
     log_level: str = "info"
 
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-loras", type=int, default=_int_env("max_loras") or 4)
     add("--max-lora-rank", type=int, default=_int_env("max_lora_rank") or 16)
     add("--api-key", default=_env("api_key"))
+    add("--twinkle-session-ttl-s", type=float, default=float(_env("twinkle_session_ttl_s") or 86400))
     add("--enable-test-seams", action="store_true", default=_env_bool("enable_test_seams"),
         help="TEST ONLY: allow injecting a failure in the middle of a checkpoint write")
     add("--log-level", default=_env("log_level") or "info")
