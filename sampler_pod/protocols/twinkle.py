@@ -140,25 +140,22 @@ class TwinkleService:
 
     def _prompts(self, raw: Any) -> list[Prompt]:
         items = split_inputs(raw)
-        prompts: list[Prompt] = []
-        for i, item in enumerate(items):
-            if not is_trajectory(item):
-                prompts.append(parse_input_feature(item, i))
-                continue
-            tok = self._tokenizer() if self.template is not None else None
+        tok = self._tokenizer() if self.template is not None and any(map(is_trajectory, items)) else None
 
-            def chat(messages: list[dict[str, Any]], tools: list[Any], thinking: bool) -> list[int]:
-                # Twinkle's call (padding=False, return_dict, tokenize), lists instead of tensors.
-                out = tok.apply_chat_template(messages, tools=tools, padding=False, return_dict=True,
-                                              add_generation_prompt=True, tokenize=True, enable_thinking=thinking)
-                ids = out["input_ids"]
-                return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+        def chat(messages: list[dict[str, Any]], tools: list[Any], thinking: bool) -> list[int]:
+            # Twinkle's call (padding=False, return_dict, tokenize), lists instead of tensors.
+            assert tok is not None  # encode_trajectory calls this only once a template is set
+            out = tok.apply_chat_template(messages, tools=tools, padding=False, return_dict=True,
+                                          add_generation_prompt=True, tokenize=True, enable_thinking=thinking)
+            ids = out["input_ids"]
+            return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
-            def text(s: str) -> list[int]:
-                return list(tok.encode(s))
+        def text(s: str) -> list[int]:
+            assert tok is not None
+            return list(tok.encode(s))
 
-            prompts.append(encode_trajectory(item, self.template, i, chat, text))
-        return prompts
+        return [encode_trajectory(item, self.template, i, chat, text) if is_trajectory(item)
+                else parse_input_feature(item, i) for i, item in enumerate(items)]
 
     def resolve_adapter(self, r: Routing, name: str, uri: str | None) -> str | None:
         full = scoped_adapter_name(r.owner, name) if name else None
@@ -236,10 +233,8 @@ class TwinkleService:
             if isinstance(on_disk, dict):
                 check_lora_config(body.config, on_disk)
             # else: the weights service's validation names the broken directory.
-        try:
-            req = AddAdapterRequest(name=full, path=body.adapter_uri, sha256_manifest=body.sha256_manifest)
-        except Exception as e:  # pydantic: name/path shape
-            raise InvalidRequest(f"adapter_name/adapter_uri: {e}", field="adapter_name") from None
+        # The name was checked by scoped_adapter_name and the path is non-empty: both are valid here.
+        req = AddAdapterRequest(name=full, path=body.adapter_uri, sha256_manifest=body.sha256_manifest)
         try:
             await asyncio.shield(asyncio.ensure_future(self._weights().add_adapter(req)))
         except SamplerError as e:

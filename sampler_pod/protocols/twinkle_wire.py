@@ -474,7 +474,7 @@ def shape_response(resp: CoreSampleResponse, prompts: list[Prompt], plan: Plan, 
                    decode_text: Callable[[list[int]], str] | None) -> dict[str, Any]:
     samples = []
     for pr, prompt in zip(resp.results, prompts):
-        seqs = []
+        seqs: list[dict[str, Any]] = []
         for s in pr.sequences:
             if plan.logprobs_only:
                 seqs.append({"stop_reason": s.stop_reason, "tokens": [], "logprobs": None, "decoded": None,

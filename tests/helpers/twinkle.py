@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import twinkle_client.manager as manager
+import twinkle_client.manager as manager  # type: ignore[import-untyped]
 
 
 class TwinkleClients:

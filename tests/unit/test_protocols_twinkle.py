@@ -292,9 +292,9 @@ async def test_model_id_patch_template_and_create_refusals() -> None:
 async def test_trajectory_after_set_template(tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
-    core, engine = fake_core(model=str(tiny_model))
+    core, engine = fake_core()
     engine.tokenizer = AutoTokenizer.from_pretrained(tiny_model)  # type: ignore[attr-defined]
-    url = f"/api/v1/sampler/{tiny_model.name}/twinkle"
+    url = URL
     traj = {"messages": [{"role": "user", "content": "hello world"}]}
     async with fake_client(core) as c:
         assert (await c.post(url + "/sample", json=body([traj]))).status_code == 400
