@@ -180,14 +180,10 @@ class TwinkleService:
         return full
 
     def _resolve_path(self, uri: str) -> Path:
-        roots = self.core.cfg.checkpoint_roots
-        p = Path(uri)
-        if not p.is_absolute():
-            if not roots:
-                raise InvalidRequest("this server has no --checkpoint-root; adapters are disabled",
-                                     field="adapter_uri")
-            p = roots[0] / p
-        return p.resolve()
+        """The adapter directory, confined to --checkpoint-root exactly as adapter loads are."""
+        from ..checkpoint_validation import resolve_confined
+
+        return resolve_confined(uri, self.core.cfg.checkpoint_roots, field="adapter_uri")
 
     async def sample(self, body: SampleBody, r: Routing) -> dict[str, Any]:
         if body.inputs is None:

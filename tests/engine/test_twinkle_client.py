@@ -200,6 +200,14 @@ def test_add_adapter_to_sampler_equals_native_adapter_route(env: Env, sampler: A
     with pytest.raises(requests.HTTPError) as e:
         vLLMSampler("some-other-model")
     assert e.value.response.status_code == 404 and e.value.response.json()["error"]["field"] == "model_id"
+    # The same name again is a conflict; a directory outside --checkpoint-root is refused before any load.
+    for uri, status, field in (("lora-tw", 409, "adapter_name"), ("../elsewhere", 400, "adapter_uri")):
+        with pytest.raises(requests.HTTPError) as e:
+            sampler.add_adapter_to_sampler("policy" if status == 409 else "other", None, adapter_uri=uri)
+        assert e.value.response.status_code == status and e.value.response.json()["error"]["field"] == field
+    with pytest.raises(requests.HTTPError) as e:
+        sampler.add_adapter_to_sampler("other", {"r": 4}, adapter_uri="lora-tw")
+    assert e.value.response.status_code == 400 and e.value.response.json()["error"]["field"] == "config.r"
     # The wheel's client cannot send a peft LoraConfig object (documented): it fails before any request.
     with pytest.raises(TypeError, match="set"):
         sampler.add_adapter_to_sampler("policy2", LoraConfig(r=8, target_modules=["q_proj"]), adapter_uri="lora-tw")
@@ -328,3 +336,32 @@ def test_heartbeat_keeps_a_session_alive_and_unknown_sessions(small: RunningServ
         assert e.value.response.status_code == 404
     finally:
         set_session_id(sid)
+
+
+def test_templates_and_patches_through_the_client(small: RunningServer, tiny_model: Path,
+                                                  clients: TwinkleClients) -> None:
+    from transformers import AutoTokenizer
+    from twinkle_client.sampler import vLLMSampler
+
+    clients.init(base_url=small.url, api_key=KEY)
+    sampler = vLLMSampler(tiny_model.name)
+    for call, field in ((lambda: sampler.set_template("Qwen3_5Template", model_id=tiny_model.name), "template_cls"),
+                        (lambda: sampler.apply_patch("twinkle.patch.Anything"), "patch_cls")):
+        with pytest.raises(requests.HTTPError) as e:
+            call()
+        assert e.value.response.status_code == 400 and e.value.response.json()["error"]["field"] == field
+    traj = {"messages": [{"role": "user", "content": "what is two plus two"}]}
+    assert sampler.set_template("Template", default_system="be brief").status == "ok"
+    got = sampler.sample([traj], sampling_params={"max_tokens": 8, "seed": 3, "logprobs": 1})[0].sequences[0]
+    # The prompt is the served model's chat template over Twinkle's messages (default system first).
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tok.apply_chat_template([{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "what is two plus two"}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    feat = got.new_input_feature
+    assert feat["input_ids"] == prompt + got.tokens and feat["messages"][-1]["role"] == "assistant"
+    assert feat["labels"][len(prompt) - 1:-1] == got.tokens  # the sampled tokens are the trainable ones
+    assert got.decoded == tok.decode(got.tokens)
+    native = httpx.post(small.url + "/v1/sample", headers=AUTH, timeout=120,
+                        json={"prompts": [prompt], "sampling_params": {"max_tokens": 8, "seed": 3}}).json()
+    assert got.tokens == native["results"][0]["sequences"][0]["tokens"]

@@ -258,7 +258,9 @@ async def test_sample_shape_and_logprob_pairs() -> None:
     ({**body(), "num_samples": 0}, "num_samples", 400),
     ({**body(), "extra": 1}, "extra", 400),
     ({**body(), "adapter_name": "nope"}, "adapter_name", 404),
-    ({**body(), "adapter_uri": "/nowhere/lora"}, "adapter_uri", 404),
+    ({**body(), "adapter_uri": "/tmp/no-such-lora"}, "adapter_uri", 404),
+    ({**body(), "adapter_uri": "/etc/lora"}, "adapter_uri", 400),
+    ({**body(), "adapter_uri": "twinkle://run/weights/x"}, "adapter_uri", 400),
 ])
 async def test_refusals_name_the_field(payload: dict[str, Any], field: str, status: int) -> None:
     core, _ = fake_core(checkpoint_roots=["/tmp"])
