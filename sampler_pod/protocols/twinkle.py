@@ -96,6 +96,7 @@ class Sessions:
             return False
         s.last_seen = self.clock()
         s.heartbeats += 1
+        self._by_id.move_to_end(sid)  # the bound evicts the least recently alive, never a live one first
         return True
 
     def record(self, r: Routing) -> None:
@@ -258,7 +259,6 @@ def twinkle_router(core: SamplerCore, api_key: str | None,
     from ..app import api_key_checker  # app imports this module lazily, so no cycle
 
     svc = TwinkleService(core, session_ttl_s)
-    core.twinkle = svc  # type: ignore[attr-defined]  # for tests and introspection
     r = APIRouter(prefix="/api/v1", tags=["twinkle"])
     auth = [Depends(api_key_checker(api_key))]
 
@@ -290,7 +290,8 @@ def twinkle_router(core: SamplerCore, api_key: str | None,
     async def create_session(request: Request) -> Response:
         body: _CreateSession = parse_json(_CreateSession, await request.body())
         sid = svc.sessions.create(body.metadata)
-        svc.sessions.record(Routing(sid, *_ids(request)))
+        rt = routing(request.headers)
+        svc.sessions.record(Routing(sid, rt.request_id, rt.multiplex_id))
         return _json({"session_id": sid})
 
     @r.post("/twinkle/session_heartbeat", dependencies=auth)
@@ -364,7 +365,3 @@ def twinkle_router(core: SamplerCore, api_key: str | None,
 
     return r
 
-
-def _ids(request: Request) -> tuple[str | None, str | None]:
-    rt = routing(request.headers)
-    return rt.request_id, rt.multiplex_id
