@@ -1,17 +1,20 @@
-"""Protocol throughput: Tinker (/api/v1 asample + retrieve_future, protobuf) and Twinkle (/twinkle/sample)
+"""Protocol throughput: Tinker (/api/v1 asample + retrieve_future, protobuf) and Twinkle
+(/api/v1/sampler/{model}/twinkle/sample, the body twinkle_client posts)
 against direct in-process AsyncLLM with the same engine args, at concurrency 1/8/32, 128 tokens/request.
 
-    python bench/protocols.py [--rounds 3] [--out docs/benchmarks.md]
+    python -m bench.protocols [--rounds 3] [--out docs/benchmarks.md]
 
 Method (a noisy 2-core box, see docs NOTES): the direct engine (in this process) and the server (a
 subprocess) are started once each and kept alive; an idle vLLM engine does not spin, so the cells
 are interleaved round by round (direct, tinker, twinkle at c=1, then c=8, then c=32, repeated) and
-the median of the rounds is reported. Every request generates exactly 128 tokens (ignore EOS:
-Tinker/Twinkle `stop=[]`), seed per request, temperature 1. Direct uses the same SamplingParams the
-server builds (sampled-token logprob, no detokenize, final-only output), so the ratio is the cost of
-the HTTP + protocol layer. The load generator is aiohttp (cheap per request); Tinker responses are
-protobuf-parsed to count tokens. "server CPU" is the server process's own CPU-seconds per 1,000
-generated tokens (the engine-core child excluded); "direct CPU" is the same for this process.
+the median of the rounds is reported. Every Tinker request generates exactly 128 tokens (ignore
+EOS: `stop=[]`); Twinkle has no way to ignore EOS (its `stop=[]` keeps EOS), so a Twinkle request can
+stop early and tok/s counts the tokens really generated. Seed per request, temperature 1. Direct uses
+the same SamplingParams the server builds (sampled-token logprob, no detokenize, final-only output),
+so the ratio is the cost of the HTTP + protocol layer. The load generator is aiohttp (cheap per
+request); Tinker responses are protobuf-parsed to count tokens. "server CPU" is the server
+process's own CPU-seconds per 1,000 generated tokens (the engine-core child excluded); "direct CPU"
+is the same for this process.
 """
 
 from __future__ import annotations
@@ -148,11 +151,11 @@ async def tinker_client(http: aiohttp.ClientSession, url: str, base_model: str) 
     return one
 
 
-def twinkle_client(http: aiohttp.ClientSession, url: str) -> OneRequest:
+def twinkle_client(http: aiohttp.ClientSession, url: str, model: str) -> OneRequest:
     async def one(seed: int) -> int:
-        body = {"inputs": [{"input_ids": prompt(seed)}],
-                "sampling_params": {"max_tokens": MAX_TOKENS, "seed": seed, "temperature": 1.0, "stop": []}}
-        async with http.post(url + "/twinkle/sample", json=body) as r:
+        body = {"inputs": [{"input_ids": prompt(seed)}], "adapter_name": "", "num_samples": 1,
+                "sampling_params": {"max_tokens": MAX_TOKENS, "seed": seed, "temperature": 1.0}}
+        async with http.post(f"{url}/api/v1/sampler/{model}/twinkle/sample", json=body) as r:
             assert r.status == 200, await r.text()
             out = await r.json()
         return sum(len(s["tokens"]) for x in out["samples"] for s in x["sequences"])
@@ -184,7 +187,7 @@ async def bench(model: Path, rounds: int) -> dict[str, dict[int, Cell]]:
             async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
                 clients = {"direct": (direct_client(llm), os.getpid()),
                            "tinker": (retry_once(await tinker_client(http, server.url, str(model))), server.proc.pid),
-                           "twinkle": (retry_once(twinkle_client(http, server.url)), server.proc.pid)}
+                           "twinkle": (retry_once(twinkle_client(http, server.url, model.name)), server.proc.pid)}
                 for one, pid in clients.values():  # warm-up: first-request costs out of the way
                     await run_cell(one, 8, 16, 10_000_000, pid)
                 seed = 0

@@ -101,6 +101,9 @@ class ServerConfig(BaseModel):
                     "on the pod's emptyDir); read at startup, it wins over the --initial-* flags")
 
     api_key: str | None = Field(None, description="API key required on every route but the probes")
+    twinkle_session_ttl_s: float = Field(
+        86400.0, gt=0, description="Twinkle-client sessions expire this long after their last heartbeat "
+                                   "(Twinkle's own default: 24 h)")
     enable_test_seams: bool = Field(
         False, description="TEST ONLY: allow the test seams (a failure in the middle of a checkpoint write, "
                            "--test-hang-startup)")

@@ -9,8 +9,8 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="${SAMPLER_CACHE_DIR:-$HOME/.cache/sampler-operator}"
 PY="${PYTHON:-python3}"
 # Bump VENV_RECIPE when the install steps below change in a way that needs a rebuild.
-VENV_RECIPE=1
-HASH="$( (echo "$VENV_RECIPE"; cat "$ROOT/requirements/runtime.txt" "$ROOT/requirements/test.txt") | sha256sum | cut -c1-16)"
+VENV_RECIPE=2
+HASH="$( (echo "$VENV_RECIPE"; cat "$ROOT/requirements/runtime.txt" "$ROOT/requirements/test.txt" "$ROOT/requirements/twinkle-client.txt") | sha256sum | cut -c1-16)"
 VENV="$CACHE/venv-$HASH"
 
 if [[ ! -f "$VENV/.complete" ]]; then
@@ -25,6 +25,10 @@ if [[ ! -f "$VENV/.complete" ]]; then
     # PyPI's torchvision/torchaudio/torchcodec are not built against the CPU torch and make
     # `import vllm` fail; triton has no CPU backend and is 1 GB.
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+    # Twinkle's client without twinkle-kit's trainer dependencies (see requirements/twinkle-client.txt).
+    "$VENV/bin/pip" install --quiet --no-deps -r "$ROOT/requirements/twinkle-client.txt" 2>&1 \
+        | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    "$VENV/bin/python" -c "import twinkle_client.sampler, twinkle_client.manager" >&2
     "$VENV/bin/python" -c "import vllm, torch, fastapi, kopf, tinker; print('[setup] vllm', vllm.__version__, 'torch', torch.__version__)" >&2
     touch "$VENV/.complete"
 fi

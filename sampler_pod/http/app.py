@@ -43,10 +43,11 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
     app.state.core = core
     app.state.weights = weights_service or WeightsService(core)
     app.state.tinker = tinker.TinkerService(core)
+    app.state.twinkle = twinkle.TwinkleService(core, app.state.weights, cfg.twinkle_session_ttl_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     install_error_handlers(app)
 
-    for open_router in (health.router, tinker.probe_router):
+    for open_router in (health.router, tinker.probe_router, twinkle.probe_router):
         app.include_router(open_router)
     auth = [Depends(APIKeyAuth(cfg.api_key))]
     for router in (native.router, weights.router, tinker.router, twinkle.router):

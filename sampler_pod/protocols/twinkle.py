@@ -1,194 +1,394 @@
-"""Twinkle-native sampler routes (ModelScope Twinkle's `/twinkle/sample` shape) over the same core.
+"""Twinkle's own client (`twinkle_client` in twinkle-kit 0.5.1) against this pod, unchanged.
 
-Request:  {"inputs": {"input_ids": [...]} | [{"input_ids": [...]}, ...],
-           "sampling_params": {max_tokens, seed, stop, temperature, top_k, top_p, logprobs,
-                               prompt_logprobs, num_samples, ...},
-           "adapter_name": "", "adapter_uri": null}
-Response: {"samples": [{"sequences": [{"stop_reason", "tokens", "logprobs", ...}],
-                        "prompt_logprobs", "topk_prompt_logprobs"}], "weights_version", "weights_label"}
+The client appends `/api/v1` to its base URL and calls (read from the wheel, not the docs):
+  POST twinkle/create_session {metadata} -> {session_id}; every request then carries
+       `X-Twinkle-Session-Id`, `Authorization: Bearer <key>` and the same request id under
+       `x-request-id`, `X-Ray-Serve-Request-Id`, `serve_multiplexed_model_id`, `Serve-Multiplexed-Model-Id`
+  POST twinkle/session_heartbeat {session_id} every 10 s (a background thread; errors are logged)
+  POST sampler/{model_id}/twinkle/create | sample | add_adapter_to_sampler | set_template | apply_patch
 
-One HTTP request is one core request (one admission slot), whatever the number of inputs.
-Fields Twinkle defines but this engine path cannot honour (chat-message inputs, repetition
-penalty, include_stop_str_in_output) are refused with a 400 naming them.
+Every sample goes through `SamplerCore.sample`: the same admission (429), timeouts, weights lock
+and versions as the native and Tinker routes. One HTTP request is one core request.
+
+Sessions mirror Twinkle's gateway: a heartbeat to an unknown or expired session is a 404; sampling
+never checks the session (Twinkle's sampler does not either): the session id only scopes adapter
+names (`{session_id}-{adapter_name}`, falling back to the request id, as Twinkle does), so an
+unknown session samples the base model and finds none of another session's adapters.
+The request-id headers are recorded per session (`GET twinkle/sessions/{id}`) for a future
+gateway's affinity, and echoed in `x-request-id`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import json
+import logging
+import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.sampler import SamplerCore
-from ..core.schemas import SampleResponse as CoreSampleResponse
-from ..errors import InvalidRequest, NotFound, validation_error
-from .common import MAX_TOPK, build_core_request, check_seed, default_max_tokens, parse_stop, topk_pairs
+from ..errors import InvalidRequest, NotFound, SamplerError
+from ..weights.service import AddAdapterRequest, WeightsService
+from ..weights.validation import resolve_confined
+from .tinker import served_names
+from .twinkle_wire import (
+    AddAdapterBody,
+    ApplyPatchBody,
+    Prompt,
+    Routing,
+    SampleBody,
+    SetTemplateBody,
+    TemplateConfig,
+    check_lora_config,
+    core_request,
+    encode_trajectory,
+    is_trajectory,
+    parse_input_feature,
+    parse_json,
+    plan_sample,
+    routing,
+    scoped_adapter_name,
+    shape_response,
+    split_inputs,
+    template_from_body,
+    translate_error,
+)
+
+log = logging.getLogger(__name__)
+
+# Twinkle's ServerState default expiration_timeout.
+DEFAULT_SESSION_TTL_S = 86400.0
+MAX_SESSIONS = 100_000
 
 
-class TwinkleSamplingParams(BaseModel):
-    # Twinkle itself drops unknown keys; we refuse them, so a typo never changes the samples silently.
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+# ---------------------------------------------------------------------------- sessions
+
+
+@dataclass
+class Session:
+    created: float
+    last_seen: float
+    heartbeats: int = 0
+    metadata: dict[str, Any] | None = None
+    request_id: str | None = None
+    multiplex_id: str | None = None
+
+
+@dataclass
+class Sessions:
+    """In-memory sessions with Twinkle's expiry rule: gone once `ttl_s` passes without a heartbeat."""
+
+    ttl_s: float
+    clock: Callable[[], float] = time.monotonic
+    _by_id: collections.OrderedDict[str, Session] = field(default_factory=collections.OrderedDict)
+
+    def create(self, metadata: dict[str, Any] | None) -> str:
+        sid = "tw-" + uuid.uuid4().hex
+        now = self.clock()
+        self._by_id[sid] = Session(created=now, last_seen=now, metadata=metadata)
+        while len(self._by_id) > MAX_SESSIONS:
+            self._by_id.popitem(last=False)
+        return sid
+
+    def get(self, sid: str) -> Session | None:
+        s = self._by_id.get(sid)
+        if s is not None and self.clock() - s.last_seen > self.ttl_s:
+            del self._by_id[sid]
+            return None
+        return s
+
+    def touch(self, sid: str) -> bool:
+        s = self.get(sid)
+        if s is None:
+            return False
+        s.last_seen = self.clock()
+        s.heartbeats += 1
+        self._by_id.move_to_end(sid)  # the bound evicts the least recently alive, never a live one first
+        return True
+
+    def record(self, r: Routing) -> None:
+        s = self.get(r.session_id) if r.session_id else None
+        if s is not None:
+            s.request_id = r.request_id or s.request_id
+            s.multiplex_id = r.multiplex_id or s.multiplex_id
+
+
+class _CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int | None = Field(None, ge=1)
-    max_new_tokens: int | None = Field(None, ge=1)  # Twinkle's accepted alias
-    seed: int | None = None
-    stop: str | list[StrictStr | StrictInt] | None = None
-    include_stop_str_in_output: bool = False
-    temperature: float = Field(1.0, ge=0.0)
-    top_k: int = -1
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    # Top alternatives per generated token; 0/None: only the sampled token's logprob.
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOPK)
-    # None: no prompt logprobs; 0: each prompt token's logprob; k: plus the top-k per position.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOPK)
-    num_samples: int = Field(1, ge=1)
+    metadata: dict[str, Any] | None = None
 
 
-class TwinkleInput(BaseModel):
-    # InputFeature keys that do not change what is sampled from input_ids are accepted.
+class _Heartbeat(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-    input_ids: list[StrictInt] = Field(..., min_length=1)
-    attention_mask: list[StrictInt] | None = None
-    labels: Any = None
-    position_ids: Any = None
-    length: int | None = None
+    session_id: str = Field(..., min_length=1, max_length=200)
 
 
-class TwinkleSampleRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    inputs: Any
-    sampling_params: TwinkleSamplingParams | None = None
-    adapter_name: str = ""
-    adapter_uri: str | None = None
+# ---------------------------------------------------------------------------- the service
 
 
-def parse_inputs(raw: Any) -> list[list[int]]:
-    items = raw if isinstance(raw, list) else [raw]
-    if not items:
-        raise InvalidRequest("inputs is empty", field="inputs")
-    prompts = []
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and "input_ids" not in item:
-            # A Trajectory (chat messages) needs Twinkle's template; send token ids instead.
-            raise InvalidRequest("only InputFeature inputs (input_ids) are supported, not Trajectory messages",
-                                 field=f"inputs[{i}]")
+class TwinkleService:
+    """State and behaviour behind the routes; the routes only read bodies and call these."""
+
+    def __init__(self, core: SamplerCore, weights: WeightsService,
+                 session_ttl_s: float = DEFAULT_SESSION_TTL_S) -> None:
+        self.core = core
+        self.weights = weights
+        self.sessions = Sessions(ttl_s=session_ttl_s)
+        # Twinkle's sampler holds one template for all callers; None until set_template.
+        self.template: TemplateConfig | None = None
+
+    def check_model(self, model_id: str) -> None:
+        if model_id.lower() not in served_names(self.core):
+            raise NotFound(f"model_id {model_id!r} is not served here; this replica serves {self.core.cfg.model!r}",
+                           field="model_id")
+
+    def _tokenizer(self) -> Any:
+        tok = getattr(self.core.require_serving(), "tokenizer", None)
+        if tok is None:
+            raise InvalidRequest("this engine has no tokenizer; send input_ids", field="inputs")
+        return tok
+
+    def _prompts(self, raw: Any) -> list[Prompt]:
+        items = split_inputs(raw)
+        tok = self._tokenizer() if self.template is not None and any(map(is_trajectory, items)) else None
+
+        def chat(messages: list[dict[str, Any]], tools: list[Any], thinking: bool) -> list[int]:
+            # Twinkle's call (padding=False, return_dict, tokenize), lists instead of tensors.
+            assert tok is not None  # encode_trajectory calls this only once a template is set
+            out = tok.apply_chat_template(messages, tools=tools, padding=False, return_dict=True,
+                                          add_generation_prompt=True, tokenize=True, enable_thinking=thinking)
+            ids = out["input_ids"]
+            return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+        def text(s: str) -> list[int]:
+            assert tok is not None
+            return list(tok.encode(s))
+
+        return [encode_trajectory(item, self.template, i, chat, text) if is_trajectory(item)
+                else parse_input_feature(item, i) for i, item in enumerate(items)]
+
+    def resolve_adapter(self, r: Routing, name: str, uri: str | None) -> str | None:
+        full = scoped_adapter_name(r.owner, name) if name else None
+        if full is not None and full not in self.core.adapters:
+            raise NotFound(f"adapter_name {name!r} is not loaded for this session (as {full!r}); load it with "
+                           "add_adapter_to_sampler first", field="adapter_name")
+        if uri:
+            if uri.startswith("twinkle://"):
+                raise InvalidRequest("twinkle:// URIs need Twinkle's checkpoint store, which this sampler does not "
+                                     "have; pass the adapter directory", field="adapter_uri")
+            path = self._resolve_path(uri)
+            by_path = [n for n, ref in self.core.adapters.items() if Path(ref.path) == path]
+            if full is not None:
+                if full not in by_path:
+                    raise InvalidRequest(f"adapter_name {name!r} and adapter_uri {uri!r} name different adapters",
+                                         field="adapter_uri")
+                return full
+            if not by_path:
+                raise NotFound(f"adapter_uri {uri!r} names no loaded adapter; load it with add_adapter_to_sampler "
+                               "first", field="adapter_uri")
+            return by_path[0]
+        return full
+
+    def _resolve_path(self, uri: str) -> Path:
+        """The adapter directory, confined to --checkpoint-root exactly as adapter loads are."""
+        return resolve_confined(uri, self.core.cfg.checkpoint_roots, field="adapter_uri")
+
+    async def sample(self, body: SampleBody, r: Routing) -> dict[str, Any]:
+        if body.inputs is None:
+            raise InvalidRequest("inputs is required", field="inputs")
+        prompts = await asyncio.to_thread(self._prompts, body.inputs)
+        plan = plan_sample(body, [len(p.input_ids) for p in prompts], self.template)
+        adapter = self.resolve_adapter(r, body.adapter_name, body.adapter_uri)
         try:
-            feat = TwinkleInput.model_validate(item)
-        except ValidationError as e:
-            raise validation_error(e, prefix=f"inputs[{i}].") from None
-        if feat.attention_mask is not None and (len(feat.attention_mask) != len(feat.input_ids)
-                                                or not all(feat.attention_mask)):
-            # Padding would need stripping; refuse rather than sample from pad tokens.
-            raise InvalidRequest("attention_mask must be all ones (unpadded input_ids)",
-                                 field=f"inputs[{i}].attention_mask")
-        prompts.append(feat.input_ids)
-    return prompts
+            resp = await self.core.sample(core_request(prompts, plan, adapter))
+        except SamplerError as e:
+            raise translate_error(e) from None
+        tok = getattr(self.core.engine, "tokenizer", None)
+        decode = None if tok is None else tok.decode
+        decode_text = None if tok is None else (lambda ids: tok.decode(ids, skip_special_tokens=True))
+        return shape_response(resp, prompts, plan, self.template, decode, decode_text)
+
+    async def add_adapter(self, body: AddAdapterBody, r: Routing) -> dict[str, Any]:
+        if not body.adapter_name:
+            raise InvalidRequest("adapter_name is required", field="adapter_name")
+        full = scoped_adapter_name(r.owner, body.adapter_name)
+        if not body.adapter_uri:
+            # Twinkle's sampler would create an empty adapter for its trainer to fill over NCCL; this
+            # pod has no such channel, so the weights must come from a PEFT directory.
+            raise InvalidRequest("adapter_uri (a PEFT LoRA directory under --checkpoint-root) is required: this "
+                                 "sampler loads adapters from files", field="adapter_uri")
+        if body.adapter_uri.startswith("twinkle://"):
+            raise InvalidRequest("twinkle:// URIs need Twinkle's checkpoint store; pass the adapter directory",
+                                 field="adapter_uri")
+        if body.config:
+            cfg_file = self._resolve_path(body.adapter_uri) / "adapter_config.json"
+            try:
+                on_disk = json.loads(await asyncio.to_thread(cfg_file.read_text))
+            except (OSError, ValueError):
+                on_disk = None
+            if isinstance(on_disk, dict):
+                check_lora_config(body.config, on_disk)
+            # else: the weights service's validation names the broken directory.
+        # The name was checked by scoped_adapter_name and the path is non-empty: both are valid here.
+        req = AddAdapterRequest(name=full, path=body.adapter_uri, sha256_manifest=body.sha256_manifest)
+        try:
+            # The same path as POST /v1/adapters; shielded: a hang-up must not cancel it halfway.
+            await asyncio.shield(asyncio.ensure_future(self.weights.add_adapter(req)))
+        except SamplerError as e:
+            if e.field in ("name", "path"):
+                raise translate_adapter_error(e) from None
+            raise
+        return {"status": "ok", "adapter_name": full}
 
 
-def resolve_adapter(core: SamplerCore, name: str, uri: str | None) -> str | None:
-    """An adapter must already be loaded (/v1/adapters); a URI selects one by its last path part."""
-    if uri:
-        last = uri.split("://", 1)[-1].rstrip("/").rsplit("/", 1)[-1]
-        if last not in core.adapters:
-            raise NotFound(f"adapter_uri {uri!r} names no loaded adapter; loaded: {sorted(core.adapters)}",
-                           field="adapter_uri")
-        if name and name != last:
-            raise InvalidRequest(f"adapter_name {name!r} and adapter_uri {uri!r} disagree", field="adapter_name")
-        return last
-    return name or None
+def translate_adapter_error(e: SamplerError) -> SamplerError:
+    field = {"name": "adapter_name", "path": "adapter_uri"}[e.field or "name"]
+    out = type(e).__new__(type(e))
+    SamplerError.__init__(out, e.message, field=field, headers=e.headers)
+    for k, v in vars(e).items():  # invalid_checkpoint errors carry code/file/tensor
+        if k not in ("message", "field", "headers", "args"):
+            setattr(out, k, v)
+    return out
 
 
-def twinkle_params(sp: TwinkleSamplingParams, prompts: list[list[int]], max_model_len: int) -> dict[str, Any]:
-    if sp.repetition_penalty != 1.0:
-        raise InvalidRequest(
-            "repetition_penalty is not supported by this server", field="sampling_params.repetition_penalty"
-        )
-    if sp.include_stop_str_in_output:
-        raise InvalidRequest("include_stop_str_in_output is not supported by this server",
-                             field="sampling_params.include_stop_str_in_output")
-    if sp.top_k == 0 or sp.top_k < -1:
-        raise InvalidRequest("top_k must be -1 or >= 1", field="sampling_params.top_k")
-    if sp.max_tokens is not None and sp.max_new_tokens is not None and sp.max_tokens != sp.max_new_tokens:
-        raise InvalidRequest("max_tokens and max_new_tokens disagree", field="sampling_params.max_new_tokens")
-    check_seed(sp.seed, "sampling_params.seed")
-    stop = parse_stop(sp.stop, "sampling_params.stop")
-    longest = max(len(p) for p in prompts)
-    return {
-        "max_tokens": default_max_tokens(sp.max_tokens or sp.max_new_tokens, longest, max_model_len),
-        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed,
-        "stop": stop.stop, "stop_token_ids": stop.stop_token_ids, "ignore_eos": stop.ignore_eos,
-        "logprobs": sp.logprobs or 0,
-        "prompt_logprobs": sp.prompt_logprobs is not None,
-        "topk_prompt_logprobs": sp.prompt_logprobs or 0,
-    }
+# ---------------------------------------------------------------------------- routes
+
+# Open like /health: probes carry no key.
+probe_router = APIRouter(prefix="/api/v1", tags=["twinkle"])
+# Behind the app's API-key dependency (`Authorization: Bearer`, what the client sends).
+router = APIRouter(prefix="/api/v1", tags=["twinkle"])
+SAMPLER = "/sampler/{model_id:path}/twinkle"
 
 
-def twinkle_response(resp: CoreSampleResponse, sp: TwinkleSamplingParams,
-                     decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
-    k = sp.logprobs or 0
-    kp = sp.prompt_logprobs or 0
-    samples = []
-    for pr in resp.results:
-        seqs = []
-        for s in pr.sequences:
-            seq: dict[str, Any] = {"stop_reason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs,
-                                   "decoded": decode(s.tokens) if decode else None, "new_input_feature": None}
-            if k and s.top_logprobs is not None:
-                seq["topk_logprobs"] = [topk_pairs(row, k) for row in s.top_logprobs]
-            seqs.append(seq)
-        samples.append({
-            "sequences": seqs,
-            "prompt_logprobs": pr.prompt_logprobs if sp.prompt_logprobs is not None else None,
-            "topk_prompt_logprobs": ([topk_pairs(row, kp) for row in pr.topk_prompt_logprobs]
-                                     if kp and pr.topk_prompt_logprobs is not None else None),
-        })
-    return {"samples": samples, "weights_version": resp.weights_version, "weights_label": resp.weights_label,
-            "adapter": resp.adapter}
+def _service(request: Request) -> TwinkleService:
+    service: TwinkleService = request.app.state.twinkle
+    return service
 
 
-def decoder(engine: Any) -> Callable[[list[int]], str] | None:
-    """Twinkle returns `decoded` text (reward code reads it): the engine's tokenizer, loaded once at
-    startup, when it has one (the fake engine has none -> null)."""
-    tok = getattr(engine, "tokenizer", None)
-    return None if tok is None else tok.decode
+def _ident(request: Request) -> tuple[TwinkleService, Routing]:
+    """The service, and the client's routing headers (recorded on its session for affinity)."""
+    svc = _service(request)
+    rt = routing(request.headers)
+    svc.sessions.record(rt)
+    return svc, rt
 
 
-router = APIRouter(prefix="/twinkle", tags=["twinkle"])
+def _reply(body: Any, rt: Routing) -> Response:
+    return _json(body, headers={"x-request-id": rt.request_id} if rt.request_id else None)
 
 
-def _core(request: Request) -> SamplerCore:
-    core: SamplerCore = request.app.state.core
-    return core
+@probe_router.get("/twinkle/healthz")
+async def healthz(request: Request) -> Response:
+    status = _service(request).core.health().status
+    return _json({"status": status}, 200 if status == "ok" else 503)
 
 
-@router.post("/create")
-async def create() -> Response:
-    # Twinkle clients call this as a handshake before sampling.
-    return Response(b'{"status":"ok"}', media_type="application/json")
+@router.get("/twinkle/get_server_capabilities")
+async def capabilities(request: Request) -> Response:
+    return _json({"supported_models": [{"model_name": _service(request).core.cfg.model}]})
 
 
-@router.post("/sample")
-async def sample(request: Request) -> Response:
-    core = _core(request)
-    try:
-        body = TwinkleSampleRequest.model_validate_json(await request.body() or b"{}")
-    except ValidationError as e:
-        raise validation_error(e) from None
-    prompts = parse_inputs(body.inputs)
-    sp = body.sampling_params or TwinkleSamplingParams()
-    engine = core.require_serving()
-    adapter = resolve_adapter(core, body.adapter_name, body.adapter_uri)
-    req = build_core_request(prompts, sp.num_samples, twinkle_params(sp, prompts, engine.max_model_len), adapter)
-    resp = await core.sample(req)
-    if any(s.stop_reason == "abort" for p in resp.results for s in p.sequences):
-        # Twinkle's client schema only knows length/stop; an engine abort is a retryable failure.
-        return Response(orjson.dumps({"error": {"category": "aborted", "message": "sampling was aborted by "
-                                                "the engine; retry"}}), status_code=503,
-                        media_type="application/json", headers={"Retry-After": "1"})
-    return Response(orjson.dumps(twinkle_response(resp, sp, decoder(engine))), media_type="application/json")
+@router.get("/twinkle/capacity_info")
+async def capacity_info(request: Request) -> Response:
+    core = _service(request).core
+    used = len(core.adapters)
+    return _json({"max_loras": core.cfg.max_loras, "used_loras": used, "free_loras": max(0, core.cfg.max_loras - used)})
+
+
+@router.post("/twinkle/create_session")
+async def create_session(request: Request) -> Response:
+    svc = _service(request)
+    body: _CreateSession = parse_json(_CreateSession, await request.body())
+    sid = svc.sessions.create(body.metadata)
+    rt = routing(request.headers)
+    svc.sessions.record(Routing(sid, rt.request_id, rt.multiplex_id))
+    return _json({"session_id": sid})
+
+
+@router.post("/twinkle/session_heartbeat")
+async def session_heartbeat(request: Request) -> Response:
+    svc = _service(request)
+    body: _Heartbeat = parse_json(_Heartbeat, await request.body())
+    if not svc.sessions.touch(body.session_id):
+        # Twinkle's gateway: 404 'Unknown session' (also once expired); the client logs it and goes on.
+        raise NotFound(f"Unknown session {body.session_id!r} (never created here, or expired after "
+                       f"{svc.sessions.ttl_s:.0f}s without a heartbeat)", field="session_id")
+    return _json({})
+
+
+@router.get("/twinkle/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> Response:
+    svc = _service(request)
+    s = svc.sessions.get(session_id)
+    if s is None:
+        raise NotFound(f"Unknown session {session_id!r}", field="session_id")
+    now = svc.sessions.clock()
+    return _json({"session_id": session_id, "age_s": now - s.created, "idle_s": now - s.last_seen,
+                  "heartbeats": s.heartbeats, "ttl_s": svc.sessions.ttl_s,
+                  "request_id": s.request_id, "multiplex_id": s.multiplex_id})
+
+
+@router.post(SAMPLER + "/create")
+async def create(model_id: str, request: Request) -> Response:
+    svc, rt = _ident(request)
+    svc.check_model(model_id)
+    kwargs = orjson.loads(await request.body() or b"{}")
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("body must be an object", field="body")
+    for key in kwargs:
+        # vLLMSampler(model_id, **kwargs) forwards its kwargs here; none configures this pod.
+        raise InvalidRequest(f"{key} is not supported: this sampler is configured by its operator", field=key)
+    return _reply({"status": "ok"}, rt)
+
+
+@router.post(SAMPLER + "/sample")
+async def sample(model_id: str, request: Request) -> Response:
+    svc, rt = _ident(request)
+    svc.check_model(model_id)
+    body: SampleBody = parse_json(SampleBody, await request.body())
+    out = await svc.sample(body, rt)
+    resp = _reply(out, rt)
+    resp.headers["X-Sampler-Weights-Version"] = str(out["weights_version"])
+    return resp
+
+
+@router.post(SAMPLER + "/add_adapter_to_sampler")
+async def add_adapter_to_sampler(model_id: str, request: Request) -> Response:
+    svc, rt = _ident(request)
+    svc.check_model(model_id)
+    body: AddAdapterBody = parse_json(AddAdapterBody, await request.body())
+    return _reply(await svc.add_adapter(body, rt), rt)
+
+
+@router.post(SAMPLER + "/set_template")
+async def set_template(model_id: str, request: Request) -> Response:
+    svc, rt = _ident(request)
+    svc.check_model(model_id)
+    body: SetTemplateBody = parse_json(SetTemplateBody, await request.body())
+    if body.model_id is not None:
+        svc.check_model(body.model_id.split("://", 1)[-1])
+    svc.template = template_from_body(body)
+    return _reply({"status": "ok"}, rt)
+
+
+@router.post(SAMPLER + "/apply_patch")
+async def apply_patch(model_id: str, request: Request) -> Response:
+    svc, _ = _ident(request)
+    svc.check_model(model_id)
+    parse_json(ApplyPatchBody, await request.body())
+    # A patch class is code run inside the sampler; this pod runs none.
+    raise InvalidRequest("apply_patch is not supported: this sampler runs no patch classes", field="patch_cls")

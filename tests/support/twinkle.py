@@ -1,0 +1,40 @@
+"""Twinkle's real client in tests: its state is process-global (base URL, key, session id) and each
+init starts a heartbeat thread, so every test owns the clients it starts and stops them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import twinkle_client.manager as manager  # type: ignore[import-untyped]
+
+
+class TwinkleClients:
+    """Records every TwinkleClient created inside the block (also by code that never returns it,
+    like a documented snippet) and closes them all at the end."""
+
+    def __init__(self) -> None:
+        self.created: list[Any] = []
+        self._orig_init: Any = None
+
+    def __enter__(self) -> TwinkleClients:
+        orig = manager.TwinkleClient.__init__
+        created = self.created
+
+        def recording_init(client: Any, *a: Any, **kw: Any) -> None:
+            created.append(client)
+            orig(client, *a, **kw)
+
+        self._orig_init = orig
+        manager.TwinkleClient.__init__ = recording_init  # type: ignore[method-assign]
+        return self
+
+    def init(self, **kw: Any) -> Any:
+        from twinkle_client import init_twinkle_client
+
+        return init_twinkle_client(**kw)
+
+    def __exit__(self, *exc: object) -> None:
+        manager.TwinkleClient.__init__ = self._orig_init  # type: ignore[method-assign]
+        for c in self.created:
+            if hasattr(c, "_stop_event"):
+                c.close()
