@@ -200,6 +200,8 @@ class WeightsService:
             adapters=[PersistedAdapter(name=n, path=adapters[n].path) for n in sorted(adapters)])
 
     def _persist(self, intended: IntendedWeights | None = None, adapters: dict[str, AdapterRef] | None = None) -> None:
+        # Synchronous on purpose (a few hundred bytes and an fsync, under the write lock): no await
+        # between recording a change and making it, so no cancellation can land in between.
         write_state(self.core.cfg.weights_state_path, self.state(intended, adapters))
 
     def persist_state(self) -> None:
