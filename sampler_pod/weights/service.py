@@ -169,7 +169,7 @@ class WeightsService:
         # A fresh integer id per add: vLLM caches adapters by id, so re-adding a name
         # with new files must never hit the old cached weights.
         ref = AdapterRef(name=req.name, lora_id=next(self._lora_ids), path=str(v.path))
-        async with core.lock.write(timeout=core.cfg.load_timeout_s):
+        async with core.write_locked(core.cfg.load_timeout_s, f"adding adapter {req.name!r}"):
             if req.name in core.adapters:
                 raise Conflict(f"adapter {req.name!r} is already loaded; remove it first", field="name")
             try:
@@ -189,7 +189,7 @@ class WeightsService:
         core = self.core
         if name not in core.adapters:
             raise NotFound(f"no adapter named {name!r}", field="name")
-        async with core.lock.write(timeout=core.cfg.load_timeout_s):
+        async with core.write_locked(core.cfg.load_timeout_s, f"removing adapter {name!r}"):
             ref = core.adapters.pop(name, None)
             if ref is not None and core.engine is not None:
                 await core.engine.remove_adapter(ref)
