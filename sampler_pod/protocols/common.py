@@ -11,13 +11,12 @@ from typing import Any
 
 from pydantic import BaseModel, StrictInt, StrictStr, ValidationError
 
+from ..core.schemas import SEED_MAX
 from ..core.schemas import SampleRequest as CoreSampleRequest
 from ..core.schemas import SamplingParams as CoreSamplingParams
 from ..errors import InvalidRequest, validation_error
 
-# vLLM seeds a torch.Generator; it also maps -1 to "unseeded", so negative seeds are refused
-# rather than silently changing meaning. The SDK folds its proto seeds into this range too.
-SEED_MAX = 2**63
+# The seed range is the core's (core/schemas.py); protocols check it at their edge to name their field.
 # The core caps top-k widths at 20 (schemas.SamplingParams); refuse above it at the edge.
 MAX_TOPK = 20
 
