@@ -33,6 +33,8 @@ class _Entry:
     task: asyncio.Task[Any]
     created: float
     done_at: float | None = None
+    # Retrieves waiting on it right now: a result that is being handed out is not abandoned.
+    waiters: int = 0
 
 
 @dataclass
@@ -83,7 +85,11 @@ class FutureStore:
         if not entry.task.done() and wait_s > 0:
             # asyncio.wait (unlike wait_for) never cancels the task: a poller that
             # disconnects must not cancel the request itself.
-            await asyncio.wait({entry.task}, timeout=wait_s)
+            entry.waiters += 1
+            try:
+                await asyncio.wait({entry.task}, timeout=wait_s)
+            finally:
+                entry.waiters -= 1
         if not entry.task.done():
             return False, None
         if self._entries.pop(request_id, None) is None:
@@ -107,9 +113,11 @@ class FutureStore:
 
     def expire(self) -> int:
         """Drop finished results older than the TTL. Running requests are never dropped: each
-        ends by its own deadline, and its result is then kept for one TTL."""
+        ends by its own deadline, and its result is then kept for one TTL. Nor is a result a
+        retrieve is waiting on (its waiter may resume a little after the task ends)."""
         now = self.clock()
-        stale = [k for k, e in self._entries.items() if e.done_at is not None and now - e.done_at > self.ttl_s]
+        stale = [k for k, e in self._entries.items()
+                 if e.done_at is not None and not e.waiters and now - e.done_at > self.ttl_s]
         for k in stale:
             del self._entries[k]
             self._tombstone(k, f"result expired after {self.ttl_s:g}s")
