@@ -166,10 +166,10 @@ def test_fifth_request_gets_429_then_capacity_returns(small_server: RunningServe
 def test_expired_future_gives_410(small_server: RunningServer) -> None:
     with small_server.client() as c:
         rid = c.post("/v1/sample/submit", json=body(4)).json()["request_id"]
+        # Nobody retrieves: the server's own TTL sweep (1 s here) must drop the result.
         deadline = time.monotonic() + 30
-        while c.get("/health").json()["in_flight"]:
+        while metric(c.get("/metrics").text, "sampler_futures_held"):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(1.5)  # past the 1 s TTL of this server
         r = c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 0})
         assert r.status_code == 410 and "expired" in r.json()["error"]["message"]
