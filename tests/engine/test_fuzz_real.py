@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.fuzz import fuzz
 from tests.support.server import run_server
@@ -24,7 +25,9 @@ def _counter(metrics: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", metrics, re.M))
 
 
-def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(tiny_model: Path, tmp_path: Path) -> None:
+def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(tiny_model: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    report: list[str] = []  # the figures, printed even when pytest captures output
     root = tmp_path / "checkpoints"
     root.mkdir()
     # An empty checkpoint root, so loads and adapter adds reach validation (and fail there).
@@ -35,7 +38,7 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(tiny_model: Pat
         t0 = time.monotonic()
         figures = fuzz(server.url, EXAMPLES_PER_OPERATION)
         took = time.monotonic() - t0
-        print(f"\n{figures.summary()}; {took:.0f}s")
+        report.append(f"\n{figures.summary()}; {took:.0f}s")
         with httpx.Client(base_url=server.url, timeout=30) as c:
             deadline = time.monotonic() + 60
             while (h := c.get("/health").json())["in_flight"]:
@@ -46,8 +49,10 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(tiny_model: Pat
             sample = c.post("/v1/sample", json={"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4}})
         admitted = _counter(metrics, "sampler_requests_admitted_total")
         finished = _counter(metrics, "sampler_requests_finished_total")
-        print(f"after: health {health.json()['status']}, in flight 0, admitted {admitted:.0f}, "
-              f"finished {finished:.0f}, server log lines with Traceback: {server.log().count('Traceback')}")
+        report.append(f"after: health {health.json()['status']}, in flight 0, admitted {admitted:.0f}, "
+                      f"finished {finished:.0f}, server log lines with Traceback: {server.log().count('Traceback')}")
+    with capsys.disabled():
+        print("\n".join(report))
     assert figures.requests >= 1000, figures.summary()
     assert not figures.server_errors, "\n".join(figures.server_errors[:20])
     assert not figures.dropped, "\n".join(figures.dropped[:20])

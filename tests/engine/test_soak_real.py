@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.server import run_server
 from tests.support.soak import HttpClient, Soak
@@ -41,7 +42,8 @@ async def _quiet(c: httpx.AsyncClient, timeout: float = 60.0) -> str:
             await asyncio.sleep(0.1)
 
 
-def test_soak_1k_mixed_requests_real_engine(tiny_model: Path) -> None:
+def test_soak_1k_mixed_requests_real_engine(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report: list[str] = []  # the figures, printed even when pytest captures output
     args = ["--concurrent-task-limit", "24", "--max-inflight-sequences", "32", "--max-futures", "200",
             "--future-ttl-s", str(TTL_S), "--max-num-samples", "4"]
     with run_server(tiny_model, *args) as server:
@@ -67,12 +69,16 @@ def test_soak_1k_mixed_requests_real_engine(tiny_model: Path) -> None:
     by_outcome = {k.split('"')[1]: v for k, v in _metric(metrics, "sampler_requests_finished_total").items()}
     admitted = sum(_metric(metrics, "sampler_requests_admitted_total").values())
     rejected = sum(_metric(metrics, "sampler_requests_rejected_total").values())
-    print(f"\nsoak (real engine, HTTP): {sum(figures.by_kind.values())} requests in {busy:.1f}s")
-    print(figures.table())
-    print(f"admitted {admitted:.0f} = finished {sum(by_outcome.values()):.0f} {dict(sorted(by_outcome.items()))}; "
-          f"429s {rejected:.0f}; dropped connections {len(soak.client.dropped)}; after the quiet period: in flight 0, "
-          f"futures held 0, health {health}; server RSS after warm-up {rss_warm / 2**20:.0f} MB, "
-          f"at end {rss_end / 2**20:.0f} MB (+{(rss_end - rss_warm) / 2**20:.1f} MB)")
+    ends = dict(sorted(by_outcome.items()))
+    report.append(f"\nsoak (real engine, HTTP): {sum(figures.by_kind.values())} requests in {busy:.1f}s")
+    report.append(figures.table())
+    report.append(f"admitted {admitted:.0f} = finished {sum(by_outcome.values()):.0f} {ends}; "
+                  f"429s {rejected:.0f}; dropped connections {len(soak.client.dropped)}; "
+                  "after the quiet period: in flight 0, "
+                  f"futures held 0, health {health}; server RSS after warm-up {rss_warm / 2**20:.0f} MB, "
+                  f"at end {rss_end / 2**20:.0f} MB (+{(rss_end - rss_warm) / 2**20:.1f} MB)")
+    with capsys.disabled():
+        print("\n".join(report))
     assert sum(figures.by_kind.values()) == TOTAL
     assert not soak.client.dropped, soak.client.dropped[:10]
     assert not figures.unexpected, "\n".join(figures.unexpected[:20])

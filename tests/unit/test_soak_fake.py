@@ -11,6 +11,7 @@ import random
 import time
 
 import psutil
+import pytest
 
 from tests.support import asgi
 from tests.support.inproc import fake_core, outcomes, until
@@ -36,7 +37,8 @@ async def _loop_lag() -> None:
         _MAX_LAG[0] = max(_MAX_LAG[0], loop.time() - t - 0.01)
 
 
-async def test_soak_10k_mixed_requests_fake_engine() -> None:
+async def test_soak_10k_mixed_requests_fake_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    report: list[str] = []  # the figures, printed even when pytest captures output
     core, engine = fake_core(token_delay_s=0.002, concurrent_task_limit=48, max_inflight_sequences=64,
                              max_futures=300, future_ttl_s=TTL_S, request_timeout_s=30)
     proc = psutil.Process()
@@ -60,15 +62,19 @@ async def test_soak_10k_mixed_requests_fake_engine() -> None:
         admitted = core.metrics.admitted._value.get()
         rejected = core.metrics.rejected._value.get()
         figures = soak.figures
-        print(f"\nsoak (fake engine, in-process): {sum(figures.by_kind.values())} requests in {busy_s:.1f}s, "
-              f"quiet period {time.monotonic() - t0 - busy_s:.2f}s; event-loop lag max {_MAX_LAG[0] * 1000:.0f} ms")
-        print(figures.table())
-        print(f"admitted {admitted:.0f} = finished {sum(by_outcome.values()):.0f} {dict(sorted(by_outcome.items()))}; "
-              f"429s {rejected:.0f}; in flight {core.admission.in_flight} requests / "
-              f"{core.admission.sequences_in_flight} sequences; futures held {len(core.futures)}; "
-              f"engine running {len(engine.running)}; lock readers {core.lock.readers}; "
-              f"RSS after warm-up {rss_warm / 2**20:.0f} MB, at end {rss_end / 2**20:.0f} MB "
-              f"(+{(rss_end - rss_warm) / 2**20:.1f} MB)")
+        ends = dict(sorted(by_outcome.items()))
+        report.append(f"\nsoak (fake engine, in-process): {sum(figures.by_kind.values())} requests in {busy_s:.1f}s, "
+                      f"quiet period {time.monotonic() - t0 - busy_s:.2f}s; "
+                      f"event-loop lag max {_MAX_LAG[0] * 1000:.0f} ms")
+        report.append(figures.table())
+        report.append(f"admitted {admitted:.0f} = finished {sum(by_outcome.values()):.0f} {ends}; "
+                      f"429s {rejected:.0f}; in flight {core.admission.in_flight} requests / "
+                      f"{core.admission.sequences_in_flight} sequences; futures held {len(core.futures)}; "
+                      f"engine running {len(engine.running)}; lock readers {core.lock.readers}; "
+                      f"RSS after warm-up {rss_warm / 2**20:.0f} MB, at end {rss_end / 2**20:.0f} MB "
+                      f"(+{(rss_end - rss_warm) / 2**20:.1f} MB)")
+    with capsys.disabled():
+        print("\n".join(report))
     assert sum(figures.by_kind.values()) == TOTAL
     assert not figures.unexpected, "\n".join(figures.unexpected[:20])
     assert admitted == sum(by_outcome.values()) and admitted > TOTAL / 2
