@@ -66,6 +66,11 @@ class ServerConfig(BaseModel):
     max_num_samples: int = Field(64, ge=1, description="largest num_samples per request")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; past it: 413")
     future_ttl_s: float = Field(600.0, gt=0, description="how long a finished future waits to be retrieved")
+    max_futures: int = Field(
+        4096, ge=1, description="futures held at once (running or awaiting retrieval); past it a submit gets 429")
+    max_inflight_sequences: int = Field(
+        4096, ge=1, description="admitted-but-unfinished sequences (prompts x num_samples, summed over requests); "
+                                "past it: 429; a request larger than it alone: 400")
     load_timeout_s: float = Field(
         600.0, gt=0, description="default timeout of a checkpoint load's validation and drain (not of its write)")
     write_timeout_s: float = Field(

@@ -106,6 +106,11 @@ def first_invalid(details: Sequence[Mapping[str, Any]], prefix: str = "") -> Inv
     """The first of pydantic's error details as our 400, naming the field the way the client
     wrote it: `sampling_params.top_p`, `prompts[0][3]`; `body` when there is no field to name."""
     first = details[0]
+    if first.get("type") == "json_invalid":
+        # Not valid JSON at all (FastAPI puts the character offset in `loc`): the body is at fault.
+        field = prefix.rstrip(".") or "body"
+        return InvalidRequest(f"{field}: {first.get('msg')}: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
+                              field=field)
     loc = [p for p in first.get("loc", ()) if p != "body"]
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     field = f"{prefix}{field}" if field else (prefix.rstrip(".") or "body")

@@ -1,4 +1,8 @@
-"""Admission control: a bound on admitted-but-unfinished requests.
+"""Admission control: bounds on admitted-but-unfinished work.
+
+Two limits, both checked at admission: requests (`concurrent_task_limit`) and sequences
+(`max_inflight_sequences`, a request costs prompts x num_samples). Counting requests alone does
+not bound engine work: one request may carry 256 prompts x 64 samples.
 
 This is deliberately NOT the engine's batch size. A slot is held from admission
 until the engine call has really exited (after an abort is confirmed), so the
@@ -11,42 +15,48 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import Overloaded
+from ..errors import InvalidRequest, Overloaded
 
 
 @dataclass
 class AdmissionController:
     limit: int
+    # None: sequences are not limited (unit tests of the request limit alone).
+    max_sequences: int | None = None
     # Retry-After is a hint; one typical request duration is a fair one.
     retry_after_s: int = 1
     in_flight: int = 0
+    sequences_in_flight: int = 0
     admitted_total: int = 0
     rejected_total: int = 0
     _released_total: int = field(default=0, repr=False)
 
-    def try_admit(self, cost: int = 1) -> Slot:
-        """Take `cost` units of capacity or raise Overloaded (HTTP 429 with Retry-After)."""
-        if cost > self.limit:
+    def try_admit(self, sequences: int = 1) -> Slot:
+        """Take one request slot and `sequences` sequences, or raise Overloaded (429 + Retry-After)."""
+        if self.max_sequences is not None and sequences > self.max_sequences:
             # Could never be admitted: a 429 would make a client retry forever.
-            from ..errors import InvalidRequest
-
             raise InvalidRequest(
-                f"request needs {cost} slots but concurrent_task_limit is {self.limit}", field="num_samples"
-            )
-        if self.in_flight + cost > self.limit:
+                f"request has {sequences} sequences (prompts x num_samples) but max_inflight_sequences is "
+                f"{self.max_sequences}; split it", field="num_samples")
+        retry = max(1, math.ceil(self.retry_after_s))
+        if self.in_flight + 1 > self.limit:
             self.rejected_total += 1
-            raise Overloaded(
-                f"{self.in_flight} requests in flight (limit {self.limit}); retry later",
-                retry_after_s=max(1, math.ceil(self.retry_after_s)),
-            )
-        self.in_flight += cost
+            raise Overloaded(f"{self.in_flight} requests in flight (limit {self.limit}); retry later",
+                             retry_after_s=retry)
+        if self.max_sequences is not None and self.sequences_in_flight + sequences > self.max_sequences:
+            self.rejected_total += 1
+            raise Overloaded(f"{self.sequences_in_flight} sequences in flight; {sequences} more would pass the "
+                             f"limit {self.max_sequences}; retry later", retry_after_s=retry)
+        self.in_flight += 1
+        self.sequences_in_flight += sequences
         self.admitted_total += 1
-        return Slot(self, cost)
+        return Slot(self, sequences)
 
-    def _release(self, cost: int) -> None:
-        self.in_flight -= cost
+    def _release(self, sequences: int) -> None:
+        self.in_flight -= 1
+        self.sequences_in_flight -= sequences
         self._released_total += 1
-        assert self.in_flight >= 0, "admission slot released twice"
+        assert self.in_flight >= 0 and self.sequences_in_flight >= 0, "admission slot released twice"
 
 
 @dataclass
@@ -54,10 +64,10 @@ class Slot:
     """One admitted request's capacity. Releasing twice is a no-op, so `finally` blocks are safe."""
 
     controller: AdmissionController
-    cost: int
+    sequences: int
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.controller._release(self.cost)
+            self.controller._release(self.sequences)

@@ -1,7 +1,11 @@
 """Stored futures: submit now, retrieve (long-poll) later.
 
-A future's result is kept until it is retrieved or its TTL passes. Ids we
-issued but dropped are remembered (bounded) so a late retrieve gets 410 Gone,
+A future's result is kept until it is retrieved, cancelled, or its TTL passes. The TTL is
+enforced by a background sweep (started with the app), not by the next retrieve: a client that
+submits and never comes back must not hold memory forever. The store has a maximum size; at it,
+a submit is refused (the caller answers 429) rather than an old entry being dropped.
+
+Ids we issued but dropped are remembered (bounded) so a late retrieve gets 410 Gone,
 not a misleading 404 Not Found.
 """
 
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,23 +22,38 @@ from typing import Any
 
 from ..errors import Expired, NotFound
 
+# The sweep runs a few times per TTL (so a result outlives its TTL by at most a quarter of it),
+# but never busier than 100 Hz nor lazier than every 10 s.
+_SWEEPS_PER_TTL = 4
+_SWEEP_MIN_S, _SWEEP_MAX_S = 0.01, 10.0
+
 
 @dataclass
 class _Entry:
     task: asyncio.Task[Any]
     created: float
     done_at: float | None = None
+    # Retrieves waiting on it right now: a result that is being handed out is not abandoned.
+    waiters: int = 0
 
 
 @dataclass
 class FutureStore:
     ttl_s: float = 600.0
+    max_entries: int = 4096
     max_tombstones: int = 100_000
     clock: Callable[[], float] = time.monotonic
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _tombstones: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
+    _sweeper: asyncio.Task[None] | None = None
+    _swept: asyncio.Event | None = None
+
+    def full(self) -> bool:
+        return len(self._entries) >= self.max_entries
 
     def submit(self, make: Callable[[], Awaitable[Any]], request_id: str | None = None) -> str:
+        """Start `make()` as a task and hold it. The caller checks `full()` first (and answers 429):
+        past the maximum nothing is evicted, so no admitted request is ever lost."""
         request_id = request_id or uuid.uuid4().hex
         task = asyncio.ensure_future(make())
         entry = _Entry(task=task, created=self.clock())
@@ -47,6 +67,11 @@ class FutureStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _gone(self, request_id: str) -> Exception:
+        if request_id in self._tombstones:
+            return Expired(f"future {request_id} is gone ({self._tombstones[request_id]})", field="request_id")
+        return NotFound(f"no future with id {request_id}", field="request_id")
+
     async def retrieve(self, request_id: str, wait_s: float) -> tuple[bool, Any]:
         """Return (True, result) once done, (False, None) if still running after wait_s.
 
@@ -56,28 +81,46 @@ class FutureStore:
         self.expire()
         entry = self._entries.get(request_id)
         if entry is None:
-            if request_id in self._tombstones:
-                raise Expired(f"future {request_id} is gone ({self._tombstones[request_id]})", field="request_id")
-            raise NotFound(f"no future with id {request_id}", field="request_id")
+            raise self._gone(request_id)
         if not entry.task.done() and wait_s > 0:
             # asyncio.wait (unlike wait_for) never cancels the task: a poller that
             # disconnects must not cancel the request itself.
-            await asyncio.wait({entry.task}, timeout=wait_s)
+            entry.waiters += 1
+            try:
+                await asyncio.wait({entry.task}, timeout=wait_s)
+            finally:
+                entry.waiters -= 1
         if not entry.task.done():
             return False, None
         if self._entries.pop(request_id, None) is None:
-            # A concurrent retrieve of the same id got it first.
-            raise Expired(f"future {request_id} was already retrieved", field="request_id")
+            # A concurrent retrieve (or a cancel) of the same id got it first.
+            raise self._gone(request_id)
         self._tombstone(request_id, "already retrieved")
+        if entry.task.cancelled():
+            raise Expired(f"future {request_id} was cancelled", field="request_id")
         return True, entry.task.result()
 
+    def cancel(self, request_id: str) -> bool:
+        """Drop a future; if it is still running, cancel it (the request aborts its engine calls and
+        frees its slot once the engine lets go). Returns whether it was still running."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            raise self._gone(request_id)
+        running = not entry.task.done()
+        entry.task.cancel()
+        self._tombstone(request_id, "cancelled by the client")
+        return running
+
     def expire(self) -> int:
-        """Drop finished results older than the TTL. Running requests are never dropped."""
+        """Drop finished results older than the TTL. Running requests are never dropped: each
+        ends by its own deadline, and its result is then kept for one TTL. Nor is a result a
+        retrieve is waiting on (its waiter may resume a little after the task ends)."""
         now = self.clock()
-        stale = [k for k, e in self._entries.items() if e.done_at is not None and now - e.done_at > self.ttl_s]
+        stale = [k for k, e in self._entries.items()
+                 if e.done_at is not None and not e.waiters and now - e.done_at > self.ttl_s]
         for k in stale:
             del self._entries[k]
-            self._tombstone(k, f"result expired after {self.ttl_s:.0f}s")
+            self._tombstone(k, f"result expired after {self.ttl_s:g}s")
         return len(stale)
 
     def _tombstone(self, request_id: str, why: str) -> None:
@@ -85,7 +128,38 @@ class FutureStore:
         while len(self._tombstones) > self.max_tombstones:
             self._tombstones.popitem(last=False)
 
+    # ---------------------------------------------------------------- the sweep
+
+    @property
+    def sweep_interval_s(self) -> float:
+        return min(_SWEEP_MAX_S, max(_SWEEP_MIN_S, self.ttl_s / _SWEEPS_PER_TTL))
+
+    def start(self) -> None:
+        """Start the background TTL sweep (idempotent). Stopped by `close()`."""
+        if self._sweeper is None or self._sweeper.done():
+            self._swept = asyncio.Event()
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="futures-ttl-sweep")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            self.expire()
+            assert self._swept is not None
+            self._swept.set()
+            self._swept = asyncio.Event()
+
+    async def next_sweep(self) -> None:
+        """Wait for the next sweep to finish (for tests and shutdown; the sweep must be running)."""
+        if self._swept is None:
+            raise RuntimeError("the TTL sweep is not running; call start() first")
+        await self._swept.wait()
+
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         for e in self._entries.values():
             e.task.cancel()
         await asyncio.gather(*(e.task for e in self._entries.values()), return_exceptions=True)

@@ -21,6 +21,11 @@ class Metrics:
                                 ["outcome"], registry=r)
         self.timed_out = Counter("sampler_requests_timed_out", "Requests that hit their timeout", registry=r)
         self.in_flight = Gauge("sampler_requests_in_flight", "Admitted, unfinished requests", registry=r)
+        self.sequences_in_flight = Gauge("sampler_sequences_in_flight",
+                                         "Sequences (prompts x num_samples) of admitted, unfinished requests",
+                                         registry=r)
+        self.futures_held = Gauge("sampler_futures_held", "Futures held: running or awaiting retrieval",
+                                  registry=r)
         self.engine_running = Gauge("sampler_engine_requests_running", "Engine calls in progress", registry=r)
         self.engine_running_max = Gauge("sampler_engine_requests_running_max",
                                         "Most engine calls ever in progress at once", registry=r)

@@ -34,6 +34,10 @@ def check_sample_request(req: SampleRequest, limits: ModelLimits) -> None:
             raise InvalidRequest(
                 f"prompt {i} has {len(prompt)} tokens; with max_tokens={sp.max_tokens} that exceeds "
                 f"max_model_len={limits.max_model_len}", field="sampling_params.max_tokens")
+    if sp.top_k > limits.vocab_size:
+        # vLLM keeps top-k in an int32 tensor; past the vocabulary it means nothing anyway.
+        raise InvalidRequest(f"top_k {sp.top_k} is over the vocabulary size {limits.vocab_size} "
+                             "(use -1 to disable top-k)", field="sampling_params.top_k")
     for k, tok in enumerate(sp.stop_token_ids or []):
         if not 0 <= tok < limits.vocab_size:
             raise InvalidRequest(

@@ -48,10 +48,16 @@ class RWLock:
         return time.monotonic() - t0
 
     async def release_read(self) -> None:
+        # The count drops before the first await: a release cancelled while it waits for the
+        # condition's mutex must still leave the lock, or every later writer waits forever.
+        self._readers -= 1
+        if self._readers == 0:
+            # Shielded: a cancelled caller still wakes the writer that waits for the last reader.
+            await asyncio.shield(self._wake_all())
+
+    async def _wake_all(self) -> None:
         async with self._cond:
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     @contextlib.asynccontextmanager
     async def read(self, timeout: float | None = None) -> AsyncIterator[float]:
@@ -61,8 +67,7 @@ class RWLock:
         finally:
             await self.release_read()
 
-    @contextlib.asynccontextmanager
-    async def write(self, timeout: float | None = None) -> AsyncIterator[None]:
+    async def acquire_write(self, timeout: float | None = None) -> None:
         """Exclusive entry: waits for readers inside to drain. Raises TimeoutError past `timeout`."""
         async with self._cond:
             self._writers_waiting += 1
@@ -74,9 +79,18 @@ class RWLock:
                 self._writers_waiting -= 1
                 self._cond.notify_all()
             self._writer_active = True
+
+    async def release_write(self) -> None:
+        # As in release_read: the state changes before any await, so a cancelled release cannot
+        # leave the lock held; the wake-up is shielded.
+        self._writer_active = False
+        await asyncio.shield(self._wake_all())
+
+    @contextlib.asynccontextmanager
+    async def write(self, timeout: float | None = None) -> AsyncIterator[None]:
+        """Exclusive entry: waits for readers inside to drain. Raises TimeoutError past `timeout`."""
+        await self.acquire_write(timeout)
         try:
             yield
         finally:
-            async with self._cond:
-                self._writer_active = False
-                self._cond.notify_all()
+            await self.release_write()

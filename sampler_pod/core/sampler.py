@@ -2,22 +2,36 @@
 
 A request's life:
     check (4xx) -> admit (429) -> [task] read-lock (waits during a weight write)
-    -> engine calls with a deadline -> abort + wait on timeout -> release slot.
-Exactly one terminal state per admitted request: ok | timeout | error | cancelled.
+    -> engine calls with a deadline -> abort + wait on timeout or cancel -> release slot.
+Exactly one terminal state per admitted request: ok | timeout | error | cancelled. It is
+recorded (and the slot freed) by `_end`, called from the task's own `finally` or, for a task
+cancelled before its first step (whose `finally` never runs), from the task's done-callback.
+A sync caller that goes away (client disconnect, handler cancelled) cancels its request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ServerConfig
 from ..engine.base import AdapterRef, Engine, EngineDead, EngineRejected, GenerationOutput
-from ..errors import EngineFailure, EngineUnavailable, InvalidRequest, RequestTimedOut, SamplerError, UncertainWeights
+from ..errors import (
+    EngineFailure,
+    EngineUnavailable,
+    InvalidRequest,
+    LoadTimedOut,
+    Overloaded,
+    RequestTimedOut,
+    SamplerError,
+    UncertainWeights,
+)
 from .admission import AdmissionController, Slot
 from .futures import FutureStore
 from .health import AdapterEntry, HealthReport, WeightsState, health_status
@@ -27,6 +41,15 @@ from .rwlock import RWLock
 from .schemas import PromptResult, SampleRequest, SampleResponse, Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ticket:
+    """One admitted request's accounting: its capacity and its one terminal state."""
+
+    slot: Slot
+    t0: float
+    ended: bool = False
 
 # After an abort, how long the engine gets to confirm it let go before we cancel the call.
 ABORT_GRACE_S = 10.0
@@ -51,14 +74,17 @@ class SamplerCore:
         self.model_dir = model_dir
 
     def __post_init__(self) -> None:
-        self.admission = AdmissionController(limit=self.cfg.concurrent_task_limit)
-        self.futures = FutureStore(ttl_s=self.cfg.future_ttl_s)
+        self.admission = AdmissionController(limit=self.cfg.concurrent_task_limit,
+                                             max_sequences=self.cfg.max_inflight_sequences)
+        self.futures = FutureStore(ttl_s=self.cfg.future_ttl_s, max_entries=self.cfg.max_futures)
         self._engine_running = 0
         self.engine_running_max = 0
         self.write_lock_wait_max = 0.0
         self.metrics.set_weights(self.weights.version, self.weights.label)
         # Gauges read the live counts, so no code path can leave them stale.
         self.metrics.in_flight.set_function(lambda: self.admission.in_flight)
+        self.metrics.sequences_in_flight.set_function(lambda: self.admission.sequences_in_flight)
+        self.metrics.futures_held.set_function(lambda: len(self.futures))
         self.metrics.engine_running.set_function(lambda: self._engine_running)
         self.metrics.write_waiting.set_function(lambda: self.lock.writers_waiting)
 
@@ -100,9 +126,23 @@ class SamplerCore:
         return ModelLimits(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
                            max_num_samples=self.cfg.max_num_samples)
 
+    @contextlib.asynccontextmanager
+    async def write_locked(self, timeout: float, what: str, field: str | None = None) -> AsyncIterator[None]:
+        """The weights' write lock for a mutation. A lock that cannot be had in time is a 504
+        `load_timeout` naming what waited (nothing was changed), never a bare TimeoutError."""
+        try:
+            await self.lock.acquire_write(timeout)
+        except TimeoutError:
+            raise LoadTimedOut(f"{what}: in-flight samples did not drain within {timeout:g}s; nothing was changed",
+                               field=field) from None
+        try:
+            yield
+        finally:
+            await self.lock.release_write()
+
     # ------------------------------------------------------------------ sampling
 
-    def admit(self, req: SampleRequest) -> tuple[Slot, float, AdapterRef | None]:
+    def admit(self, req: SampleRequest, future: bool = False) -> tuple[_Ticket, float, AdapterRef | None]:
         """Everything that can be refused synchronously: 4xx, 503, then 429 last."""
         engine = self.require_serving()
         check_sample_request(req, self.limits(engine))
@@ -115,31 +155,58 @@ class SamplerCore:
                 raise InvalidRequest(f"unknown adapter {req.adapter!r}; loaded: {sorted(self.adapters)}",
                                      field="adapter")
         try:
-            slot = self.admission.try_admit()
+            if future and self.futures.full():
+                # Refused, never evicted: an admitted request is never lost.
+                raise Overloaded(f"{len(self.futures)} futures held (max_futures {self.futures.max_entries}); "
+                                 "retrieve or cancel some, or retry later", retry_after_s=1)
+            slot = self.admission.try_admit(sequences=len(req.prompts) * req.num_samples)
         except SamplerError:
             self.metrics.rejected.inc()
             raise
         self.metrics.admitted.inc()
-        return slot, timeout, adapter
+        return _Ticket(slot=slot, t0=time.monotonic()), timeout, adapter
 
     async def sample(self, req: SampleRequest) -> SampleResponse:
-        """Synchronous form: admit, run, wait. The work runs in its own task so a
-        client that disconnects never cuts it short of releasing its slot properly."""
+        """Synchronous form: admit, run, wait. The work runs in its own task, so a caller that goes
+        away (the HTTP layer cancels the handler when the client disconnects) cancels the request
+        without cutting short its abort-and-wait: the slot is freed once the engine lets go."""
         request_id = uuid.uuid4().hex
-        slot, timeout, adapter = self.admit(req)
-        task = asyncio.ensure_future(self._run(request_id, req, slot, timeout, adapter))
-        return await asyncio.shield(task)
+        ticket, timeout, adapter = self.admit(req)
+        task = self._start(request_id, req, ticket, timeout, adapter)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
 
     def submit(self, req: SampleRequest) -> str:
         """Futures form: admit now (so 429/4xx come back at submit), run in the background."""
         request_id = uuid.uuid4().hex
-        slot, timeout, adapter = self.admit(req)
-        return self.futures.submit(lambda: self._run(request_id, req, slot, timeout, adapter), request_id)
+        ticket, timeout, adapter = self.admit(req, future=True)
+        return self.futures.submit(lambda: self._start(request_id, req, ticket, timeout, adapter), request_id)
 
-    async def _run(self, request_id: str, req: SampleRequest, slot: Slot, timeout: float,
+    def _start(self, request_id: str, req: SampleRequest, ticket: _Ticket, timeout: float,
+               adapter: AdapterRef | None) -> asyncio.Task[SampleResponse]:
+        task = asyncio.ensure_future(self._run(request_id, req, ticket, timeout, adapter))
+        # A task cancelled before its first step never runs _run's finally; end it here. For every
+        # other task _run has already ended it, and this is a no-op.
+        task.add_done_callback(lambda t: self._end(ticket, "cancelled" if t.cancelled() else "error"))
+        return task
+
+    def _end(self, ticket: _Ticket, outcome: str) -> None:
+        """The one terminal state of an admitted request: free its capacity, count it once."""
+        if ticket.ended:
+            return
+        ticket.ended = True
+        ticket.slot.release()
+        if outcome == "timeout":
+            self.metrics.timed_out.inc()
+        self.metrics.finished.labels(outcome=outcome).inc()
+        self.metrics.latency.observe(time.monotonic() - ticket.t0)
+
+    async def _run(self, request_id: str, req: SampleRequest, ticket: _Ticket, timeout: float,
                    adapter: AdapterRef | None) -> SampleResponse:
-        t0 = time.monotonic()
-        deadline = t0 + timeout
+        deadline = ticket.t0 + timeout
         outcome = "error"
         try:
             resp = await self._read_locked(request_id, req, deadline, adapter)
@@ -147,15 +214,12 @@ class SamplerCore:
             return resp
         except RequestTimedOut:
             outcome = "timeout"
-            self.metrics.timed_out.inc()
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
-            slot.release()
-            self.metrics.finished.labels(outcome=outcome).inc()
-            self.metrics.latency.observe(time.monotonic() - t0)
+            self._end(ticket, outcome)
 
     async def _read_locked(self, request_id: str, req: SampleRequest, deadline: float,
                            adapter: AdapterRef | None) -> SampleResponse:

@@ -11,17 +11,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+# vLLM seeds a torch.Generator, which overflows past 2**64 (a 500 from deep inside the engine), and
+# maps -1 to "unseeded"; [0, 2**63) is the range every protocol accepts, checked here once.
+SEED_MAX = 2**63
+# vLLM refuses temperatures above 2.
+MAX_TEMPERATURE = 2.0
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int = Field(16, ge=1)
     # 0.0 means greedy. It is a real value, never "unset".
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    # -1 (or 0) disables top-k, as in vLLM.
+    # -1 (or 0) disables top-k, as in vLLM. The upper bound (the vocabulary) is in request_checks.
     top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_MAX)
     stop: list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     # Keep generating past EOS (Tinker's `stop=[]` means "no stop at all, EOS included").
@@ -96,3 +102,15 @@ class RetrieveRequest(BaseModel):
 
     request_id: str = Field(..., min_length=1, max_length=200)
     wait_s: float = Field(25.0, ge=0.0, le=30.0)
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(..., min_length=1, max_length=200)
+
+
+class CancelResponse(BaseModel):
+    request_id: str
+    # False: it had already finished (its result is dropped all the same).
+    was_running: bool

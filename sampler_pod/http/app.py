@@ -18,7 +18,8 @@ from ..core.startup import EngineStarter
 from ..protocols import tinker, twinkle
 from ..weights.service import WeightsService
 from .auth import APIKeyAuth
-from .errors import BodyLimitMiddleware, install_error_handlers
+from .errors import install_error_handlers
+from .middleware import ClientRequestMiddleware
 from .routes import health, native, weights
 
 
@@ -31,6 +32,7 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Start the engine in the background so /healthz and /health answer ("starting") at once.
         app.state.startup_task = asyncio.create_task(start_engine(core))
+        core.futures.start()  # the futures' TTL sweep; stopped by futures.close() below
         try:
             yield
         finally:
@@ -44,7 +46,7 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
     app.state.weights = weights_service or WeightsService(core)
     app.state.tinker = tinker.TinkerService(core)
     app.state.twinkle = twinkle.TwinkleService(core, app.state.weights, cfg.twinkle_session_ttl_s)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)
     install_error_handlers(app)
 
     for open_router in (health.router, tinker.probe_router, twinkle.probe_router):

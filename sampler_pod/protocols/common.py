@@ -11,13 +11,12 @@ from typing import Any
 
 from pydantic import BaseModel, StrictInt, StrictStr, ValidationError
 
+from ..core.schemas import SEED_MAX
 from ..core.schemas import SampleRequest as CoreSampleRequest
 from ..core.schemas import SamplingParams as CoreSamplingParams
 from ..errors import InvalidRequest, validation_error
 
-# vLLM seeds a torch.Generator; it also maps -1 to "unseeded", so negative seeds are refused
-# rather than silently changing meaning. The SDK folds its proto seeds into this range too.
-SEED_MAX = 2**63
+# The seed range is the core's (core/schemas.py); protocols check it at their edge to name their field.
 # The core caps top-k widths at 20 (schemas.SamplingParams); refuse above it at the edge.
 MAX_TOPK = 20
 
@@ -77,3 +76,25 @@ def build_core_request(prompts: list[list[int]], num_samples: int, params: dict[
 def topk_pairs(row: dict[int, float] | None, k: int) -> list[list[float]] | None:
     """One position's top-k alternatives as JSON `[[token_id, logprob], ...]`, best first."""
     return None if not row else [[t, lp] for t, lp in sorted(row.items(), key=lambda kv: -kv[1])[:k]]
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that parses its own raw body (`openapi_extra=`), so
+    docs/openapi.json, and the fuzzer that generates requests from it, know the body's shape.
+    Self-contained: pydantic's `$defs` are inlined (an operation cannot carry its own `$defs`)."""
+    schema = model.model_json_schema()
+    defs: dict[str, Any] = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return inline({**defs[ref.removeprefix("#/$defs/")], **rest})
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+

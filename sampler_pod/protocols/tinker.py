@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..core.sampler import SamplerCore
 from ..core.schemas import SampleResponse as CoreSampleResponse
 from ..errors import Expired, InvalidRequest, NotFound, SamplerError, validation_error
+from .common import openapi_body
 from .tinker_wire import ResponseShape, TinkerSampleRequest, encode_json, encode_proto, tinker_to_core
 
 log = logging.getLogger(__name__)
@@ -289,7 +290,7 @@ async def healthz(request: Request) -> Response:
     return _json({"status": status}, 200 if status == "ok" else 503)
 
 
-@router.post("/client/config")
+@router.post("/client/config", openapi_extra=openapi_body(_ConfigRequest))
 async def config(request: Request) -> Response:
     parse(_ConfigRequest, await request.body())
     return _json(client_config())
@@ -306,13 +307,13 @@ async def capabilities(request: Request) -> Response:
     return _json(_service(request).capabilities())
 
 
-@router.post("/create_session")
+@router.post("/create_session", openapi_extra=openapi_body(_CreateSession))
 async def create_session(request: Request) -> Response:
     parse(_CreateSession, await request.body())
     return _json(_service(request).create_session())
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", openapi_extra=openapi_body(_SessionId))
 async def heartbeat(request: Request) -> Response:
     body: _SessionId = parse(_SessionId, await request.body())
     return _json(_service(request).heartbeat(body.session_id))
@@ -330,7 +331,7 @@ async def telemetry() -> Response:
     return _json({"status": "accepted"})
 
 
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", openapi_extra=openapi_body(_CreateSamplingSession))
 async def create_sampling_session(request: Request) -> Response:
     body: _CreateSamplingSession = parse(_CreateSamplingSession, await request.body())
     return _json(_service(request).create_sampling_session(body))
@@ -341,12 +342,12 @@ async def get_sampler(sampler_id: str, request: Request) -> Response:
     return _json(_service(request).get_sampler(sampler_id))
 
 
-@router.post("/asample")
+@router.post("/asample", openapi_extra=openapi_body(TinkerSampleRequest))
 async def asample(request: Request) -> Response:
     return _service(request).asample(parse(TinkerSampleRequest, await request.body()))
 
 
-@router.post("/retrieve_future")
+@router.post("/retrieve_future", openapi_extra=openapi_body(_Retrieve))
 async def retrieve_future(request: Request) -> Response:
     body: _Retrieve = parse(_Retrieve, await request.body())
     return await _service(request).retrieve_future(body.request_id, request.headers.get("accept", ""))

@@ -40,6 +40,7 @@ from ..core.sampler import SamplerCore
 from ..errors import InvalidRequest, NotFound, SamplerError
 from ..weights.service import AddAdapterRequest, WeightsService
 from ..weights.validation import resolve_confined
+from .common import openapi_body
 from .tinker import served_names
 from .twinkle_wire import (
     AddAdapterBody,
@@ -309,7 +310,7 @@ async def capacity_info(request: Request) -> Response:
     return _json({"max_loras": core.cfg.max_loras, "used_loras": used, "free_loras": max(0, core.cfg.max_loras - used)})
 
 
-@router.post("/twinkle/create_session")
+@router.post("/twinkle/create_session", openapi_extra=openapi_body(_CreateSession))
 async def create_session(request: Request) -> Response:
     svc = _service(request)
     body: _CreateSession = parse_json(_CreateSession, await request.body())
@@ -319,7 +320,7 @@ async def create_session(request: Request) -> Response:
     return _json({"session_id": sid})
 
 
-@router.post("/twinkle/session_heartbeat")
+@router.post("/twinkle/session_heartbeat", openapi_extra=openapi_body(_Heartbeat))
 async def session_heartbeat(request: Request) -> Response:
     svc = _service(request)
     body: _Heartbeat = parse_json(_Heartbeat, await request.body())
@@ -355,7 +356,7 @@ async def create(model_id: str, request: Request) -> Response:
     return _reply({"status": "ok"}, rt)
 
 
-@router.post(SAMPLER + "/sample")
+@router.post(SAMPLER + "/sample", openapi_extra=openapi_body(SampleBody))
 async def sample(model_id: str, request: Request) -> Response:
     svc, rt = _ident(request)
     svc.check_model(model_id)
@@ -366,7 +367,7 @@ async def sample(model_id: str, request: Request) -> Response:
     return resp
 
 
-@router.post(SAMPLER + "/add_adapter_to_sampler")
+@router.post(SAMPLER + "/add_adapter_to_sampler", openapi_extra=openapi_body(AddAdapterBody))
 async def add_adapter_to_sampler(model_id: str, request: Request) -> Response:
     svc, rt = _ident(request)
     svc.check_model(model_id)
@@ -374,7 +375,7 @@ async def add_adapter_to_sampler(model_id: str, request: Request) -> Response:
     return _reply(await svc.add_adapter(body, rt), rt)
 
 
-@router.post(SAMPLER + "/set_template")
+@router.post(SAMPLER + "/set_template", openapi_extra=openapi_body(SetTemplateBody))
 async def set_template(model_id: str, request: Request) -> Response:
     svc, rt = _ident(request)
     svc.check_model(model_id)
@@ -385,7 +386,7 @@ async def set_template(model_id: str, request: Request) -> Response:
     return _reply({"status": "ok"}, rt)
 
 
-@router.post(SAMPLER + "/apply_patch")
+@router.post(SAMPLER + "/apply_patch", openapi_extra=openapi_body(ApplyPatchBody))
 async def apply_patch(model_id: str, request: Request) -> Response:
     svc, _ = _ident(request)
     svc.check_model(model_id)

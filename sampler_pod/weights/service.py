@@ -231,7 +231,7 @@ class WeightsService:
         # A fresh integer id per add: vLLM caches adapters by id, so re-adding a name
         # with new files must never hit the old cached weights.
         ref = AdapterRef(name=req.name, lora_id=next(self._lora_ids), path=str(v.path))
-        async with core.lock.write(timeout=core.cfg.load_timeout_s):
+        async with core.write_locked(core.cfg.load_timeout_s, f"adding adapter {req.name!r}"):
             if req.name in core.adapters:
                 raise Conflict(f"adapter {req.name!r} is already loaded; remove it first", field="name")
             try:
@@ -264,7 +264,7 @@ class WeightsService:
             raise EngineUnavailable(f"replica is starting: {core.restoring}", headers={"Retry-After": "5"})
         if name not in core.adapters:
             raise NotFound(f"no adapter named {name!r}", field="name")
-        async with core.lock.write(timeout=core.cfg.load_timeout_s):
+        async with core.write_locked(core.cfg.load_timeout_s, f"removing adapter {name!r}"):
             if name in core.adapters:
                 # Recorded first: if that fails, nothing was changed.
                 self._persist(adapters={n: r for n, r in core.adapters.items() if n != name})

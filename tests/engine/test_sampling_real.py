@@ -166,10 +166,29 @@ def test_fifth_request_gets_429_then_capacity_returns(small_server: RunningServe
 def test_expired_future_gives_410(small_server: RunningServer) -> None:
     with small_server.client() as c:
         rid = c.post("/v1/sample/submit", json=body(4)).json()["request_id"]
+        # Nobody retrieves: the server's own TTL sweep (1 s here) must drop the result.
         deadline = time.monotonic() + 30
-        while c.get("/health").json()["in_flight"]:
+        while metric(c.get("/metrics").text, "sampler_futures_held"):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(1.5)  # past the 1 s TTL of this server
         r = c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 0})
         assert r.status_code == 410 and "expired" in r.json()["error"]["message"]
+
+
+def test_client_disconnect_aborts_the_engine_request(shared_server: RunningServer) -> None:
+    """A sync client that hangs up: vLLM must stop generating for it and its slot must come back,
+    long before the 400 tokens it asked for would have been generated."""
+    with shared_server.client() as c:
+        before = metric(c.get("/metrics").text, 'sampler_requests_finished_total{outcome="cancelled"}') \
+            if 'outcome="cancelled"' in c.get("/metrics").text else 0.0
+        long_body = {**body(400, temperature=1.0, ignore_eos=True), "num_samples": 4}
+        with ThreadPoolExecutor(1) as pool:
+            hung_up = pool.submit(lambda: httpx.post(shared_server.url + "/v1/sample", json=long_body, timeout=0.5))
+            with pytest.raises(httpx.TimeoutException):
+                hung_up.result()  # the client closes its connection after 0.5 s
+        t0 = time.monotonic()
+        while c.get("/health").json()["in_flight"] or metric(c.get("/metrics").text, "vllm:num_requests_running"):
+            assert time.monotonic() - t0 < 10, "the engine kept generating for a client that left"
+            time.sleep(0.05)
+        after = metric(c.get("/metrics").text, 'sampler_requests_finished_total{outcome="cancelled"}')
+    assert after == before + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -95,36 +96,62 @@ def test_corrupt_checkpoint_rejected_before_any_write(wenv: WeightsEnv, kind: st
 
 
 def test_load_during_32_inflight_samples_is_exclusive(wenv: WeightsEnv) -> None:
-    perturbed_checkpoint(wenv.model, wenv.root / "step-2", seed=2)
-    # ignore_eos: a random model may emit EOS early, and these must stay in flight during the load.
-    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 400, "temperature": 1.0, "seed": 3,
-                                                     "ignore_eos": True}}
+    # Two checkpoints with sharpened heads (perturbed_checkpoint): greedy paths with wide margins, so
+    # batching cannot flip a token, and the two weights' greedy paths differ.
+    perturbed_checkpoint(wenv.model, wenv.root / "excl-a", seed=5)
+    perturbed_checkpoint(wenv.model, wenv.root / "excl-b", seed=6)
+    # Greedy + ignore_eos: 400 tokens each, so these are still generating when the load arrives. A
+    # sequence that ran across the write would leave the old weights' greedy path midway: the tokens,
+    # not only the reported version, show which weights produced them.
+    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
     # Two samples each: 64 sequences over the engine's 32 slots, so none of the 32 finishes
     # before the concurrent submits below have all been admitted.
     body["num_samples"] = 2
     with wenv.server.client() as c, ThreadPoolExecutor(32) as pool:
+        assert load(c, "excl-a", "excl-a").status_code == 200
         v0 = c.get("/health").json()["weights_version"]
-        # submit returns once the request is admitted: all 32 are provably in flight now.
+        ref_old = c.post("/v1/sample", json=body).json()["results"][0]["sequences"][0]["tokens"]
+        waits_before = lock_waits(c)
         inflight = list(pool.map(lambda _: c.post("/v1/sample/submit", json=body).json()["request_id"], range(32)))
-        # The engine schedules first-come-first-served, so on a fast box the earliest of the 32 can
-        # already be done; the load must still arrive with (nearly) all of them in flight.
+        # All 32 were admitted, but the engine schedules first-come-first-served, so on a fast box the
+        # earliest may already be done: the load must still arrive with at least 24 in flight.
         assert c.get("/health").json()["in_flight"] >= 24
-        loading = pool.submit(load, c, "step-2", "step-2")
+        loading = pool.submit(load, c, "excl-b", "excl-b")
         while "sampler_weight_write_waiting 1.0" not in c.get("/metrics").text:
             assert not loading.done(), loading.result().text
             time.sleep(0.005)
         # The writer waits for the 32 to drain; these arrive behind it and must wait, not fail.
         during = [c.post("/v1/sample/submit", json=body).json()["request_id"] for _ in range(8)]
         assert loading.result().status_code == 200, loading.result().text
-        assert loading.result().json()["drain_wait_s"] > 0
+        timings = loading.result().json()
         first = [retrieve(c, rid) for rid in inflight]
         later = [retrieve(c, rid) for rid in during]
+        ref_new = c.post("/v1/sample", json=body).json()["results"][0]["sequences"][0]["tokens"]
+        waits_after = lock_waits(c)
+    assert ref_old != ref_new, "the two checkpoints must have different greedy paths for this test to mean anything"
     for r in first:
-        versions = {s["weights_version"] for s in r["results"][0]["sequences"]} | {r["weights_version"]}
-        assert versions == {v0}
+        assert r["weights_version"] == v0
+        assert all(s["tokens"] == ref_old for s in r["results"][0]["sequences"]), "a sequence saw the new weights"
     for r in later:
         assert r["weights_version"] == v0 + 1
-        assert {s["weights_version"] for s in r["results"][0]["sequences"]} == {v0 + 1}
+        assert all(s["tokens"] == ref_new for s in r["results"][0]["sequences"]), "a sequence saw the old weights"
+    # Exactly the 8 latecomers waited on the write, and each waited (server-side) at most as long as
+    # the writer spent draining and writing: a drain_wait_s that missed the drain would fail this.
+    count, total = waits_after[0] - waits_before[0], waits_after[1] - waits_before[1]
+    assert count == 8, (waits_before, waits_after)
+    assert total / count <= timings["drain_wait_s"] + timings["write_s"] + 0.05, (total / count, timings)
+
+
+def lock_waits(c: httpx.Client) -> tuple[float, float]:
+    """(count, sum) of `sampler_write_lock_wait_seconds`: sampling requests that waited on a write."""
+    text = c.get("/metrics").text
+    return metric(text, "sampler_write_lock_wait_seconds_count"), metric(text, "sampler_write_lock_wait_seconds_sum")
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
 
 
 def retrieve(c: httpx.Client, request_id: str) -> dict[str, Any]:
@@ -198,7 +225,10 @@ def test_injected_midwrite_failure_makes_weights_uncertain(tiny_model: Path, tmp
         # Documented: there is no way back; a valid load is refused too, the replica must be replaced.
         again = load(c, "step-1", "step-1-retry")
         assert again.status_code == 503 and again.json()["error"]["category"] == "uncertain_weights"
-        assert "uncertain" in c.get("/metrics").text and c.get("/health").json()["status"] == "uncertain_weights"
+        metrics = c.get("/metrics").text
+        assert metric(metrics, "sampler_weights_uncertain") == 1.0
+        assert metric(metrics, 'sampler_weight_loads_total{outcome="uncertain"}') == 1.0
+        assert c.get("/health").json()["status"] == "uncertain_weights"
 
 
 def test_test_seam_is_refused_without_the_flag(wenv: WeightsEnv) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -28,3 +30,16 @@ def fake_client(core: SamplerCore) -> httpx.AsyncClient:
 
     app = create_app(core.cfg, no_start, core=core)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def outcomes(core: SamplerCore) -> dict[str, float]:
+    """`sampler_requests_finished_total` by outcome, as /metrics reports it."""
+    return {s.labels["outcome"]: s.value for m in core.metrics.finished.collect() for s in m.samples
+            if s.name.endswith("_total")}
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for a state of the (single-threaded) event loop, yielding to it in between; fail past timeout."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.001)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_admission_rejects_past_limit_with_retry_after() -> None:
 
 def test_admission_refuses_impossible_cost() -> None:
     with pytest.raises(InvalidRequest):
-        AdmissionController(limit=2).try_admit(cost=3)
+        AdmissionController(limit=2, max_sequences=2).try_admit(sequences=3)
 
 
 async def test_futures_pending_done_and_gone() -> None:
@@ -127,3 +128,85 @@ async def test_rwlock_timeouts_leave_no_state_behind() -> None:
     assert (lock.readers, lock.writers_waiting, lock.writer_active) == (0, 0, False)
     async with lock.write(timeout=0.1):
         pass
+
+
+def test_admission_counts_sequences_not_just_requests() -> None:
+    a = AdmissionController(limit=10, max_sequences=8)
+    s1 = a.try_admit(sequences=5)
+    with pytest.raises(Overloaded) as e:  # 5 + 4 > 8: wait for capacity
+        a.try_admit(sequences=4)
+    assert "sequences" in e.value.message
+    s2 = a.try_admit(sequences=3)
+    assert (a.in_flight, a.sequences_in_flight) == (2, 8)
+    with pytest.raises(InvalidRequest) as too_big:  # larger than the limit itself: never admissible
+        a.try_admit(sequences=9)
+    assert too_big.value.field == "num_samples"
+    s1.release()
+    s2.release()
+    assert (a.in_flight, a.sequences_in_flight) == (0, 0)
+
+
+async def test_futures_ttl_is_enforced_by_the_sweep_without_any_retrieve() -> None:
+    store = FutureStore(ttl_s=0.05)
+    store.start()
+
+    async def done() -> int:
+        return 1
+
+    rid = store.submit(done)
+    async with asyncio.timeout(5):
+        while len(store):  # nobody retrieves: only the background sweep can empty the store
+            await store.next_sweep()
+    with pytest.raises(Expired) as e:
+        await store.retrieve(rid, wait_s=0)
+    assert "expired" in e.value.message
+    await store.close()
+    assert store._sweeper is None
+
+
+async def test_futures_store_has_a_maximum_and_cancel_frees_room() -> None:
+    store = FutureStore(max_entries=2)
+    never = asyncio.Event()
+    ids = [store.submit(never.wait) for _ in range(2)]
+    assert store.full()
+    assert store.cancel(ids[0]) is True  # it was running
+    assert not store.full()
+    with pytest.raises(Expired) as e:
+        await store.retrieve(ids[0], wait_s=0)
+    assert "cancelled" in e.value.message
+    with pytest.raises(Expired):
+        store.cancel(ids[0])
+    with pytest.raises(NotFound):
+        store.cancel("never-issued")
+    await store.close()
+
+
+async def test_rwlock_cancelled_release_read_leaks_no_reader() -> None:
+    lock = RWLock()
+    await lock.acquire_read()
+    # Someone holds the condition's mutex (a writer waking up, a reader entering): the release waits.
+    await lock._cond.acquire()
+    release = asyncio.create_task(lock.release_read())
+    await asyncio.sleep(0)  # the release is now blocked on the mutex
+    release.cancel()
+    lock._cond.release()
+    with contextlib.suppress(asyncio.CancelledError):
+        await release
+    # Before the fix the cancelled release left readers at 1, and every later write timed out.
+    assert lock.readers == 0
+    async with lock.write(timeout=1):
+        pass
+
+
+async def test_rwlock_cancelled_release_write_leaves_no_writer() -> None:
+    lock = RWLock()
+    await lock.acquire_write()
+    await lock._cond.acquire()
+    release = asyncio.create_task(lock.release_write())
+    await asyncio.sleep(0)
+    release.cancel()
+    lock._cond.release()
+    with contextlib.suppress(asyncio.CancelledError):
+        await release
+    assert not lock.writer_active
+    assert await lock.acquire_read(timeout=1) >= 0

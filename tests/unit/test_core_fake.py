@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from sampler_pod.core.schemas import SampleRequest
-from sampler_pod.errors import Overloaded, RequestTimedOut, UncertainWeights
-from tests.support.inproc import fake_core
+from sampler_pod.errors import InvalidRequest, Overloaded, RequestTimedOut, UncertainWeights
+from tests.support.inproc import fake_core, outcomes, until
 
 
 def req(max_tokens: int = 8, **kw: object) -> SampleRequest:
@@ -88,3 +88,66 @@ async def test_uncertain_weights_refuse_sampling() -> None:
     with pytest.raises(UncertainWeights):
         await core.sample(req())
     assert core.health().status == "uncertain_weights"
+
+
+async def test_future_cancelled_before_it_starts_ends_once_and_frees_its_slot() -> None:
+    core, engine = fake_core()
+    rid = core.submit(req())
+    # No await between submit and cancel: the task is cancelled before its first step, so the
+    # finally in _run never runs. Before the fix its slot was never freed.
+    assert core.futures.cancel(rid) is True
+    await until(lambda: core.admission.in_flight == 0, timeout=5)
+    assert outcomes(core) == {"cancelled": 1} and core.admission.sequences_in_flight == 0
+    assert engine.running == set()
+
+
+async def test_sync_request_cancelled_before_it_starts_frees_its_slot() -> None:
+    core, _ = fake_core()
+    caller = asyncio.create_task(core.sample(req(400)))
+    await asyncio.sleep(0)  # one step: admitted, its task created but not yet started
+    assert core.admission.in_flight == 1
+    caller.cancel()
+    await until(lambda: core.admission.in_flight == 0, timeout=5)
+    assert outcomes(core) == {"cancelled": 1}
+
+
+async def test_cancelled_caller_aborts_the_engine_request_and_frees_the_slot_after() -> None:
+    core, engine = fake_core(token_delay_s=0.01)
+    caller = asyncio.create_task(core.sample(req(400)))  # 4 s if left to run
+    await until(lambda: bool(engine.running), timeout=5)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    caller.cancel()
+    await until(lambda: core.admission.in_flight == 0, timeout=5)
+    assert loop.time() - t0 < 1.0, "the engine request ran on after its caller went away"
+    assert engine.running == set()  # the slot was freed only once the engine let go
+    assert outcomes(core) == {"cancelled": 1}
+    assert core.metrics.admitted._value.get() == 1
+
+
+async def test_max_futures_refuses_submit_with_429_and_loses_nothing() -> None:
+    core, _ = fake_core(token_delay_s=0.01, max_futures=2)
+    held = [core.submit(req(200)) for _ in range(2)]
+    with pytest.raises(Overloaded) as e:
+        core.submit(req())
+    assert e.value.status_code == 429 and "max_futures" in e.value.message
+    assert core.admission.in_flight == 2  # the refused submit took no slot
+    core.futures.cancel(held[0])
+    core.submit(req())  # room again
+    await core.futures.close()
+
+
+async def test_sequences_bound_admission() -> None:
+    core, _ = fake_core(token_delay_s=0.01, max_inflight_sequences=8)
+    two_by_four = SampleRequest.model_validate({"prompts": [[1, 2], [3, 4]], "num_samples": 4,
+                                                "sampling_params": {"max_tokens": 100}})
+    running = asyncio.create_task(core.sample(two_by_four))
+    await asyncio.sleep(0)
+    assert core.admission.sequences_in_flight == 8
+    with pytest.raises(Overloaded):
+        core.submit(req())  # one more sequence than the limit while the 8 run
+    with pytest.raises(InvalidRequest) as e:  # 9 sequences alone: a 400, never admissible
+        core.submit(SampleRequest.model_validate({"prompts": [[1], [2], [3]], "num_samples": 3}))
+    assert e.value.field == "num_samples"
+    running.cancel()
+    await until(lambda: core.admission.sequences_in_flight == 0)

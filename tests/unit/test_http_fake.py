@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
+from sampler_pod.engine.base import AdapterRef
+from tests.support import asgi
 from tests.support.bad_requests import BAD_REQUESTS, GOOD
-from tests.support.inproc import fake_client, fake_core
+from tests.support.inproc import fake_client, fake_core, outcomes, until
 
 
 @pytest.mark.parametrize("case,body,status,field", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
@@ -76,3 +79,153 @@ async def test_api_key_required_when_configured() -> None:
         assert (await c.post("/v1/sample", json=GOOD, headers={"X-API-Key": "tml-wrong"})).status_code == 401
         assert (await c.post("/v1/sample", json=GOOD, headers={"X-API-Key": "tml-secret"})).status_code == 200
         assert (await c.get("/health")).status_code == 200
+
+
+# Bodies no JSON parser accepts, as raw bytes (a client library would refuse to send them).
+UNPARSEABLE: list[tuple[str, bytes]] = [
+    ("invalid_utf8", b'{"prompts": [[1, 2]], "adapter": "\xff\xfe"}'),
+    ("nested_5000_deep", b'{"prompts": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    ("integer_5000_digits", b'{"prompts": [[1]], "sampling_params": {"seed": ' + b"7" * 5000 + b"}}"),
+    ("not_json", b"prompts=1"),
+    ("truncated", b'{"prompts": [[1, 2'),
+]
+# Every route that takes a JSON body, on every protocol.
+BODY_ROUTES = ["/v1/sample", "/v1/sample/submit", "/v1/sample/retrieve", "/v1/sample/cancel",
+               "/api/v1/asample", "/api/v1/retrieve_future", "/api/v1/sampler/fake/twinkle/sample"]
+
+
+@pytest.mark.parametrize("route", BODY_ROUTES)
+@pytest.mark.parametrize("case,raw", UNPARSEABLE, ids=[c[0] for c in UNPARSEABLE])
+async def test_unparseable_body_is_a_400_naming_body(case: str, raw: bytes, route: str) -> None:
+    core, _ = fake_core()
+    reply = await asgi.call(asgi.app_for(core), "POST", route, raw)
+    assert reply.status == 400, (reply.status, reply.body[:300])
+    err = reply.json()["error"]
+    assert err["category"] == "invalid_request" and err["field"] == "body", err
+    assert core.admission.in_flight == 0
+
+
+@pytest.mark.parametrize("route", ["/v1/sample", "/api/v1/asample", "/api/v1/sampler/fake/twinkle/sample"])
+async def test_chunked_body_over_the_limit_is_a_413(route: str) -> None:
+    core, _ = fake_core(max_body_bytes=4096)
+    chunks = [b'{"prompts": [[' + b"1," * 1000, b"1," * 2000, b"1]]}"]  # no Content-Length: chunked
+    reply = await asgi.call(asgi.app_for(core), "POST", route, chunks=chunks)
+    assert reply.status == 413, reply.body[:300]
+    assert reply.json()["error"] == {"category": "body_too_large", "message": "request body is over 4096 bytes",
+                                     "field": "body"}
+    small = await asgi.call(asgi.app_for(core), "POST", "/v1/sample", chunks=[b'{"prompts": ', b"[[1, 2]]}"])
+    assert small.status == 200, small.body
+
+
+# Integers past what the engine can take, on each protocol: (route, body, field).
+HUGE = 2**70
+OUT_OF_RANGE: list[tuple[str, dict[str, object], str]] = [
+    ("/v1/sample", {"prompts": [[1]], "sampling_params": {"seed": HUGE}}, "sampling_params.seed"),
+    ("/v1/sample", {"prompts": [[1]], "sampling_params": {"seed": -1}}, "sampling_params.seed"),
+    ("/v1/sample", {"prompts": [[1]], "sampling_params": {"top_k": HUGE}}, "sampling_params.top_k"),
+    ("/v1/sample", {"prompts": [[HUGE]]}, "prompts[0][0]"),
+    ("/v1/sample", {"prompts": [[1]], "sampling_params": {"stop_token_ids": [HUGE]}},
+     "sampling_params.stop_token_ids[0]"),
+    ("/v1/sample", {"prompts": [[1]], "num_samples": HUGE}, "num_samples"),
+    ("/v1/sample", {"prompts": [[1]], "sampling_params": {"max_tokens": HUGE}}, "sampling_params.max_tokens"),
+    ("/v1/sample", {"prompts": [[1]], "sampling_params": {"temperature": 1e300}}, "sampling_params.temperature"),
+    ("/v1/sample/submit", {"prompts": [[1]], "sampling_params": {"seed": HUGE}}, "sampling_params.seed"),
+    ("/api/v1/asample", {"base_model": "fake", "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                         "sampling_params": {"seed": HUGE}}, "sampling_params.seed"),
+    ("/api/v1/asample", {"base_model": "fake", "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                         "sampling_params": {"top_k": HUGE, "max_tokens": 4}}, "sampling_params.top_k"),
+    ("/api/v1/asample", {"base_model": "fake", "prompt": {"chunks": [{"tokens": [HUGE]}]},
+                         "sampling_params": {"max_tokens": 4}}, "prompts[0][0]"),
+    ("/api/v1/asample", {"base_model": "fake", "prompt": {"chunks": [{"tokens": [1]}]},
+                         "sampling_params": {"stop": [HUGE], "max_tokens": 4}}, "sampling_params.stop_token_ids[0]"),
+    ("/api/v1/sampler/fake/twinkle/sample", {"inputs": {"input_ids": [1, 2]}, "sampling_params": {"seed": HUGE}},
+     "sampling_params.seed"),
+]
+
+
+@pytest.mark.parametrize("route,body,field", OUT_OF_RANGE, ids=[f"{r}:{f}" for r, _, f in OUT_OF_RANGE])
+async def test_integers_past_engine_limits_are_400s(route: str, body: dict[str, object], field: str) -> None:
+    core, _ = fake_core()
+    async with fake_client(core) as c:
+        r = await c.post(route, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["field"] == field, r.json()
+    assert core.admission.in_flight == 0
+
+
+async def test_framework_errors_and_crashes_keep_the_error_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    core, _ = fake_core()
+    app = asgi.app_for(core)
+    missing = await asgi.call(app, "POST", "/v1/no-such-route", b"{}")
+    assert missing.status == 404 and missing.json()["error"]["category"] == "not_found"
+    wrong_method = await asgi.call(app, "GET", "/v1/sample")
+    assert wrong_method.status == 405 and wrong_method.json()["error"]["category"] == "method_not_allowed"
+
+    def boom() -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(core, "health", boom)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                 base_url="http://test") as c:
+        r = await c.get("/health")
+    assert r.status_code == 500 and r.json() == {"error": {"category": "internal",
+                                                           "message": "internal error: RuntimeError"}}
+
+
+async def test_client_disconnect_aborts_a_sync_request() -> None:
+    core, engine = fake_core(token_delay_s=0.01)
+    gone = asyncio.Event()
+    body = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 400}}  # 4 s if left to run
+    call = asyncio.create_task(asgi.call(asgi.app_for(core), "POST", "/v1/sample", body, disconnect=gone))
+    await until(lambda: bool(engine.running))
+    t0 = asyncio.get_running_loop().time()
+    gone.set()
+    reply = await call
+    assert reply.status is None  # nobody to answer
+    await until(lambda: core.admission.in_flight == 0)
+    assert asyncio.get_running_loop().time() - t0 < 1.0, "the generation ran on after the client left"
+    assert engine.running == set() and outcomes(core) == {"cancelled": 1}
+
+
+async def test_disconnect_after_the_response_changes_nothing() -> None:
+    core, _ = fake_core()
+    gone = asyncio.Event()
+    reply = await asgi.call(asgi.app_for(core), "POST", "/v1/sample", GOOD, disconnect=gone)
+    gone.set()
+    assert reply.status == 200 and outcomes(core) == {"ok": 1}
+
+
+async def test_cancel_route_aborts_a_future() -> None:
+    core, engine = fake_core(token_delay_s=0.01)
+    async with fake_client(core) as c:
+        rid = (await c.post("/v1/sample/submit", json={**GOOD, "sampling_params": {"max_tokens": 400}})).json()[
+            "request_id"]
+        await until(lambda: bool(engine.running))
+        r = await c.post("/v1/sample/cancel", json={"request_id": rid})
+        assert r.status_code == 200 and r.json() == {"request_id": rid, "was_running": True}
+        await until(lambda: core.admission.in_flight == 0)
+        assert engine.running == set() and outcomes(core) == {"cancelled": 1}
+        gone = await c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 0})
+        assert gone.status_code == 410 and "cancelled" in gone.json()["error"]["message"]
+        assert (await c.post("/v1/sample/cancel", json={"request_id": "nope"})).status_code == 404
+
+
+async def test_submit_past_max_futures_is_a_429() -> None:
+    core, _ = fake_core(max_futures=1)
+    async with fake_client(core) as c:
+        assert (await c.post("/v1/sample/submit", json=GOOD)).status_code == 200
+        r = await c.post("/v1/sample/submit", json=GOOD)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["category"] == "overloaded"
+
+
+async def test_adapter_write_lock_timeout_is_a_504_with_category() -> None:
+    core, _ = fake_core(enable_lora=True, load_timeout_s=0.05)
+    core.adapters["a"] = AdapterRef(name="a", lora_id=1, path="/nowhere")
+    await core.lock.acquire_read()  # a sample that will not finish in time
+    async with fake_client(core) as c:
+        r = await c.delete("/v1/adapters/a")
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["category"] == "load_timeout" and "adapter 'a'" in r.json()["error"]["message"]
+    assert "a" in core.adapters and core.lock.writers_waiting == 0
+    await core.lock.release_read()

@@ -1,4 +1,4 @@
-"""The native sampling API: `/v1/sample` (wait for the result) and submit/retrieve (futures)."""
+"""The native sampling API: `/v1/sample` (wait for the result) and submit/retrieve/cancel (futures)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ...core.sampler import SamplerCore
-from ...core.schemas import RetrieveRequest, SampleRequest, SampleResponse, SubmitResponse
+from ...core.schemas import (
+    CancelRequest,
+    CancelResponse,
+    RetrieveRequest,
+    SampleRequest,
+    SampleResponse,
+    SubmitResponse,
+)
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -20,6 +27,7 @@ def _core(request: Request) -> SamplerCore:
 
 @router.post("/sample", response_model=SampleResponse)
 async def sample(req: SampleRequest, request: Request) -> SampleResponse:
+    # A client that disconnects cancels this handler (http/middleware.py), which aborts the request.
     return await _core(request).sample(req)
 
 
@@ -35,3 +43,9 @@ async def retrieve(req: RetrieveRequest, request: Request) -> Any:
     if not done:
         return JSONResponse({"status": "pending", "request_id": req.request_id}, status_code=202)
     return result
+
+
+@router.post("/sample/cancel", response_model=CancelResponse)
+async def cancel(req: CancelRequest, request: Request) -> CancelResponse:
+    """Drop a future; a running one aborts its engine calls (its slot is freed once the engine lets go)."""
+    return CancelResponse(request_id=req.request_id, was_running=_core(request).futures.cancel(req.request_id))

@@ -1,0 +1,90 @@
+"""Issue #10 soak on the REAL engine: 1,000 requests of the seeded mix (tests/support/soak.py) over
+real HTTP, then a quiet period. Disconnects are real: the client closes its connection mid-request.
+Kept cheap: a few tokens per ordinary request; the long ones are cut short by their deadline or
+their client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.server import run_server
+from tests.support.soak import HttpClient, Soak
+
+TOTAL, WARMUP = 1_000, 200
+# Long enough that a busy client's next retrieve is not late (under load a client can lag by
+# seconds); short enough that the quiet period and the expired-id retrieves come soon.
+TTL_S = 5.0
+
+
+def _metric(text: str, name: str) -> dict[str, float]:
+    """{labels: value} of one metric family's samples."""
+    pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$"
+    return {labels: float(v) for labels, v in re.findall(pattern, text, re.M)}
+
+
+async def _quiet(c: httpx.AsyncClient, timeout: float = 60.0) -> str:
+    """Wait until nothing is in flight and the TTL sweep has emptied the futures store; the metrics then."""
+    async with asyncio.timeout(timeout):
+        while True:
+            text = (await c.get("/metrics")).text
+            if sum(_metric(text, "sampler_requests_in_flight").values()) == 0 and \
+                    sum(_metric(text, "sampler_futures_held").values()) == 0:
+                return text
+            await asyncio.sleep(0.1)
+
+
+def test_soak_1k_mixed_requests_real_engine(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report: list[str] = []  # the figures, printed even when pytest captures output
+    args = ["--concurrent-task-limit", "24", "--max-inflight-sequences", "32", "--max-futures", "200",
+            "--future-ttl-s", str(TTL_S), "--max-num-samples", "4"]
+    with run_server(tiny_model, *args) as server:
+        server_proc = psutil.Process(server.proc.pid)
+
+        async def main() -> tuple[Soak, str, float, float, float, str]:
+            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
+                soak = Soak(HttpClient(c), base_model=str(tiny_model), rng=random.Random(11), ttl_s=TTL_S,
+                            short_tokens=(1, 4), long_tokens=300, disconnect_after_s=(0.3, 1.5))
+                t0 = time.monotonic()
+                await soak.run(WARMUP, concurrency=32, retrieve_wait_s=10)
+                rss_warm = server_proc.memory_info().rss
+                await soak.run(TOTAL - WARMUP, concurrency=32, retrieve_wait_s=10)
+                busy = time.monotonic() - t0
+                metrics = await _quiet(c)
+                health = (await c.get("/health")).json()["status"]
+                return soak, metrics, busy, rss_warm, server_proc.memory_info().rss, health
+
+        soak, metrics, busy, rss_warm, rss_end, health = asyncio.run(main())
+    figures = soak.figures
+    assert isinstance(soak.client, HttpClient)
+    by_outcome = {k.split('"')[1]: v for k, v in _metric(metrics, "sampler_requests_finished_total").items()}
+    admitted = sum(_metric(metrics, "sampler_requests_admitted_total").values())
+    rejected = sum(_metric(metrics, "sampler_requests_rejected_total").values())
+    ends = dict(sorted(by_outcome.items()))
+    report.append(f"\nsoak (real engine, HTTP): {sum(figures.by_kind.values())} requests in {busy:.1f}s")
+    report.append(figures.table())
+    report.append(f"admitted {admitted:.0f} = finished {sum(by_outcome.values()):.0f} {ends}; "
+                  f"429s {rejected:.0f}; dropped connections {len(soak.client.dropped)}; "
+                  "after the quiet period: in flight 0, "
+                  f"futures held 0, health {health}; server RSS after warm-up {rss_warm / 2**20:.0f} MB, "
+                  f"at end {rss_end / 2**20:.0f} MB (+{(rss_end - rss_warm) / 2**20:.1f} MB)")
+    with capsys.disabled():
+        print("\n".join(report))
+    assert sum(figures.by_kind.values()) == TOTAL
+    assert not soak.client.dropped, soak.client.dropped[:10]
+    assert not figures.unexpected, "\n".join(figures.unexpected[:20])
+    assert admitted == sum(by_outcome.values()) and admitted > TOTAL / 2
+    assert {"ok", "timeout", "cancelled"} <= set(by_outcome), by_outcome
+    assert figures.statuses["expired_retrieve"][410] > 0 and figures.statuses["disconnect"][None] > 0
+    assert health == "ok"
+    # vLLM's own caches grow during a first burst; what must not happen is growth with requests served.
+    assert (rss_end - rss_warm) / 2**20 < 150
