@@ -26,7 +26,7 @@ compgen -G "$CACHE/venv-*/.complete" >/dev/null || todo+=("Python venv with vLLM
 if [ ${#todo[@]} -gt 0 ]; then
     echo "=== first run on this machine: a one-time build comes first (on 2 cores):"
     printf '      - %s\n' "${todo[@]}"
-    echo "    later runs reuse the caches in $CACHE and take ~4 min."
+    echo "    later runs reuse the caches in $CACHE and take 3-5 min."
 fi
 echo "=== [setup 1/4] Python venv";            bash scripts/setup.sh
 echo "=== [setup 2/4] Kubernetes binaries";    bash scripts/k8s/build.sh
