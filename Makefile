@@ -1,12 +1,17 @@
 # Convenience targets; the scripts are the source of truth.
-.PHONY: setup demo test unit engine k8s-build cluster-up cluster-down bench
+.PHONY: setup demo demo-local test unit engine k8s-build images lint-images docs cluster-up cluster-down bench
 
 setup:          ; bash scripts/setup.sh
 demo:           ; bash scripts/demo.sh
+demo-local:     ; bash scripts/demo.sh --local
 test:           ; bash scripts/test.sh
 unit: setup     ; .venv/bin/python -m pytest tests/unit -q
 engine: setup   ; .venv/bin/python -m pytest tests/engine -q
 k8s-build:      ; bash scripts/k8s/build.sh
+# the operator and CPU sampler images (cached by input hash); hadolint on all three Dockerfiles
+images:         ; bash scripts/images/build.sh
+lint-images:    ; bash scripts/images/hadolint.sh
+docs:           ; bash scripts/docs.sh
 # The real single-node cluster (kubelet + dockershim) in a private netns with only `lo`.
 cluster-up: k8s-build ; bash scripts/k8s/node-up.sh
 cluster-down:   ; bash scripts/k8s/node-down.sh

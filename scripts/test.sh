@@ -6,13 +6,18 @@
 #   tests/engine              the real vLLM CPU engine behind real HTTP servers          (minutes)
 #   tests/operator/envtest    the operator against a real kube-apiserver, etcd and
 #                             controller-manager                                         (a minute)
-#   tests/operator/node       a real kubelet cluster in a private netns with only lo (scripts/k8s/test-node.sh)
+#   tests/operator/node       a real kubelet cluster in a private netns with only lo (scripts/k8s/test-node.sh),
+#                             running the project's images (scripts/images/build.sh) and ./scripts/demo.sh's story
 # Nothing is skipped for a missing dependency: SAMPLER_REQUIRE_K8S=1 turns that into a failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 bash scripts/k8s/build.sh           # ~8 min once on a fresh machine, ~1 s cached
+# The operator and CPU sampler images, which the node tier runs (~12 min once, ~1 s cached by input hash).
+bash scripts/images/build.sh
+# graphviz renders the docs' pictures (tests/unit/test_docs.py checks they are current).
+command -v dot >/dev/null || (source scripts/k8s/lib.sh && apt_install graphviz)
 export SAMPLER_REQUIRE_K8S=1 PYTHONDONTWRITEBYTECODE=1
 # The cached venv may be shared by several checkouts: make every process import THIS one.
 export PYTHONPATH="$ROOT:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"

@@ -2,7 +2,8 @@
 # Node tier: a REAL single-node Kubernetes v1.20.2 cluster -- etcd, kube-apiserver, kube-controller-manager
 # (incl. node-lifecycle), kube-scheduler, dockerd, patched kubelet with dockershim -- ALL inside a private
 # network + mount namespace whose only interface is `lo` (ns-init.sh). Images come from `docker import`
-# of the cached root-fs tarballs (make-images.sh): no registry.
+# of the cached root-fs tarballs (make-images.sh) and `docker load` of the project's images
+# (scripts/images/build.sh): no registry.
 # Usage: node-up.sh [STATE_DIR]    (default ${K8S_NODE_STATE:-$SAMPLER_CACHE_DIR/k8s/node}); idempotent.
 # Then:  scripts/k8s/node-exec.sh kubectl get pods        (anything that talks to the cluster or to pods)
 # Stop:  scripts/k8s/node-down.sh [STATE_DIR]
@@ -67,6 +68,18 @@ while IFS='|' read -r tag tar change; do
   docker import -c "$change" -c "LABEL local.tarball=$(basename "$tar")" "$tar" "$tag" >/dev/null
   echo "[node]   imported $tag" >&2
 done < "$K8S_IMAGES/images.list"
+# the project's images (scripts/images/build.sh: `docker save` tarballs keyed by their inputs' hash):
+# `docker load` only when the tag does not already hold those inputs
+IMG_LIST=$SAMPLER_CACHE_DIR/images/images.list
+if [ -f "$IMG_LIST" ]; then
+  while IFS='|' read -r tag tar inputs; do
+    [ "$(docker image inspect -f '{{index .Config.Labels "sampler-operator.inputs"}}' "$tag" 2>/dev/null)" = "$inputs" ] && continue
+    tl=$(ts); docker load -q -i "$tar" >/dev/null
+    echo "[node]   loaded $tag ($(el $tl))" >&2
+  done < "$IMG_LIST"
+else
+  echo "[node]   no project images yet ($IMG_LIST): run scripts/images/build.sh" >&2
+fi
 docker image prune -f >/dev/null 2>&1 || true
 echo "[node] images ready: $(el $t)" >&2
 

@@ -322,19 +322,43 @@ def node_fixture(name: str = "k8s_node"):
 
 
 # ----------------------------------------------------------------------------------------------
-def sampler_pod_volumes(repo_root: str | None = None) -> tuple[list[dict], list[dict]]:
-    """(volumes, volumeMounts) that let the `local/sampler-base:dev` image run the project's code:
-    the host's Python installation, the project venv (resolved), the repo source, and the tiny-model
-    cache, all hostPath read-only at their host paths. See scripts/k8s/README.md."""
+IMAGES_LIST = CACHE_DIR / "images" / "images.list"
+
+
+@dataclass(frozen=True)
+class ProjectImage:
+    """One image built by scripts/images/build.sh (and `docker load`ed by node-up.sh)."""
+    name: str        # "operator" | "sampler-cpu"
+    tag: str         # e.g. ghcr.io/sampler-operator/sampler-cpu:0.1.0
+    tarball: str     # the cached `docker save` output
+    inputs: str      # hash of the image's inputs (also its label sampler-operator.inputs)
+
+
+def project_images() -> dict[str, ProjectImage]:
+    """The images of the last scripts/images/build.sh run, by name (empty when never built)."""
+    out: dict[str, ProjectImage] = {}
+    if IMAGES_LIST.exists():
+        for line in IMAGES_LIST.read_text().splitlines():
+            tag, tarball, inputs = line.split("|")
+            name = tag.rsplit("/", 1)[-1].split(":", 1)[0]
+            out[name] = ProjectImage(name, tag, tarball, inputs)
+    return out
+
+
+def host_python_paths(repo_root: str | None = None) -> list[str]:
+    """What a pod must NOT mount from the host: the interpreter tree, the venv, the repository."""
     root = Path(repo_root or REPO_ROOT).resolve()
     venv = (root / ".venv").resolve()
     cfg = (venv / "pyvenv.cfg").read_text() if (venv / "pyvenv.cfg").exists() else ""
     home = next((ln.split("=", 1)[1].strip() for ln in cfg.splitlines() if ln.startswith("home")), "")
     pyroot = str(Path(home).parent) if home else str(Path(sys.base_prefix).resolve())
-    paths = [("sampler-python", pyroot), ("sampler-venv", str(venv)), ("sampler-src", str(root))]
-    models = CACHE_DIR / "models"
-    if models.exists():
-        paths.append(("sampler-models", str(models.resolve())))
-    vols = [{"name": n, "hostPath": {"path": p, "type": "Directory"}} for n, p in paths]
-    mounts = [{"name": n, "mountPath": p, "readOnly": True} for n, p in paths]
+    return [pyroot, str(venv), str(root)]
+
+
+def model_volumes() -> tuple[list[dict], list[dict]]:
+    """(volumes, volumeMounts) for the tiny-model cache: DATA only, hostPath read-only at its host path
+    (so a model path is the same on the host and in the pod). The code comes from the image."""
+    models = (CACHE_DIR / "models").resolve()
+    vols = [{"name": "sampler-models", "hostPath": {"path": str(models), "type": "Directory"}}]
+    mounts = [{"name": "sampler-models", "mountPath": str(models), "readOnly": True}]
     return vols, mounts

@@ -6,8 +6,9 @@ Run inside the node namespace (scripts/k8s/test-node.sh does all of this):
     scripts/k8s/node-down.sh
 Outside it the tests skip (or FAIL with SAMPLER_REQUIRE_K8S=1).
 
-Pods run `python -m sampler_pod` with the host's interpreter, venv and source mounted read-only
-(tests.support.k8s.sampler_pod_volumes), hostNetwork, each replica on its own port; the kubelet's
+Pods run the project's CPU sampler image (images/sampler-cpu, built by scripts/images/build.sh and loaded by
+node-up.sh; `python -m sampler_pod` from the image's venv), with only the tiny-model cache mounted as data
+(no host interpreter, venv or repository), hostNetwork, each replica on its own port; the kubelet's
 readiness/liveness/startup probes are real. `--engine fake` keeps most cases fast; the uncertain-weights
 replacement uses the REAL vLLM CPU engine on the tiny model, so the startup flock in the pod's emptyDir
 is exercised for real too. A checkpoint load with the `test_fail_after_tensors` seam (--enable-test-seams)
@@ -43,7 +44,7 @@ G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
 REPO = REPO_ROOT
 NS_PREFIX = "nt-"            # namespaces of the shared operator (it watches "nt-*")
 # The venv is shared between checkouts (cached by requirements hash) and its .pth names whichever checkout
-# ran scripts/setup.sh last: name THIS checkout explicitly, for the operator processes and in every pod.
+# ran scripts/setup.sh last: name THIS checkout explicitly for the operator processes (the pods run images).
 SRC_PATH = f"{REPO}:{REPO / 'operator'}"
 PERIOD = 2                   # health.periodSeconds of every replica here (kubelet probes + operator probe)
 
@@ -53,11 +54,16 @@ def _log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ bodies
+def project_image(name: str) -> ks.ProjectImage:
+    images = ks.project_images()
+    assert name in images, f"image {name!r} not built: run scripts/images/build.sh ({ks.IMAGES_LIST})"
+    return images[name]
+
+
 def replica(name: str, port: int, model: Path, *, engine: str = "fake", **spec: Any) -> dict[str, Any]:
-    vols, mounts = ks.sampler_pod_volumes()
-    python = str((REPO / ".venv").resolve() / "bin" / "python")
+    vols, mounts = ks.model_volumes()
     body: dict[str, Any] = {
-        "model": str(model), "image": "local/sampler-base:dev", "imagePullPolicy": "Never", "engine": engine,
+        "model": str(model), "image": project_image("sampler-cpu").tag, "imagePullPolicy": "Never", "engine": engine,
         "hostNetwork": True, "port": port,
         "engineArgs": {"extraArgs": ["--enable-test-seams"]},
         "checkpoints": {"allowedRoots": [str(model.parent)]},
@@ -65,8 +71,7 @@ def replica(name: str, port: int, model: Path, *, engine: str = "fake", **spec: 
         "health": {"periodSeconds": PERIOD, "timeoutSeconds": 2, "failureThreshold": 3,
                    "startupTimeoutSeconds": 240},
         "replacement": {"maxReplacements": 2, "windowSeconds": 600, "backoffSeconds": 0},
-        "pod": {"command": [python, "-m", "sampler_pod"], "terminationGracePeriodSeconds": 5,
-                "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}, {"name": "PYTHONPATH", "value": SRC_PATH}],
+        "pod": {"terminationGracePeriodSeconds": 5,           # the CR's default command: python -m sampler_pod
                 "volumes": vols + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
                 "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}]}}
     for k, v in spec.items():
@@ -176,15 +181,38 @@ class PodMonitor:
         self._t.join(5)
 
 
-def docker_container(pod: str) -> dict:
-    """`docker inspect` of the sampler container the kubelet started for `pod` (dockershim labels)."""
+def docker_container(pod: str, container: str = "sampler") -> dict:
+    """`docker inspect` of the container the kubelet started for `pod` (dockershim labels)."""
     import subprocess
     ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label=io.kubernetes.pod.name={pod}",
-                          "--filter", "label=io.kubernetes.container.name=sampler"],
+                          "--filter", f"label=io.kubernetes.container.name={container}"],
                          capture_output=True, text=True, check=True).stdout.split()
     assert len(ids) == 1, ids
     out = subprocess.run(["docker", "inspect", ids[0]], capture_output=True, text=True, check=True).stdout
     return json.loads(out)[0]
+
+
+def assert_runs_project_image(pod: Any, image: str, container: str) -> None:
+    """Issue #13: the pod runs the project's image -- the exact build of scripts/images/build.sh (its
+    inputs-hash label on the image docker really started) -- and mounts nothing of the host's Python
+    (interpreter tree, venv, repository): not those paths, nor a parent of them."""
+    import subprocess
+    img = project_image(image)
+    [c] = [c for c in pod.spec.containers if c.name == container]
+    assert c.image == img.tag and c.image_pull_policy == "Never", (c.image, c.image_pull_policy)
+    forbidden = ks.host_python_paths()
+    for v in pod.spec.volumes or []:
+        if v.host_path is not None:
+            p = v.host_path.path.rstrip("/") or "/"
+            clash = [f for f in forbidden if f == p or f.startswith(p.rstrip("/") + "/") or p.startswith(f + "/")]
+            assert not clash, f"pod {pod.metadata.name} mounts host Python/venv/repo via hostPath {p}: {clash}"
+    argv = " ".join([*(c.command or []), *(c.args or [])])
+    assert not any(f in argv for f in forbidden), argv
+    assert not any(e.name == "PYTHONPATH" for e in c.env or []), c.env
+    d = docker_container(pod.metadata.name, container)
+    labels = json.loads(subprocess.run(["docker", "image", "inspect", "-f", "{{json .Config.Labels}}", d["Image"]],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert labels.get("sampler-operator.inputs") == img.inputs, (labels, img)
 
 
 def new_namespace(api: Api, prefix: str = NS_PREFIX) -> str:
@@ -261,6 +289,7 @@ def test_apply_creates_one_running_pod_and_ready_status(api, ns, operator, tiny_
     assert d["HostConfig"]["Memory"] == 2 << 30
     assert any(m["Destination"] == "/var/run/sampler" and "empty-dir" in m["Source"] for m in d["Mounts"])
     assert api.core.read_namespaced_pod("r1-0", ns).status.pod_ip == "127.0.0.1"
+    assert_runs_project_image(pod, "sampler-cpu", "sampler")
     # printer columns (a fresh discovery cache: the CRD may be newer than kubectl's cached API list)
     table = api.cluster.kubectl("--cache-dir", str(tmp_path / "kube-cache"), "-n", ns, "get", "sr")
     lines = table.splitlines()
@@ -357,22 +386,21 @@ def test_operator_sigkilled_mid_replacement_leaves_one_pod(api, k8s_node, tiny_m
 
 
 def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_path):
-    """Stretch: `helm install` the chart; the operator runs as a real in-cluster Deployment (service-account
-    token, the chart's least-privilege RBAC, peering) and brings a replica to Ready; `helm uninstall` cleans up.
-    The image has no Python: the host's interpreter/venv/source are hostPath-mounted (extraVolumes), and
-    hostNetwork lets it reach the API server and the pods at 127.0.0.1 (no kube-proxy here). The node tier's
-    API server runs without the ServiceAccount admission plugin (no token volume is injected), so the
-    service-account token Secret (filled by the controller-manager's token controller) is mounted via
-    extraVolumes at the standard path."""
+    """`helm install` the chart with its DEFAULT image (the project's operator image, tag = appVersion, built by
+    scripts/images/build.sh): the operator runs as a real in-cluster Deployment, non-root (service-account
+    token, the chart's least-privilege RBAC, peering), and brings a replica to Ready; `helm uninstall` cleans up.
+    Node-tier quirks only: hostNetwork lets it reach the API server and the pods at 127.0.0.1 (no kube-proxy
+    here), and the node tier's API server runs without the ServiceAccount admission plugin (no token volume
+    is injected), so the service-account token Secret (filled by the controller-manager's token controller)
+    is mounted via extraVolumes at the standard path."""
     suffix = uuid.uuid4().hex[:6]
     ops, watched = f"helm-ops-{suffix}", f"helm-sr-{suffix}"    # not nt-*: the shared operator ignores it
     for n in (ops, watched):
         api.core.create_namespace({"metadata": {"name": n}})
-    vols, mounts = ks.sampler_pod_volumes()
     liveness_port = ks.free_port()
     values = {
-        "image": {"repository": "local/sampler-base", "tag": "dev", "pullPolicy": "Never",
-                  "command": [str((REPO / ".venv").resolve() / "bin" / "python"), "-m", "sampler_operator"]},
+        # only the pull policy: the repository and tag are the chart's defaults (asserted below)
+        "image": {"pullPolicy": "Never"},
         "watch": {"allNamespaces": False, "namespaces": [watched]},
         "hostNetwork": True,
         "liveness": {"port": liveness_port, "probe": {"initialDelaySeconds": 30, "periodSeconds": 5}},
@@ -380,14 +408,11 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
         "watchTimeouts": {"serverTimeout": 30, "clientTimeout": 40},
         # in-cluster config reads KUBERNETES_SERVICE_HOST/PORT: the ClusterIP is unroutable without kube-proxy
         "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-                     {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"},
-                     {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}, {"name": "PYTHONPATH", "value": SRC_PATH}],
-        "extraVolumes": vols + [{"name": "sa-token", "secret": {
+                     {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}],
+        "extraVolumes": [{"name": "sa-token", "secret": {
             "secretName": "so-token", "items": [{"key": k, "path": k} for k in ("token", "ca.crt", "namespace")]}}],
-        "extraVolumeMounts": mounts + [{"name": "sa-token", "readOnly": True,
-                                        "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}],
-        # the host's pyenv lives under /root (mode 700): run as root, still without any capability
-        "podSecurityContext": {"runAsNonRoot": False, "runAsUser": 0},
+        "extraVolumeMounts": [{"name": "sa-token", "readOnly": True,
+                               "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}],
     }
     vf = tmp_path / "values.json"
     vf.write_text(json.dumps(values))
@@ -409,6 +434,9 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
                 c.ready for c in pods[0].status.container_statuses or [{}]) else None
         opod = ks.wait_for(operator_pod, 180, 0.5, "operator pod Running")
         assert opod.spec.host_network and opod.spec.service_account_name == dep
+        assert_runs_project_image(opod, "operator", "operator")
+        assert opod.spec.security_context.run_as_non_root and opod.spec.security_context.run_as_user == 65532
+        assert opod.spec.containers[0].security_context.read_only_root_filesystem
         # kopf's liveness endpoint (the chart's livenessProbe target) answers on the pod's (host) network
         ks.wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{liveness_port}/healthz", timeout=2).status
                     == 200, 120, 0.5, "in-cluster operator liveness")
@@ -462,13 +490,12 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod(api, ns, operator, tiny_m
                         "source": {"hostPath": {"path": str(ckpt_root), "type": "Directory"}}}]},
                    resources={"limits": {"memory": "4Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}},
                    health={"startupTimeoutSeconds": 600})
-    # local/sampler-base:dev has no C++ compiler, and vLLM's sampler ops are torch.compile'd (inductor
-    # needs g++ at the first sample): run them eagerly in this test image.
-    body["spec"]["pod"]["env"].append({"name": "TORCH_COMPILE_DISABLE", "value": "1"})
+    # (the CPU image has no C++ compiler and sets TORCH_COMPILE_DISABLE=1 itself: vLLM's sampler ops run eagerly)
     t0 = time.monotonic()
     api.apply(ns, body)
     st = api.wait_ready(ns, "rv", "rv-0", timeout=600)
     _log(f"vLLM replica rv-0 Ready in {time.monotonic() - t0:.1f}s (weightsVersion {st['weightsVersion']})")
+    assert_runs_project_image(api.core.read_namespaced_pod("rv-0", ns), "sampler-cpu", "sampler")
     args = api.core.read_namespaced_pod("rv-0", ns).spec.containers[0].args
     assert args[args.index("--engine") + 1] == "vllm" and "--enforce-eager" in args
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
@@ -508,6 +535,8 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod(api, ns, operator, tiny_m
     assert [p.metadata.name for p in api.live_pods(ns)] == ["rv-1"]
     assert mon.max_live == 1 and mon.gone["rv-0"] <= mon.first_seen["rv-1"]
     assert st["weightsVersion"] == 0
+    for name in ("rv-1",):
+        assert_runs_project_image(api.core.read_namespaced_pod(name, ns), "sampler-cpu", "sampler")
     log1 = api.pod_log(ns, "rv-1")
     assert "engine startup lock /var/run/sampler/engine-startup.lock acquired" in log1, log1[-3000:]
     # the new pod serves samples (same greedy answer as the original weights)
