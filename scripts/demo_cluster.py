@@ -5,9 +5,10 @@ private network namespace by scripts/k8s/node-exec.sh; demo.sh brings the cluste
   1. apply two SamplerReplicas (real vLLM CPU engine, the embedded tiny model, the project's CPU sampler image)
   2. `kubectl get sr` while they come up
   3. sample from both
-  4. load new weights into one (POST /v1/checkpoints/load on its pod)
-  5. inject a mid-write failure into the other (the documented test seam `test_fail_after_tensors`)
-  6. watch the operator replace it
+  4. declare new weights for both (`spec.weights`): the operator loads them in place, no pod restarts
+  5. a trainer re-pushes those weights to one pod and the write fails midway (the documented test seam
+     `test_fail_after_tensors`): the pod reports uncertain weights
+  6. watch the operator replace it, and the new pod come back at the declared weights, never the base model
   7. `kubectl get sr` and the Events
 
 `run_story()` returns what happened, read back from the API server and the pods; the node-tier test
@@ -170,48 +171,47 @@ class Story:
             r.samples[f"{name}/base"] = out
             self.say(f"  {name}: tokens {tokens(out)}  weights_version {out['weights_version']}")
 
-        self.step(4, f"load new weights into {self.a}: POST /v1/checkpoints/load (a perturbed checkpoint)")
+        self.step(4, "declare new weights for both: kubectl patch sr ... spec.weights = step-1 (a perturbed "
+                     "checkpoint); the operator loads it in place through each pod's validated load route")
         ckpt = make_checkpoint(model, cfg.checkpoints / "step-1")
-        code, out = post(
-            self.url(self.a) + "/v1/checkpoints/load", {"path": "/checkpoints/step-1", "version_label": "step-1"}
-        )
-        if code != 200:
-            raise RuntimeError(f"checkpoint load failed: HTTP {code} {out}")
-        r.load = out
-        self.say(f"  {ckpt} -> HTTP {code} {json.dumps(out)}")
-        out = self.sample(self.a)
-        r.samples[f"{self.a}/step-1"] = out
-        self.say(
-            f"  {self.a}: tokens {tokens(out)}  weights_version {out['weights_version']} ({out.get('weights_label')})"
-        )
-        self.wait(lambda: self.status(self.a).get("weightsVersion") == 1, f"{self.a} status weightsVersion 1")
-        self.say("  the operator probes /health and records it: " + self.get_sr().splitlines()[1])
+        weights = {"spec": {"weights": {"checkpoint": "/checkpoints/step-1", "versionLabel": "step-1"}}}
+        for name in (self.a, self.b):
+            self.say("  " + self.kubectl("-n", cfg.namespace, "patch", "sr", name, "--type", "merge",
+                                         "-p", json.dumps(weights)).rstrip())
+        for name in (self.a, self.b):
+            self.wait(lambda n=name: (w := self.status(n).get("weights") or {}).get("label") == "step-1"
+                      and w.get("declaredResult") == "Loaded", f"{name} serving step-1", on_tick=show)
+        show()
+        for name in (self.a, self.b):
+            out = self.sample(name)
+            r.samples[f"{name}/step-1"] = out
+            self.say(f"  {name}: tokens {tokens(out)}  weights {out.get('weights_label')} "
+                     f"(version {out['weights_version']}), same pod {self.status(name)['podName']}")
+        r.load = {"checkpoint": str(ckpt), **(self.status(self.a).get("weights") or {})}
 
-        self.step(5, f"inject a failure midway through a weight write into {self.b} "
+        self.step(5, f"a trainer re-pushes step-1 to {self.b} and the write fails midway "
                      "(test seam test_fail_after_tensors, enabled with --enable-test-seams for this demo only)")
         code, out = post(self.url(self.b) + "/v1/checkpoints/load",
-                         {"path": "/checkpoints/step-1", "version_label": "broken", "test_fail_after_tensors": 1})
+                         {"path": "/checkpoints/step-1", "version_label": "step-1", "test_fail_after_tensors": 1})
         r.failed_load = (code, out)
         self.say(f"  HTTP {code} {json.dumps(out)}")
         r.uncertain_health = get_json(self.url(self.b) + "/health")
-        self.say(
-            f"  {self.b} /health: status={r.uncertain_health.get('status')} reason={r.uncertain_health.get('reason')}"
-        )
+        self.say(f"  {self.b} /health: status={r.uncertain_health.get('status')} "
+                 f"reason={r.uncertain_health.get('reason')}")
 
-        self.step(6, f"the operator replaces {self.b}: its weights are no longer known")
+        self.step(6, f"the operator replaces {self.b}; the new pod loads step-1 before it is ready")
         old_pod = f"{self.b}-0"
         ev = self.wait(lambda: self.events(self.b, "UncertainWeights"), "the UncertainWeights event", on_tick=show)
         self.say(f"  event: {ev[0]['type']} {ev[0]['reason']}: {ev[0]['message']}")
         st = self.wait(lambda: (s := self.status(self.b)).get("podName") == f"{self.b}-1" and s.get("phase") == "Ready"
-                       and s.get("weightsVersion") is not None and s, f"{self.b}'s replacement Ready", on_tick=show)
-        self.say(f"  {old_pod} -> {st['podName']} Ready, replacements={st['replacements']}, "
-                 f"reason {st['lastReplacement']['reason']}")
+                       and (s.get("weights") or {}).get("label") == "step-1" and s, f"{self.b}'s replacement Ready",
+                       on_tick=show)
+        self.say(f"  {old_pod} -> {st['podName']} Ready at {st['weights']['label']}, "
+                 f"replacements={st['replacements']}, reason {st['lastReplacement']['reason']}")
         out = self.sample(self.b)
         r.samples[f"{self.b}/replaced"] = out
-        self.say(f"  {self.b}: tokens {tokens(out)}  weights_version {out['weights_version']}")
-        self.say("  NOTE: the new pod serves the BASE model (weights_version 0), not a checkpoint: declaring the\n"
-                 "  weights a replica should serve in the SamplerReplica is not implemented yet (a separate issue);\n"
-                 "  until then the trainer re-sends its latest checkpoint after a replacement.")
+        self.say(f"  {self.b}: tokens {tokens(out)}  weights {out.get('weights_label')}: the same tokens as "
+                 f"{self.a} on step-1, never the base model")
 
         self.step(7, "kubectl get sr, and the Events")
         t = self.get_sr()

@@ -59,7 +59,8 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         # 1./2. two SamplerReplicas; `kubectl get sr` was shown while they came up, and at the end
         crs = api.custom.list_namespaced_custom_object("sampler.rl.dev", "v1alpha1", ns, "samplerreplicas")["items"]
         assert sorted(c["metadata"]["name"] for c in crs) == ["demo-a", "demo-b"]
-        assert r.tables[0].split()[:6] == ["NAME", "PHASE", "POD", "WEIGHTS", "REPLACEMENTS", "AGE"]
+        assert r.tables[0].split()[:8] == ["NAME", "PHASE", "POD", "DESIRED", "CURRENT", "VERSION", "REPLACEMENTS",
+                                           "AGE"]
         assert any("Ready" not in t.splitlines()[1] or "Ready" not in t.splitlines()[2] for t in r.tables), \
             "the first tables show the replicas before they are Ready"
 
@@ -68,37 +69,40 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
             base = r.samples[f"{name}/base"]
             assert base["weights_version"] == 0 and len(demo.tokens(base)) == 8
 
-        # 4. demo-a loaded new weights: the pod says version 1, the operator recorded it, greedy tokens changed
-        assert r.load["weights_version"] == 1, r.load
-        assert r.samples["demo-a/step-1"]["weights_version"] == 1
-        assert demo.tokens(r.samples["demo-a/step-1"]) != demo.tokens(r.samples["demo-a/base"])
+        # 4. spec.weights declared step-1 on both: loaded in place (same pods), the operator recorded it,
+        #    and the greedy tokens changed
+        for name in ("demo-a", "demo-b"):
+            got = r.samples[f"{name}/step-1"]
+            assert got["weights_label"] == "step-1" and got["weights_version"] == 1, got
+            assert demo.tokens(got) != demo.tokens(r.samples[f"{name}/base"])
+        assert demo.tokens(r.samples["demo-a/step-1"]) == demo.tokens(r.samples["demo-b/step-1"])
         a = api.status(ns, "demo-a")
-        assert a["phase"] == "Ready" and a["podName"] == "demo-a-0" and a["weightsVersion"] == 1
-        assert not a.get("replacements")
+        assert a["phase"] == "Ready" and a["podName"] == "demo-a-0" and not a.get("replacements")
+        assert a["weights"]["label"] == "step-1" and a["weights"]["declaredResult"] == "Loaded"
+        assert next(c for c in a["conditions"] if c["type"] == "WeightsSynced")["status"] == "True"
         code, out = post(f"http://127.0.0.1:{cfg.ports[0]}/v1/sample",
                          {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
-        assert (
-            code == 200 and out["weights_version"] == 1 and demo.tokens(out) == demo.tokens(r.samples["demo-a/step-1"])
-        )
+        assert code == 200 and out["weights_label"] == "step-1"
+        assert demo.tokens(out) == demo.tokens(r.samples["demo-a/step-1"])
 
         # 5. the injected mid-write failure made demo-b-0 report uncertain weights
         code, body = r.failed_load
         assert code == 500 and body["error"]["category"] == "weight_write_failed", body
         assert r.uncertain_health["status"] == "uncertain_weights"
 
-        # 6. the operator replaced exactly that pod; the new one serves the base weights again
+        # 6. the operator replaced exactly that pod; the new one came back at the declared step-1
         b = api.status(ns, "demo-b")
         assert b["phase"] == "Ready" and b["podName"] == "demo-b-1" and b["replacements"] == 1
         assert b["lastReplacement"]["reason"] == "UncertainWeights" and b["lastReplacement"]["oldPod"] == "demo-b-0"
-        assert b["weightsVersion"] == 0
+        assert b["weights"]["label"] == "step-1"
         assert sorted(p.metadata.name for p in api.live_pods(ns)) == ["demo-a-0", "demo-b-1"]
         for pod in ("demo-a-0", "demo-b-1"):
             assert_runs_project_image(api.core.read_namespaced_pod(pod, ns), "sampler-cpu", "sampler")
         code, out = post(f"http://127.0.0.1:{cfg.ports[1]}/v1/sample",
                          {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
-        assert code == 200 and out["weights_version"] == 0
-        assert demo.tokens(out) == demo.tokens(r.samples["demo-b/base"])      # greedy on the same base weights
-        assert "BASE model" in text
+        assert code == 200 and out["weights_label"] == "step-1"
+        assert demo.tokens(out) == demo.tokens(r.samples["demo-a/step-1"])    # greedy on the same weights
+        assert demo.tokens(out) != demo.tokens(r.samples["demo-b/base"])      # never the base model
 
         # 7. the Events the story showed are the API server's
         ev = api.events(ns, "demo-b", "UncertainWeights")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 import threading
 import time
 import urllib.error
@@ -473,26 +472,20 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
                 pass
 
 
-def test_uncertain_write_on_real_vllm_replaces_the_pod(api, ns, operator, tiny_model, tmp_path):
-    """(3) REAL vLLM engine in a kubelet-run pod: a mid-write checkpoint failure -> uncertain_weights ->
-    the operator replaces the pod (Event, replacements == 1, lastReplacement.reason) and the new pod
-    serves samples. The engine startup flock in the pod's emptyDir is exercised for real."""
+def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(api, ns, operator, tiny_model,
+                                                                               tmp_path):
+    """REAL vLLM engine in a kubelet-run pod. step-1 is loaded straight onto the pod over HTTP (as a trainer
+    does, not via the spec); then a real mid-write failure on step-2 -> uncertain_weights -> the operator
+    replaces the pod (Event, replacements == 1, lastReplacement.reason), and the new pod starts at step-2
+    (it passed validation: one retry), never at the base model: its prompt logprobs match the Hugging Face
+    reference for step-2. The engine startup flock in the pod's emptyDir is exercised for real."""
+    from tests.support.checkpoints import hf_prompt_logprobs
     tiny_model = Path(tiny_model)
     ckpt_root = tmp_path / "checkpoints"
-    (ckpt_root / "step-1").mkdir(parents=True)
-    shutil.copy(tiny_model / "model.safetensors", ckpt_root / "step-1" / "model.safetensors")
-    os.chmod(ckpt_root / "step-1" / "model.safetensors", 0o644)
+    _checkpoints(tiny_model, ckpt_root, 1, 2)
     port = ks.free_port()
-    body = replica("rv", port, tiny_model, engine="vllm",
-                   engineArgs={**cpu_engine_args(), "extraArgs": ["--enable-test-seams"]},
-                   checkpoints={"allowedRoots": ["/checkpoints"], "volumes": [
-                       {"name": "ckpt", "mountPath": "/checkpoints",
-                        "source": {"hostPath": {"path": str(ckpt_root), "type": "Directory"}}}]},
-                   resources={"limits": {"memory": "4Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}},
-                   health={"startupTimeoutSeconds": 600})
-    # (the CPU image has no C++ compiler and sets TORCH_COMPILE_DISABLE=1 itself: vLLM's sampler ops run eagerly)
     t0 = time.monotonic()
-    api.apply(ns, body)
+    api.apply(ns, _vllm_replica("rv", port, tiny_model, ckpt_root))
     st = api.wait_ready(ns, "rv", "rv-0", timeout=600)
     _log(f"vLLM replica rv-0 Ready in {time.monotonic() - t0:.1f}s (weightsVersion {st['weightsVersion']})")
     assert_runs_project_image(api.core.read_namespaced_pod("rv-0", ns), "sampler-cpu", "sampler")
@@ -505,19 +498,24 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod(api, ns, operator, tiny_m
     # ... and the lock file really sits in the pod's emptyDir on the node (what docker mounted there)
     lock_src = next(m["Source"] for m in docker_container("rv-0")["Mounts"] if m["Destination"] == "/var/run/sampler")
     assert "kubernetes.io~empty-dir/startup-lock" in lock_src and (Path(lock_src) / "engine-startup.lock").is_file()
-    prompt = [1, 17, 42, 99, 123, 7]
-    code, out = post(f"http://127.0.0.1:{port}/v1/sample",
-                     {"prompts": [prompt], "sampling_params": {"max_tokens": 4, "temperature": 0.0}})
-    assert code == 200 and len(_tokens(out)[0]) == 4, out
-    before = _tokens(out)
+
+    code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
+                     {"path": "/checkpoints/step-1", "version_label": "step-1"})
+    assert code == 200 and out["weights_label"] == "step-1", out
+    st = api.wait_status(ns, "rv", lambda s: ((s.get("weights") or {}).get("intended") or {}).get("versionLabel")
+                         == "step-1", 30, "the pod's intended weights recorded")
+    assert st["weights"]["label"] == "step-1"
 
     # a real mid-write failure in the live replica
     mon = PodMonitor(api.core, ns)
+    seen: list[dict] = []
+    poller = None
     try:
         t_fail = time.monotonic()
         code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
-                         {"path": "/checkpoints/step-1", "version_label": "broken", "test_fail_after_tensors": 1})
+                         {"path": "/checkpoints/step-2", "version_label": "step-2", "test_fail_after_tensors": 1})
         assert code == 500 and out["error"]["category"] == "weight_write_failed", out
+        poller = HealthPoller(port, seen)   # from here on the old pod is uncertain: any `ok` is the new pod's
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.status == 200    # liveness stays 200: the operator replaces, kubelet must not restart
         ev = ks.wait_for(lambda: api.events(ns, "rv", "UncertainWeights"), 4 * PERIOD + 20, 0.25,
@@ -528,22 +526,150 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod(api, ns, operator, tiny_m
         t_ready = time.monotonic() - t_fail
     finally:
         mon.stop()
+        if poller is not None:
+            poller.stop()
     _log(f"uncertain write -> UncertainWeights event {t_detect:.1f}s, replacement rv-1 Ready {t_ready:.1f}s")
     assert t_detect <= 4 * PERIOD + 20          # within a probe period (plus scheduling slack on a busy box)
     assert st["replacements"] == 1 and st["lastReplacement"]["reason"] == "UncertainWeights"
     assert st["lastReplacement"]["oldPod"] == "rv-0" and not st.get("pendingReplacement")
     assert [p.metadata.name for p in api.live_pods(ns)] == ["rv-1"]
     assert mon.max_live == 1 and mon.gone["rv-0"] <= mon.first_seen["rv-1"]
-    assert st["weightsVersion"] == 0
-    for name in ("rv-1",):
-        assert_runs_project_image(api.core.read_namespaced_pod(name, ns), "sampler-cpu", "sampler")
+    # The replacement starts at the checkpoint whose write failed, and says so.
+    assert st["weights"]["label"] == "step-2" and st["weightsLabel"] == "step-2", st["weights"]
+    env = {e.name: e.value for e in api.core.read_namespaced_pod("rv-1", ns).spec.containers[0].env}
+    assert (env["SAMPLER_INITIAL_CHECKPOINT"], env["SAMPLER_INITIAL_VERSION_LABEL"]) == ("/checkpoints/step-2",
+                                                                                         "step-2"), env
+    # Every `ok` the port answered from the failure on was at step-2: the new pod never served the base.
+    ok = [h.get("weights_label") for h in seen if h.get("status") == "ok"]
+    assert ok and set(ok) == {"step-2"}, ok
+    assert_runs_project_image(api.core.read_namespaced_pod("rv-1", ns), "sampler-cpu", "sampler")
     log1 = api.pod_log(ns, "rv-1")
     assert "engine startup lock /var/run/sampler/engine-startup.lock acquired" in log1, log1[-3000:]
-    # the new pod serves samples (same greedy answer as the original weights)
+    logprobs, out = _prompt_logprobs(port)
+    assert out["weights_label"] == "step-2"
+    assert _close(logprobs, hf_prompt_logprobs(ckpt_root / "step-2", PROMPT)), logprobs
+
+
+def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, operator, tiny_model, tmp_path):
+    """REAL vLLM: kill the sampler's process after a load; the kubelet restarts the container, which reloads
+    the same weights (the pod's state file on its emptyDir) before /readyz is ok again. Not replaced."""
+    import subprocess
+
+    from tests.support.checkpoints import hf_prompt_logprobs
+    model = Path(tiny_model)
+    root = tmp_path / "checkpoints"
+    _checkpoints(model, root, 3)
+    port = ks.free_port()
+    api.apply(ns, _vllm_replica("dk", port, model, root))
+    api.wait_ready(ns, "dk", "dk-0", timeout=600)
+    code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load", {"path": "/checkpoints/step-3",
+                                                                       "version_label": "step-3"})
+    assert code == 200, out
+    container = docker_container("dk-0")["Id"]
+    seen: list[dict] = []
+    poller = HealthPoller(port, seen)
+    try:
+        subprocess.run(["docker", "kill", "--signal", "KILL", container], check=True, capture_output=True)
+
+        def restarted_and_ready() -> Any:
+            pod = api.core.read_namespaced_pod("dk-0", ns)
+            cs = (pod.status.container_statuses or [None])[0]
+            return cs is not None and cs.restart_count >= 1 and cs.ready and pod
+        pod = ks.wait_for(restarted_and_ready, 600, 0.5, "container restarted and ready")
+    finally:
+        poller.stop()
+    assert pod.status.container_statuses[0].restart_count == 1
+    assert any(not h or h.get("status") == "starting" for h in seen), "the poller saw the restart"
+    ok = [h.get("weights_label") for h in seen if h.get("status") == "ok"]
+    assert ok and set(ok) == {"step-3"}, ok
+    logprobs, out = _prompt_logprobs(port)
+    assert out["weights_label"] == "step-3"
+    assert _close(logprobs, hf_prompt_logprobs(root / "step-3", PROMPT))
+    assert [p.metadata.name for p in api.live_pods(ns)] == ["dk-0"], "restarted, not replaced"
+
+
+def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, operator, tiny_model):
+    """The engine start hangs (test seam); the kubelet's startup probe on /readyz restarts the container
+    within startupTimeoutSeconds + one probe period (the operator leaves `starting` pods alone)."""
+    port = ks.free_port()
+    timeout_s = 12
+    api.apply(ns, replica("dh", port, Path(tiny_model),
+                          engineArgs={"extraArgs": ["--enable-test-seams", "--test-hang-startup"]},
+                          health={"startupTimeoutSeconds": timeout_s}))
+
+    def restarted() -> Any:
+        pod = api.core.read_namespaced_pod("dh-0", ns)
+        cs = (pod.status.container_statuses or [None])[0]
+        return cs is not None and cs.restart_count >= 1 and cs.last_state.terminated is not None and cs
+    cs = ks.wait_for(restarted, 120, 0.5, "a container restart")
+    term = cs.last_state.terminated
+    lived = (term.finished_at - term.started_at).total_seconds()
+    # The kubelet's timestamps have 1 s resolution.
+    assert lived <= timeout_s + PERIOD + 1, (lived, cs)
+    events = [e for e in api.core.list_namespaced_event(ns).items
+              if e.involved_object.name == "dh-0" and e.reason == "Unhealthy"]
+    assert any("Startup probe failed" in (e.message or "") for e in events), [e.message for e in events]
+    assert api.status(ns, "dh").get("replacements") in (None, 0), "restarted by the kubelet, not replaced"
+
+
+# ------------------------------------------------------------------------------------------ declared weights
+PROMPT = [1, 17, 42, 99, 123, 7, 5, 64]
+
+
+def _vllm_replica(name: str, port: int, model: Path, ckpt_root: Path, **spec: Any) -> dict[str, Any]:
+    return replica(name, port, model, engine="vllm",
+                   engineArgs={**cpu_engine_args(), "extraArgs": ["--enable-test-seams"]},
+                   checkpoints={"allowedRoots": ["/checkpoints"], "volumes": [
+                       {"name": "ckpt", "mountPath": "/checkpoints",
+                        "source": {"hostPath": {"path": str(ckpt_root), "type": "Directory"}}}]},
+                   resources={"limits": {"memory": "4Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}},
+                   health={"startupTimeoutSeconds": 600}, **spec)
+
+
+def _checkpoints(model: Path, root: Path, *steps: int) -> None:
+    """Perturbed checkpoints step-N (distinct weights, distinct greedy paths), readable by the pod's user."""
+    from tests.support.checkpoints import perturbed_checkpoint
+    for n in steps:
+        perturbed_checkpoint(model, root / f"step-{n}", seed=n)
+    for p in [root, *root.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
+def _prompt_logprobs(port: int) -> tuple[list[float], dict]:
     code, out = post(f"http://127.0.0.1:{port}/v1/sample",
-                     {"prompts": [prompt], "sampling_params": {"max_tokens": 4, "temperature": 0.0}})
-    assert code == 200 and out["weights_version"] == 0, out
-    assert _tokens(out) == before, (out, before)      # greedy on the same base weights: the same tokens
+                     {"prompts": [PROMPT], "sampling_params": {"max_tokens": 1, "temperature": 0.0,
+                                                               "prompt_logprobs": True}})
+    assert code == 200, out
+    return list(out["results"][0]["prompt_logprobs"][1:]), out
+
+
+def _close(a: list[float], b: list[float], tol: float = 2e-3) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < tol
+
+
+class HealthPoller:
+    """Polls a port's /health as fast as it answers, recording every JSON answer ({} for no answer)."""
+
+    def __init__(self, port: int, out: list[dict]) -> None:
+        self.port, self.out = port, out
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    self.out.append(json.loads(r.read()))
+            except urllib.error.HTTPError as e:
+                self.out.append(json.loads(e.read() or b"{}"))
+            except Exception:  # not listening (restarting): a gap
+                self.out.append({})
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(5)
 
 
 def _tokens(resp: dict) -> list[list[int]]:
