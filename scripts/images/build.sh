@@ -36,6 +36,7 @@ mkdir -p "$IMG_CACHE"
 exec 8>"$IMG_CACHE/.lock"
 flock -w 3600 8 || { echo "[images] could not lock $IMG_CACHE/.lock" >&2; exit 1; }
 
+rm -rf "$IMG_CACHE"/.ctx-* "$IMG_CACHE"/.base-*   # leftovers of an interrupted run (we hold the lock)
 h() { { echo "$RECIPE"; cat "$@"; } | sha256sum | cut -c1-16; }
 # every file of a source package (bytecode excluded), by path and content
 tree_hash() { (cd "$1" && find . -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum) | sha256sum | cut -c1-16; }
@@ -126,12 +127,17 @@ for name in "${NAMES[@]}"; do
     cp -al "$WH" "$CTX/wheels" 2>/dev/null || cp -a "$WH" "$CTX/wheels"; rm -f "$CTX/wheels/.complete"
     cp -a "$src" "$CTX/$(basename "$src")"; find "$CTX/$(basename "$src")" -name __pycache__ -prune -exec rm -rf {} +
     echo "[images] building $TAG (inputs $H)..." >&2
-    # the classic builder: the Docker CLI here has no buildx, and the wheelhouse stays in the build stage
-    DOCKER_BUILDKIT=0 docker build --network none --force-rm \
-      --build-arg "BASE_IMAGE=$BASE_TAG" \
-      --label "org.opencontainers.image.version=$APP_VERSION" --label "sampler-operator.inputs=$H" \
-      -t "$TAG" "$CTX" > "$IMG_CACHE/build-$name.log" 2>&1 \
-      || { tail -30 "$IMG_CACHE/build-$name.log" >&2; echo "[images] build of $TAG failed (log: $IMG_CACHE/build-$name.log)" >&2; exit 1; }
+    # The classic builder (the Docker CLI here has no buildx). The build stage (the venv) is built and TAGGED
+    # first: a tagged image survives `docker image prune`, so the next build (e.g. after a source change)
+    # reuses its layers instead of reinstalling the wheels; the previous stage image, untagged, is pruned.
+    : > "$IMG_CACHE/build-$name.log"
+    for target in "--target build -t sampler-operator/$name-build:cache" "-t $TAG"; do
+      # shellcheck disable=SC2086  # $target is two or four words on purpose
+      DOCKER_BUILDKIT=0 docker build --network none --force-rm --build-arg "BASE_IMAGE=$BASE_TAG" \
+        --label "org.opencontainers.image.version=$APP_VERSION" --label "sampler-operator.inputs=$H" \
+        $target "$CTX" >> "$IMG_CACHE/build-$name.log" 2>&1 \
+        || { tail -30 "$IMG_CACHE/build-$name.log" >&2; echo "[images] build of $TAG failed (log: $IMG_CACHE/build-$name.log)" >&2; exit 1; }
+    done
     rm -rf "$CTX"
     docker save -o "$TAR.tmp" "$TAG" && mv "$TAR.tmp" "$TAR"
     for f in "$IMG_CACHE/$name"-*.tar; do [ "$f" = "$TAR" ] || rm -f "$f"; done
