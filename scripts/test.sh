@@ -25,21 +25,10 @@ PY="$ROOT/.venv/bin/python"
 bash scripts/lint.sh
 TIERS=(tests/unit tests/operator/unit tests/engine tests/operator/envtest)
 
-# A failing run is retried ONCE, running only the tests that failed (pytest --last-failed), and
-# says so loudly: a real failure fails twice. This absorbs rare start-up races of the real
-# Kubernetes tiers on a loaded 2-core box without hiding anything that fails consistently.
-CACHE_OPT=(-p cacheprovider -o "cache_dir=$ROOT/.pytest_cache")
+# No retries: a flaky test is a bug to fix at its cause, never re-run into passing.
 status=0
 echo "=== unit, engine and envtest tiers" >&2
-if ! "$PY" -m pytest "${TIERS[@]}" -q "${CACHE_OPT[@]}"; then
-    echo "=== RETRY (once) of the tests that failed above" >&2
-    "$PY" -m pytest "${TIERS[@]}" -q "${CACHE_OPT[@]}" --last-failed \
-        --last-failed-no-failures none || status=1
-fi
+"$PY" -m pytest "${TIERS[@]}" -q -p no:cacheprovider || status=1
 echo "=== node tier (real kubelet, private netns)" >&2
-NODE_CACHE=(-o "cache_dir=$ROOT/.pytest_cache/node")
-if ! bash scripts/k8s/test-node.sh "${NODE_CACHE[@]}"; then
-    echo "=== RETRY (once) of the node-tier tests that failed above" >&2
-    bash scripts/k8s/test-node.sh "${NODE_CACHE[@]}" --last-failed --last-failed-no-failures none || status=1
-fi
+bash scripts/k8s/test-node.sh -p no:cacheprovider || status=1
 exit $status
