@@ -369,12 +369,9 @@ def tokens(resp: dict[str, Any]) -> list[int]:
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    from sampler_pod.testing.net import post_json
+
+    return post_json(url, body, timeout)
 
 
 def get_json(url: str) -> dict[str, Any]:

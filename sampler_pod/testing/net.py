@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.error
+import urllib.request
+from typing import Any
 
 
 def free_port() -> int:
@@ -11,3 +15,15 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body; (status, JSON answer) whether the status is a success or an error."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return r.status, out
+    except urllib.error.HTTPError as e:
+        err: dict[str, Any] = json.loads(e.read() or b"{}")
+        return e.code, err

@@ -158,16 +158,6 @@ def wait_pod_ready(name: str, namespace: str = "default", timeout: float = 120,
     return wait_for(ready, timeout, 0.25, f"pod {namespace}/{name} Ready")
 
 
-def wait_deleted(kind: str, name: str, namespace: str | None = "default", timeout: float = 60,
-                 cluster: Cluster | None = None) -> None:
-    ns = ["-n", namespace] if namespace else []
-    def gone():
-        out = (cluster.kubectl if cluster else kubectl)(*ns, "get", kind, name, "--ignore-not-found",
-                                                        "-o", "name", check=False)
-        return out.strip() == ""
-    wait_for(gone, timeout, 0.25, f"{kind} {name} deleted")
-
-
 def wait_crd_established(crd_name: str, timeout: float = 30, cluster: Cluster | None = None) -> None:
     (cluster.kubectl if cluster else kubectl)("wait", "--for", "condition=established", f"crd/{crd_name}",
                                               f"--timeout={int(timeout)}s", timeout=timeout + 10)

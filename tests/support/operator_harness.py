@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import k8s as ks
+from tests.support.polling import Poller
 
 HANG = "hang"      # sleep past the probe timeout
 CLOSE = "close"    # drop the connection without an answer
@@ -85,7 +86,7 @@ class PodServer:
         self.server.server_close()
 
 
-class FakeKubelet:
+class FakeKubelet(Poller):
     """Runs every pod of one namespace: Running + Ready + a /health server per pod."""
 
     def __init__(self, core: Any, namespace: str, behaviour: Behaviour, serve: Callable[[str], bool] = lambda n: True):
@@ -95,19 +96,9 @@ class FakeKubelet:
         self.max_live = 0                         # most live (not terminating) pods seen at once
         self.seen: list[str] = []                 # pod names in order of appearance
         self.ready: dict[str, bool] = {}          # pod uid -> the Ready condition we last set
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._sync()
-            except Exception as e:  # keep playing kubelet
-                print(f"fake kubelet: {e!r}", file=sys.stderr)
-            self._stop.wait(0.1)
-
-    def _sync(self) -> None:
+    def poll(self) -> None:
         pods = self.core.list_namespaced_pod(self.namespace).items
         live = [p for p in pods if p.metadata.deletion_timestamp is None]
         self.max_live = max(self.max_live, len(live))
@@ -144,14 +135,13 @@ class FakeKubelet:
         self.ready[pod.metadata.uid] = ready
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+        super().stop()
         for s in self.servers.values():
             s.stop()
         self.servers.clear()
 
 
-class ProcessKubelet:
+class ProcessKubelet(Poller):
     """Runs every pod of one namespace as a REAL sampler process (`python -m sampler_pod`, here
     with the fake engine) on its own loopback IP: the pod's own command line and environment,
     its `secretKeyRef`s resolved from the API server like a kubelet does. So the operator talks
@@ -165,20 +155,10 @@ class ProcessKubelet:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}   # pod uid -> process
         self.ips: dict[str, str] = {}
         self.uids: dict[str, str] = {}                        # pod name -> uid
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.start()
 
     def url(self, pod: str, port: int) -> str:
         return f"http://{self.ips[pod]}:{port}"
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._sync()
-            except Exception as e:  # keep playing kubelet
-                print(f"process kubelet: {e!r}", file=sys.stderr)
-            self._stop.wait(0.1)
 
     def _env(self, container: Any) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SAMPLER_")}
@@ -200,7 +180,7 @@ class ProcessKubelet:
                 args[i + 1] = overrides[a]
         return [sys.executable, *list(c.command)[1:], *args, "--weights-state-path", str(home / "weights.json")]
 
-    def _sync(self) -> None:
+    def poll(self) -> None:
         pods = self.core.list_namespaced_pod(self.namespace).items
         live = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None}
         for uid in set(self.procs) - set(live):
@@ -224,8 +204,7 @@ class ProcessKubelet:
                 "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+        super().stop()
         for proc in self.procs.values():
             _stop_process(proc)
         self.procs.clear()
@@ -302,10 +281,6 @@ class OperatorProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")
 
 
 def ensure_watched(api: Any, op: OperatorProcess, namespace: str, timeout: float = 60) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,9 +31,11 @@ from typing import Any
 
 import pytest
 
+from sampler_pod.testing.net import post_json
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.operator_harness import OperatorProcess
+from tests.support.polling import Poller
 
 pytestmark = pytest.mark.node
 k8s_node = ks.node_fixture()
@@ -92,12 +93,7 @@ def cpu_engine_args() -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ helpers
 def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return post_json(url, body, timeout)
 
 
 class Api:
@@ -147,37 +143,27 @@ class Api:
         return self.cluster.kubectl("-n", ns, "logs", pod, check=False)
 
 
-class PodMonitor:
+class PodMonitor(Poller):
     """Polls a namespace's pods: the most live (not terminating) pods ever seen at once, and the order
     in which pods appeared and vanished (to prove the old pod is gone before the new one exists)."""
+    interval = 0.2
 
     def __init__(self, core, ns: str) -> None:
         self.core, self.ns = core, ns
         self.max_live = 0
         self.first_seen: dict[str, float] = {}
         self.gone: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
+        self.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                pods = self.core.list_namespaced_pod(self.ns).items
-                now = time.monotonic()
-                names = {p.metadata.name for p in pods}
-                self.max_live = max(self.max_live, sum(p.metadata.deletion_timestamp is None for p in pods))
-                for n in names:
-                    self.first_seen.setdefault(n, now)
-                for n in set(self.first_seen) - names:
-                    self.gone.setdefault(n, now)
-            except Exception:  # keep polling
-                pass
-            self._stop.wait(0.2)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(5)
+    def poll(self) -> None:
+        pods = self.core.list_namespaced_pod(self.ns).items
+        now = time.monotonic()
+        names = {p.metadata.name for p in pods}
+        self.max_live = max(self.max_live, sum(p.metadata.deletion_timestamp is None for p in pods))
+        for n in names:
+            self.first_seen.setdefault(n, now)
+        for n in set(self.first_seen) - names:
+            self.gone.setdefault(n, now)
 
 
 def docker_container(pod: str, container: str = "sampler") -> dict:
@@ -647,29 +633,22 @@ def _close(a: list[float], b: list[float], tol: float = 2e-3) -> bool:
     return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < tol
 
 
-class HealthPoller:
+class HealthPoller(Poller):
     """Polls a port's /health as fast as it answers, recording every JSON answer ({} for no answer)."""
+    interval = 0.05
 
     def __init__(self, port: int, out: list[dict]) -> None:
         self.port, self.out = port, out
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
+        self.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    self.out.append(json.loads(r.read()))
-            except urllib.error.HTTPError as e:
-                self.out.append(json.loads(e.read() or b"{}"))
-            except Exception:  # not listening (restarting): a gap
-                self.out.append({})
-            self._stop.wait(0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(5)
+    def poll(self) -> None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                self.out.append(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            self.out.append(json.loads(e.read() or b"{}"))
+        except OSError:  # not listening (restarting): a gap
+            self.out.append({})
 
 
 def _tokens(resp: dict) -> list[list[int]]:
