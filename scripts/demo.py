@@ -7,16 +7,14 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import httpx
 
-from sampler_pod.testing.tiny_model import cached_tiny_model  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
+from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.server import run_server
 
 
 def main() -> None:
@@ -42,7 +40,7 @@ def main() -> None:
     print("server stopped; demo done")
 
 
-def demo_checkpoint_load(c, model: Path, ckpt_root: Path) -> None:  # type: ignore[no-untyped-def]
+def demo_checkpoint_load(c: httpx.Client, model: Path, ckpt_root: Path) -> None:
     try:
         from tests.support.checkpoints import perturbed_checkpoint
     except ImportError:

@@ -12,7 +12,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 if [ "${1:-}" = --local ]; then
     bash scripts/setup.sh
-    exec .venv/bin/python scripts/demo.py
+    PYTHONPATH="$ROOT:$ROOT/operator" exec .venv/bin/python scripts/demo.py
 fi
 [ $# -eq 0 ] || { echo "usage: $0 [--local]" >&2; exit 2; }
 CACHE=${SAMPLER_CACHE_DIR:-$HOME/.cache/sampler-operator}

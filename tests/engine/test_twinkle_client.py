@@ -242,7 +242,7 @@ def test_bad_input_is_a_4xx_naming_the_field(env: Env, sampler: Any, inputs: Any
 def doc_snippet() -> str:
     text = DOC.read_text()
     section = text[text.index("## Using Twinkle's client"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def test_documented_snippet_runs_against_a_real_server(env: Env, clients: TwinkleClients) -> None:

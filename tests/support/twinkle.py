@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import twinkle_client.manager as manager  # type: ignore[import-untyped]
+import twinkle_client.manager as manager
 
 
 class TwinkleClients:
@@ -25,7 +25,7 @@ class TwinkleClients:
             orig(client, *a, **kw)
 
         self._orig_init = orig
-        manager.TwinkleClient.__init__ = recording_init  # type: ignore[method-assign]
+        manager.TwinkleClient.__init__ = recording_init
         return self
 
     def init(self, **kw: Any) -> Any:
@@ -34,7 +34,7 @@ class TwinkleClients:
         return init_twinkle_client(**kw)
 
     def __exit__(self, *exc: object) -> None:
-        manager.TwinkleClient.__init__ = self._orig_init  # type: ignore[method-assign]
+        manager.TwinkleClient.__init__ = self._orig_init
         for c in self.created:
             if hasattr(c, "_stop_event"):
                 c.close()

@@ -132,7 +132,7 @@ def test_sessions_expire_without_heartbeats() -> None:
         now[0] = t
         assert s.touch(a)
     assert not s.touch(b) and s.get(b) is None and not s.touch("tw-unknown")
-    assert s.get(a) is not None and s.get(a).heartbeats == 4  # type: ignore[union-attr]
+    assert s.get(a) is not None and s.get(a).heartbeats == 4
 
 
 # ---------------------------------------------------------------------------- against Twinkle's own Template
@@ -306,7 +306,7 @@ async def test_trajectory_after_set_template(tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
     core, engine = fake_core()
-    engine.tokenizer = AutoTokenizer.from_pretrained(tiny_model)  # type: ignore[attr-defined]
+    engine.tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     url = URL
     traj = {"messages": [{"role": "user", "content": "hello world"}]}
     async with fake_client(core) as c:
@@ -316,7 +316,7 @@ async def test_trajectory_after_set_template(tiny_model: Path) -> None:
         r = await c.post(url + "/sample", json=body([traj], seed=2))
         assert r.status_code == 200, r.text
         feat = r.json()["samples"][0]["sequences"][0]["new_input_feature"]
-        want = engine.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        want = engine.tokenizer.apply_chat_template(
             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
             add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         assert feat["input_ids"][:len(want)] == want and feat["messages"][-1]["role"] == "assistant"
