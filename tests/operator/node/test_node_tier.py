@@ -278,8 +278,9 @@ def test_apply_creates_one_running_pod_and_ready_status(api, ns, operator, tiny_
     # printer columns (a fresh discovery cache: the CRD may be newer than kubectl's cached API list)
     table = api.cluster.kubectl("--cache-dir", str(tmp_path / "kube-cache"), "-n", ns, "get", "sr")
     lines = table.splitlines()
-    assert lines[0].split() == ["NAME", "PHASE", "POD", "WEIGHTS", "REPLACEMENTS", "AGE"], table
-    assert lines[1].split()[:4] == ["r1", "Ready", "r1-0", "0"], table
+    assert lines[0].split() == ["NAME", "PHASE", "POD", "DESIRED", "CURRENT", "VERSION", "REPLACEMENTS", "AGE"], table
+    # DESIRED is empty (no spec.weights): CURRENT is the label the pod serves, VERSION its version.
+    assert lines[1].split()[:5] == ["r1", "Ready", "r1-0", "base", "0"], table
     _log("\n" + table)
 
 
