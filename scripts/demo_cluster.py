@@ -343,7 +343,7 @@ def read_images() -> dict[str, str]:
 
 def tiny_model() -> Path:
     sys.path.insert(0, str(ROOT))
-    from sampler_pod.tiny_model import cached_tiny_model
+    from sampler_pod.testing.tiny_model import cached_tiny_model
     return cached_tiny_model()
 
 
