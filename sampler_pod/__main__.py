@@ -9,7 +9,7 @@ import uvicorn
 
 from .config import parse_config
 from .core.sampler import SamplerCore
-from .core.startup import engine_starter
+from .core.startup import engine_starter, with_startup_deadline
 from .http.app import create_app
 from .weights.service import WeightsService
 from .weights.startup import with_initial_weights
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     core = SamplerCore(cfg)
     weights = WeightsService(core)
     # The engine first, then the weights the replica must serve, and only then ready.
-    start = with_initial_weights(cfg, weights, engine_starter(cfg, on_fatal), on_fatal)
+    start = with_startup_deadline(cfg, with_initial_weights(cfg, weights, engine_starter(cfg, on_fatal), on_fatal),
+                                  on_fatal)
     app = create_app(cfg, start, core=core, weights_service=weights)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                            access_log=False, timeout_graceful_shutdown=10,

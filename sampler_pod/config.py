@@ -80,6 +80,9 @@ class ServerConfig(BaseModel):
         Path("/var/run/sampler/engine-startup.lock"),
         description="pod-local file lock held while the engine starts (one engine starts at a time)")
     startup_lock_timeout_s: float = Field(900.0, gt=0, description="longest wait for the startup lock")
+    startup_timeout_s: float | None = Field(
+        None, gt=0, description="exit with code 1 when the engine start and the start-up weights load have not "
+                                "finished after this long (the kubelet then restarts the container)")
 
     checkpoint_roots: list[Path] = Field(
         default_factory=list,

@@ -77,6 +77,9 @@ def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
         "--max-request-timeout-s", str(spec.max_request_timeout_seconds),
         "--startup-lock-path", LOCK_PATH,
         "--startup-lock-timeout-s", str(spec.health.startup_timeout_seconds),
+        # The sampler bounds its own start (exit 1 -> the kubelet restarts it at once); the startup
+        # probe below is the second line.
+        "--startup-timeout-s", str(spec.health.startup_timeout_seconds),
     ]
     if e.max_model_len is not None:
         args += ["--max-model-len", str(e.max_model_len)]

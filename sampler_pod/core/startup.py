@@ -52,3 +52,28 @@ def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineSta
             on_fatal()
 
     return start
+
+
+def with_startup_deadline(cfg: ServerConfig, start: EngineStarter, on_fatal: Callable[[], None]) -> EngineStarter:
+    """`start`, bounded by `--startup-timeout-s`: a start that has not finished by then (a hung engine,
+    a stuck weights load) is a startup error and the server exits 1, so the kubelet restarts the
+    container at once. (A failing startup probe alone is not enough everywhere: kubelets before
+    1.21 act on it only at their next pod sync, up to a minute later.)"""
+    if cfg.startup_timeout_s is None:
+        return start
+    deadline_s = cfg.startup_timeout_s
+
+    async def bounded(core: SamplerCore) -> None:
+        task = asyncio.ensure_future(start(core))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=deadline_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            core.startup_error = f"startup did not finish within --startup-timeout-s={deadline_s:g}s"
+            log.error("%s; exiting so the container is restarted", core.startup_error)
+            on_fatal()
+
+    return bounded

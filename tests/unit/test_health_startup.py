@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.support import REPO_ROOT
@@ -43,3 +44,18 @@ def test_unusable_model_fails_startup_with_exit_1(tmp_path: Path) -> None:
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert "engine startup failed" in p.stderr and "does not exist" in p.stderr
+
+
+def test_a_start_past_startup_timeout_exits_1_so_the_container_restarts(tiny_model: Path, tmp_path: Path) -> None:
+    """A hung engine start (test seam) outlives --startup-timeout-s: the server exits 1 on its own (the
+    kubelet restarts a container whose process exits at once, whatever its probe handling)."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "sampler_pod", "--model", str(tiny_model), "--engine", "fake",
+                        "--host", "127.0.0.1", "--port", str(free_port()), "--enable-test-seams",
+                        "--test-hang-startup", "--startup-timeout-s", "1",
+                        "--startup-lock-path", str(tmp_path / "lock"),
+                        "--weights-state-path", str(tmp_path / "weights.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "startup did not finish within --startup-timeout-s=1s" in p.stderr
+    assert time.monotonic() - t0 < 30
