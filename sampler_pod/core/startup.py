@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from .. import STARTED_AT
 from ..config import ServerConfig
 from ..engine.startup_lock import resolve_model, start_under_lock
 from .sampler import SamplerCore
@@ -66,7 +68,7 @@ def with_startup_deadline(cfg: ServerConfig, start: EngineStarter, on_fatal: Cal
     async def bounded(core: SamplerCore) -> None:
         task = asyncio.ensure_future(start(core))
         try:
-            done, _ = await asyncio.wait({task}, timeout=deadline_s)
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, STARTED_AT + deadline_s - time.monotonic()))
         except asyncio.CancelledError:
             task.cancel()
             raise

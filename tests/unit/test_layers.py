@@ -34,6 +34,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _is_module(name: str) -> bool:
+    path = REPO_ROOT / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
 def _layer(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
@@ -58,8 +63,11 @@ def imports_of(source: str, module: str, *, is_package: bool = False) -> set[str
             else:
                 target = node.module or ""
             if target.startswith("sampler_pod"):
-                # `from . import x` imports a submodule: count the submodule, not the package.
-                found |= {f"{target}.{a.name}" for a in node.names} if not node.module else {target}
+                # `from . import x` imports submodule x, or a name of the package itself.
+                if node.module:
+                    found.add(target)
+                else:
+                    found |= {f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target for a in node.names}
     return found
 
 
