@@ -12,8 +12,6 @@ from tests.support.bad_requests import GOOD
 from tests.support.inproc import fake_client, fake_core
 from tests.support.server import free_port
 
-ROOT = REPO_ROOT
-
 
 async def test_dead_engine_fails_health_and_liveness() -> None:
     core, engine = fake_core()
@@ -41,7 +39,7 @@ def test_unusable_model_fails_startup_with_exit_1(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "sampler_pod", "--model", str(tmp_path / "missing"), "--engine", "fake",
                         "--host", "127.0.0.1", "--port", str(free_port()),
                         "--startup-lock-path", str(tmp_path / "lock")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert "engine startup failed" in p.stderr and "does not exist" in p.stderr
 
@@ -55,7 +53,7 @@ def test_a_start_past_startup_timeout_exits_1_so_the_container_restarts(tiny_mod
                         "--test-hang-startup", "--startup-timeout-s", "1",
                         "--startup-lock-path", str(tmp_path / "lock"),
                         "--weights-state-path", str(tmp_path / "weights.json")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "startup did not finish within --startup-timeout-s=1s" in p.stderr
     assert time.monotonic() - t0 < 30

@@ -13,15 +13,15 @@ from sampler_pod.engine.startup_lock import TRACE_ENV, StartupLockTimeout, resol
 from tests.support import REPO_ROOT
 from tests.support.lock_trace import assert_serialized
 
-ROOT = REPO_ROOT
-
 
 def test_two_processes_never_overlap(tmp_path: Path) -> None:
     trace, lock = tmp_path / "trace.jsonl", tmp_path / "run" / "engine-startup.lock"
     trace.touch()
     env = {**os.environ, TRACE_ENV: str(trace)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.lock_probe", str(lock), "2"], cwd=ROOT, env=env)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.support.lock_probe", str(lock), "2"], cwd=REPO_ROOT, env=env)
+        for _ in range(2)
+    ]
     assert [p.wait(90) for p in procs] == [0, 0]
     assert_serialized(trace, 2)
 

@@ -15,8 +15,7 @@ ks.ensure_kubeconfig_env()   # before anything imports `kubernetes`
 from tests.support import REPO_ROOT
 from tests.support.operator_harness import OperatorProcess
 
-REPO = REPO_ROOT
-CRD = REPO / "crds" / "samplerreplica.yaml"
+CRD = REPO_ROOT / "crds" / "samplerreplica.yaml"
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,7 @@ import yaml
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 
-REPO = REPO_ROOT
-CHART = REPO / "charts" / "sampler-operator"
+CHART = REPO_ROOT / "charts" / "sampler-operator"
 needs_helm = ks.needs_helm()
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 
@@ -70,7 +69,7 @@ def test_default_images_are_the_projects_at_the_app_version():
     dep = next(d for d in render() if d["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     # the tag scripts/images/build.sh gives the operator image it builds
-    build = (REPO / "scripts" / "images" / "build.sh").read_text()
+    build = (REPO_ROOT / "scripts" / "images" / "build.sh").read_text()
     registry = re.search(r"REGISTRY=\$\{IMAGE_REGISTRY:-([^}]+)\}", build).group(1)
     assert c["image"] == f"{registry}/operator:{APP_VERSION}"
     assert c["command"] == ["python", "-m", "sampler_operator"]

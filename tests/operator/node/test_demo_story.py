@@ -18,12 +18,11 @@ from tests.support import k8s as ks
 
 pytestmark = pytest.mark.node
 k8s_node = ks.node_fixture()
-REPO = REPO_ROOT
 WARM_BUDGET_S = 300      # issue #13: a warm ./scripts/demo.sh finishes in under 5 minutes
 
 
 def load_demo() -> Any:
-    spec = importlib.util.spec_from_file_location("demo_cluster", REPO / "scripts" / "demo_cluster.py")
+    spec = importlib.util.spec_from_file_location("demo_cluster", REPO_ROOT / "scripts" / "demo_cluster.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["demo_cluster"] = mod     # dataclasses resolve their module by name
     spec.loader.exec_module(mod)

@@ -41,11 +41,10 @@ pytestmark = pytest.mark.node
 k8s_node = ks.node_fixture()
 
 G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
-REPO = REPO_ROOT
 NS_PREFIX = "nt-"            # namespaces of the shared operator (it watches "nt-*")
 # The venv is shared between checkouts (cached by requirements hash) and its .pth names whichever checkout
 # ran scripts/setup.sh last: name THIS checkout explicitly for the operator processes (the pods run images).
-SRC_PATH = f"{REPO}:{REPO / 'operator'}"
+SRC_PATH = f"{REPO_ROOT}:{REPO_ROOT / 'operator'}"
 PERIOD = 2                   # health.periodSeconds of every replica here (kubelet probes + operator probe)
 
 
@@ -211,7 +210,7 @@ def new_namespace(api: Api, prefix: str = NS_PREFIX) -> str:
 @pytest.fixture(scope="module")
 def api(k8s_node) -> Api:
     a = Api(k8s_node)
-    k8s_node.kubectl("apply", "-f", str(REPO / "crds" / "samplerreplica.yaml"))
+    k8s_node.kubectl("apply", "-f", str(REPO_ROOT / "crds" / "samplerreplica.yaml"))
     ks.wait_crd_established("samplerreplicas.sampler.rl.dev", cluster=k8s_node)
     return a
 
@@ -406,7 +405,7 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
     installed = False
     try:
         t0 = time.monotonic()
-        k8s_node.helm("install", release, str(REPO / "charts" / "sampler-operator"), "-n", ops, "-f", str(vf))
+        k8s_node.helm("install", release, str(REPO_ROOT / "charts" / "sampler-operator"), "-n", ops, "-f", str(vf))
         installed = True
         dep = "so-sampler-operator"
         # the SA exists now (helm created it): a token Secret for it; the kubelet retries the mount until then

@@ -10,8 +10,7 @@ import yaml
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 
-REPO = REPO_ROOT
-CHART = REPO / "charts" / "sampler-operator"
+CHART = REPO_ROOT / "charts" / "sampler-operator"
 needs_helm = ks.needs_helm()
 
 
@@ -25,7 +24,9 @@ def render(*sets: str) -> list[dict]:
 
 
 def test_chart_crd_is_the_repo_crd():
-    assert (CHART / "crds" / "samplerreplica.yaml").read_text() == (REPO / "crds" / "samplerreplica.yaml").read_text()
+    assert (CHART / "crds" / "samplerreplica.yaml").read_text() == (
+        REPO_ROOT / "crds" / "samplerreplica.yaml"
+    ).read_text()
 
 
 @needs_helm

