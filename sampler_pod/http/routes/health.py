@@ -10,36 +10,31 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ...core.health import liveness_ok
-from ...core.sampler import SamplerCore
+from . import core_of
 
 router = APIRouter(tags=["health"])
 
 
-def _core(request: Request) -> SamplerCore:
-    core: SamplerCore = request.app.state.core
-    return core
-
-
 @router.get("/healthz")
 async def healthz(request: Request) -> Response:
-    status = _core(request).health().status
+    status = core_of(request).health().status
     return JSONResponse({"alive": liveness_ok(status), "status": status},
                         status_code=200 if liveness_ok(status) else 503)
 
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    h = _core(request).health()
+    h = core_of(request).health()
     return JSONResponse({"ready": h.status == "ok", "status": h.status, "reason": h.reason},
                         status_code=200 if h.status == "ok" else 503)
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    h = _core(request).health()
+    h = core_of(request).health()
     return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(_core(request).metrics.render(), media_type="text/plain; version=0.0.4")
+    return Response(core_of(request).metrics.render(), media_type="text/plain; version=0.0.4")

@@ -7,7 +7,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ...core.sampler import SamplerCore
 from ...core.schemas import (
     CancelRequest,
     CancelResponse,
@@ -16,30 +15,26 @@ from ...core.schemas import (
     SampleResponse,
     SubmitResponse,
 )
+from . import core_of
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
-
-
-def _core(request: Request) -> SamplerCore:
-    core: SamplerCore = request.app.state.core
-    return core
 
 
 @router.post("/sample", response_model=SampleResponse)
 async def sample(req: SampleRequest, request: Request) -> SampleResponse:
     # A client that disconnects cancels this handler (http/middleware.py), which aborts the request.
-    return await _core(request).sample(req)
+    return await core_of(request).sample(req)
 
 
 @router.post("/sample/submit", response_model=SubmitResponse)
 async def submit(req: SampleRequest, request: Request) -> SubmitResponse:
-    return SubmitResponse(request_id=_core(request).submit(req))
+    return SubmitResponse(request_id=core_of(request).submit(req))
 
 
 @router.post("/sample/retrieve", response_model=SampleResponse,
              responses={202: {"description": "still running: retrieve again"}})
 async def retrieve(req: RetrieveRequest, request: Request) -> Any:
-    done, result = await _core(request).futures.retrieve(req.request_id, req.wait_s)
+    done, result = await core_of(request).futures.retrieve(req.request_id, req.wait_s)
     if not done:
         return JSONResponse({"status": "pending", "request_id": req.request_id}, status_code=202)
     return result
@@ -48,4 +43,4 @@ async def retrieve(req: RetrieveRequest, request: Request) -> Any:
 @router.post("/sample/cancel", response_model=CancelResponse)
 async def cancel(req: CancelRequest, request: Request) -> CancelResponse:
     """Drop a future; a running one aborts its engine calls (its slot is freed once the engine lets go)."""
-    return CancelResponse(request_id=req.request_id, was_running=_core(request).futures.cancel(req.request_id))
+    return CancelResponse(request_id=req.request_id, was_running=core_of(request).futures.cancel(req.request_id))
