@@ -75,6 +75,13 @@ class Engine(Protocol):
 
     async def remove_adapter(self, ref: AdapterRef) -> None: ...
 
+    # Freeze scheduling with every admitted request kept in the engine, and thaw it. Reachable only
+    # through the test-seam routes (`--enable-test-seams`): tests use it to hold samples in flight
+    # as long as they need, instead of hoping the engine is slower than their own requests.
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
     @property
     def dead_reason(self) -> str | None: ...
 

@@ -49,6 +49,11 @@ class FakeEngine:
     fail_writes: bool = False
     write_gate: asyncio.Event | None = None
     write_started: asyncio.Event = field(default_factory=asyncio.Event)
+    # Cleared by pause(): generation holds before its next token until resume().
+    _unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._unpaused.set()
 
     @classmethod
     def for_model(cls, model_dir: str, token_delay_s: float = 0.001) -> FakeEngine:
@@ -79,6 +84,7 @@ class FakeEngine:
                 reason: FinishReason = "length"
                 for i in range(spec.max_tokens):
                     await asyncio.sleep(self.token_delay_s)
+                    await self._unpaused.wait()
                     if request_id in self._aborted and self.stuck_marker not in request_id:
                         reason = "abort"
                         break
@@ -113,6 +119,12 @@ class FakeEngine:
         # any two fake engines that loaded the same checkpoint answer alike, whatever came before.
         self.weights_salt = await asyncio.to_thread(_digest, files)
         return len(files)
+
+    async def pause(self) -> None:
+        self._unpaused.clear()
+
+    async def resume(self) -> None:
+        self._unpaused.set()
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         self.adapters[ref.name] = ref

@@ -117,6 +117,13 @@ class VllmEngine:
         await self.llm.reset_prefix_cache()
         return int(counts[0])
 
+    async def pause(self) -> None:
+        # "keep": frozen requests stay queued and resume where they were (vLLM's RL pause).
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
     async def add_adapter(self, ref: AdapterRef) -> None:
         from vllm.lora.request import LoRARequest
 

@@ -20,7 +20,7 @@ from ..weights.service import WeightsService
 from .auth import APIKeyAuth
 from .errors import install_error_handlers
 from .middleware import ClientRequestMiddleware
-from .routes import health, native, weights
+from .routes import health, native, test_seams, weights
 
 
 def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore | None = None,
@@ -54,4 +54,6 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
     auth = [Depends(APIKeyAuth(cfg.api_key))]
     for router in (native.router, weights.router, tinker.router, twinkle.router):
         app.include_router(router, dependencies=auth)
+    if cfg.enable_test_seams:
+        app.include_router(test_seams.router, dependencies=auth)
     return app

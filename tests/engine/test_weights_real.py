@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,34 +96,42 @@ def test_corrupt_checkpoint_rejected_before_any_write(wenv: WeightsEnv, kind: st
 
 
 def test_load_during_32_inflight_samples_is_exclusive(wenv: WeightsEnv) -> None:
+    # Its own server: the engine-pause route exists only with --enable-test-seams.
+    with run_server(wenv.model, "--checkpoint-root", str(wenv.root), "--enable-test-seams") as server:
+        exclusive_load_scenario(replace(wenv, server=server))
+
+
+def exclusive_load_scenario(wenv: WeightsEnv) -> None:
     # Two checkpoints with sharpened heads (perturbed_checkpoint): greedy paths with wide margins, so
     # batching cannot flip a token, and the two weights' greedy paths differ.
     perturbed_checkpoint(wenv.model, wenv.root / "excl-a", seed=5)
     perturbed_checkpoint(wenv.model, wenv.root / "excl-b", seed=6)
-    # Greedy + ignore_eos: 400 tokens each, so these are still generating when the load arrives. A
-    # sequence that ran across the write would leave the old weights' greedy path midway: the tokens,
-    # not only the reported version, show which weights produced them.
-    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
-    # Two samples each: 64 sequences over the engine's 32 slots, so none of the 32 finishes
-    # before the concurrent submits below have all been admitted.
-    body["num_samples"] = 2
-    with wenv.server.client() as c, ThreadPoolExecutor(32) as pool:
+    # Greedy + ignore_eos: 64 tokens each. A sequence that ran across the write would leave the old
+    # weights' greedy path midway: the tokens, not only the reported version, show which weights
+    # produced them.
+    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True},
+            "num_samples": 2}
+    with wenv.server.client() as c:
         assert load(c, "excl-a", "excl-a").status_code == 200
         v0 = c.get("/health").json()["weights_version"]
         ref_old = c.post("/v1/sample", json=body).json()["results"][0]["sequences"][0]["tokens"]
         waits_before = lock_waits(c)
-        inflight = list(pool.map(lambda _: c.post("/v1/sample/submit", json=body).json()["request_id"], range(32)))
-        # All 32 were admitted, but the engine schedules first-come-first-served, so on a fast box the
-        # earliest may already be done: the load must still arrive with at least 24 in flight.
-        assert c.get("/health").json()["in_flight"] >= 24
-        loading = pool.submit(load, c, "excl-b", "excl-b")
-        while "sampler_weight_write_waiting 1.0" not in c.get("/metrics").text:
-            assert not loading.done(), loading.result().text
-            time.sleep(0.005)
-        # The writer waits for the 32 to drain; these arrive behind it and must wait, not fail.
-        during = [c.post("/v1/sample/submit", json=body).json()["request_id"] for _ in range(8)]
-        assert loading.result().status_code == 200, loading.result().text
-        timings = loading.result().json()
+        # The engine is frozen (vLLM's pause in "keep" mode, a test-seam route), so the 32 are
+        # admitted and inside the engine, and none can finish before the load arrives: exactly 32
+        # in flight, whatever the speed of this box.
+        assert c.post("/v1/test/engine/pause").status_code == 200
+        inflight = [submit(c, body) for _ in range(32)]
+        assert c.get("/health").json()["in_flight"] == 32
+        with ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(load, c, "excl-b", "excl-b")
+            # The writer is queued behind the 32 readers (the gauge is the lock's own count).
+            wait_for_metric(c, "sampler_weight_write_waiting", 1.0, loading)
+            # These arrive behind the waiting writer and must wait, not fail.
+            during = [submit(c, body) for _ in range(8)]
+            assert c.get("/health").json()["in_flight"] == 40
+            assert c.post("/v1/test/engine/resume").status_code == 200
+            assert loading.result().status_code == 200, loading.result().text
+            timings = loading.result().json()
         first = [retrieve(c, rid) for rid in inflight]
         later = [retrieve(c, rid) for rid in during]
         ref_new = c.post("/v1/sample", json=body).json()["results"][0]["sequences"][0]["tokens"]
@@ -135,11 +143,26 @@ def test_load_during_32_inflight_samples_is_exclusive(wenv: WeightsEnv) -> None:
     for r in later:
         assert r["weights_version"] == v0 + 1
         assert all(s["tokens"] == ref_new for s in r["results"][0]["sequences"]), "a sequence saw the old weights"
-    # Exactly the 8 latecomers waited on the write, and each waited (server-side) at most as long as
-    # the writer spent draining and writing: a drain_wait_s that missed the drain would fail this.
+    # The writer waited for all 32 (they were frozen until after it queued), and exactly the 8
+    # latecomers waited on the write, each (server-side) at most as long as the writer spent
+    # draining and writing: a drain_wait_s that missed the drain would fail this.
+    assert timings["drain_wait_s"] > 0
     count, total = waits_after[0] - waits_before[0], waits_after[1] - waits_before[1]
     assert count == 8, (waits_before, waits_after)
     assert total / count <= timings["drain_wait_s"] + timings["write_s"] + 0.05, (total / count, timings)
+
+
+def submit(c: httpx.Client, body: dict[str, Any]) -> str:
+    r = c.post("/v1/sample/submit", json=body)
+    assert r.status_code == 200, r.text
+    return str(r.json()["request_id"])
+
+
+def wait_for_metric(c: httpx.Client, name: str, value: float, pending: Future[httpx.Response]) -> None:
+    """Poll /metrics until `name` reads `value`; fails at once if `pending` ends first."""
+    while metric(c.get("/metrics").text, name) != value:
+        assert not pending.done(), pending.result().text
+        time.sleep(0.005)
 
 
 def lock_waits(c: httpx.Client) -> tuple[float, float]:
@@ -235,4 +258,6 @@ def test_test_seam_is_refused_without_the_flag(wenv: WeightsEnv) -> None:
     with wenv.server.client() as c:
         r = load(c, "step-1", "x", test_fail_after_tensors=1)
         assert r.status_code == 400 and r.json()["error"]["field"] == "test_fail_after_tensors"
+        # The seam routes are not mounted at all.
+        assert c.post("/v1/test/engine/pause").status_code == 404
         assert c.get("/health").json()["status"] == "ok"

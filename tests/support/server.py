@@ -51,7 +51,8 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeou
 
 @contextlib.contextmanager
 def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[str, str] | None = None,
-               wait: bool = True) -> Iterator[RunningServer]:
+               wait: bool = True, engine_args: list[str] | None = None) -> Iterator[RunningServer]:
+    """`engine_args` replaces CPU_ENGINE_ARGS for a vLLM server (benchmarks size the engine themselves)."""
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="sampler-test-"))
     log_path = workdir / "server.log"
@@ -62,7 +63,7 @@ def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[s
             # next test server's startup weights. A test that restarts a server passes its own (last wins).
             "--weights-state-path", str(workdir / "lock" / "weights.json"), *extra]
     if engine == "vllm":
-        args += CPU_ENGINE_ARGS
+        args += CPU_ENGINE_ARGS if engine_args is None else engine_args
     full_env = {**os.environ, "VLLM_RPC_BASE_PATH": str(workdir / "rpc"), **(env or {})}
     (workdir / "rpc").mkdir()
     with open(log_path, "wb") as logf:

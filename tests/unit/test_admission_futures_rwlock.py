@@ -11,6 +11,7 @@ from sampler_pod.core.admission import AdmissionController
 from sampler_pod.core.futures import FutureStore
 from sampler_pod.core.rwlock import RWLock
 from sampler_pod.errors import Expired, InvalidRequest, NotFound, Overloaded
+from tests.support.inproc import until
 
 
 def test_admission_rejects_past_limit_with_retry_after() -> None:
@@ -107,7 +108,7 @@ async def test_rwlock_readers_share_writer_excludes_and_is_preferred() -> None:
     t1 = asyncio.create_task(reader("r1", release_r1))
     await r1_in.wait()
     tw = asyncio.create_task(writer())
-    await asyncio.sleep(0.01)
+    await until(lambda: lock.writers_waiting == 1)
     t2 = asyncio.create_task(reader("r2"))  # arrives after the writer: must wait behind it
     await asyncio.sleep(0.01)
     assert order == ["r1+"] and lock.writers_waiting == 1

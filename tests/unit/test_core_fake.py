@@ -25,7 +25,7 @@ async def test_requests_run_concurrently_in_the_engine() -> None:
 async def test_admission_limit_then_capacity_returns() -> None:
     core, _ = fake_core(token_delay_s=0.01, concurrent_task_limit=4)
     tasks = [asyncio.create_task(core.sample(req(20))) for _ in range(4)]
-    await asyncio.sleep(0.02)
+    await until(lambda: core.admission.in_flight == 4)
     with pytest.raises(Overloaded):
         core.submit(req())
     await asyncio.gather(*tasks)

@@ -49,7 +49,7 @@ async def test_429_has_retry_after() -> None:
     core, _ = fake_core(token_delay_s=0.01, concurrent_task_limit=1)
     async with fake_client(core) as c:
         slow = asyncio.create_task(c.post("/v1/sample", json={**GOOD, "sampling_params": {"max_tokens": 30}}))
-        await asyncio.sleep(0.05)
+        await until(lambda: core.admission.in_flight == 1)
         r = await c.post("/v1/sample", json=GOOD)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["category"] == "overloaded"
@@ -229,3 +229,22 @@ async def test_adapter_write_lock_timeout_is_a_504_with_category() -> None:
     assert r.json()["error"]["category"] == "load_timeout" and "adapter 'a'" in r.json()["error"]["message"]
     assert "a" in core.adapters and core.lock.writers_waiting == 0
     await core.lock.release_read()
+
+
+async def test_engine_pause_seam_holds_requests_in_flight_until_resume() -> None:
+    core, _ = fake_core(enable_test_seams=True)
+    async with fake_client(core) as c:
+        assert (await c.post("/v1/test/engine/pause")).json() == {"paused": True}
+        rid = (await c.post("/v1/sample/submit", json=GOOD)).json()["request_id"]
+        # Frozen: still pending however long it waits, and still in flight.
+        r = await c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 0.2})
+        assert r.status_code == 202 and core.admission.in_flight == 1
+        assert (await c.post("/v1/test/engine/resume")).json() == {"paused": False}
+        r = await c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 5})
+        assert r.status_code == 200 and core.admission.in_flight == 0
+
+
+async def test_engine_pause_seam_is_not_mounted_without_the_flag() -> None:
+    core, _ = fake_core()
+    async with fake_client(core) as c:
+        assert (await c.post("/v1/test/engine/pause")).status_code == 404

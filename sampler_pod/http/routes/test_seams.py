@@ -1,0 +1,32 @@
+"""Test-seam routes, mounted only with `--enable-test-seams` (a production server has no such paths).
+
+`POST /v1/test/engine/pause` freezes the engine's scheduling with every admitted request kept;
+`POST /v1/test/engine/resume` thaws it. Tests use the pair to hold real samples in flight for as
+long as a scenario needs (a load arriving during 32 in-flight samples), instead of racing the
+engine with their own requests.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from . import core_of
+
+router = APIRouter(prefix="/v1/test", tags=["test seams"])
+
+
+class EnginePaused(BaseModel):
+    paused: bool
+
+
+@router.post("/engine/pause", response_model=EnginePaused)
+async def pause_engine(request: Request) -> EnginePaused:
+    await core_of(request).require_engine().pause()
+    return EnginePaused(paused=True)
+
+
+@router.post("/engine/resume", response_model=EnginePaused)
+async def resume_engine(request: Request) -> EnginePaused:
+    await core_of(request).require_engine().resume()
+    return EnginePaused(paused=False)
