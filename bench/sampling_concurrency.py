@@ -1,0 +1,313 @@
+"""Sampling throughput under concurrency: direct AsyncLLM vs this server's native HTTP API vs vLLM's
+own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline.
+
+    python -m bench.sampling_concurrency [--rounds 3] [--concurrency 1 8 32 128] [--systems ...]
+                                         [--server-env K=V ...] [--no-write]
+
+Method (a noisy 2-core box; docs/benchmarks.md):
+- One engine alive at a time. Each round starts every system once, in a shuffled order, runs all its
+  cells, and stops it before the next starts: with three engines alive the load average reached 22.
+- Every request generates exactly MAX_TOKENS tokens (ignore_eos), seeded, temperature 1, with the
+  sampled token's logprob (what every sample of this server reports).
+- The paired ratio of a round is this server / direct (and / vLLM's server) within that round; the
+  table reports the median of those ratios, and the lowest round against the median round
+  ("no collapse": ≥ 0.8).
+- "serial" is this server with one request at a time (c=1): the strictly serial baseline.
+- Server CPU: the HTTP server process's own CPU-seconds per 1,000 tokens, engine processes excluded.
+- The load generator is aiohttp, with a keep-alive shorter than the servers' (no reuse races), and
+  `got = await one(); total += got` (never `total += await ...`, which loses updates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+from bench.report import write_section
+from sampler_pod.testing.net import free_port
+from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.server import CPU_ENGINE_ARGS, run_server
+
+MAX_TOKENS = 64
+PROMPT_LEN = 16
+MAX_NUM_SEQS = 128
+# Requests per cell: enough waves that a cell lasts a few seconds.
+REQUESTS = {1: 16, 8: 96, 32: 384, 128: 1024}
+SYSTEMS = ("direct", "native", "vllm")
+
+OneRequest = Callable[[int], Awaitable[int]]  # seed -> tokens generated
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(PROMPT_LEN)]
+
+
+def engine_args() -> list[str]:
+    """The tests' CPU engine args, with room for 128 sequences."""
+    args = list(CPU_ENGINE_ARGS)
+    args[args.index("--max-num-seqs") + 1] = str(MAX_NUM_SEQS)
+    args[args.index("--kv-cache-memory-bytes") + 1] = str(256 << 20)
+    return args
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of one process (not its children), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Cell:
+    toks_per_s: list[float] = field(default_factory=list)
+    cpu_per_1k: list[float] = field(default_factory=list)
+    loadavg: list[float] = field(default_factory=list)
+
+
+async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pid: int) -> tuple[float, float]:
+    seeds = iter(range(seed0, seed0 + n))
+    total = 0
+
+    async def worker() -> None:
+        nonlocal total
+        for s in seeds:
+            got = await one(s)
+            total += got
+
+    cpu0, t0 = proc_cpu_s(cpu_pid), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
+    assert total == n * MAX_TOKENS, f"expected {n * MAX_TOKENS} tokens, got {total}"
+    return total / dt, cpu / (total / 1000)
+
+
+# ---------------------------------------------------------------------------- systems
+
+
+@contextlib.asynccontextmanager
+async def direct_system(model: Path) -> AsyncIterator[tuple[OneRequest, int]]:
+    """In-process AsyncLLM with the server's engine args and the SamplingParams the server builds."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="bench-vllm-rpc-")
+    args = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=512, max_num_seqs=MAX_NUM_SEQS,
+                           kv_cache_memory_bytes=256 << 20, enforce_eager=True, seed=0, enable_log_requests=False)
+    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+
+    async def one(seed: int) -> int:
+        sp = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0, seed=seed,
+                            ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt(seed)), sp, f"d-{seed}-{time.time_ns()}"):
+            final = out
+        assert final is not None
+        return len(final.outputs[0].token_ids)
+
+    try:
+        yield one, os.getpid()
+    finally:
+        llm.shutdown()
+
+
+def http_session() -> aiohttp.ClientSession:
+    # Keep-alive shorter than uvicorn's 5 s: never reuse a connection the server is closing.
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
+    return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600))
+
+
+@contextlib.asynccontextmanager
+async def native_system(model: Path, env: dict[str, str]) -> AsyncIterator[tuple[OneRequest, int]]:
+    with run_server(model, "--concurrent-task-limit", "512", "--log-level", "warning", env=env,
+                    engine_args=engine_args()) as server:
+        async with http_session() as http:
+
+            async def one(seed: int) -> int:
+                body = {"prompts": [prompt(seed)], "sampling_params": {
+                    "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": seed, "ignore_eos": True}}
+                async with http.post(server.url + "/v1/sample", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    out = await r.json()
+                return len(out["results"][0]["sequences"][0]["tokens"])
+
+            yield one, server.proc.pid
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    (workdir / "rpc").mkdir()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0", "--no-enable-log-requests",
+           "--uvicorn-log-level", "warning", *engine_args()]
+    with open(workdir / "server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "VLLM_RPC_BASE_PATH": str(workdir / "rpc"), **env})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError((workdir / "server.log").read_text()[-3000:])
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("vLLM's server did not start")
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def vllm_system(model: Path, env: dict[str, str]) -> AsyncIterator[tuple[OneRequest, int]]:
+    with vllm_server(model, env) as (url, proc):
+        async with http_session() as http:
+
+            async def one(seed: int) -> int:
+                # The same work: token ids in, sampled-token logprobs, no EOS stop, seeded.
+                body = {"model": str(model), "prompt": prompt(seed), "max_tokens": MAX_TOKENS,
+                        "temperature": 1.0, "seed": seed, "ignore_eos": True, "logprobs": 0,
+                        "return_tokens_as_token_ids": True}
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    out = await r.json()
+                return int(out["usage"]["completion_tokens"])
+
+            yield one, proc.pid
+
+
+def system(name: str, model: Path, env: dict[str, str]) -> contextlib.AbstractAsyncContextManager[
+        tuple[OneRequest, int]]:
+    if name == "direct":
+        return direct_system(model)
+    if name == "native":
+        return native_system(model, env)
+    return vllm_system(model, env)
+
+
+# ---------------------------------------------------------------------------- run
+
+
+async def bench(model: Path, rounds: int, systems: list[str], concurrency: list[int],
+                env: dict[str, str], seed: int) -> dict[str, dict[int, Cell]]:
+    rng = random.Random(seed)
+    results = {s: {c: Cell() for c in concurrency} for s in systems}
+    if 1 in concurrency and "native" in systems:
+        results["serial"] = {1: Cell()}
+    next_seed = 0
+    for rnd in range(rounds):
+        order = list(systems)
+        rng.shuffle(order)
+        print(f"round {rnd + 1}: {' '.join(order)}", flush=True)
+        for name in order:
+            async with system(name, model, env) as (one, pid):
+                await run_cell(one, 8, 32, 10_000_000 + rnd * 1000, pid)  # warm-up, not counted
+                for c in concurrency:
+                    load = os.getloadavg()[0]
+                    tps, cpu = await run_cell(one, c, REQUESTS[c], next_seed, pid)
+                    next_seed += REQUESTS[c]
+                    cell = results[name][c]
+                    cell.toks_per_s.append(tps)
+                    cell.cpu_per_1k.append(cpu)
+                    cell.loadavg.append(load)
+                    print(f"  c={c:>3} {name:<7} {tps:8.0f} tok/s  server cpu {cpu:.3f} s/1k tok  "
+                          f"load {load:.2f}", flush=True)
+    if "serial" in results:
+        results["serial"][1] = results["native"][1]
+    return results
+
+
+def ratios(results: dict[str, dict[int, Cell]], a: str, b: str, c: int) -> list[float]:
+    return [x / y for x, y in zip(results[a][c].toks_per_s, results[b][c].toks_per_s, strict=True)]
+
+
+def table(results: dict[str, dict[int, Cell]], rounds: int, concurrency: list[int], env: dict[str, str]) -> str:
+    med = statistics.median
+    loads = [x for cells in results.values() for cell in cells.values() for x in cell.loadavg]
+    systems = [s for s in SYSTEMS if s in results]
+    lines = [
+        f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, "
+        f"{MAX_TOKENS} tokens per request (ignore_eos), {PROMPT_LEN}-token prompts, temperature 1, seeded, "
+        f"sampled-token logprobs; {rounds} rounds, systems in a shuffled order per round, one engine alive "
+        "at a time; aiohttp load generator on the same 2-core box. "
+        f"1-minute load average before the cells: {min(loads):.2f}-{max(loads):.2f} "
+        f"(median {med(loads):.2f})." + (f" Server environment: `{env}`." if env else ""),
+        "",
+        "Median tok/s (and the lowest round / median round):",
+        "",
+        "| concurrency | " + " | ".join(systems) + " | native / direct | native / vLLM |",
+        "|---|" + "---|" * (len(systems) + 2),
+    ]
+    for c in concurrency:
+        cells = []
+        for s in systems:
+            t = results[s][c].toks_per_s
+            cells.append(f"{med(t):,.0f} ({min(t) / med(t):.2f})")
+        nd = f"{med(ratios(results, 'native', 'direct', c)):.2f}x" if {"native", "direct"} <= set(systems) else "-"
+        nv = f"{med(ratios(results, 'native', 'vllm', c)):.2f}x" if {"native", "vllm"} <= set(systems) else "-"
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {nd} | {nv} |")
+    if "native" in systems:
+        lines += ["", "Per-round native / direct and native / vLLM (the spread behind the medians):", ""]
+        for c in concurrency:
+            parts = [f"{other}: " + ", ".join(f"{r:.2f}" for r in ratios(results, "native", other, c))
+                     for other in ("direct", "vllm") if other in systems]
+            lines.append(f"- c={c}: " + "; ".join(parts))
+        if "serial" in results and max(concurrency) >= 32:
+            serial = med(results["serial"][1].toks_per_s)
+            lines += ["", "Concurrency against the strictly serial baseline (native, one request at a time, "
+                      f"{serial:,.0f} tok/s): " + ", ".join(
+                          f"c={c} {med(results['native'][c].toks_per_s) / serial:.1f}x"
+                          for c in concurrency if c > 1)]
+    lines += ["", "Server process CPU-seconds per 1,000 tokens (median; engine processes excluded; for "
+              "direct, the bench process itself):", "",
+              "| concurrency | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+    for c in concurrency:
+        lines.append(f"| {c} | " + " | ".join(f"{med(results[s][c].cpu_per_1k):.3f}" for s in systems) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--server-env", nargs="*", default=[], metavar="K=V",
+                   help="extra environment for the HTTP servers (to try a setting side by side)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffled order")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    a = p.parse_args()
+    env = dict(kv.split("=", 1) for kv in a.server_env)
+    results = asyncio.run(bench(cached_tiny_model(), a.rounds, a.systems, a.concurrency, env, a.seed))
+    out = table(results, a.rounds, a.concurrency, env)
+    print("\n" + out)
+    if not a.no_write:
+        write_section("Sampling concurrency", out, "python -m bench.sampling_concurrency")
+
+
+if __name__ == "__main__":
+    main()
