@@ -12,7 +12,8 @@ from tests.support.server import RunningServer, run_server
 
 @pytest.fixture(scope="session")
 def shared_server(tiny_model: Path) -> Iterator[RunningServer]:
-    with run_server(tiny_model, "--concurrent-task-limit", "128") as s:
+    # Test seams on: the concurrency tests freeze the engine (tests.support.server.engine_paused).
+    with run_server(tiny_model, "--concurrent-task-limit", "128", "--enable-test-seams") as s:
         yield s
 
 

@@ -10,8 +10,6 @@ limit and an API key (both properties fit in one start).
 from __future__ import annotations
 
 import re
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.support.server import RunningServer, run_server
+from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 PROMPT = [1, 20, 30, 40, 50, 60]
 KEY = "tml-test-key"
@@ -93,32 +91,18 @@ def test_greedy_is_deterministic_and_stop_tokens_end_with_stop(shared_server: Ru
 
 
 def test_32_concurrent_sdk_futures_run_together(shared_server: RunningServer, sdk: tinker.SamplingClient) -> None:
-    seen: list[float] = []
-    stop = threading.Event()
+    def in_flight() -> int:
+        return int(httpx.get(shared_server.url + "/health").json()["in_flight"])
 
-    def watch() -> None:
-        with httpx.Client(base_url=shared_server.url) as w:
-            while not stop.is_set():
-                # /health is cheap to render, so the poll keeps up with the burst on a loaded box.
-                seen.append(float(w.get("/health").json()["in_flight"]))
-                time.sleep(0.01)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        # Long enough (400 tokens each, ~4 s together) that the burst outlasts its own dispatch on a loaded box.
-        # Four samples each (128 sequences over the engine's 32 slots): every request outlasts the
-        # SDK's one-by-one dispatch of the other 31.
+    # The engine is frozen until the SDK has dispatched all 32 (it sends them one by one over a
+    # capped connection pool): all 32 are then in flight at once, on any box.
+    with engine_paused(shared_server):
         futures = [sdk.sample(types.ModelInput.from_ints(PROMPT + [i % 100]), 4,
                               types.SamplingParams(max_tokens=400, seed=i, stop=[])) for i in range(32)]
-        results = [f.result(timeout=300) for f in futures]
-    finally:
-        stop.set()
-        watcher.join()
+        wait_until(lambda: in_flight() == 32, "the SDK's 32 futures in flight together")
+    results = [f.result(timeout=300) for f in futures]
     assert all(len(r.sequences) == 4 and len(r.sequences[0].tokens) == 400 for r in results)
-    # The SDK dispatches futures one by one (and caps its own connections), so "together" means
-    # many at once, not necessarily all 32.
-    assert max(seen) >= 8, f"at most {max(seen)} requests were seen in flight together (samples: {seen})"
+    assert in_flight() == 0
 
 
 @pytest.fixture(scope="module")

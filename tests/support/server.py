@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +87,24 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@contextlib.contextmanager
+def engine_paused(server: RunningServer, headers: dict[str, str] | None = None) -> Iterator[None]:
+    """The engine frozen with every admitted request kept (the server needs --enable-test-seams):
+    requests sent inside the block are all in flight together, however fast the engine is."""
+    r = httpx.post(server.url + "/v1/test/engine/pause", headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        yield
+    finally:
+        r = httpx.post(server.url + "/v1/test/engine/resume", headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    """Poll the server's state until `predicate` holds; fail naming `what` past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
+        time.sleep(0.01)
