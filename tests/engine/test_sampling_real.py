@@ -121,19 +121,18 @@ def test_bad_input_names_field_and_server_still_serves(shared_server: RunningSer
 
 @pytest.fixture(scope="module")
 def small_server(tiny_model: Path) -> Iterator[RunningServer]:
-    with run_server(tiny_model, "--concurrent-task-limit", "4", "--future-ttl-s", "1") as s:
+    with run_server(tiny_model, "--concurrent-task-limit", "4", "--future-ttl-s", "1", "--enable-test-seams") as s:
         yield s
 
 
 def test_fifth_request_gets_429_then_capacity_returns(small_server: RunningServer) -> None:
     with small_server.client() as c, ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(c.post, "/v1/sample", json=body(400, temperature=1.0, ignore_eos=True))
-                   for _ in range(4)]
-        deadline = time.monotonic() + 30
-        while c.get("/health").json()["in_flight"] < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        fifth = c.post("/v1/sample", json=body(8))
+        # Frozen engine: the 4 hold every slot until the fifth has been refused, on any box.
+        with engine_paused(small_server):
+            running = [pool.submit(c.post, "/v1/sample", json=body(64, temperature=1.0, ignore_eos=True))
+                       for _ in range(4)]
+            wait_until(lambda: c.get("/health").json()["in_flight"] == 4, "all 4 slots taken")
+            fifth = c.post("/v1/sample", json=body(8))
         assert fifth.status_code == 429 and int(fifth.headers["retry-after"]) >= 1
         assert fifth.json()["error"]["category"] == "overloaded"
         assert all(f.result().status_code == 200 for f in running)
@@ -161,13 +160,14 @@ def test_client_disconnect_aborts_the_engine_request(shared_server: RunningServe
         before = metric(c.get("/metrics").text, 'sampler_requests_finished_total{outcome="cancelled"}') \
             if 'outcome="cancelled"' in c.get("/metrics").text else 0.0
         long_body = {**body(400, temperature=1.0, ignore_eos=True), "num_samples": 4}
-        with ThreadPoolExecutor(1) as pool:
-            hung_up = pool.submit(lambda: httpx.post(shared_server.url + "/v1/sample", json=long_body, timeout=0.5))
+        # Frozen engine: nothing can come back within the client's 0.5 s, on any box.
+        with engine_paused(shared_server):
             with pytest.raises(httpx.TimeoutException):
-                hung_up.result()  # the client closes its connection after 0.5 s
-        t0 = time.monotonic()
-        while c.get("/health").json()["in_flight"] or metric(c.get("/metrics").text, "vllm:num_requests_running"):
-            assert time.monotonic() - t0 < 10, "the engine kept generating for a client that left"
-            time.sleep(0.05)
+                httpx.post(shared_server.url + "/v1/sample", json=long_body, timeout=0.5)
+            # The abort reaches the engine while it is frozen, and only then is the slot free.
+            wait_until(lambda: c.get("/health").json()["in_flight"] == 0, "the slot of the client that left")
+        # Thawed: nothing is left in the engine for it to generate.
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            assert metric(c.get("/metrics").text, gauge) == 0, gauge
         after = metric(c.get("/metrics").text, 'sampler_requests_finished_total{outcome="cancelled"}')
     assert after == before + 1

@@ -253,7 +253,7 @@ TTL_S = 6.0  # margin for a loaded box: the client heartbeats every 1 s
 
 @pytest.fixture(scope="module")
 def small(tiny_model: Path) -> Iterator[RunningServer]:
-    with run_server(tiny_model, "--api-key", KEY, "--concurrent-task-limit", "2",
+    with run_server(tiny_model, "--api-key", KEY, "--concurrent-task-limit", "2", "--enable-test-seams",
                     "--twinkle-session-ttl-s", str(TTL_S)) as s:
         yield s
 
@@ -264,15 +264,15 @@ def test_past_the_admission_limit_the_client_sees_429_and_does_not_retry(small: 
 
     clients.init(base_url=small.url, api_key=KEY)
     sampler = vLLMSampler(tiny_model.name)
-    long = {"max_tokens": 400, "seed": 1}
+    long = {"max_tokens": 64, "seed": 1}
     with ThreadPoolExecutor(2) as pool:
-        running = [pool.submit(sampler.sample, [{"input_ids": PROMPT + [i]}], long, num_samples=8) for i in range(2)]
-        deadline = time.monotonic() + 60
-        while httpx.get(small.url + "/health").json()["in_flight"] < 2:
-            assert time.monotonic() < deadline and not any(f.done() for f in running)
-            time.sleep(0.01)
-        with pytest.raises(requests.HTTPError) as e:
-            sampler.sample([{"input_ids": PROMPT}], sampling_params={"max_tokens": 4})
+        # Frozen engine: the 2 hold both slots until the third has been refused, on any box.
+        with engine_paused(small, headers=AUTH):
+            running = [pool.submit(sampler.sample, [{"input_ids": PROMPT + [i]}], long, num_samples=8)
+                       for i in range(2)]
+            wait_until(lambda: httpx.get(small.url + "/health").json()["in_flight"] == 2, "both slots taken")
+            with pytest.raises(requests.HTTPError) as e:
+                sampler.sample([{"input_ids": PROMPT}], sampling_params={"max_tokens": 4})
         r = e.value.response
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["category"] == "overloaded"

@@ -6,7 +6,6 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from tests.support.checkpoints import perturbed_checkpoint
-from tests.support.server import RunningServer, run_server
+from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
 GREEDY = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 16, "temperature": 0.0, "prompt_logprobs": True}}
@@ -32,7 +31,8 @@ class Env:
 def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     root = tmp_path_factory.mktemp("restore-real") / "checkpoints"
     perturbed_checkpoint(tiny_model, root / "step-1", seed=1)
-    with run_server(tiny_model, "--checkpoint-root", str(root)) as s:
+    # Test seams: the drain-timeout test freezes the engine (tests.support.server.engine_paused).
+    with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-test-seams") as s:
         yield Env(s, root, tiny_model)
 
 
@@ -63,21 +63,21 @@ def test_a_tiny_load_timeout_is_a_504_and_changes_nothing(env: Env) -> None:
 
 
 def test_a_load_whose_drain_outlasts_its_timeout_is_a_504_and_changes_nothing(env: Env) -> None:
-    # 8 requests x 4 samples of 480 tokens (ignore_eos: a random model may stop early) hold the read lock
-    # far longer than the load's 0.5 s.
     long = {"prompts": [PROMPT], "num_samples": 4,
-            "sampling_params": {"max_tokens": 480, "temperature": 1.0, "seed": 5, "ignore_eos": True}}
-    with env.server.client() as c, ThreadPoolExecutor(8) as pool:
+            "sampling_params": {"max_tokens": 64, "temperature": 1.0, "seed": 5, "ignore_eos": True}}
+    with env.server.client() as c:
         before = greedy(c)
-        ids = list(pool.map(lambda _: c.post("/v1/sample/submit", json=long).json()["request_id"], range(8)))
-        # In the engine, so inside the read lock: the load must wait for them to drain.
-        while "sampler_engine_requests_running 0.0" in c.get("/metrics").text:
-            time.sleep(0.01)
-        r = load(c, "step-1", "step-1-drain", timeout_s=0.5)
-        assert r.status_code == 504 and r.json()["error"]["category"] == "load_timeout", r.text
-        assert "did not drain" in r.json()["error"]["message"]
-        h = c.get("/health").json()
-        assert h["status"] == "ok" and h["weights_version"] == before["version"], h
+        # Frozen in the engine, so inside the read lock for as long as the load waits: its 0.5 s
+        # cannot be outrun by a fast engine.
+        with engine_paused(env.server):
+            ids = [c.post("/v1/sample/submit", json=long).json()["request_id"] for _ in range(8)]
+            wait_until(lambda: "sampler_engine_requests_running 8.0" in c.get("/metrics").text,
+                       "the 8 samples inside the engine")
+            r = load(c, "step-1", "step-1-drain", timeout_s=0.5)
+            assert r.status_code == 504 and r.json()["error"]["category"] == "load_timeout", r.text
+            assert "did not drain" in r.json()["error"]["message"]
+            h = c.get("/health").json()
+            assert h["status"] == "ok" and h["weights_version"] == before["version"], h
         for rid in ids:
             done = c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 30})
             while done.status_code == 202:
