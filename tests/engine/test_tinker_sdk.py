@@ -107,7 +107,7 @@ def test_32_concurrent_sdk_futures_run_together(shared_server: RunningServer, sd
 
 @pytest.fixture(scope="module")
 def small_keyed_server(tiny_model: Path) -> Iterator[RunningServer]:
-    with run_server(tiny_model, "--concurrent-task-limit", "2", "--api-key", KEY) as s:
+    with run_server(tiny_model, "--concurrent-task-limit", "2", "--api-key", KEY, "--enable-test-seams") as s:
         yield s
 
 
@@ -115,8 +115,12 @@ def test_429_backoff_path_all_eventually_succeed(small_keyed_server: RunningServ
     sc = tinker.ServiceClient(base_url=small_keyed_server.url, api_key=KEY)
     try:
         client = sc.create_sampling_client(base_model=str(tiny_model)).result()
-        futures = [client.sample(types.ModelInput.from_ints(PROMPT), 1,
-                                 types.SamplingParams(max_tokens=96, seed=i, stop=[])) for i in range(8)]
+        # Frozen engine: the first 2 hold both slots, so the SDK meets a 429 on any box.
+        with engine_paused(small_keyed_server, headers={"X-API-Key": KEY}):
+            futures = [client.sample(types.ModelInput.from_ints(PROMPT), 1,
+                                     types.SamplingParams(max_tokens=96, seed=i, stop=[])) for i in range(8)]
+            wait_until(lambda: metric(httpx.get(small_keyed_server.url + "/metrics").text,
+                                      "sampler_requests_rejected_total") >= 1, "a 429 to the SDK")
         results = [f.result(timeout=300) for f in futures]
         assert all(len(r.sequences[0].tokens) == 96 for r in results)
         # The SDK took its own 429 branch (it records when it must back off), and the server refused some.
