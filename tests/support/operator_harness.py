@@ -51,6 +51,7 @@ class PodServer:
     def __init__(self, ip: str, port: int, pod: str, behaviour: Behaviour) -> None:
         counter = itertools.count()
         self.last_status: str | None = None  # of the last /health answer: what a readiness probe sees
+        self.health_probes = 0               # /health requests answered: the operator's probe trace
         server_state = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -58,6 +59,8 @@ class PodServer:
                 pass
 
             def do_GET(self) -> None:
+                if self.path == "/health":
+                    server_state.health_probes += 1
                 answer = behaviour(pod, next(counter)) if self.path == "/health" else ok()
                 if answer == HANG:
                     time.sleep(3)
@@ -96,6 +99,7 @@ class FakeKubelet(Poller):
         self.max_live = 0                         # most live (not terminating) pods seen at once
         self.seen: list[str] = []                 # pod names in order of appearance
         self.ready: dict[str, bool] = {}          # pod uid -> the Ready condition we last set
+        self.names: dict[str, str] = {}           # pod uid -> name
         self.start()
 
     def poll(self) -> None:
@@ -115,12 +119,18 @@ class FakeKubelet(Poller):
             port = p.spec.containers[0].ports[0].container_port
             if self.serve(name):
                 self.servers[p.metadata.uid] = PodServer(ip, port, name, self.behaviour)
+                self.names[p.metadata.uid] = name
             self.ips[name] = ip
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {
                 "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1", "startTime": now,
                 "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}]}})
             self.ready[p.metadata.uid] = False
+
+    def probes(self, pod: str) -> int:
+        """/health requests the named pod has had (0 before it has a server): waiting for N more is
+        waiting for N more operator probes, the trace a "nothing else happens" check waits on."""
+        return sum(s.health_probes for uid, s in list(self.servers.items()) if self.names.get(uid) == pod)
 
     def _sync_ready(self, pod: Any) -> None:
         """Like the kubelet's readiness probe: Ready follows the pod's last /health answer."""

@@ -142,12 +142,14 @@ def test_ordinary_failures_never_replace(api, ns, operator, kubelet):
         if pod.startswith("miss"):
             return HANG if n == 2 else (CLOSE if n == 4 else ok(1))  # single misses, spaced out
         return ok(1)
-    kubelet(behaviour, serve=lambda pod: not pod.startswith("down"))   # "down": no server at all
+    k = kubelet(behaviour, serve=lambda pod: not pod.startswith("down"))   # "down": no server at all
     for name in ("errors", "miss", "down"):
         create(api, ns, cr_body(name, ks.free_port()))
     wait_phase(api, ns, "errors", "Ready")
     wait_phase(api, ns, "miss", "Ready")
-    time.sleep(7)  # several probe periods
+    wait_phase(api, ns, "down", "Unhealthy")
+    # Several probe periods, counted in probes: "miss" has had both its misses and answered after them.
+    ks.wait_for(lambda: k.probes("miss-0") >= 8 and k.probes("errors-0") >= 8, 60, 0.1, "8 probes of each pod")
     assert sorted(p.metadata.name for p in live_pods(api, ns)) == ["down-0", "errors-0", "miss-0"]
     for name in ("errors", "miss", "down"):
         st = status(api, ns, name)
@@ -163,7 +165,9 @@ def test_always_uncertain_stops_at_the_cap(api, ns, operator, kubelet):
     create(api, ns, cr_body("r1", ks.free_port(), replacement={"maxReplacements": 2}))
     st = wait_phase(api, ns, "r1", "Degraded", timeout=40)
     assert cond(st, "Degraded")["status"] == "True" and cond(st, "Degraded")["reason"] == "ReplacementLimitReached"
-    time.sleep(4)
+    # The operator keeps probing the degraded pod; three more uncertain answers replace nothing.
+    seen = k.probes("r1-2")
+    ks.wait_for(lambda: k.probes("r1-2") >= seen + 3, 60, 0.1, "3 more probes of r1-2")
     st = status(api, ns, "r1")
     assert st["replacements"] == 2 and st["phase"] == "Degraded"
     assert [p.metadata.name for p in live_pods(api, ns)] == ["r1-2"]
@@ -226,8 +230,10 @@ def test_semantically_invalid_spec_gets_a_condition_not_a_crash_loop(api, ns, op
     st = wait_phase(api, ns, "r1", "Invalid")
     c = cond(st, "SpecValid")
     assert c["status"] == "False" and c["reason"] == "InvalidSpec" and "spec.model" in c["message"]
-    time.sleep(3)
-    assert not api.core.list_namespaced_pod(ns).items
+    # A valid replica created after it comes up: the operator has acted since, and made no pod for r1.
+    create(api, ns, cr_body("witness", ks.free_port()))
+    wait_phase(api, ns, "witness", "Ready")
+    assert [p.metadata.name for p in api.core.list_namespaced_pod(ns).items] == ["witness-0"]
     log = operator.logs()
     lines = [ln for ln in log.splitlines() if f"[{ns}/r1]" in ln and "Handler 'validate_spec' failed" in ln]
     assert len(lines) == 1 and "permanently" in lines[0], log[-4000:]
