@@ -25,7 +25,7 @@ from .ids import RoutedId
 from .metrics import GatewayMetrics
 from .pool import Pool
 from .replicas import ReplicaView
-from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut, Upstream
+from .upstream import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
 
 # A reply's weights label, when it carries one (a successful sample); None otherwise.
 LabelOf = Callable[[Reply], str | None]
@@ -43,7 +43,7 @@ class OwnerGone(Exception):
 class Gateway:
     cfg: GatewayConfig
     pool: Pool
-    upstream: Upstream
+    upstream: Sender
     metrics: GatewayMetrics
 
 

@@ -8,6 +8,7 @@ All of it lives in one event loop (uvicorn's), so plain dicts and ints need no l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from .errors import NoReplica
 from .metrics import GatewayMetrics
 from .picker import pick
 from .replicas import PoolView, ReplicaView
-from .versions import LabelOrder, is_stale, version_filter
+from .versions import LabelOrder, is_stale, rank, version_filter
 
 
 class Pool:
@@ -96,15 +97,29 @@ class Pool:
     def mark_lost(self, replica: ReplicaView, why: str) -> None:
         self._lost[replica.name] = (self.clock(), why)
 
-    def returned(self, replica: ReplicaView, label: str) -> bool:
+    def returned(self, replica: ReplicaView, label: str, version: int | None = None) -> bool:
         """A response on `label` is about to go back to a client: False if the version policy forbids
         it (stale), else record it (it may be the first of a newer label)."""
-        self.order.see([(label, None)])
+        self.order.see([(label, version)])
+        self._observe(replica, label, version)
         if is_stale(label, self.cfg.version_policy, self.order, self.target):
             self.metrics.stale.labels(replica=replica.name).inc()
             return False
         self.order.note_returned(label, self.target)
         return True
+
+    def _observe(self, replica: ReplicaView, label: str, version: int | None) -> None:
+        """A response is fresher news than the last /health: the replica serves `label` now (so a
+        newer label routes at once, not one refresh later)."""
+        current = self.view.by_name.get(replica.name)
+        if current is None or current.weights_label == label:
+            return
+        if rank(self.order.ranks, label, self.target) < rank(self.order.ranks, current.weights_label, self.target):
+            return  # an answer computed before the replica's last load: it says nothing about now
+        updated = dataclasses.replace(current, weights_label=label,
+                                      weights_version=version if version is not None else current.weights_version)
+        self.view = dataclasses.replace(self.view, replicas=tuple(updated if r.name == replica.name else r
+                                                                  for r in self.view.replicas))
 
     @contextlib.contextmanager
     def lease(self, replica: ReplicaView, kind: str) -> Iterator[None]:

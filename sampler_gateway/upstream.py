@@ -14,6 +14,7 @@ lets the gateway check their weights label before the client sees a byte.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -74,6 +75,12 @@ def forwardable(headers: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
+
+
+class Sender(Protocol):
+    """What the forwarding needs of the upstream: one exchange with one replica."""
+
+    async def send(self, replica: ReplicaView, out: Outgoing) -> Reply: ...
 
 
 class Upstream:
