@@ -59,12 +59,13 @@ def ascii_header(value: str) -> str:
 def respond(replica: ReplicaView, reply: Reply, body: bytes | None = None, *, label: str | None = None,
             version: int | None = None) -> Response:
     """The replica's answer as the gateway's, stamped with who answered and on which weights."""
-    headers = {k: v for k, v in reply.headers if k.lower() != "content-type"}
-    headers[REPLICA_HEADER] = replica.name
+    stamped = {REPLICA_HEADER: replica.name}
     if label is not None:
-        headers[LABEL_HEADER] = ascii_header(label)
+        stamped[LABEL_HEADER] = ascii_header(label)
     if version is not None:
-        headers[VERSION_HEADER] = str(version)
+        stamped[VERSION_HEADER] = str(version)
+    ours = {k.lower() for k in stamped} | {"content-type"}
+    headers = {k: v for k, v in reply.headers if k.lower() not in ours} | stamped
     return Response(reply.body if body is None else body, status_code=reply.status, headers=headers,
                     media_type=reply.header("content-type"))
 
