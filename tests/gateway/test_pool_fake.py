@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,3 +171,19 @@ def test_no_eligible_replica_is_a_503_with_retry_after(env: Env) -> None:
     finally:
         write_replicas(env.gw.replicas_file, [{"name": n, "url": u} for n, u in urls.items()])
         env.gw.wait_eligible({"r0", "r1", "r2"})
+
+
+def test_a_client_that_goes_away_aborts_its_request_on_the_replica(env: Env) -> None:
+    long_body = {"prompts": [[3, 3, 3]], "num_samples": 8, "sampling_params": {"max_tokens": 400, "temperature": 1.0}}
+    cancelled = {n: env.pod_metric(n, "sampler_requests_finished_total", outcome="cancelled") for n in env.pool.servers}
+    with httpx.Client(base_url=env.gw.url, headers=AUTH) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            # The client gives up long before the sample could finish, and closes its connection.
+            c.post("/v1/sample", json=long_body, timeout=httpx.Timeout(60, read=0.5))
+    # The replica saw the gateway's call go away and aborted the sample (outcome `cancelled`).
+    deadline = time.monotonic() + 30
+    while sum(env.pod_metric(n, "sampler_requests_finished_total", outcome="cancelled") - cancelled[n]
+              for n in env.pool.servers) < 1:
+        assert time.monotonic() < deadline, "no replica aborted the abandoned request"
+        time.sleep(0.05)
+    env.gw.wait(lambda h: all(r["in_flight"] == 0 for r in h["replicas"]), "no request open to a replica")
