@@ -1,12 +1,13 @@
 """Kubernetes discovery: the pool's SamplerReplicas and their pods, watched on the API server.
 
-Members are SamplerReplicas labelled `sampler.rl.dev/pool=<pool>` in the namespace; each one's
-address is its current pod's IP (the pod named in `status.podName`, labelled
-`sampler.rl.dev/replica=<name>`) and `spec.port`. A replica is draining when its SamplerReplica
-carries the annotation `sampler.rl.dev/draining: "true"` (set by the pool controller before it
-removes or reloads it) or its pod is terminating. Readiness and weights come from the replica's
-own `/health` (refresh loop), fresher than the kubelet's probe. DNS is never used: the API server
-knows a new pod's address the moment it has one.
+Members are the namespace's SamplerReplicas of the pool: labelled `sampler.rl.dev/pool=<pool>` (as
+a pool controller labels the replicas it owns) or with `spec.pool: <pool>` (a replica applied by
+hand; its pod carries the label either way). Each one's address is its current pod's IP (the pod
+named in `status.podName`, labelled `sampler.rl.dev/replica=<name>`) and `spec.port`. A replica is
+draining when its SamplerReplica carries the annotation `sampler.rl.dev/draining: "true"` (set by
+the pool controller before it removes or reloads it) or its pod is terminating. Readiness and
+weights come from the replica's own `/health` (refresh loop), fresher than the kubelet's probe. DNS
+is never used: the API server knows a new pod's address the moment it has one.
 
 Two list+watch loops (SamplerReplicas, pods) run in threads with the blocking kubernetes client and
 keep the latest objects in memory; `membership()` reads that memory.
@@ -88,12 +89,17 @@ class _Watch(threading.Thread):
         self._stop.set()
 
 
-def members_of(replicas: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[Member, ...]:
-    """Pure: the pool's members from its SamplerReplicas and their pods (a replica without a pod IP
-    is not a member: nothing can reach it, and its futures went with its last pod)."""
+def in_pool(cr: dict[str, Any], pool: str) -> bool:
+    labels = cr["metadata"].get("labels") or {}
+    return labels.get(POOL_LABEL) == pool or (cr.get("spec") or {}).get("pool") == pool
+
+
+def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[Member, ...]:
+    """Pure: the pool's members from the namespace's SamplerReplicas and the pool's pods (a replica
+    without a pod IP is not a member: nothing can reach it, and its futures went with its last pod)."""
     by_name = {p["metadata"]["name"]: p for p in pods}
     out = []
-    for cr in sorted(replicas, key=lambda o: o["metadata"]["name"]):
+    for cr in sorted((o for o in replicas if in_pool(o, pool)), key=lambda o: o["metadata"]["name"]):
         name = cr["metadata"]["name"]
         pod = by_name.get((cr.get("status") or {}).get("podName") or "")
         if pod is None or pod["metadata"].get("labels", {}).get(REPLICA_LABEL) != name:
@@ -118,14 +124,16 @@ class KubeDiscovery:
             config.load_kube_config()
         selector = f"{POOL_LABEL}={pool}"
         custom, core = client.CustomObjectsApi(), client.CoreV1Api()
+        self.pool = pool
+        # Every SamplerReplica of the namespace: one applied by hand names its pool in spec.pool only.
         self._replicas = _Watch("samplerreplicas", custom.list_namespaced_custom_object, group=GROUP,
-                                version=VERSION, namespace=namespace, plural=PLURAL, label_selector=selector)
+                                version=VERSION, namespace=namespace, plural=PLURAL)
         self._pods = _Watch("pods", core.list_namespaced_pod, namespace=namespace, label_selector=selector)
         self._replicas.start()
         self._pods.start()
 
     async def membership(self) -> Membership:
-        return Membership(members_of(self._replicas.snapshot(), self._pods.snapshot()))
+        return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()))
 
     def close(self) -> None:
         self._replicas.stop()

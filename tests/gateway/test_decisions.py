@@ -176,9 +176,12 @@ def test_pool_refuses_a_stale_answer_under_latest() -> None:
 # ---------------------------------------------------------------------------- kubernetes members
 
 
-def cr(name: str, pod: str | None, port: int = 8000, draining: bool = False) -> dict[str, Any]:
+def cr(name: str, pod: str | None, port: int = 8000, draining: bool = False, pool: str = "gp",
+       by_label: bool = False) -> dict[str, Any]:
     ann = {"sampler.rl.dev/draining": "true"} if draining else {}
-    return {"metadata": {"name": name, "annotations": ann}, "spec": {"port": port}, "status": {"podName": pod}}
+    labels = {"sampler.rl.dev/pool": pool} if by_label else {}
+    spec = {"port": port} if by_label else {"port": port, "pool": pool}
+    return {"metadata": {"name": name, "annotations": ann, "labels": labels}, "spec": spec, "status": {"podName": pod}}
 
 
 def pod(name: str, replica: str, ip: str | None, terminating: bool = False) -> dict[str, Any]:
@@ -189,11 +192,12 @@ def pod(name: str, replica: str, ip: str | None, terminating: bool = False) -> d
 
 
 def test_members_from_replicas_and_pods() -> None:
-    replicas = [cr("r1", "r1-3", port=9000, draining=True), cr("r0", "r0-1"), cr("r2", "r2-1"), cr("r3", None),
-                cr("r4", "r4-2")]
+    replicas = [cr("r1", "r1-3", port=9000, draining=True, by_label=True), cr("r0", "r0-1"), cr("r2", "r2-1"),
+                cr("r3", None), cr("r4", "r4-2"), cr("x0", "x0-1", pool="other")]
     pods = [pod("r0-1", "r0", "10.0.0.5"), pod("r1-3", "r1", "10.0.0.6"), pod("r2-1", "r2", None),
-            pod("r4-2", "r4", "10.0.0.7", terminating=True), pod("r4-1", "r4", "10.0.0.8")]
-    assert members_of(replicas, pods) == (
+            pod("r4-2", "r4", "10.0.0.7", terminating=True), pod("r4-1", "r4", "10.0.0.8"),
+            pod("x0-1", "x0", "10.0.0.9")]
+    assert members_of("gp", replicas, pods) == (
         Member("r0", "http://10.0.0.5:8000"), Member("r1", "http://10.0.0.6:9000", draining=True),
         Member("r4", "http://10.0.0.7:8000", draining=True))
 

@@ -71,16 +71,22 @@ def write_replicas(path: Path, replicas: list[dict[str, Any]]) -> None:
 
 
 @contextlib.contextmanager
-def run_gateway(replicas: dict[str, str], *flags: str, pool: str = "p") -> Iterator[RunningGateway]:
+def run_gateway(replicas: dict[str, str] | None, *flags: str, pool: str = "p", namespace: str = "test",
+                env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
+    """`replicas`: static discovery from a file; None: the flags say (`--discovery kube` and its env)."""
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="gateway-test-"))
     replicas_file = workdir / "replicas.json"
-    write_replicas(replicas_file, [{"name": n, "url": u} for n, u in replicas.items()])
+    discovery = ["--discovery", "kube"]
+    if replicas is not None:
+        write_replicas(replicas_file, [{"name": n, "url": u} for n, u in replicas.items()])
+        discovery = ["--discovery", "static", "--replicas-file", str(replicas_file)]
     log_path = workdir / "gateway.log"
-    args = [sys.executable, "-m", "sampler_gateway", "--pool", pool, "--namespace", "test", "--discovery", "static",
-            "--replicas-file", str(replicas_file), "--host", "127.0.0.1", "--port", str(port), *flags]
+    args = [sys.executable, "-m", "sampler_gateway", "--pool", pool, "--namespace", namespace, *discovery,
+            "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path, replicas_file)
     try:
         gw.wait(lambda h: h["refreshes"] > 0, "its first refresh")
