@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from . import GROUP, PLURAL, VERSION
+from . import GROUP, PLURAL, POOL_PLURAL, VERSION
 
 
 def load_config() -> None:
@@ -104,3 +104,38 @@ class Kube:
         resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION,
                                        namespace, PLURAL, name, {"status": status}, _preload_content=False)
         return _json(resp)
+
+    # ---------------------------------------------------------------- the pool controller's calls
+
+    async def create_replica(self, namespace: str, body: dict[str, Any]) -> bool:
+        """True if created, False if it exists already (a retried create)."""
+        try:
+            await asyncio.to_thread(self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                    body, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    async def delete_replica(self, namespace: str, name: str) -> None:
+        try:
+            await asyncio.to_thread(self.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                    name, _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    async def json_patch_replica(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """One JSON patch (RFC 6902): several changes that must land together, or not at all."""
+        await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
+                                ops, _content_type="application/json-patch+json", _preload_content=False)
+
+    async def patch_replica_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        """A merge patch of annotations (None removes one)."""
+        await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
+                                {"metadata": {"annotations": annotations}}, _preload_content=False)
+
+    async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
+                                POOL_PLURAL, name, {"status": status}, _preload_content=False)

@@ -42,10 +42,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* Rules needed in every namespace holding SamplerReplicas. */}}
 {{- define "sampler-operator.namespacedRules" -}}
-# the custom resources: watch them, write kopf's finalizer/annotations, and the status subresource
+# the custom resources: watch them, write kopf's finalizer/annotations, and the status subresource;
+# a pool creates, rolls and deletes the SamplerReplicas it owns
 - apiGroups: [sampler.rl.dev]
   resources: [samplerreplicas]
+  verbs: [get, list, watch, patch, create, delete]
+# SamplerPools: watch them, kopf's annotations, their status; they own SamplerReplicas
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerpools]
   verbs: [get, list, watch, patch]
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerpools/status]
+  verbs: [get, patch]
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerpools/finalizers]
+  verbs: [update]
 - apiGroups: [sampler.rl.dev]
   resources: [samplerreplicas/status]
   verbs: [get, patch]

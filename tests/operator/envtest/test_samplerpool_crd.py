@@ -12,13 +12,11 @@ from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 
 pytestmark = pytest.mark.envtest
-CRD = REPO_ROOT / "crds" / "samplerpool.yaml"
 
 
 @pytest.fixture(scope="module")
-def pool_crd(k8s: Any) -> None:
-    k8s.kubectl("apply", "-f", str(CRD))
-    ks.wait_crd_established("samplerpools.sampler.rl.dev", cluster=k8s)
+def pool_crd(crd: Any) -> None:
+    """The session's CRDs (conftest: both SamplerReplica and SamplerPool)."""
 
 
 def pool(name: str, **spec: Any) -> str:
