@@ -27,6 +27,7 @@ from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY
 from .fleet import ReplacementSlots
 from .kube import Kube, load_config
 from .pod_view import PodView
+from .pool_loop import PoolMemory
 from .pool_loop import step as pool_step
 from .pool_plan import ReplicaState
 from .reconcile import step
@@ -188,14 +189,14 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
     assert namespace is not None and uid is not None  # SamplerPool is namespaced; every object has a uid
     members: kopf.Index[str, ReplicaState] = kwargs["pool_members"]
     wake = _pool_wakeups.setdefault(uid, asyncio.Event())
-    last: dict[str, Any] | None = None
+    mem = PoolMemory()
     try:
         while not stopped:
             wake.clear()
             try:
                 # `body` is kopf's live view: the spec as of now, not as of the daemon's start.
-                delay, last = await pool_step(memo.kube, name, namespace, uid, _plain(body["spec"]),
-                                              body["metadata"].get("generation"), members.get(uid, []), last)
+                delay = await pool_step(memo.kube, name, namespace, uid, _plain(body["spec"]),
+                                        body["metadata"].get("generation"), members.get(uid, []), mem)
             except Exception as e:  # an API hiccup must not end the loop; state is in the API
                 logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
                 delay = 2.0

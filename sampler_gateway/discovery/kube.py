@@ -9,8 +9,11 @@ the pool controller before it removes or reloads it) or its pod is terminating. 
 weights come from the replica's own `/health` (refresh loop), fresher than the kubelet's probe. DNS
 is never used: the API server knows a new pod's address the moment it has one.
 
-Two list+watch loops (SamplerReplicas, pods) run in threads with the blocking kubernetes client and
-keep the latest objects in memory; `membership()` reads that memory.
+The pool's target weights label is the SamplerPool's `spec.weights.versionLabel`, read from the
+SamplerPool object (when there is one), so a rollout moves the gateway's target without a restart.
+
+Three list+watch loops (SamplerReplicas, pods, the SamplerPool) run in threads with the blocking
+kubernetes client and keep the latest objects in memory; `membership()` reads that memory.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .source import Membership
 log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
+POOL_PLURAL = "samplerpools"
 POOL_LABEL = "sampler.rl.dev/pool"
 REPLICA_LABEL = "sampler.rl.dev/replica"
 DRAINING_ANNOTATION = "sampler.rl.dev/draining"
@@ -61,9 +65,11 @@ class _Watch(threading.Thread):
     def run(self) -> None:
         from kubernetes import watch
 
+        backoff = 1.0
         while not self._stop.is_set():
             try:
                 listed = _plain(self.list_fn(**self.kwargs))
+                backoff = 1.0
                 with self._lock:
                     self.items = {o["metadata"]["name"]: o for o in listed.get("items", [])}
                 self.synced.set()
@@ -81,9 +87,10 @@ class _Watch(threading.Thread):
                             self.items[name] = obj
                     if self._stop.is_set():
                         w.stop()
-            except Exception as e:  # the API server restarting, a network blip: list again shortly
-                log.warning("watch of %s failed: %s", self.what, e)
-                self._stop.wait(1.0)
+            except Exception as e:  # the API server restarting, a network blip, no such CRD: list again
+                log.warning("watch of %s failed (again in %.0fs): %s", self.what, backoff, e)
+                self._stop.wait(backoff)
+                backoff = min(30.0, backoff * 2)
 
     def stop(self) -> None:
         self._stop.set()
@@ -92,6 +99,15 @@ class _Watch(threading.Thread):
 def in_pool(cr: dict[str, Any], pool: str) -> bool:
     labels = cr["metadata"].get("labels") or {}
     return labels.get(POOL_LABEL) == pool or (cr.get("spec") or {}).get("pool") == pool
+
+
+def target_of(pools: list[dict[str, Any]]) -> str | None:
+    """Pure: the pool's target weights label, from its SamplerPool (if any)."""
+    for p in pools:
+        label = ((p.get("spec") or {}).get("weights") or {}).get("versionLabel")
+        if isinstance(label, str) and label:
+            return label
+    return None
 
 
 def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[Member, ...]:
@@ -129,12 +145,16 @@ class KubeDiscovery:
         self._replicas = _Watch("samplerreplicas", custom.list_namespaced_custom_object, group=GROUP,
                                 version=VERSION, namespace=namespace, plural=PLURAL)
         self._pods = _Watch("pods", core.list_namespaced_pod, namespace=namespace, label_selector=selector)
-        self._replicas.start()
-        self._pods.start()
+        self._pool = _Watch("samplerpool", custom.list_namespaced_custom_object, group=GROUP, version=VERSION,
+                            namespace=namespace, plural=POOL_PLURAL, field_selector=f"metadata.name={pool}")
+        self._watches = (self._replicas, self._pods, self._pool)
+        for w in self._watches:
+            w.start()
 
     async def membership(self) -> Membership:
-        return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()))
+        return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()),
+                          target_label=target_of(self._pool.snapshot()))
 
     def close(self) -> None:
-        self._replicas.stop()
-        self._pods.stop()
+        for w in self._watches:
+            w.stop()

@@ -220,3 +220,11 @@ def test_config_flags_env_and_refusals(capsys: pytest.CaptureFixture[str]) -> No
         with pytest.raises(SystemExit):
             parse_config(argv, environ={})
         assert needle in capsys.readouterr().err
+
+
+def test_target_label_from_the_samplerpool() -> None:
+    from sampler_gateway.discovery.kube import target_of
+
+    assert target_of([]) is None
+    assert target_of([{"spec": {"replicas": 2}}]) is None
+    assert target_of([{"spec": {"weights": {"checkpoint": "/c", "versionLabel": "step-3"}}}]) == "step-3"

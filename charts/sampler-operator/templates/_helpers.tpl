@@ -73,6 +73,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+# a SamplerPool's gateway: its Deployment and Service, and the ServiceAccount, Role and RoleBinding
+# its discovery uses (the Role grants only get/list/watch this Role holds itself: no escalation)
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch]
 # Events explaining replacements (kopf posts core/v1 events)
 - apiGroups: [""]
   resources: [events]

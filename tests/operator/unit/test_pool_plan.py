@@ -88,3 +88,31 @@ def test_from_object_reads_the_drain_mark() -> None:
     obj: dict[str, Any] = {"metadata": {"name": "p-0", "annotations": {ANNOTATION_DRAINING: "true"}}, "status": {}}
     st = ReplicaState.from_object(obj)
     assert st.draining and st.owner_uid is None and st.phase is None and st.label is None
+
+
+def test_gateway_objects_follow_the_pool_spec() -> None:
+    from sampler_operator.pool_gateway import gateway_objects
+
+    pool_spec = {"template": {**TEMPLATE, "apiKeySecretRef": {"name": "k"}, "requestTimeoutSeconds": 60},
+                 "routing": {"versionPolicy": "MinVersion", "affinity": {"header": "X-Group", "replicaCapacity": 8}},
+                 "gateway": {"replicas": 2, "port": 9090}, "weights": {"checkpoint": "/ckpt/s", "versionLabel": "s"}}
+    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec)}
+    assert list(objs) == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == UID and o["metadata"]["name"] == "p-gateway"
+               for o in objs.values())
+    dep = objs["Deployment"]["spec"]
+    c = dep["template"]["spec"]["containers"][0]
+    assert dep["replicas"] == 2 and c["image"] == "img" and c["command"] == ["python", "-m", "sampler_gateway"]
+    args = dict(zip(c["args"][::2], c["args"][1::2], strict=True))
+    assert args == {"--pool": "p", "--namespace": "ns", "--discovery": "kube", "--host": "0.0.0.0",
+                    "--port": "9090", "--version-policy": "MinVersion", "--affinity-header": "X-Group",
+                    "--replica-capacity": "8", "--request-timeout-s": "60"}
+    # The target label is read from the pool by the gateway, never a flag (no restart per rollout).
+    assert "--target-label" not in c["args"]
+    assert c["env"] == [{"name": "SAMPLER_GATEWAY_API_KEY",
+                         "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
+    assert dep["template"]["spec"]["serviceAccountName"] == "p-gateway"
+    pod_labels = dep["template"]["metadata"]["labels"]
+    assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
+    granted = {(r, v) for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == {(r, v) for r in ("samplerreplicas", "samplerpools", "pods") for v in ("get", "list", "watch")}
