@@ -92,9 +92,10 @@ class Upstream:
     async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
         timeout = aiohttp.ClientTimeout(total=out.timeout_s, connect=CONNECT_TIMEOUT_S)
         try:
+            # Identity encoding: the gateway reads answers (ids, weights labels) before passing them on.
             async with self.session.request(out.method, replica.url + out.path, data=out.body,
-                                            headers=list(out.headers), timeout=timeout,
-                                            allow_redirects=False) as r:
+                                            headers=[*out.headers, ("Accept-Encoding", "identity")],
+                                            timeout=timeout, allow_redirects=False) as r:
                 body = await r.read()
                 return Reply(r.status, forwardable(list(r.headers.items())), body)
         except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as e:
