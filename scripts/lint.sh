@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint (ruff: style, bugs, import order) and types (mypy --strict on sampler_pod and the operator),
+# Lint (ruff: style, bugs, import order) and types (mypy --strict on sampler_pod, sampler_gateway and the operator),
 # both configured in pyproject.toml. Run by scripts/test.sh before any test.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

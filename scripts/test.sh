@@ -3,6 +3,8 @@
 #   lint                      ruff + mypy (scripts/lint.sh)                              (a minute)
 #   tests/unit                pure logic, fake engine, checkpoint validation, layers     (seconds)
 #   tests/operator/unit       the operator's pure logic, the chart, the examples         (seconds)
+#   tests/gateway             the pool's gateway: pure decisions, and a real gateway process
+#                             in front of real fake-engine sampler processes             (a few minutes)
 #   tests/engine              the real vLLM CPU engine behind real HTTP servers          (minutes)
 #   tests/operator/envtest    the operator against a real kube-apiserver, etcd and
 #                             controller-manager                                         (a minute)
@@ -23,7 +25,7 @@ export SAMPLER_REQUIRE_K8S=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$ROOT:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY="$ROOT/.venv/bin/python"
 bash scripts/lint.sh
-TIERS=(tests/unit tests/operator/unit tests/engine tests/operator/envtest)
+TIERS=(tests/unit tests/operator/unit tests/gateway tests/engine tests/operator/envtest)
 
 # No retries: a flaky test is a bug to fix at its cause, never re-run into passing.
 status=0

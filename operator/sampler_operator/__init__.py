@@ -4,10 +4,13 @@ Read in this order: spec.py (what a user asks for), desired_pod.py (the pod we b
 replacement_policy.py (when a pod must be swapped), status.py (what we report back),
 health_probe.py (how we look at a pod), reconcile.py (the loop tying them together),
 handlers.py (the kopf wiring), settings.py and __main__.py (how it runs).
+The SamplerPool controller: pool_plan.py (pure decisions), pool_loop.py (one step of the pool's loop).
 """
 
 GROUP = "sampler.rl.dev"
 VERSION = "v1alpha1"
 PLURAL = "samplerreplicas"
 KIND = "SamplerReplica"
+POOL_PLURAL = "samplerpools"
+POOL_KIND = "SamplerPool"
 API_VERSION = f"{GROUP}/{VERSION}"

@@ -6,6 +6,9 @@
   wake_on_pod_event a pod of a replica changed: wake that replica's loop now
   validate_spec     a spec was created/changed: report semantic errors as a condition
   replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
+  pool_members      an index of the SamplerReplicas owned by SamplerPools, by pool uid
+  wake_pool_*       a pool's replica or the pool's spec changed: wake that pool's loop now
+  pool_loop         one long-lived task per SamplerPool: create/delete/roll its replicas, report
 """
 from __future__ import annotations
 
@@ -17,21 +20,39 @@ from typing import Any, cast
 import aiohttp
 import kopf
 
-from . import GROUP, PLURAL, VERSION
+from . import GROUP, PLURAL, POOL_PLURAL, VERSION
 from . import settings as operator_settings
 from .context import Context, ReplicaMemory
-from .desired_pod import LABEL_MANAGED_BY, LABEL_REPLICA, MANAGED_BY, label_value
+from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
 from .fleet import ReplacementSlots
 from .kube import Kube, load_config
 from .pod_view import PodView
+from .pool_loop import PoolMemory
+from .pool_loop import step as pool_step
+from .pool_plan import ReplicaState
 from .reconcile import step
 from .spec import InvalidSpec, parse_spec
 from .status import invalid_spec_status
 
 OUR_PODS: Mapping[str, Any] = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_REPLICA: kopf.PRESENT}
+# SamplerReplicas a pool may own (which pool: the controller ownerReference, read by ReplicaState).
+POOL_MEMBERS: Mapping[str, Any] = {LABEL_POOL: kopf.PRESENT}
 
 # One wake-up flag per replica loop, keyed like the pod index: (namespace, replica label value).
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
+
+
+# One wake-up flag per pool loop, keyed by the pool's uid.
+_pool_wakeups: dict[str, asyncio.Event] = {}
+
+
+def _plain(value: Any) -> Any:
+    """kopf's views of an object as plain dicts and lists (what the pure modules take)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _wake(namespace: str | None, replica: str | None) -> None:
@@ -136,3 +157,50 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
         memo.slots.release((namespace, name))  # a deleted replica frees its fleet slot
         if _wakeups.get(key) is wake:
             del _wakeups[key]
+
+
+# ---------------------------------------------------------------------------- SamplerPool
+
+
+@kopf.index(GROUP, VERSION, PLURAL, labels=POOL_MEMBERS)
+def pool_members(body: kopf.Body, **_: Any) -> dict[str, ReplicaState]:
+    state = ReplicaState.from_object(_plain(body))
+    return {state.owner_uid: state} if state.owner_uid else {}
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, labels=POOL_MEMBERS)
+def wake_pool_on_replica_event(body: kopf.Body, **_: Any) -> None:
+    owner = ReplicaState.from_object(_plain(body)).owner_uid
+    flag = _pool_wakeups.get(owner or "")
+    if flag is not None:
+        flag.set()
+
+
+@kopf.on.update(GROUP, VERSION, POOL_PLURAL, field="spec")
+def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
+    flag = _pool_wakeups.get(uid or "")
+    if flag is not None:
+        flag.set()
+
+
+@kopf.daemon(GROUP, VERSION, POOL_PLURAL, cancellation_backoff=2.0, cancellation_timeout=5.0)
+async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str | None, memo: Any,
+                    logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    assert namespace is not None and uid is not None  # SamplerPool is namespaced; every object has a uid
+    members: kopf.Index[str, ReplicaState] = kwargs["pool_members"]
+    wake = _pool_wakeups.setdefault(uid, asyncio.Event())
+    mem = PoolMemory()
+    try:
+        while not stopped:
+            wake.clear()
+            try:
+                # `body` is kopf's live view: the spec as of now, not as of the daemon's start.
+                delay = await pool_step(memo.kube, name, namespace, uid, _plain(body["spec"]),
+                                        body["metadata"].get("generation"), members.get(uid, []), mem)
+            except Exception as e:  # an API hiccup must not end the loop; state is in the API
+                logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
+                delay = 2.0
+            await _sleep(delay, wake, stopped)
+    finally:
+        if _pool_wakeups.get(uid) is wake:
+            del _pool_wakeups[uid]

@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from . import GROUP, PLURAL, VERSION
+from . import GROUP, PLURAL, POOL_PLURAL, VERSION
 
 
 def load_config() -> None:
@@ -35,6 +35,8 @@ class Kube:
     def __init__(self, api_client: kubernetes.client.ApiClient | None = None) -> None:
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.apps = kubernetes.client.AppsV1Api(api_client)
+        self.rbac = kubernetes.client.RbacAuthorizationV1Api(api_client)
 
     async def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
@@ -104,3 +106,55 @@ class Kube:
         resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION,
                                        namespace, PLURAL, name, {"status": status}, _preload_content=False)
         return _json(resp)
+
+    # ---------------------------------------------------------------- the pool controller's calls
+
+    async def create_replica(self, namespace: str, body: dict[str, Any]) -> bool:
+        """True if created, False if it exists already (a retried create)."""
+        try:
+            await asyncio.to_thread(self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                    body, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    async def delete_replica(self, namespace: str, name: str) -> None:
+        try:
+            await asyncio.to_thread(self.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                    name, _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    async def json_patch_replica(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """One JSON patch (RFC 6902): several changes that must land together, or not at all."""
+        await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
+                                ops, _content_type="application/json-patch+json", _preload_content=False)
+
+    async def patch_replica_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        """A merge patch of annotations (None removes one)."""
+        await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
+                                {"metadata": {"annotations": annotations}}, _preload_content=False)
+
+    async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
+                                POOL_PLURAL, name, {"status": status}, _preload_content=False)
+
+    async def apply(self, namespace: str, body: dict[str, Any]) -> None:
+        """Create a built-in object (the pool's gateway), or patch it to `body` when it exists
+        (a strategic merge patch: the API server's own merge rules for these kinds)."""
+        create, patch = {
+            "ServiceAccount": (self.core.create_namespaced_service_account, self.core.patch_namespaced_service_account),
+            "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
+            "Deployment": (self.apps.create_namespaced_deployment, self.apps.patch_namespaced_deployment),
+            "Role": (self.rbac.create_namespaced_role, self.rbac.patch_namespaced_role),
+            "RoleBinding": (self.rbac.create_namespaced_role_binding, self.rbac.patch_namespaced_role_binding),
+        }[body["kind"]]
+        try:
+            await asyncio.to_thread(create, namespace, body, _preload_content=False)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            await asyncio.to_thread(patch, body["metadata"]["name"], namespace, body, _preload_content=False)

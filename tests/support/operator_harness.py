@@ -152,8 +152,9 @@ class FakeKubelet(Poller):
 
 
 class ProcessKubelet(Poller):
-    """Runs every pod of one namespace as a REAL sampler process (`python -m sampler_pod`, here
-    with the fake engine) on its own loopback IP: the pod's own command line and environment,
+    """Runs every sampler pod of one namespace (label `sampler.rl.dev/replica`; not, e.g., a pool's
+    gateway) as a REAL sampler process (`python -m sampler_pod`, here with the fake engine) on its
+    own loopback IP: the pod's own command line and environment,
     its `secretKeyRef`s resolved from the API server like a kubelet does. So the operator talks
     to the real HTTP API: real auth, real checkpoint validation, real weights bookkeeping.
 
@@ -192,7 +193,8 @@ class ProcessKubelet(Poller):
 
     def poll(self) -> None:
         pods = self.core.list_namespaced_pod(self.namespace).items
-        live = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None}
+        live = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None
+                and "sampler.rl.dev/replica" in (p.metadata.labels or {})}
         for uid in set(self.procs) - set(live):
             _stop_process(self.procs.pop(uid))
         for uid, p in live.items():

@@ -42,10 +42,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* Rules needed in every namespace holding SamplerReplicas. */}}
 {{- define "sampler-operator.namespacedRules" -}}
-# the custom resources: watch them, write kopf's finalizer/annotations, and the status subresource
+# the custom resources: watch them, write kopf's finalizer/annotations, and the status subresource;
+# a pool creates, rolls and deletes the SamplerReplicas it owns
 - apiGroups: [sampler.rl.dev]
   resources: [samplerreplicas]
+  verbs: [get, list, watch, patch, create, delete]
+# SamplerPools: watch them, kopf's annotations, their status; they own SamplerReplicas
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerpools]
   verbs: [get, list, watch, patch]
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerpools/status]
+  verbs: [get, patch]
+- apiGroups: [sampler.rl.dev]
+  resources: [samplerpools/finalizers]
+  verbs: [update]
 - apiGroups: [sampler.rl.dev]
   resources: [samplerreplicas/status]
   verbs: [get, patch]
@@ -62,6 +73,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+# a SamplerPool's gateway: its Deployment and Service, and the ServiceAccount, Role and RoleBinding
+# its discovery uses (the Role grants only get/list/watch this Role holds itself: no escalation)
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch]
 # Events explaining replacements (kopf posts core/v1 events)
 - apiGroups: [""]
   resources: [events]

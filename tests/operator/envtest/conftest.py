@@ -16,6 +16,7 @@ from tests.support import REPO_ROOT
 from tests.support.operator_harness import OperatorProcess
 
 CRD = REPO_ROOT / "crds" / "samplerreplica.yaml"
+POOL_CRD = REPO_ROOT / "crds" / "samplerpool.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +45,11 @@ def k8s():
 
 @pytest.fixture(scope="session")
 def crd(k8s):
-    k8s.kubectl("apply", "-f", str(CRD))
+    k8s.kubectl("apply", "-f", str(CRD), "-f", str(POOL_CRD))
     ks.wait_crd_established("samplerreplicas.sampler.rl.dev", cluster=k8s)
+    ks.wait_crd_established("samplerpools.sampler.rl.dev", cluster=k8s)
+    # Refresh kubectl's discovery cache, so `kubectl get sp` knows the new short names.
+    k8s.kubectl("api-resources")
     return CRD
 
 

@@ -132,10 +132,23 @@ def _replacements_in_progress(events: list[tuple[str, Any]]) -> int:
     return most
 
 
-def test_fleet_cap_bounds_replacements_in_progress(api, ns, k8s, crd, tmp_path):
+@pytest.fixture
+def own_ns(api):
+    """A namespace only this test's operator watches: the session operator (started by earlier tests
+    of this tier) watches `sr-*`, and a second operator acting with its own cap would break the count."""
+    import uuid
+
+    name = f"fc-{uuid.uuid4().hex[:8]}"
+    api.core.create_namespace({"metadata": {"name": name}})
+    yield name
+    api.core.delete_namespace(name)
+
+
+def test_fleet_cap_bounds_replacements_in_progress(api, own_ns, k8s, crd, tmp_path):
     """10 replicas go uncertain at once with a fleet cap of 2: at most 2 replacements in progress."""
     import kubernetes
 
+    ns = own_ns
     op = OperatorProcess(k8s, [ns], tmp_path / "op.log", env={"SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS": "2"})
     op.start()
     # A new pod answers `starting` for its first probes, like an engine loading weights, so each

@@ -82,6 +82,17 @@ def test_least_privilege_rbac_and_peering(k8s, api, crd, tmp_path):
             "sampler.rl.dev", "v1alpha1", ns, "samplerreplicas", "r1")["status"]).get("podName") == "r1-2"
             and s.get("phase") == "Ready" and s, 40, 0.2, "low-priority peer recreates the pod")
         assert "Forbidden" not in low.logs()
+        # A SamplerPool under the same least-privilege RBAC: its replica and its gateway (whose Role
+        # grants only what the operator's own Role holds: no escalation) are created without a 403.
+        api.custom.create_namespaced_custom_object("sampler.rl.dev", "v1alpha1", ns, "samplerpools", {
+            "apiVersion": "sampler.rl.dev/v1alpha1", "kind": "SamplerPool", "metadata": {"name": "pl"},
+            "spec": {"replicas": 1, "template": cr_body("x", ks.free_port())["spec"]}})
+        ks.wait_for(lambda: api.custom.get_namespaced_custom_object(
+            "sampler.rl.dev", "v1alpha1", ns, "samplerreplicas", "pl-0") is not None, 40, 0.2, "the pool's replica")
+        ks.wait_for(lambda: k8s.kubectl("-n", ns, "get", "role,rolebinding,deployment,service,serviceaccount",
+                                        "-l", "sampler.rl.dev/gateway=pl", "-o", "name").count("\n") == 5,
+                    40, 0.2, "the pool's gateway objects")
+        assert "Forbidden" not in low.logs() and "403" not in low.logs(), low.logs()[-3000:]
     finally:
         kubelet.stop()
         high.stop()

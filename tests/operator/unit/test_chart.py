@@ -23,10 +23,9 @@ def render(*sets: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-def test_chart_crd_is_the_repo_crd():
-    assert (CHART / "crds" / "samplerreplica.yaml").read_text() == (
-        REPO_ROOT / "crds" / "samplerreplica.yaml"
-    ).read_text()
+@pytest.mark.parametrize("crd", ["samplerreplica.yaml", "samplerpool.yaml"])
+def test_chart_crd_is_the_repo_crd(crd):
+    assert (CHART / "crds" / crd).read_text() == (REPO_ROOT / "crds" / crd).read_text()
 
 
 @needs_helm

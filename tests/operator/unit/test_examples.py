@@ -19,6 +19,13 @@ def test_examples_are_valid(path):
         desired_pod(Owner(d["metadata"]["name"], "ns", "uid"), parse_spec(d["spec"]), 0)
 
 
+def test_pool_example_template_is_a_valid_replica_spec():
+    (doc,) = [d for d in yaml.safe_load_all((REPO_ROOT / "examples" / "samplerpool.yaml").read_text()) if d]
+    assert doc["kind"] == "SamplerPool"
+    spec = {**doc["spec"]["template"], "pool": doc["metadata"]["name"], "weights": doc["spec"]["weights"]}
+    desired_pod(Owner("policy-0", "ns", "uid"), parse_spec(spec), 0)
+
+
 def test_cli_options():
     a = parse_args(["-n", "a", "-n", "b", "--peering", "p", "--priority", "5", "--liveness", "http://127.0.0.1:1/healthz"])
     assert a.namespace == ["a", "b"] and a.peering == "p" and a.priority == 5 and not a.standalone

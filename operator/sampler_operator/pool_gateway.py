@@ -1,0 +1,86 @@
+"""The pool's gateway as Kubernetes objects (pure): a Deployment running `python -m sampler_gateway`,
+a Service in front of it (the pool's single address), and the ServiceAccount, Role and RoleBinding
+its discovery needs (get/list/watch of the namespace's SamplerReplicas, SamplerPools and pods).
+
+Every object is owned by the pool (garbage-collected with it). The gateway's flags carry what the
+pool's spec says about routing; the pool's target label is NOT a flag: the gateway reads it from
+the SamplerPool itself (discovery/kube.py), so a weights rollout never restarts the gateway.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from . import API_VERSION, POOL_KIND
+from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY, label_value
+
+LABEL_GATEWAY = "sampler.rl.dev/gateway"
+
+
+def gateway_name(pool: str) -> str:
+    return f"{pool}-gateway"
+
+
+def _meta(pool: str, namespace: str, uid: str, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace,
+            "labels": {LABEL_GATEWAY: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY,
+                       "app.kubernetes.io/name": "sampler-gateway"},
+            "ownerReferences": [{"apiVersion": API_VERSION, "kind": POOL_KIND, "name": pool, "uid": uid,
+                                 "controller": True, "blockOwnerDeletion": True}]}
+
+
+def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """ServiceAccount, Role, RoleBinding, Deployment, Service: in the order they must exist."""
+    gw = spec.get("gateway") or {}
+    routing = spec.get("routing") or {}
+    affinity = routing.get("affinity") or {}
+    template = spec.get("template") or {}
+    name = gateway_name(pool)
+    port = int(gw.get("port", 8080))
+    selector = {LABEL_GATEWAY: label_value(pool), "app.kubernetes.io/name": "sampler-gateway"}
+    args = ["--pool", pool, "--namespace", namespace, "--discovery", "kube", "--host", "0.0.0.0",
+            "--port", str(port), "--version-policy", routing.get("versionPolicy", "Latest"),
+            "--affinity-header", affinity.get("header", "X-Sampler-Affinity"),
+            "--replica-capacity", str(affinity.get("replicaCapacity", 128))]
+    if isinstance(template.get("requestTimeoutSeconds"), int | float):
+        args += ["--request-timeout-s", str(template["requestTimeoutSeconds"])]
+    env: list[dict[str, Any]] = []
+    key_ref = template.get("apiKeySecretRef")
+    if isinstance(key_ref, dict) and key_ref.get("name"):
+        # The replicas' own key: the gateway checks it and forwards it as sent.
+        env.append({"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": key_ref["name"], "key": key_ref.get("key", "api-key")}}})
+    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
+    container: dict[str, Any] = {
+        "name": "gateway", "image": gw.get("image") or template.get("image"),
+        "command": ["python", "-m", "sampler_gateway"], "args": args, "env": env,
+        "ports": [{"name": "http", "containerPort": port}],
+        # Ready while the process serves: with no replica eligible it answers 503 with the reason,
+        # which tells a client more than a Service without endpoints would.
+        "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6},
+    }
+    if gw.get("resources"):
+        container["resources"] = gw["resources"]
+    rules = [{"apiGroups": ["sampler.rl.dev"], "resources": ["samplerreplicas", "samplerpools"],
+              "verbs": ["get", "list", "watch"]},
+             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, namespace, uid, name)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, namespace, uid, name),
+         "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _meta(pool, namespace, uid, name),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, namespace, uid, name),
+         "spec": {"replicas": int(gw.get("replicas", 1)), "selector": {"matchLabels": selector},
+                  "template": {"metadata": {"labels": selector},
+                               "spec": {"serviceAccountName": name, "containers": [container]}}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, namespace, uid, name),
+         "spec": {"selector": selector, "ports": [{"name": "http", "port": port, "targetPort": "http"}]}},
+    ]
+
+
+def objects_hash(objects: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,166 @@
+"""The SamplerPool controller's decisions (pure): which SamplerReplicas the pool owns, which to
+create, delete, update and put back in routing, and the pool's status.
+
+A pool owns its replicas as a ReplicaSet owns pods: named `<pool>-<i>`, an ownerReference to the
+pool (garbage-collected with it), the label `sampler.rl.dev/pool=<pool>` (what the gateway
+watches). Only replicas whose ownerReference names THIS pool's uid are the pool's: a hand-made
+replica with the same label is never touched.
+
+A template or weights change rolls out in batches of at most `rollout.maxUnavailable` replicas:
+each one is marked draining (the gateway stops routing to it) in the same write that gives it the
+new spec (its own controller then loads the weights in place, or replaces the pod for a template
+change), and is put back in routing once it is Ready at the new spec and, with declared weights,
+reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
+ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import API_VERSION, KIND, POOL_KIND
+from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value
+
+ANNOTATION_DRAINING = "sampler.rl.dev/draining"
+ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
+
+
+class Rollout(_Model):
+    max_unavailable: int = Field(1, alias="maxUnavailable", ge=1)
+    mode: Literal["Drain", "Abort"] = "Drain"
+
+
+class PoolSpec(_Model):
+    replicas: int = Field(1, ge=0)
+    template: dict[str, Any]
+    weights: dict[str, Any] | None = None
+    rollout: Rollout = Field(default_factory=Rollout)
+
+    @property
+    def target_label(self) -> str | None:
+        label = (self.weights or {}).get("versionLabel")
+        return label if isinstance(label, str) else None
+
+
+def replica_name(pool: str, index: int) -> str:
+    return f"{pool}-{index}"
+
+
+def _index(pool: str, name: str) -> int:
+    tail = name[len(pool) + 1:]
+    return int(tail) if name.startswith(pool + "-") and tail.isdigit() else 1 << 30
+
+
+def desired_replica_spec(pool: str, spec: PoolSpec) -> dict[str, Any]:
+    """The template, in the pool, at the pool's weights."""
+    out = {**spec.template, "pool": label_value(pool)}
+    if spec.weights is not None:
+        out["weights"] = dict(spec.weights)
+    return out
+
+
+def spec_hash(replica_spec: dict[str, Any]) -> str:
+    canonical = json.dumps(replica_spec, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def replica_body(pool: str, namespace: str, pool_uid: str, spec: PoolSpec, index: int) -> dict[str, Any]:
+    replica_spec = desired_replica_spec(pool, spec)
+    return {
+        "apiVersion": API_VERSION, "kind": KIND,
+        "metadata": {
+            "name": replica_name(pool, index), "namespace": namespace,
+            "labels": {LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY},
+            "annotations": {ANNOTATION_SPEC_HASH: spec_hash(replica_spec)},
+            "ownerReferences": [{"apiVersion": API_VERSION, "kind": POOL_KIND, "name": pool, "uid": pool_uid,
+                                 "controller": True, "blockOwnerDeletion": True}],
+        },
+        "spec": replica_spec,
+    }
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What the plan reads of one existing SamplerReplica."""
+
+    name: str
+    owner_uid: str | None
+    spec_hash: str | None
+    draining: bool
+    phase: str | None
+    label: str | None
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
+        meta = obj.get("metadata") or {}
+        ann = meta.get("annotations") or {}
+        owner = next((o.get("uid") for o in meta.get("ownerReferences") or []
+                      if o.get("kind") == POOL_KIND and o.get("controller")), None)
+        status = obj.get("status") or {}
+        label = (status.get("weights") or {}).get("label") or status.get("weightsLabel")
+        return cls(name=meta.get("name", ""), owner_uid=owner, spec_hash=ann.get(ANNOTATION_SPEC_HASH),
+                   draining=ann.get(ANNOTATION_DRAINING) == "true", phase=status.get("phase"),
+                   label=label if isinstance(label, str) else None)
+
+
+@dataclass(frozen=True)
+class Plan:
+    create: list[int] = field(default_factory=list)  # indexes of replicas to create
+    delete: list[str] = field(default_factory=list)  # beyond spec.replicas (highest index first)
+    update: list[str] = field(default_factory=list)  # give the new spec, and mark draining
+    undrain: list[str] = field(default_factory=list)  # at the new spec and verified: back in routing
+
+    def empty(self) -> bool:
+        return not (self.create or self.delete or self.update or self.undrain)
+
+
+def _verified(r: ReplicaState, want_hash: str, target: str | None) -> bool:
+    return r.spec_hash == want_hash and r.phase == "Ready" and (target is None or r.label == target)
+
+
+def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> Plan:
+    ours = [r for r in existing if r.owner_uid == pool_uid]
+    wanted = {replica_name(pool, i) for i in range(spec.replicas)}
+    have = {r.name for r in ours}
+    create = [i for i in range(spec.replicas) if replica_name(pool, i) not in have]
+    delete = sorted((r.name for r in ours if r.name not in wanted), key=lambda n: -_index(pool, n))
+    current = sorted((r for r in ours if r.name in wanted), key=lambda r: _index(pool, r.name))
+    want_hash = spec_hash(desired_replica_spec(pool, spec))
+    undrain = [r.name for r in current if r.draining and _verified(r, want_hash, spec.target_label)]
+    # A replica at the new spec that is not verified yet still counts against the budget, drained or not.
+    busy = [r for r in current if r.name not in undrain and (r.draining or (
+        r.spec_hash == want_hash and not _verified(r, want_hash, spec.target_label)))]
+    budget = max(0, spec.rollout.max_unavailable - len(busy))
+    outdated = [r.name for r in current if r.spec_hash != want_hash and not r.draining]
+    return Plan(create=create, delete=delete, update=outdated[:budget], undrain=undrain)
+
+
+def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
+                generation: int | None) -> dict[str, Any]:
+    """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target)."""
+    ours = sorted((r for r in existing if r.owner_uid == pool_uid), key=lambda r: _index(pool, r.name))
+    want_hash = spec_hash(desired_replica_spec(pool, spec))
+    target = spec.target_label
+
+    def state(r: ReplicaState) -> str:
+        if _verified(r, want_hash, target):
+            return "Draining" if r.draining else "Updated"
+        return "Updating" if r.spec_hash == want_hash else "Outdated"
+
+    return {
+        "observedGeneration": generation,
+        "replicas": len(ours),
+        "readyReplicas": sum(1 for r in ours if r.phase == "Ready" and not r.draining),
+        "updatedReplicas": sum(1 for r in ours if _verified(r, want_hash, target)),
+        "targetLabel": target,
+        "replicaStatus": [{"name": r.name, "phase": r.phase, "weightsLabel": r.label, "draining": r.draining,
+                           "state": state(r)} for r in ours],
+    }

@@ -1,0 +1,34 @@
+"""`python -m sampler_gateway --pool NAME --namespace NS ...`: run the pool's gateway (flags: `--help`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from .app import create_app
+from .config import GatewayConfig, parse_config
+from .discovery.source import Source
+from .discovery.static import StaticDiscovery
+
+
+def source_for(cfg: GatewayConfig) -> Source:
+    if cfg.discovery == "static":
+        return StaticDiscovery(cfg.static_members(), cfg.replicas_file)
+    from .discovery.kube import KubeDiscovery  # the kubernetes client only when it is used
+
+    return KubeDiscovery(cfg.pool, cfg.namespace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(cfg, source_for(cfg))
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                timeout_graceful_shutdown=10, timeout_keep_alive=75)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

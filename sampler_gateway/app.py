@@ -1,0 +1,68 @@
+"""`create_app`: the gateway's FastAPI application, assembled in one place.
+
+The gateway's services (pool, upstream client, metrics) live on `app.state.gateway`; the refresh
+loop that keeps the pool's view current starts and stops with the app. Authentication (the same
+API key as the replicas, forwarded to them as sent) is applied here once, to every router but
+the probes; the replicas check it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+from fastapi import Depends, FastAPI
+
+from sampler_pod.http.auth import APIKeyAuth
+from sampler_pod.http.errors import install_error_handlers
+from sampler_pod.http.middleware import ClientRequestMiddleware
+
+from .config import GatewayConfig
+from .discovery.refresh import refresh_forever, refresh_once
+from .discovery.source import Source
+from .forward import Gateway
+from .metrics import GatewayMetrics
+from .pool import Pool
+from .routes import health, native, tinker, twinkle
+from .upstream import Upstream
+
+ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
+    metrics = GatewayMetrics()
+    pool = Pool(cfg, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # No total limit: the replicas' own admission (429) is the limit; the gateway only counts.
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                                        auto_decompress=False)
+        app.state.gateway = Gateway(cfg, pool, Upstream(session), metrics)
+        # One refresh before serving: a gateway that starts answers from a known replica set.
+        with contextlib.suppress(Exception):
+            await refresh_once(source, pool, session, min(cfg.health_timeout_s, cfg.refresh_interval_s))
+        refresher = asyncio.create_task(
+            refresh_forever(source, pool, session, cfg.refresh_interval_s, cfg.health_timeout_s), name="refresh")
+        try:
+            yield
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+            await session.close()
+            source.close()
+
+    app = FastAPI(title="sampler-gateway", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    auth = [Depends(APIKeyAuth(cfg.api_key))]
+    for router in (native.router, tinker.router, twinkle.router):
+        app.include_router(router, dependencies=auth)
+    # Last: whatever else is under /api/v1 goes to any replica unchanged.
+    app.add_api_route("/api/v1/{path:path}", tinker.anywhere, methods=ANY_METHOD, dependencies=auth,
+                      include_in_schema=False)
+    return app

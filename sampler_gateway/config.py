@@ -1,0 +1,147 @@
+"""Gateway configuration: every flag, its default and its help, written once in `GatewayConfig`.
+
+The same scheme as the sampler's `sampler_pod/config.py`: field `refresh_interval_s` is the flag
+`--refresh-interval-s` and the environment variable `SAMPLER_GATEWAY_REFRESH_INTERVAL_S`; a flag
+wins over the environment, the environment over the default, and pydantic validates all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, get_origin
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+VersionPolicy = Literal["Latest", "MinVersion", "Any"]
+
+ENV_PREFIX = "SAMPLER_GATEWAY_"
+
+
+class GatewayConfig(BaseModel):
+    pool: str = Field(..., min_length=1,
+                      description="the pool's name (SamplerReplicas labelled sampler.rl.dev/pool=NAME)")
+    namespace: str = Field("default", min_length=1, description="namespace of the pool's SamplerReplicas")
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8080, ge=1, le=65535, description="port to listen on")
+
+    # Where the replica set comes from (discovery/).
+    discovery: Literal["kube", "static"] = Field(
+        "kube", description="`kube`: watch the pool's SamplerReplicas and pods on the API server; "
+                            "`static`: the --replica flags or --replicas-file (tests, running outside Kubernetes)")
+    replicas: list[str] = Field(
+        default_factory=list, description="a replica as NAME=URL (flag --replica, repeatable; env: comma-separated)")
+    replicas_file: Path | None = Field(
+        None, description='JSON list of {"name", "url", "draining"?}, re-read every refresh (static discovery)')
+    refresh_interval_s: float = Field(
+        0.5, gt=0, le=1.0, description="how often each replica's /health is read (and the replica set refreshed)")
+    health_timeout_s: float = Field(1.0, gt=0, description="a replica whose /health takes longer is not ready")
+
+    # Routing.
+    version_policy: VersionPolicy = Field(
+        "Latest", description="Latest: only the newest weights label; MinVersion: labels at or after --min-label; "
+                              "Any: every ready replica")
+    target_label: str | None = Field(
+        None, min_length=1, description="the pool's target weights label (Latest routes only to it once a replica "
+                                        "serves it); unset: the newest label the gateway has seen")
+    min_label: str | None = Field(None, min_length=1, description="MinVersion's floor: the oldest label still served")
+    affinity_header: str = Field(
+        "X-Sampler-Affinity", min_length=1,
+        description="request header whose value (a GRPO group, a session id) prefers one replica")
+    replica_capacity: int = Field(
+        128, ge=1, description="in-flight requests per replica past which an affinity key spills over to another "
+                               "replica (the replicas' --concurrent-task-limit)")
+
+    # Requests.
+    api_key: str | None = Field(None, description="API key required on every route but the probes (forwarded as is)")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="a request's timeout when it names none (the replicas' --request-timeout-s)")
+    max_request_timeout_s: float = Field(3600.0, gt=0, description="largest timeout_s honoured")
+    upstream_grace_s: float = Field(
+        15.0, gt=0, description="added to a request's own timeout to bound the call to its replica (the replica "
+                                "answers 504 itself first, after aborting)")
+    control_timeout_s: float = Field(
+        10.0, gt=0, description="bound of the short calls: submits, sessions, cancels, capabilities")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; past it: 413")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503 when no replica may take the request")
+    log_level: str = Field("info", description="log level")
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewayConfig:
+        if self.discovery == "static" and not self.replicas and self.replicas_file is None:
+            raise ValueError("--discovery static needs --replica NAME=URL or --replicas-file")
+        for r in self.replicas:
+            name, sep, url = r.partition("=")
+            if not sep or not name or not url.startswith(("http://", "https://")):
+                raise ValueError(f"--replica {r!r}: expected NAME=http://HOST:PORT")
+        return self
+
+    def static_members(self) -> list[tuple[str, str]]:
+        """(name, url) of every --replica flag."""
+        return [(n, u.rstrip("/")) for n, _, u in (r.partition("=") for r in self.replicas)]
+
+
+_FLAG_NAMES = {"replicas": "--replica"}
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _flag(field: str) -> str:
+    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+
+
+def _is_bool(field: str) -> bool:
+    return GatewayConfig.model_fields[field].annotation is bool
+
+
+def _is_list(field: str) -> bool:
+    return get_origin(GatewayConfig.model_fields[field].annotation) is list
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sampler_gateway", argument_default=argparse.SUPPRESS,
+                                description="The pool's gateway: one address in front of its sampler replicas.")
+    for name, info in GatewayConfig.model_fields.items():
+        default = "required" if info.is_required() else f"default: {info.get_default(call_default_factory=True)}"
+        help_text = f"{info.description} ({default}; env {env_name(name)})"
+        if _is_bool(name):
+            p.add_argument(_flag(name), dest=name, action="store_true", help=help_text)
+        elif _is_list(name):
+            p.add_argument(_flag(name), dest=name, action="append", help=help_text)
+        else:
+            p.add_argument(_flag(name), dest=name, help=help_text)
+    return p
+
+
+def _from_env(environ: dict[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in GatewayConfig.model_fields:
+        raw = environ.get(env_name(name))
+        if raw is None or raw == "":
+            continue
+        if _is_bool(name):
+            values[name] = raw.lower() in {"1", "true", "yes", "on"}
+        elif _is_list(name):
+            values[name] = [r for r in raw.split(",") if r]  # URLs hold colons: a comma separates
+        else:
+            values[name] = raw
+    return values
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> GatewayConfig:
+    parser = build_parser()
+    flags = vars(parser.parse_args(argv))
+    values = {**_from_env(dict(os.environ) if environ is None else environ), **flags}
+    try:
+        return GatewayConfig(**values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if not first.get("loc"):
+            parser.error(str(first["msg"]).removeprefix("Value error, "))
+        field = str(first["loc"][0])
+        parser.error(f"{_flag(field)} (or {env_name(field)}): {first['msg']}")
+        raise

@@ -1,0 +1,160 @@
+"""Kubernetes discovery: the pool's SamplerReplicas and their pods, watched on the API server.
+
+Members are the namespace's SamplerReplicas of the pool: labelled `sampler.rl.dev/pool=<pool>` (as
+a pool controller labels the replicas it owns) or with `spec.pool: <pool>` (a replica applied by
+hand; its pod carries the label either way). Each one's address is its current pod's IP (the pod
+named in `status.podName`, labelled `sampler.rl.dev/replica=<name>`) and `spec.port`. A replica is
+draining when its SamplerReplica carries the annotation `sampler.rl.dev/draining: "true"` (set by
+the pool controller before it removes or reloads it) or its pod is terminating. Readiness and
+weights come from the replica's own `/health` (refresh loop), fresher than the kubelet's probe. DNS
+is never used: the API server knows a new pod's address the moment it has one.
+
+The pool's target weights label is the SamplerPool's `spec.weights.versionLabel`, read from the
+SamplerPool object (when there is one), so a rollout moves the gateway's target without a restart.
+
+Three list+watch loops (SamplerReplicas, pods, the SamplerPool) run in threads with the blocking
+kubernetes client and keep the latest objects in memory; `membership()` reads that memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..replicas import Member
+from .source import Membership
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
+POOL_PLURAL = "samplerpools"
+POOL_LABEL = "sampler.rl.dev/pool"
+REPLICA_LABEL = "sampler.rl.dev/replica"
+DRAINING_ANNOTATION = "sampler.rl.dev/draining"
+DEFAULT_PORT = 8000
+WATCH_TIMEOUT_S = 60
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """A kubernetes client object (or a dict already) as the API server's JSON."""
+    if isinstance(obj, dict):
+        return obj
+    from kubernetes.client import ApiClient
+
+    plain: dict[str, Any] = ApiClient().sanitize_for_serialization(obj)
+    return plain
+
+
+class _Watch(threading.Thread):
+    """List, then watch from that list's resourceVersion; on any error or expiry, list again."""
+
+    def __init__(self, what: str, list_fn: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(daemon=True, name=f"watch-{what}")
+        self.what, self.list_fn, self.kwargs = what, list_fn, kwargs
+        self.items: dict[str, dict[str, Any]] = {}
+        self.synced = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.items.values())
+
+    def run(self) -> None:
+        from kubernetes import watch
+
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                listed = _plain(self.list_fn(**self.kwargs))
+                backoff = 1.0
+                with self._lock:
+                    self.items = {o["metadata"]["name"]: o for o in listed.get("items", [])}
+                self.synced.set()
+                w = watch.Watch()
+                for ev in w.stream(self.list_fn, resource_version=listed["metadata"]["resourceVersion"],
+                                   timeout_seconds=WATCH_TIMEOUT_S, **self.kwargs):
+                    obj = _plain(ev["object"])
+                    if ev["type"] == "ERROR":
+                        break  # e.g. 410 Gone (resourceVersion too old): list again
+                    name = obj["metadata"]["name"]
+                    with self._lock:
+                        if ev["type"] == "DELETED":
+                            self.items.pop(name, None)
+                        else:
+                            self.items[name] = obj
+                    if self._stop.is_set():
+                        w.stop()
+            except Exception as e:  # the API server restarting, a network blip, no such CRD: list again
+                log.warning("watch of %s failed (again in %.0fs): %s", self.what, backoff, e)
+                self._stop.wait(backoff)
+                backoff = min(30.0, backoff * 2)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def in_pool(cr: dict[str, Any], pool: str) -> bool:
+    labels = cr["metadata"].get("labels") or {}
+    return labels.get(POOL_LABEL) == pool or (cr.get("spec") or {}).get("pool") == pool
+
+
+def target_of(pools: list[dict[str, Any]]) -> str | None:
+    """Pure: the pool's target weights label, from its SamplerPool (if any)."""
+    for p in pools:
+        label = ((p.get("spec") or {}).get("weights") or {}).get("versionLabel")
+        if isinstance(label, str) and label:
+            return label
+    return None
+
+
+def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[Member, ...]:
+    """Pure: the pool's members from the namespace's SamplerReplicas and the pool's pods (a replica
+    without a pod IP is not a member: nothing can reach it, and its futures went with its last pod)."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    out = []
+    for cr in sorted((o for o in replicas if in_pool(o, pool)), key=lambda o: o["metadata"]["name"]):
+        name = cr["metadata"]["name"]
+        pod = by_name.get((cr.get("status") or {}).get("podName") or "")
+        if pod is None or pod["metadata"].get("labels", {}).get(REPLICA_LABEL) != name:
+            continue
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            continue
+        port = (cr.get("spec") or {}).get("port") or DEFAULT_PORT
+        annotations = cr["metadata"].get("annotations") or {}
+        draining = annotations.get(DRAINING_ANNOTATION) == "true" or bool(pod["metadata"].get("deletionTimestamp"))
+        out.append(Member(name=name, url=f"http://{ip}:{port}", draining=draining))
+    return tuple(out)
+
+
+class KubeDiscovery:
+    def __init__(self, pool: str, namespace: str) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        selector = f"{POOL_LABEL}={pool}"
+        custom, core = client.CustomObjectsApi(), client.CoreV1Api()
+        self.pool = pool
+        # Every SamplerReplica of the namespace: one applied by hand names its pool in spec.pool only.
+        self._replicas = _Watch("samplerreplicas", custom.list_namespaced_custom_object, group=GROUP,
+                                version=VERSION, namespace=namespace, plural=PLURAL)
+        self._pods = _Watch("pods", core.list_namespaced_pod, namespace=namespace, label_selector=selector)
+        self._pool = _Watch("samplerpool", custom.list_namespaced_custom_object, group=GROUP, version=VERSION,
+                            namespace=namespace, plural=POOL_PLURAL, field_selector=f"metadata.name={pool}")
+        self._watches = (self._replicas, self._pods, self._pool)
+        for w in self._watches:
+            w.start()
+
+    async def membership(self) -> Membership:
+        return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()),
+                          target_label=target_of(self._pool.snapshot()))
+
+    def close(self) -> None:
+        for w in self._watches:
+            w.stop()

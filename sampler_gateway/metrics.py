@@ -1,0 +1,37 @@
+"""The gateway's Prometheus metrics: what it decided, per replica. A registry per app (tests run
+several gateways in one process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.in_flight = Gauge("sampler_gateway_replica_in_flight", "Requests the gateway has open to the replica",
+                               ["replica"], registry=r)
+        self.routed = Counter("sampler_gateway_routed", "Requests sent to the replica, by kind "
+                              "(new: picked; owner: a future or session it owns)", ["replica", "kind"], registry=r)
+        self.retried = Counter("sampler_gateway_retried", "Requests retried elsewhere after the replica was lost "
+                               "before starting them", ["replica"], registry=r)
+        self.lost = Counter("sampler_gateway_lost", "Requests that failed because the replica was lost while "
+                            "running them", ["replica"], registry=r)
+        self.rejected_by_version = Counter(
+            "sampler_gateway_rejected_by_version", "Times a ready replica was left out of a pick by the version "
+                                               "policy", ["replica"], registry=r)
+        self.stale = Counter("sampler_gateway_stale_responses", "Responses on older weights than one already "
+                             "returned (Latest), not returned", ["replica"], registry=r)
+        self.no_replica = Counter("sampler_gateway_no_replica", "Requests answered 503: no eligible replica",
+                                  registry=r)
+        self.gone = Counter("sampler_gateway_owner_gone", "Future/session requests whose owner is gone "
+                            "(answered with the protocol's expired form)", registry=r)
+        self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

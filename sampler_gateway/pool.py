@@ -1,0 +1,156 @@
+"""The gateway's live state: the latest view of the replicas, its own in-flight counts, the label
+order, and which replicas it saw fail since their last health check. Routes ask it for a replica;
+it calls the pure decisions (`versions.version_filter`, `picker.pick`) and keeps the metrics.
+
+All of it lives in one event loop (uvicorn's), so plain dicts and ints need no locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterator
+
+from .config import GatewayConfig
+from .errors import NoReplica
+from .metrics import GatewayMetrics
+from .picker import pick
+from .replicas import PoolView, ReplicaView
+from .versions import LabelOrder, is_stale, rank, version_filter
+
+
+class Pool:
+    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.metrics, self.clock = cfg, metrics, clock
+        self.view = PoolView()
+        self.order = LabelOrder()
+        self.in_flight: dict[str, int] = {}
+        # Replica -> (when, why) the gateway saw it fail; it stays out until a refresh that started
+        # later finds it ready again (a failed connection is fresher news than the last /health).
+        self._lost: dict[str, tuple[float, str]] = {}
+        self._turn = itertools.count()
+        self.refreshes = 0
+
+    # ---------------------------------------------------------------- what the policy reads
+
+    @property
+    def target(self) -> str | None:
+        return self.view.target_label or self.cfg.target_label
+
+    @property
+    def min_label(self) -> str | None:
+        return self.view.min_label or self.cfg.min_label
+
+    def update(self, view: PoolView) -> None:
+        """A refresh from discovery."""
+        for name, (at, _) in list(self._lost.items()):
+            r = view.by_name.get(name)
+            if r is None or (r.ready and view.started_at > at):
+                del self._lost[name]
+        self.view = view
+        self.order.see((r.weights_label, r.weights_version) for r in view.replicas
+                       if r.ready and r.weights_label is not None)
+        self.refreshes += 1
+        states = {"ready": 0, "draining": 0, "not_ready": 0}
+        for r in view.replicas:
+            states["draining" if r.draining else "ready" if self._usable(r) else "not_ready"] += 1
+        for state, n in states.items():
+            self.metrics.replicas.labels(state=state).set(n)
+
+    def _usable(self, r: ReplicaView) -> bool:
+        return r.ready and not r.draining and r.name not in self._lost
+
+    def candidates(self) -> list[ReplicaView]:
+        """Ready, not draining, not seen failing: before the version policy."""
+        return [r for r in self.view.replicas if self._usable(r)]
+
+    def eligible(self) -> list[ReplicaView]:
+        return version_filter(self.candidates(), self.cfg.version_policy, self.order, self.target, self.min_label)[0]
+
+    # ---------------------------------------------------------------- decisions
+
+    def choose(self, affinity: str | None = None, exclude: frozenset[str] = frozenset(),
+               label: str | None = None, prefer: str | None = None) -> ReplicaView:
+        """The replica for a new request; `label` restricts to one weights label (a retry stays on
+        the version it started on); `prefer` names a replica that takes it whenever it is eligible
+        (the owner of the client's session). Raises NoReplica (503) when none may take it."""
+        cands = [r for r in self.candidates() if r.name not in exclude and (label is None or r.weights_label == label)]
+        allowed, rejected = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)
+        for r in rejected:
+            self.metrics.rejected_by_version.labels(replica=r.name).inc()
+        owner = next((r for r in allowed if r.name == prefer), None)
+        chosen = owner or pick(allowed, self.in_flight, affinity=affinity, capacity=self.cfg.replica_capacity,
+                      turn=next(self._turn))
+        if chosen is None:
+            self.metrics.no_replica.inc()
+            raise NoReplica(self.why_none(exclude, label), self.cfg.retry_after_s)
+        return chosen
+
+    def owner(self, name: str) -> ReplicaView | None:
+        """The replica named by a routed id, whatever its state (a draining or unready replica still
+        holds its futures); None when it is no longer part of the pool."""
+        return self.view.by_name.get(name)
+
+    def mark_lost(self, replica: ReplicaView, why: str) -> None:
+        self._lost[replica.name] = (self.clock(), why)
+
+    def returned(self, replica: ReplicaView, label: str, version: int | None = None) -> bool:
+        """A response on `label` is about to go back to a client: False if the version policy forbids
+        it (stale), else record it (it may be the first of a newer label)."""
+        self.order.see([(label, version)])
+        self._observe(replica, label, version)
+        if is_stale(label, self.cfg.version_policy, self.order, self.target):
+            self.metrics.stale.labels(replica=replica.name).inc()
+            return False
+        self.order.note_returned(label, self.target)
+        return True
+
+    def _observe(self, replica: ReplicaView, label: str, version: int | None) -> None:
+        """A response is fresher news than the last /health: the replica serves `label` now (so a
+        newer label routes at once, not one refresh later)."""
+        current = self.view.by_name.get(replica.name)
+        if current is None or current.weights_label == label:
+            return
+        if rank(self.order.ranks, label, self.target) < rank(self.order.ranks, current.weights_label, self.target):
+            return  # an answer computed before the replica's last load: it says nothing about now
+        updated = dataclasses.replace(current, weights_label=label,
+                                      weights_version=version if version is not None else current.weights_version)
+        self.view = dataclasses.replace(self.view, replicas=tuple(updated if r.name == replica.name else r
+                                                                  for r in self.view.replicas))
+
+    @contextlib.contextmanager
+    def lease(self, replica: ReplicaView, kind: str) -> Iterator[None]:
+        """Count a request as open to `replica` for as long as the block runs."""
+        name = replica.name
+        self.metrics.routed.labels(replica=name, kind=kind).inc()
+        self.in_flight[name] = self.in_flight.get(name, 0) + 1
+        self.metrics.in_flight.labels(replica=name).set(self.in_flight[name])
+        try:
+            yield
+        finally:
+            self.in_flight[name] -= 1
+            self.metrics.in_flight.labels(replica=name).set(self.in_flight[name])
+
+    def why_none(self, exclude: frozenset[str] = frozenset(), label: str | None = None) -> str:
+        if not self.view.replicas:
+            return f"pool {self.cfg.pool!r} has no replicas (yet)"
+        parts = []
+        for r in self.view.replicas:
+            if r.name in exclude:
+                parts.append(f"{r.name}: already tried")
+            elif r.name in self._lost:
+                parts.append(f"{r.name}: lost ({self._lost[r.name][1]})")
+            elif r.draining:
+                parts.append(f"{r.name}: draining")
+            elif not r.ready:
+                parts.append(f"{r.name}: not ready ({r.reason})")
+            elif label is not None and r.weights_label != label:
+                parts.append(f"{r.name}: serves {r.weights_label!r}, not {label!r}")
+            else:
+                parts.append(f"{r.name}: serves {r.weights_label!r}, left out by version policy "
+                             f"{self.cfg.version_policy} (newest returned {self.order.newest_returned!r}, "
+                             f"target {self.target!r})")
+        return "no replica may take this request now: " + "; ".join(parts)

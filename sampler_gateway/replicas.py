@@ -1,0 +1,47 @@
+"""The replica set as the gateway sees it: pure data, produced by discovery, read by the picker.
+
+Discovery (static flags or the API server) says which replicas exist, where and whether they are
+draining; the replica's own `/health` says whether it is ready and which weights it serves. A
+`ReplicaView` is both, as of one refresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Member:
+    """What discovery knows before asking the replica: its name, its address, whether it drains."""
+
+    name: str
+    url: str
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    name: str
+    url: str
+    ready: bool
+    draining: bool
+    weights_label: str | None
+    weights_version: int | None
+    # Why it is not ready (its /health reason, or the error reaching it); None when ready.
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """One refresh of the whole pool. `target_label`/`min_label`: the pool's declared weights, when
+    discovery knows them (the SamplerPool spec); the gateway's flags otherwise."""
+
+    replicas: tuple[ReplicaView, ...] = ()
+    target_label: str | None = None
+    min_label: str | None = None
+    # When this refresh started (time.monotonic): a replica marked lost after it stays out.
+    started_at: float = 0.0
+    by_name: dict[str, ReplicaView] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {r.name: r for r in self.replicas})

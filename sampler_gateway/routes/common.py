@@ -1,0 +1,80 @@
+"""What every protocol's routes share: the gateway services, the outgoing request, the reply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+
+from sampler_pod.errors import InvalidRequest
+
+from ..forward import Gateway
+from ..replicas import ReplicaView
+from ..upstream import Outgoing, Reply, forwardable
+
+REPLICA_HEADER = "X-Sampler-Replica"
+# The replicas' own names for these (the Tinker and Twinkle routes already send them).
+LABEL_HEADER = "X-Sampler-Weights-Label"
+VERSION_HEADER = "X-Sampler-Weights-Version"
+
+
+def gateway_of(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+def outgoing(request: Request, body: bytes, timeout_s: float) -> Outgoing:
+    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return Outgoing(request.method, path, body, forwardable(list(request.headers.items())), timeout_s)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object: the gateway reads a few fields (ids, timeouts) and passes the rest."""
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"the request body is not JSON: {e}", field="body") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", field="body")
+    return body
+
+
+def reply_json(reply: Reply) -> dict[str, Any] | None:
+    """A replica's JSON object answer, or None (protobuf, an empty body, not an object)."""
+    if "json" not in (reply.header("content-type") or ""):
+        return None
+    try:
+        body = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def ascii_header(value: str) -> str:
+    return value.encode("ascii", "backslashreplace").decode()
+
+
+def respond(replica: ReplicaView, reply: Reply, body: bytes | None = None, *, label: str | None = None,
+            version: int | None = None) -> Response:
+    """The replica's answer as the gateway's, stamped with who answered and on which weights."""
+    stamped = {REPLICA_HEADER: replica.name}
+    if label is not None:
+        stamped[LABEL_HEADER] = ascii_header(label)
+    if version is not None:
+        stamped[VERSION_HEADER] = str(version)
+    ours = {k.lower() for k in stamped} | {"content-type"}
+    headers = {k: v for k, v in reply.headers if k.lower() not in ours} | stamped
+    return Response(reply.body if body is None else body, status_code=reply.status, headers=headers,
+                    media_type=reply.header("content-type"))
+
+
+def affinity_of(request: Request) -> str | None:
+    return request.headers.get(gateway_of(request).cfg.affinity_header) or None
+
+
+def timeout_of(gw: Gateway, requested: Any) -> float:
+    """The bound of a sampling call: the request's own timeout (as the replica caps it) plus a grace."""
+    own = requested if isinstance(requested, int | float) and requested > 0 else gw.cfg.request_timeout_s
+    return min(float(own), gw.cfg.max_request_timeout_s) + gw.cfg.upstream_grace_s

@@ -1,0 +1,102 @@
+"""Twinkle's client through the gateway.
+
+Twinkle has no futures (every sample is synchronous); its per-replica state is the session, which
+scopes adapter names on the replica that created it. So a session id is routed like a future id:
+`create_session` returns `<replica>~<id>`, heartbeats and session reads go to that replica, and a
+sampler call carrying the session (`X-Twinkle-Session-Id`) goes to it whenever it is eligible
+(spilling to another replica only when it is not: sampling never needs the session, as in Twinkle).
+The replica always sees its own id. A session whose replica is gone gets Twinkle's answer for an
+expired session: 404 `Unknown session` (the client's heartbeat thread logs it and carries on).
+"""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from sampler_pod.errors import NotFound
+
+from .. import ids
+from ..forward import OwnerGone, to_new, to_owner
+from ..upstream import Outgoing, Reply
+from .common import affinity_of, gateway_of, json_object, outgoing, reply_json, respond, timeout_of
+
+router = APIRouter(prefix="/api/v1", tags=["twinkle"])
+SESSION_HEADER = "X-Twinkle-Session-Id"
+SAMPLER = "/sampler/{model_id:path}/twinkle"
+
+
+def _unknown(session_id: object, why: str) -> NotFound:
+    return NotFound(f"Unknown session {session_id!r}: {why}", field="session_id")
+
+
+def _label(reply: Reply) -> str | None:
+    body = reply_json(reply)
+    label = body.get("weights_label") if body else None
+    return label if isinstance(label, str) else None
+
+
+@router.post("/twinkle/create_session")
+async def create_session(request: Request) -> Response:
+    gw, raw = gateway_of(request), await request.body()
+    replica, reply = await to_new(gw, outgoing(request, raw, gw.cfg.control_timeout_s), resendable=True)
+    body = reply_json(reply) if reply.status == 200 else None
+    inner = body.get("session_id") if body else None
+    if body is None or not isinstance(inner, str) or not inner:
+        return respond(replica, reply)
+    body["session_id"] = ids.encode(replica.name, inner)
+    return respond(replica, reply, orjson.dumps(body))
+
+
+async def _session_owned(request: Request, rid: ids.RoutedId, out: Outgoing) -> Response:
+    """A call about one session, sent to the replica that holds it, under the replica's own id."""
+    try:
+        replica, reply = await to_owner(gateway_of(request), rid, out.with_header(SESSION_HEADER, rid.inner),
+                                        "session")
+    except OwnerGone as e:
+        raise _unknown(str(rid), e.message) from None
+    answer = reply_json(reply)
+    if answer is not None and "session_id" in answer:
+        answer["session_id"] = str(rid)
+        return respond(replica, reply, orjson.dumps(answer))
+    return respond(replica, reply)
+
+
+def _session(session_id: object) -> ids.RoutedId:
+    rid = ids.decode(session_id) if isinstance(session_id, str) else None
+    if rid is None:
+        raise _unknown(session_id, "not issued by this gateway")
+    return rid
+
+
+@router.post("/twinkle/session_heartbeat")
+async def session_heartbeat(request: Request) -> Response:
+    body = json_object(await request.body())
+    rid = _session(body.get("session_id"))
+    out = outgoing(request, orjson.dumps({**body, "session_id": rid.inner}), gateway_of(request).cfg.control_timeout_s)
+    return await _session_owned(request, rid, out)
+
+
+@router.get("/twinkle/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> Response:
+    rid = _session(session_id)
+    out = outgoing(request, b"", gateway_of(request).cfg.control_timeout_s)
+    return await _session_owned(request, rid, out.with_path(f"/api/v1/twinkle/sessions/{rid.inner}"))
+
+
+@router.post(SAMPLER + "/{op}")
+async def sampler_call(model_id: str, op: str, request: Request) -> Response:
+    """create, sample, set_template, add_adapter_to_sampler, apply_patch: to the session's replica."""
+    gw, raw = gateway_of(request), await request.body()
+    session = request.headers.get(SESSION_HEADER)
+    rid = ids.decode(session) if session else None
+    timeout = timeout_of(gw, None) if op == "sample" else gw.cfg.control_timeout_s
+    out = outgoing(request, raw, timeout)
+    if rid is not None:
+        out = out.with_header(SESSION_HEADER, rid.inner)
+    replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
+                                  prefer=rid.replica if rid else None,
+                                  label_of=_label if op == "sample" else None)
+    label = _label(reply) if op == "sample" else None
+    return respond(replica, reply, label=label)

@@ -1,0 +1,106 @@
+"""One HTTP exchange with one replica, and what its failure means for a retry.
+
+- `NotStarted`: the replica never got the request (connection refused, connect timeout): safe to
+  send elsewhere.
+- `Lost`: the connection broke after the request went out (reset, closed, a truncated answer):
+  the replica may have been generating; only a request whose result the client cannot have had
+  yet AND that has no effect (a submit) is sent again.
+- `TimedOut`: no answer within the request's own timeout plus a grace: the replica is stuck.
+
+Bodies are read whole: sampling answers are JSON or protobuf of bounded size, and reading them
+lets the gateway check their weights label before the client sees a byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+from .replicas import ReplicaView
+
+# Connection-level headers are the two hops' own business; never copied across the gateway.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "trailers", "transfer-encoding", "upgrade", "host", "content-length", "content-encoding",
+                        "accept-encoding", "date", "server"})
+CONNECT_TIMEOUT_S = 2.0
+
+
+class NotStarted(Exception):
+    pass
+
+
+class Lost(Exception):
+    pass
+
+
+class TimedOut(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    method: str
+    path: str  # with its query string
+    body: bytes
+    headers: tuple[tuple[str, str], ...]
+    timeout_s: float
+
+    def with_body(self, body: bytes) -> Outgoing:
+        return Outgoing(self.method, self.path, body, self.headers, self.timeout_s)
+
+    def with_path(self, path: str) -> Outgoing:
+        return Outgoing(self.method, path, self.body, self.headers, self.timeout_s)
+
+    def with_header(self, name: str, value: str) -> Outgoing:
+        kept = tuple((k, v) for k, v in self.headers if k.lower() != name.lower())
+        return Outgoing(self.method, self.path, self.body, (*kept, (name, value)), self.timeout_s)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+
+def forwardable(headers: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    return tuple((k, v) for k, v in headers if k.lower() not in HOP_BY_HOP)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+class Sender(Protocol):
+    """What the forwarding needs of the upstream: one exchange with one replica."""
+
+    async def send(self, replica: ReplicaView, out: Outgoing) -> Reply: ...
+
+
+class Upstream:
+    """The gateway's one HTTP client to its replicas (a pooled aiohttp session)."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        timeout = aiohttp.ClientTimeout(total=out.timeout_s, connect=CONNECT_TIMEOUT_S)
+        try:
+            # Identity encoding: the gateway reads answers (ids, weights labels) before passing them on.
+            async with self.session.request(out.method, replica.url + out.path, data=out.body,
+                                            headers=[*out.headers, ("Accept-Encoding", "identity")],
+                                            timeout=timeout, allow_redirects=False) as r:
+                body = await r.read()
+                return Reply(r.status, forwardable(list(r.headers.items())), body)
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as e:
+            raise NotStarted(_describe(e)) from None
+        except TimeoutError:
+            raise TimedOut(f"no answer within {out.timeout_s:g}s") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise Lost(_describe(e)) from None

@@ -1,0 +1,89 @@
+"""The version policy: which replicas may answer, by the weights label they serve (pure).
+
+Weights are named by their label (`step-120`). A replica's `weights_version` counts the loads of
+THAT replica, so versions of two replicas are not comparable (a replacement that starts at
+step-120 reports version 1); the label is the identity, and "newer" is an order on labels:
+
+- the pool's target label (declared on the SamplerPool, or `--target-label`) is newest of all;
+- otherwise labels rank by when the gateway first saw them (from `/health` or in a response): a
+  trainer pushing step-121 makes it appear after step-120. Labels first seen in the same refresh
+  (a gateway starting in the middle of a rollout) rank by the replica's version, then by name.
+
+Policies:
+- `Any`: every ready, non-draining replica.
+- `MinVersion`: replicas at `min_label` or newer; old labels keep serving until each replica is
+  updated (no floor configured: like `Any`).
+- `Latest`: only replicas at the newest label any ready replica serves; if that is older than a
+  label already returned to a client, none (capacity dips; a client never gets an older version
+  after a newer one). A response that still comes back older (it was in flight on an old replica)
+  is stale: the gateway does not return it (`is_stale`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .config import VersionPolicy
+from .replicas import ReplicaView
+
+NEWEST = 1 << 62  # the target's rank: above every label seen
+UNKNOWN = -1
+
+
+def rank(order: Mapping[str, int], label: str | None, target: str | None) -> int:
+    if label is None:
+        return UNKNOWN
+    if label == target:
+        return NEWEST
+    return order.get(label, UNKNOWN)
+
+
+@dataclass
+class LabelOrder:
+    """The labels in the order first seen, and the newest one returned to a client. The gateway's
+    only routing memory; a restarted gateway rebuilds it from the replicas (see docs/pool.md)."""
+
+    ranks: dict[str, int] = field(default_factory=dict)
+    newest_returned: str | None = None
+
+    def see(self, labels: Iterable[tuple[str, int | None]]) -> None:
+        """(label, replica version) pairs of one refresh or one response."""
+        new = sorted({(v if v is not None else -1, lbl) for lbl, v in labels if lbl not in self.ranks})
+        for _, lbl in new:
+            if lbl not in self.ranks:
+                self.ranks[lbl] = len(self.ranks)
+
+    def note_returned(self, label: str, target: str | None) -> None:
+        """A response on `label` went back to a client."""
+        self.see([(label, None)])
+        if rank(self.ranks, label, target) >= rank(self.ranks, self.newest_returned, target):
+            self.newest_returned = label
+
+
+def version_filter(candidates: Sequence[ReplicaView], policy: VersionPolicy, order: LabelOrder,
+                   target: str | None, min_label: str | None) -> tuple[list[ReplicaView], list[ReplicaView]]:
+    """(allowed, rejected by version) among ready, non-draining `candidates`."""
+    if policy == "Any" or not candidates:
+        return list(candidates), []
+    ranks = order.ranks
+    if policy == "MinVersion":
+        if min_label is None or rank(ranks, min_label, target) == UNKNOWN:
+            return list(candidates), []
+        floor = rank(ranks, min_label, target)
+    else:
+        floor = max(rank(ranks, r.weights_label, target) for r in candidates)
+        if floor < rank(ranks, order.newest_returned, target):
+            return [], list(candidates)
+    allowed = [r for r in candidates if rank(ranks, r.weights_label, target) >= floor]
+    if policy == "Latest":
+        allowed = [r for r in allowed if rank(ranks, r.weights_label, target) == floor]
+    rejected = [r for r in candidates if r not in allowed]
+    return allowed, rejected
+
+
+def is_stale(label: str, policy: VersionPolicy, order: LabelOrder, target: str | None) -> bool:
+    """Under Latest, a response on a label older than one already returned must not be returned."""
+    if policy != "Latest" or order.newest_returned is None:
+        return False
+    return rank(order.ranks, label, target) < rank(order.ranks, order.newest_returned, target)

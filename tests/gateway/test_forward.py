@@ -1,0 +1,138 @@
+"""A request's life (`forward.to_new` / `to_owner`) against scripted replicas: which failures are
+retried, where, and what the client is told. The upstream is a stand-in that answers per replica,
+so every branch is reached deterministically (the process tests cover the real sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from sampler_gateway.config import GatewayConfig
+from sampler_gateway.errors import NoReplica, ReplicaLost, ReplicaTimeout
+from sampler_gateway.forward import Gateway, OwnerGone, to_new, to_owner
+from sampler_gateway.ids import RoutedId
+from sampler_gateway.metrics import GatewayMetrics
+from sampler_gateway.pool import Pool
+from sampler_gateway.replicas import PoolView, ReplicaView
+from sampler_gateway.upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
+
+OUT = Outgoing("POST", "/v1/sample", b"{}", (), 5.0)
+Script = Callable[[ReplicaView], Reply]
+
+
+class ScriptedUpstream:
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.calls: list[str] = []
+
+    async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        self.calls.append(replica.name)
+        return self.script(replica)
+
+
+def ok(label: str = "step-1") -> Reply:
+    return Reply(200, (("content-type", "application/json"),), label.encode())
+
+
+def gateway(script: Script, replicas: list[ReplicaView], policy: str = "Any") -> tuple[Gateway, ScriptedUpstream]:
+    cfg = GatewayConfig.model_validate({"pool": "p", "discovery": "static", "replicas": ["a=http://a"],
+                                        "version_policy": policy})
+    metrics = GatewayMetrics()
+    pool = Pool(cfg, metrics)
+    pool.update(PoolView(tuple(replicas)))
+    up = ScriptedUpstream(script)
+    return Gateway(cfg, pool, up, metrics), up
+
+
+def rv(name: str, label: str = "step-1") -> ReplicaView:
+    return ReplicaView(name, f"http://{name}", True, False, label, 3)
+
+
+def raise_for(errors: dict[str, Exception], label: str = "step-1") -> Script:
+    def script(r: ReplicaView) -> Reply:
+        if r.name in errors:
+            raise errors[r.name]
+        return ok(label)
+    return script
+
+
+def label_of(reply: Reply) -> str:
+    return reply.body.decode()
+
+
+def counter(gw: Gateway, name: str, replica: str) -> float:
+    value = gw.metrics.registry.get_sample_value(name, {"replica": replica})
+    return value or 0.0
+
+
+async def test_not_started_is_retried_once_on_another_replica_at_the_same_label() -> None:
+    gw, up = gateway(raise_for({"a": NotStarted("connection refused")}),
+                     [rv("a"), rv("b", "step-0"), rv("c")])
+    replica, _ = await to_new(gw, OUT)
+    assert up.calls == ["a", "c"] and replica.name == "c"  # b serves other weights: never the retry
+    assert counter(gw, "sampler_gateway_retried_total", "a") == 1
+    # "a" is out of routing until a later refresh finds it ready.
+    assert "a" not in {r.name for r in gw.pool.candidates()}
+
+
+async def test_second_refusal_is_a_502_naming_both() -> None:
+    gw, up = gateway(raise_for({"a": NotStarted("refused"), "b": NotStarted("refused")}), [rv("a"), rv("b")])
+    with pytest.raises(ReplicaLost) as e:
+        await to_new(gw, OUT)
+    assert e.value.status_code == 502 and "replica b" in e.value.message and up.calls == ["a", "b"]
+
+
+async def test_lost_mid_request_is_a_clear_502_unless_resendable() -> None:
+    gw, up = gateway(raise_for({"a": Lost("ServerDisconnectedError")}), [rv("a"), rv("b")])
+    with pytest.raises(ReplicaLost) as e:
+        await to_new(gw, OUT)
+    assert e.value.category == "replica_lost"
+    assert "replica a (weights 'step-1', version 3) was lost while running the request" in e.value.message
+    assert up.calls == ["a"] and counter(gw, "sampler_gateway_lost_total", "a") == 1
+    # A submit's id never reached the client: sending it again duplicates nothing it saw.
+    gw, up = gateway(raise_for({"a": Lost("reset")}), [rv("a"), rv("b")])
+    replica, _ = await to_new(gw, OUT, resendable=True)
+    assert replica.name == "b" and up.calls == ["a", "b"]
+
+
+async def test_timeout_is_a_504_naming_the_replica() -> None:
+    gw, _ = gateway(raise_for({"a": TimedOut("no answer within 5s")}), [rv("a")])
+    with pytest.raises(ReplicaTimeout, match="replica a .*no answer within 5s"):
+        await to_new(gw, OUT)
+
+
+async def test_latest_never_returns_older_weights_after_newer() -> None:
+    new_at_step_2 = rv("new", "step-2")
+
+    def script(r: ReplicaView) -> Reply:
+        if r.name == "old":
+            # While "old" runs this request, "new" loads step-2 and answers a client with it.
+            gw.pool.returned(new_at_step_2, "step-2")
+            return ok("step-1")
+        return ok(r.weights_label or "")
+
+    gw, up = gateway(script, [rv("old"), rv("new")], policy="Latest")
+    gw.pool.in_flight["new"] = 1  # "old" is the least loaded: the first pick
+    replica, reply = await to_new(gw, OUT, label_of=label_of)
+    # The step-1 answer came back after a step-2 one: dropped, and the request re-run on step-2.
+    assert up.calls == ["old", "new"] and replica.name == "new" and label_of(reply) == "step-2"
+    assert gw.metrics.registry.get_sample_value("sampler_gateway_stale_responses_total", {"replica": "old"}) == 1
+    # The answer moved "new" to step-2 in the gateway's view at once: only it takes requests now.
+    gw.pool.in_flight["new"] = 0
+    assert {gw.pool.choose().name for _ in range(4)} == {"new"}
+    # Without a replica at step-2, Latest refuses (capacity dips) rather than answer on step-1.
+    gw.pool.update(PoolView((rv("old", "step-1"),)))
+    with pytest.raises(NoReplica):
+        await to_new(gw, OUT, label_of=label_of)
+
+
+async def test_owner_gone_lost_or_restarted() -> None:
+    gw, _ = gateway(raise_for({"a": Lost("reset")}), [rv("a"), rv("b")])
+    with pytest.raises(OwnerGone, match="replica a .*was lost"):
+        await to_owner(gw, RoutedId("a", "x"), OUT, "future")
+    with pytest.raises(OwnerGone, match="no longer in pool"):
+        await to_owner(gw, RoutedId("z", "x"), OUT, "future")
+    gw, _ = gateway(lambda r: Reply(404, (), b"{}"), [rv("a")])
+    with pytest.raises(OwnerGone, match="restarted"):
+        await to_owner(gw, RoutedId("a", "x"), OUT, "future")

@@ -1,0 +1,68 @@
+"""The gateway's Kubernetes discovery against a REAL kube-apiserver: SamplerReplicas of a pool turned
+into real sampler processes by the operator and the process kubelet (each pod on its own loopback IP),
+found by the gateway through the API server's watch, never DNS: routed to, drained by annotation,
+dropped when deleted (with their futures answered as expired)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.operator.envtest.test_fast_tier import cr_body, create, status
+from tests.support import k8s as ks
+from tests.support.gateway import run_gateway
+from tests.support.operator_harness import ProcessKubelet
+
+pytestmark = pytest.mark.envtest
+G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
+BODY = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4}}
+
+
+def test_kube_discovery_routes_drains_and_forgets(k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path,
+                                                  tmp_path: Path) -> None:
+    kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
+    try:
+        port = ks.free_port()
+        for name in ("g0", "g1"):
+            body = cr_body(name, port, model=str(tiny_model), pool="gp")
+            body["spec"].pop("resources")  # the fake engine needs no GPU
+            create(api, ns, body)
+        # Not in the pool: never routed to.
+        other = cr_body("x0", port, model=str(tiny_model), pool="other")
+        other["spec"].pop("resources")
+        create(api, ns, other)
+        for name in ("g0", "g1", "x0"):
+            ks.wait_for(lambda name=name: status(api, ns, name).get("phase") == "Ready", 120, 0.1, f"{name} Ready")
+        with run_gateway(None, pool="gp", namespace=ns, env=k8s.subprocess_env()) as gw:
+            gw.wait_eligible({"g0", "g1"}, timeout=60)
+            urls = {r["name"]: r["url"] for r in gw.health()["replicas"]}
+            assert urls == {n: kubelet.url(status(api, ns, n)["podName"], port) for n in ("g0", "g1")}
+            c = httpx.Client(base_url=gw.url, timeout=30)
+            seen = {c.post("/v1/sample", json=BODY).headers["x-sampler-replica"] for _ in range(6)}
+            assert seen == {"g0", "g1"}
+            rid = ""
+            while not rid.startswith("g1~"):
+                rid = c.post("/v1/sample/submit", json=BODY).json()["request_id"]
+            # The pool controller's drain mark: g1 takes no new work, still answers for its futures.
+            api.custom.patch_namespaced_custom_object(
+                G, V, ns, P, "g1", {"metadata": {"annotations": {"sampler.rl.dev/draining": "true"}}})
+            gw.wait_eligible({"g0"})
+            assert {c.post("/v1/sample", json=BODY).headers["x-sampler-replica"] for _ in range(6)} == {"g0"}
+            rid2 = ""
+            api.custom.patch_namespaced_custom_object(
+                G, V, ns, P, "g1", {"metadata": {"annotations": {"sampler.rl.dev/draining": None}}})
+            gw.wait_eligible({"g0", "g1"})
+            while not rid2.startswith("g1~"):
+                rid2 = c.post("/v1/sample/submit", json=BODY).json()["request_id"]
+            r = c.post("/v1/sample/retrieve", json={"request_id": rid})
+            assert r.status_code == 200 and r.headers["x-sampler-replica"] == "g1"
+            # g1 deleted: it leaves the pool; its future is expired (resubmit), never a 404 or a hang.
+            api.custom.delete_namespaced_custom_object(G, V, ns, P, "g1")
+            gw.wait(lambda h: {r["name"] for r in h["replicas"]} == {"g0"}, "g1 gone", timeout=60)
+            r = c.post("/v1/sample/retrieve", json={"request_id": rid2})
+            assert r.status_code == 410 and r.json()["error"]["category"] == "expired"
+            assert c.post("/v1/sample", json=BODY).headers["x-sampler-replica"] == "g0"
+    finally:
+        kubelet.stop()

@@ -1,0 +1,147 @@
+"""The SamplerPool controller (the operator, a real subprocess) against a REAL kube-apiserver: the
+pool owns N SamplerReplicas (owner references, garbage-collected with it), scales up and down,
+reports READY/UPDATED, and rolls a weights change out one replica at a time (maxUnavailable 1),
+each marked draining while it changes and put back once it serves the target label. The rollout
+case runs REAL sampler processes (fake engine) through the process kubelet, so the loads are real."""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import k8s as ks
+from tests.support.gateway import run_gateway
+from tests.support.operator_harness import FakeKubelet, ProcessKubelet, ok
+
+pytestmark = pytest.mark.envtest
+G, V = "sampler.rl.dev", "v1alpha1"
+DRAINING = "sampler.rl.dev/draining"
+
+
+def pool_body(name: str, replicas: int, template: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": f"{G}/{V}", "kind": "SamplerPool", "metadata": {"name": name},
+            "spec": {"replicas": replicas, "template": template, **spec}}
+
+
+def template(port: int, **extra: Any) -> dict[str, Any]:
+    return {"model": "/models/tiny", "image": "local/sampler-base:dev", "engine": "fake", "port": port,
+            "health": {"periodSeconds": 1, "timeoutSeconds": 1, "failureThreshold": 3}, **extra}
+
+
+def replicas_of(api: Any, ns: str) -> dict[str, dict[str, Any]]:
+    items = api.custom.list_namespaced_custom_object(G, V, ns, "samplerreplicas")["items"]
+    return {o["metadata"]["name"]: o for o in items}
+
+
+def _get(k8s: Any, ns: str, kind: str, name: str) -> dict[str, Any] | None:
+    out = k8s.kubectl("-n", ns, "get", kind, name, "-o", "json", "--ignore-not-found")
+    return json.loads(out) if out.strip() else None
+
+
+def pool_status(api: Any, ns: str, name: str) -> dict[str, Any]:
+    return api.custom.get_namespaced_custom_object(G, V, ns, "samplerpools", name).get("status") or {}
+
+
+def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any) -> None:
+    kubelet = FakeKubelet(api.core, ns, lambda pod, n: ok(1))
+    try:
+        pool = api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools",
+                                                          pool_body("p", 2, template(ks.free_port())))
+        uid = pool["metadata"]["uid"]
+        ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0", "p-1"], 60, 0.1, "2 replicas")
+        for o in replicas_of(api, ns).values():
+            assert o["metadata"]["labels"]["sampler.rl.dev/pool"] == "p"
+            assert [(r["kind"], r["uid"], r["controller"]) for r in o["metadata"]["ownerReferences"]] == [
+                ("SamplerPool", uid, True)]
+            assert o["spec"]["pool"] == "p" and o["spec"]["engine"] == "fake"
+        st = ks.wait_for(lambda: (s := pool_status(api, ns, "p")).get("readyReplicas") == 2 and s, 60, 0.2,
+                         "both Ready")
+        assert st["replicas"] == 2 and st["updatedReplicas"] == 2 and st.get("targetLabel") is None
+        row = k8s.kubectl("-n", ns, "get", "sp", "p", "--no-headers").split()
+        assert row[:3] == ["p", "2", "2"], row
+        # The pool's gateway: a Deployment and a Service (plus its discovery's account), owned by the pool.
+        dep = ks.wait_for(lambda: _get(k8s, ns, "deployment", "p-gateway"), 30, 0.2, "the gateway Deployment")
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["command"] == ["python", "-m", "sampler_gateway"] and c["args"][:6] == [
+            "--pool", "p", "--namespace", ns, "--discovery", "kube"]
+        for kind in ("deployment", "service", "serviceaccount", "role", "rolebinding"):
+            obj = ks.wait_for(lambda kind=kind: _get(k8s, ns, kind, "p-gateway"), 30, 0.2, f"gateway {kind}")
+            assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid], kind
+        k8s.kubectl("-n", ns, "scale", "sp", "p", "--replicas=3")
+        ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0", "p-1", "p-2"], 60, 0.1, "scaled to 3")
+        ks.wait_for(lambda: pool_status(api, ns, "p").get("readyReplicas") == 3, 60, 0.2, "3 Ready")
+        k8s.kubectl("-n", ns, "scale", "sp", "p", "--replicas=1")
+        ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0"], 60, 0.1, "scaled to 1 (highest first)")
+        # A replica the pool does not own, even with the pool's label, is never touched.
+        api.custom.create_namespaced_custom_object(G, V, ns, "samplerreplicas", {
+            "apiVersion": f"{G}/{V}", "kind": "SamplerReplica",
+            "metadata": {"name": "p-5", "labels": {"sampler.rl.dev/pool": "p"}}, "spec": template(ks.free_port())})
+        ks.wait_for(lambda: pool_status(api, ns, "p").get("replicas") == 1, 30, 0.2, "status of 1")
+        # The pool deleted: its replicas go with it (garbage collection); the foreign one stays.
+        api.custom.delete_namespaced_custom_object(G, V, ns, "samplerpools", "p")
+        ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-5"], 60, 0.2, "owned replicas collected")
+        ks.wait_for(lambda: _get(k8s, ns, "deployment", "p-gateway") is None, 60, 0.2, "gateway collected")
+    finally:
+        kubelet.stop()
+
+
+def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path,
+                                                tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    for label in ("step-1", "step-2"):
+        (root / label).mkdir(parents=True)
+        shutil.copy(tiny_model / "model.safetensors", root / label / "model.safetensors")
+    kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
+    draining_at_once: list[int] = []
+    done = threading.Event()
+
+    def watch_drains() -> None:
+        while not done.is_set():
+            reps = replicas_of(api, ns)
+            draining_at_once.append(sum(1 for o in reps.values()
+                                        if (o["metadata"].get("annotations") or {}).get(DRAINING) == "true"))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_drains, daemon=True)
+    stack = contextlib.ExitStack()
+    try:
+        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
+        body = pool_body("w", 3, tpl, weights={"checkpoint": str(root / "step-1"), "versionLabel": "step-1"},
+                         rollout={"maxUnavailable": 1})
+        api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", body)
+        ks.wait_for(lambda: pool_status(api, ns, "w").get("updatedReplicas") == 3, 120, 0.2, "3 at step-1")
+        # The pool's gateway, run here as a process with the Deployment's discovery (kube): its target
+        # label is the pool's, read from the SamplerPool, and it moves with the rollout.
+        gw = stack.enter_context(run_gateway(None, pool="w", namespace=ns, env=k8s.subprocess_env()))
+        gw.wait(lambda h: h["target_label"] == "step-1" and sum(r["eligible"] for r in h["replicas"]) == 3,
+                "the pool at step-1", timeout=60)
+        watcher.start()
+        api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", "w", {
+            "spec": {"weights": {"checkpoint": str(root / "step-2"), "versionLabel": "step-2"}}})
+        gw.wait(lambda h: h["target_label"] == "step-2", "the new target", timeout=60)
+        st = ks.wait_for(lambda: (s := pool_status(api, ns, "w")).get("targetLabel") == "step-2"
+                         and s.get("updatedReplicas") == 3 and s.get("readyReplicas") == 3 and s, 120, 0.2,
+                         "3 at step-2")
+        h = gw.wait(lambda h: sum(r["eligible"] for r in h["replicas"]) == 3, "3 eligible at step-2", timeout=60)
+        assert {r["weights_label"] for r in h["replicas"]} == {"step-2"}
+        r = httpx.post(gw.url + "/v1/sample", json={"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}})
+        assert r.status_code == 200 and r.headers["x-sampler-weights-label"] == "step-2"
+        done.set()
+        watcher.join(5)
+        assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-2"] * 3
+        # At most maxUnavailable replicas out of routing at any moment, and each one was.
+        assert max(draining_at_once) == 1, draining_at_once
+        for o in replicas_of(api, ns).values():
+            assert DRAINING not in (o["metadata"].get("annotations") or {})
+            assert o["status"]["weights"]["label"] == "step-2"
+    finally:
+        done.set()
+        stack.close()
+        kubelet.stop()

@@ -1,0 +1,62 @@
+"""The SamplerPool CRD on a REAL kube-apiserver: defaults, `kubectl get sp` columns, the scale
+subresource, schema errors naming the field, and the example. (The pool controller is not built yet:
+these check the resource only.)"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.support import REPO_ROOT
+from tests.support import k8s as ks
+
+pytestmark = pytest.mark.envtest
+
+
+@pytest.fixture(scope="module")
+def pool_crd(crd: Any) -> None:
+    """The session's CRDs (conftest: both SamplerReplica and SamplerPool)."""
+
+
+def pool(name: str, **spec: Any) -> str:
+    body = {"apiVersion": "sampler.rl.dev/v1alpha1", "kind": "SamplerPool", "metadata": {"name": name},
+            "spec": {"replicas": 2, "template": {"model": "/models/tiny", "image": "local/sampler:dev"}, **spec}}
+    return json.dumps(body)
+
+
+def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: None, ns: str) -> None:
+    k8s.kubectl("-n", ns, "apply", "-f", "-", input=pool("p1", weights={"checkpoint": "/ckpt/step-2",
+                                                                        "versionLabel": "step-2"}))
+    got = k8s.kubectl_json("-n", ns, "get", "sp", "p1")
+    assert got["spec"]["rollout"] == {"maxUnavailable": 1, "mode": "Drain"}
+    assert got["spec"]["routing"] == {"versionPolicy": "Latest",
+                                      "affinity": {"header": "X-Sampler-Affinity", "replicaCapacity": 128}}
+    assert got["spec"]["gateway"] == {"replicas": 1, "port": 8080}
+    header = k8s.kubectl("-n", ns, "get", "sp", "p1").splitlines()[0].split()
+    assert header == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"]
+    # The status a pool controller reports (the status subresource): one of two replicas updated.
+    api.custom.patch_namespaced_custom_object_status("sampler.rl.dev", "v1alpha1", ns, "samplerpools", "p1", {
+        "status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 1, "targetLabel": "step-2"}})
+    row = k8s.kubectl("-n", ns, "get", "samplerpool", "p1", "--no-headers").split()
+    assert row[:5] == ["p1", "2", "2", "step-2", "1"], row
+    k8s.kubectl("-n", ns, "scale", "sp", "p1", "--replicas=3")
+    assert k8s.kubectl_json("-n", ns, "get", "sp", "p1")["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({"routing": {"versionPolicy": "Newest"}}, "spec.routing.versionPolicy"),
+    ({"rollout": {"mode": "Yolo"}}, "spec.rollout.mode"),
+    ({"rollout": {"maxUnavailable": 0}}, "spec.rollout.maxUnavailable"),
+    ({"replicas": -1}, "spec.replicas"),
+    ({"weights": {"checkpoint": "relative/step-1", "versionLabel": "s"}}, "spec.weights.checkpoint"),
+    ({"template": {"model": "/m"}}, "spec.template.image"),
+])
+def test_schema_errors_name_the_field(k8s: Any, pool_crd: None, ns: str, spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(ks.CommandError) as e:
+        k8s.kubectl("-n", ns, "apply", "-f", "-", input=pool("bad", **spec))
+    assert field in e.value.stderr, e.value.stderr
+
+
+def test_pool_example_passes_the_api_server_schema(k8s: Any, pool_crd: None, ns: str) -> None:
+    k8s.kubectl("-n", ns, "apply", "--dry-run=server", "-f", str(REPO_ROOT / "examples" / "samplerpool.yaml"))

@@ -1,0 +1,118 @@
+"""The SamplerPool controller's pure decisions: owned replicas, scale, batched rollout, status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sampler_operator.pool_plan import (
+    ANNOTATION_DRAINING,
+    ANNOTATION_SPEC_HASH,
+    Plan,
+    PoolSpec,
+    ReplicaState,
+    desired_replica_spec,
+    plan,
+    pool_status,
+    replica_body,
+    spec_hash,
+)
+from sampler_operator.spec import parse_spec
+
+UID = "uid-1"
+TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
+
+
+def spec(replicas: int = 3, label: str | None = "step-1", max_unavailable: int = 1) -> PoolSpec:
+    weights = {"checkpoint": f"/ckpt/{label}", "versionLabel": label} if label else None
+    return PoolSpec.model_validate({"replicas": replicas, "template": TEMPLATE, "weights": weights,
+                                    "rollout": {"maxUnavailable": max_unavailable}})
+
+
+def at(s: PoolSpec, name: str, *, phase: str = "Ready", label: str | None = None, draining: bool = False,
+       owner: str | None = UID) -> ReplicaState:
+    return ReplicaState(name, owner, spec_hash(desired_replica_spec("p", s)), draining, phase,
+                        label if label is not None else s.target_label)
+
+
+def test_replica_body_is_owned_labelled_and_a_valid_replica_spec() -> None:
+    body = replica_body("p", "ns", UID, spec(), 2)
+    meta = body["metadata"]
+    assert meta["name"] == "p-2" and meta["labels"]["sampler.rl.dev/pool"] == "p"
+    assert meta["ownerReferences"] == [{"apiVersion": "sampler.rl.dev/v1alpha1", "kind": "SamplerPool", "name": "p",
+                                        "uid": UID, "controller": True, "blockOwnerDeletion": True}]
+    assert body["spec"]["pool"] == "p" and body["spec"]["weights"]["versionLabel"] == "step-1"
+    assert meta["annotations"][ANNOTATION_SPEC_HASH] == spec_hash(body["spec"])
+    parse_spec(body["spec"])  # the replica controller accepts it
+    state = ReplicaState.from_object({**body, "status": {"phase": "Ready", "weights": {"label": "step-1"}}})
+    assert state == ReplicaState("p-2", UID, spec_hash(body["spec"]), False, "Ready", "step-1")
+
+
+def test_scale_up_and_down_only_touches_its_own_replicas() -> None:
+    s = spec(replicas=3)
+    foreign = at(s, "p-7", owner="someone-else")
+    assert plan("p", UID, s, [at(s, "p-1"), foreign]) == Plan(create=[0, 2])
+    down = spec(replicas=1)
+    got = plan("p", UID, down, [at(down, "p-0"), at(down, "p-1"), at(down, "p-2"), foreign])
+    assert got == Plan(delete=["p-2", "p-1"])  # highest index first; the foreign one is never deleted
+
+
+def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
+    old, new = spec(label="step-1"), spec(label="step-2")
+    replicas = [at(old, f"p-{i}") for i in range(3)]
+    first = plan("p", UID, new, replicas)
+    assert first == Plan(update=["p-0"])
+    # p-0 got the new spec and drains; until it reports step-2 and Ready nothing else moves.
+    loading = [at(new, "p-0", label="step-1", draining=True), *replicas[1:]]
+    assert plan("p", UID, new, loading) == Plan()
+    assert plan("p", UID, new, [at(new, "p-0", phase="Starting", draining=True), *replicas[1:]]) == Plan()
+    verified = [at(new, "p-0", draining=True), *replicas[1:]]
+    assert plan("p", UID, new, verified) == Plan(update=["p-1"], undrain=["p-0"])
+    # maxUnavailable 2: two at a time.
+    assert plan("p", UID, spec(label="step-2", max_unavailable=2), replicas).update == ["p-0", "p-1"]
+    done = [at(new, f"p-{i}") for i in range(3)]
+    assert plan("p", UID, new, done).empty()
+
+
+def test_status_counts_ready_and_updated() -> None:
+    old, new = spec(label="step-1"), spec(label="step-2")
+    replicas = [at(new, "p-0"), at(new, "p-1", label="step-1", draining=True), at(old, "p-2"),
+                at(old, "x", owner="other")]
+    st = pool_status("p", UID, new, replicas, 4)
+    assert (st["replicas"], st["readyReplicas"], st["updatedReplicas"], st["targetLabel"]) == (3, 2, 1, "step-2")
+    assert [(r["name"], r["state"]) for r in st["replicaStatus"]] == [
+        ("p-0", "Updated"), ("p-1", "Updating"), ("p-2", "Outdated")]
+    assert st["observedGeneration"] == 4
+
+
+def test_from_object_reads_the_drain_mark() -> None:
+    obj: dict[str, Any] = {"metadata": {"name": "p-0", "annotations": {ANNOTATION_DRAINING: "true"}}, "status": {}}
+    st = ReplicaState.from_object(obj)
+    assert st.draining and st.owner_uid is None and st.phase is None and st.label is None
+
+
+def test_gateway_objects_follow_the_pool_spec() -> None:
+    from sampler_operator.pool_gateway import gateway_objects
+
+    pool_spec = {"template": {**TEMPLATE, "apiKeySecretRef": {"name": "k"}, "requestTimeoutSeconds": 60},
+                 "routing": {"versionPolicy": "MinVersion", "affinity": {"header": "X-Group", "replicaCapacity": 8}},
+                 "gateway": {"replicas": 2, "port": 9090}, "weights": {"checkpoint": "/ckpt/s", "versionLabel": "s"}}
+    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec)}
+    assert list(objs) == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == UID and o["metadata"]["name"] == "p-gateway"
+               for o in objs.values())
+    dep = objs["Deployment"]["spec"]
+    c = dep["template"]["spec"]["containers"][0]
+    assert dep["replicas"] == 2 and c["image"] == "img" and c["command"] == ["python", "-m", "sampler_gateway"]
+    args = dict(zip(c["args"][::2], c["args"][1::2], strict=True))
+    assert args == {"--pool": "p", "--namespace": "ns", "--discovery": "kube", "--host": "0.0.0.0",
+                    "--port": "9090", "--version-policy": "MinVersion", "--affinity-header": "X-Group",
+                    "--replica-capacity": "8", "--request-timeout-s": "60"}
+    # The target label is read from the pool by the gateway, never a flag (no restart per rollout).
+    assert "--target-label" not in c["args"]
+    assert c["env"] == [{"name": "SAMPLER_GATEWAY_API_KEY",
+                         "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
+    assert dep["template"]["spec"]["serviceAccountName"] == "p-gateway"
+    pod_labels = dep["template"]["metadata"]["labels"]
+    assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
+    granted = {(r, v) for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == {(r, v) for r in ("samplerreplicas", "samplerpools", "pods") for v in ("get", "list", "watch")}
