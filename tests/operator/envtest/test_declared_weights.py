@@ -8,6 +8,7 @@ goes through the real HTTP API: the API key from the Secret, real checkpoint val
 """
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import threading
@@ -67,13 +68,18 @@ def test_patching_spec_weights_loads_them_in_place_once_with_the_key(api, ns, wo
                      "w1 Ready at the base model")
     assert st["weights"]["label"] == "base" and cond(st, "WeightsSynced")["status"] == "True"
     uid = world["kubelet"].uids["w1-0"]
-    # The pod refuses a keyless load: the operator's load below can only succeed with the Secret's key.
-    req = urllib.request.Request(world["kubelet"].url("w1-0", port) + "/v1/checkpoints/load", method="POST",
-                                 data=b'{"path": "step-1", "version_label": "x"}',
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=5)
-    assert e.value.code == 401
+    # The pod refuses a keyless load (401) and one with the sampling key from the user's Secret (403): the
+    # operator's load below can only succeed with the admin key it generated (the spec names none).
+    for headers, code in (({}, 401), ({"X-API-Key": KEY}, 403)):
+        req = urllib.request.Request(world["kubelet"].url("w1-0", port) + "/v1/checkpoints/load", method="POST",
+                                     data=b'{"path": "step-1", "version_label": "x"}',
+                                     headers={"Content-Type": "application/json", **headers})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == code
+    assert st["apiKeySecretRef"] == {"name": "sampler-key", "key": "api-key"}
+    assert st["adminApiKeySecretRef"] == {"name": "w1-sampler-keys", "key": "admin-api-key"}
+    assert set(api.core.read_namespaced_secret("w1-sampler-keys", ns).data) == {"admin-api-key"}
 
     checkpoint = str(world["root"] / "step-1")
     api.custom.patch_namespaced_custom_object(G, V, ns, P, "w1", {"spec": {"weights": {
@@ -193,10 +199,12 @@ def test_a_replacement_starts_at_the_weights_the_pod_was_loading_not_the_base(ap
     create(api, ns, replica("w3", port, world, engineArgs={"extraArgs": ["--enable-test-seams"]}))
     wait_status(api, ns, "w3", lambda s: s.get("phase") == "Ready", "w3 Ready")
     url = world["kubelet"].url("w3-0", port)
+    admin = base64.b64decode(api.core.read_namespaced_secret("w3-sampler-keys", ns).data["admin-api-key"]).decode()
 
     def load(body: dict[str, Any]) -> int:
+        # a trainer loading straight onto the pod holds the admin key
         req = urllib.request.Request(url + "/v1/checkpoints/load", method="POST", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-API-Key": KEY})
+                                     headers={"Content-Type": "application/json", "X-API-Key": admin})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status

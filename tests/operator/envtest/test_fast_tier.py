@@ -201,6 +201,43 @@ def test_deleting_the_replica_garbage_collects_its_pod(api, ns, operator, kubele
     ks.wait_for(lambda: not api.custom.list_namespaced_custom_object(G, V, ns, P)["items"], 30, 0.2, "CR gone")
 
 
+def test_generated_keys_secret_is_created_once_owned_and_collected(api, ns, operator, kubelet, k8s):
+    """No key refs in the spec: the operator generates one Secret with both keys before the pod, says
+    where it is (status, Event with the read command), never rotates it, and GC collects it."""
+    import base64
+    kubelet()
+    create(api, ns, cr_body("r1", ks.free_port()))
+    st = wait_phase(api, ns, "r1", "Ready")
+    assert st["apiKeySecretRef"] == {"name": "r1-sampler-keys", "key": "api-key"}
+    assert st["adminApiKeySecretRef"] == {"name": "r1-sampler-keys", "key": "admin-api-key"}
+    secret = api.core.read_namespaced_secret("r1-sampler-keys", ns)
+    keys = {k: base64.b64decode(v).decode() for k, v in secret.data.items()}
+    assert set(keys) == {"api-key", "admin-api-key"} and keys["api-key"] != keys["admin-api-key"]
+    assert all(v.startswith("tml-") and len(v) > 40 for v in keys.values())
+    [ref] = secret.metadata.owner_references
+    assert (ref.kind, ref.name, ref.uid) == ("SamplerReplica", "r1", get_cr(api, ns, "r1")["metadata"]["uid"])
+    env = {e.name: e.value_from.secret_key_ref for e in api.core.read_namespaced_pod("r1-0", ns).spec.containers[0].env
+           if e.value_from}
+    assert (env["SAMPLER_API_KEY"].name, env["SAMPLER_API_KEY"].key) == ("r1-sampler-keys", "api-key")
+    assert (env["SAMPLER_ADMIN_API_KEY"].name, env["SAMPLER_ADMIN_API_KEY"].key) == ("r1-sampler-keys", "admin-api-key")
+    [ev] = [e for e in api.core.list_namespaced_event(ns).items if e.reason == "ApiKeysGenerated"]
+    command = ev.message.split("read: ")[1].split("; ")[0]
+    assert command == f"kubectl -n {ns} get secret r1-sampler-keys -o jsonpath='{{.data.api-key}}' | base64 -d"
+    # the documented read command works as written (the jsonpath part, through our kubectl)
+    out = k8s.kubectl("-n", ns, "get", "secret", "r1-sampler-keys", "-o", "jsonpath={.data.api-key}")
+    assert base64.b64decode(out).decode() == keys["api-key"]
+    # a new pod reuses the Secret: never rotated
+    api.core.delete_namespaced_pod("r1-0", ns)
+    ks.wait_for(lambda: [p.metadata.name for p in live_pods(api, ns)] == ["r1-1"], 20, 0.1, "pod r1-1")
+    wait_phase(api, ns, "r1", "Ready")
+    again = api.core.read_namespaced_secret("r1-sampler-keys", ns)
+    assert again.metadata.resource_version == secret.metadata.resource_version and again.data == secret.data
+    assert len([e for e in api.core.list_namespaced_event(ns).items if e.reason == "ApiKeysGenerated"]) == 1
+    api.custom.delete_namespaced_custom_object(G, V, ns, P, "r1")
+    ks.wait_for(lambda: not api.core.list_namespaced_secret(ns, field_selector="metadata.name=r1-sampler-keys").items,
+                30, 0.2, "generated Secret garbage-collected with its replica")
+
+
 @pytest.mark.parametrize("raw, field", [
     ({"engineArgs": {"maxNumSeqs": 0}}, "spec.engineArgs.maxNumSeqs"),
     ({"engine": "tgi"}, "spec.engine"),

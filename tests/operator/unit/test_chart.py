@@ -51,9 +51,9 @@ def test_cluster_wide_render():
     rules = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
     granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
     assert ("", "pods") in granted
-    # Secrets: only `get`, for the replica's API key when the operator loads declared weights.
+    # Secrets: `get` (the admin key for declared loads) and `create` (generated keys); never list/update.
     secret_verbs = {v for rule in rules if "secrets" in rule["resources"] for v in rule["verbs"]}
-    assert secret_verbs == {"get"}
+    assert secret_verbs == {"get", "create"}
     assert ("sampler.rl.dev", "samplerreplicas/status") in granted
 
 
@@ -68,3 +68,5 @@ def test_namespaced_render_uses_roles_and_standalone():
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
     cluster_rules = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
     assert all("pods" not in r["resources"] for r in cluster_rules)  # pods only via namespaced Roles
+    for role in roles:   # the generated keys are created in each watched namespace
+        assert {v for r in role["rules"] if "secrets" in r["resources"] for v in r["verbs"]} == {"get", "create"}
