@@ -265,6 +265,9 @@ class Story:
             "watch": {"allNamespaces": False, "namespaces": [cfg.namespace]},
             "liveness": {"port": cfg.liveness_port},
             "logLevel": "verbose",
+            # Step 5 makes a write fail midway through the sampler's test seam: a demo cluster allows it (the
+            # chart's default refuses replicas that enable test seams).
+            "allowTestSeams": True,
             # Node-tier quirks (no CNI/kube-proxy, no ServiceAccount admission plugin): the operator shares the
             # node's network to reach the API server and the pods at 127.0.0.1, and mounts its token Secret.
             "hostNetwork": True,

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import seams
 from .api_keys import (
     KEY_PREFIX,
     generated_secret,
@@ -322,6 +323,7 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
     cr = newest(live_body, mem)
     try:
         spec = parse_spec(cr.get("spec") or {})
+        seams.check(spec, ctx.allow_test_seams)   # a refused replica gets no pod
     except InvalidSpec:
         return 60.0  # validate_spec reported it; fixing the spec wakes the loop
     period = float(spec.health.period_seconds)

@@ -199,7 +199,12 @@ def _under_any(path: str, roots: list[str]) -> bool:
 
 
 class InvalidSpec(Exception):
-    """The spec is well-typed but makes no sense; retrying will not help."""
+    """The spec is well-typed but makes no sense (or is not allowed here); retrying will not help.
+    `reason` is the condition's and the Event's reason."""
+
+    def __init__(self, message: str, reason: str = "InvalidSpec") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def parse_spec(raw: dict[str, Any]) -> SamplerReplicaSpec:

@@ -229,9 +229,11 @@ class OperatorProcess:
     """`python -m sampler_operator` as a child process (so tests can SIGKILL and restart it)."""
 
     def __init__(self, cluster: ks.Cluster, namespaces: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 peering: list[str] | None = None):
+                 peering: list[str] | None = None, allow_test_seams: bool = False):
+        """`allow_test_seams`: accept replicas that enable the sampler's test seams (the operator refuses
+        them by default, sampler_operator/seams.py); for tests that make a write fail midway on purpose."""
         self.cluster, self.namespaces, self.log_path = cluster, namespaces, log_path
-        self.extra_env = env or {}
+        self.extra_env = {"SAMPLER_OPERATOR_ALLOW_TEST_SEAMS": "true" if allow_test_seams else "false", **(env or {})}
         self.peering = peering or ["--standalone"]
         self.proc: subprocess.Popen | None = None
 

@@ -274,6 +274,45 @@ def test_semantically_invalid_spec_gets_a_condition_not_a_crash_loop(api, ns, op
     assert cond(st, "SpecValid")["status"] == "True"
 
 
+def test_test_seams_are_refused_unless_the_operator_allows_them(api, ns, operator, kubelet, k8s, tmp_path):
+    """Setting off (the default): a replica enabling the sampler's test seams gets no pod, phase Invalid,
+    SpecValid=False/TestSeamsNotAllowed naming the flag and the setting, and a Warning Event. Setting on
+    (the shared operator, which allows them): the same replica gets its pod."""
+    seams = {"engineArgs": {"extraArgs": ["--enable-test-seams"]}}
+    off_ns = f"seams-off-{int(time.time() * 1000) % 100000}"
+    api.core.create_namespace({"metadata": {"name": off_ns}})
+    off = OperatorProcess(k8s, [off_ns], tmp_path / "off.log").start()   # allow_test_seams defaults to off
+    try:
+        off.wait_live()
+        create(api, off_ns, cr_body("s1", ks.free_port(), **seams))
+        st = wait_phase(api, off_ns, "s1", "Invalid")
+        spec_valid, ready = cond(st, "SpecValid"), cond(st, "Ready")
+        assert (spec_valid["status"], spec_valid["reason"]) == ("False", "TestSeamsNotAllowed")
+        assert (ready["status"], ready["reason"]) == ("False", "TestSeamsNotAllowed")
+        for words in ("--enable-test-seams", "spec.engineArgs.extraArgs[0]", "SAMPLER_OPERATOR_ALLOW_TEST_SEAMS",
+                      "allowTestSeams"):
+            assert words in spec_valid["message"], spec_valid["message"]
+        ev = ks.wait_for(lambda: [e for e in api.core.list_namespaced_event(off_ns).items
+                                  if e.reason == "TestSeamsNotAllowed"], 20, 0.2, "the Warning Event")
+        assert ev[0].type == "Warning" and ev[0].involved_object.name == "s1"
+        # The operator works in that namespace (a replica without seams gets its pod); the refused one has none.
+        create(api, off_ns, cr_body("s2", ks.free_port()))
+        ks.wait_for(lambda: [p.metadata.name for p in api.core.list_namespaced_pod(off_ns).items] == ["s2-0"], 20, 0.1,
+                    "the pod of the replica without seams")
+        assert not api.core.list_namespaced_pod(off_ns, label_selector="sampler.rl.dev/replica=s1").items
+        assert "created pod s1-" not in off.logs()
+        assert status(api, off_ns, "s1")["phase"] == "Invalid"
+        api.core.delete_namespace(off_ns)   # while its operator runs: it releases its finalizers
+    finally:
+        off.stop()
+    # The operator that allows test seams runs the same replica.
+    kubelet()
+    create(api, ns, cr_body("s1", ks.free_port(), **seams))
+    st = wait_phase(api, ns, "s1", "Ready")
+    assert cond(st, "SpecValid")["status"] == "True"
+    assert "--enable-test-seams" in api.core.read_namespaced_pod("s1-0", ns).spec.containers[0].args
+
+
 def test_existing_pod_is_adopted_not_duplicated(api, ns, operator, kubelet):
     """After a restart the operator finds its pod by label; an orphaned pod is adopted."""
     kubelet()

@@ -217,9 +217,10 @@ def api(k8s_node) -> Api:
 
 @pytest.fixture(scope="module")
 def operator(k8s_node, api, tmp_path_factory):
-    """One operator for the module, watching the namespaces nt-*."""
+    """One operator for the module, watching the namespaces nt-*; the replicas here enable the sampler's test
+    seams (a write made to fail midway), so it allows them."""
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, env={"PYTHONPATH": SRC_PATH}).start()
+    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, env={"PYTHONPATH": SRC_PATH}, allow_test_seams=True).start()
     op.wait_live(timeout=120)
     yield op
     op.stop()
@@ -333,7 +334,8 @@ def test_operator_sigkilled_mid_replacement_leaves_one_pod(api, k8s_node, tiny_m
     log = tmp_path / "operator.log"
     port = ks.free_port()
     paused = OperatorProcess(k8s_node, [ns], log, env={"SAMPLER_OPERATOR_TEST_PAUSE_AT": stage, "PYTHONPATH": SRC_PATH,
-                                                       "SAMPLER_OPERATOR_TEST_PAUSE_S": "120"}).start()
+                                                       "SAMPLER_OPERATOR_TEST_PAUSE_S": "120"},
+                             allow_test_seams=True).start()
     restarted = None
     mon = PodMonitor(api.core, ns)
     try:
@@ -348,7 +350,7 @@ def test_operator_sigkilled_mid_replacement_leaves_one_pod(api, k8s_node, tiny_m
         t_kill = time.monotonic()
         mid = api.status(ns, "r7")
         assert mid["pendingReplacement"]["oldPod"] == "r7-0" and mid["phase"] == "Replacing", mid
-        restarted = OperatorProcess(k8s_node, [ns], log, env={"PYTHONPATH": SRC_PATH}).start()
+        restarted = OperatorProcess(k8s_node, [ns], log, env={"PYTHONPATH": SRC_PATH}, allow_test_seams=True).start()
         st = api.wait_ready(ns, "r7", "r7-1", timeout=180)
         _log(f"operator restarted -> replacement Ready in {time.monotonic() - t_kill:.1f}s")
         time.sleep(2 * PERIOD)    # a few more loops of the restarted operator: nothing else happens
@@ -390,6 +392,7 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
         "hostNetwork": True,
         "liveness": {"port": liveness_port, "probe": {"initialDelaySeconds": 30, "periodSeconds": 5}},
         "logLevel": "verbose",
+        "allowTestSeams": True,       # the replica below enables them (replica()'s default extraArgs)
         "watchTimeouts": {"serverTimeout": 30, "clientTimeout": 40},
         # in-cluster config reads KUBERNETES_SERVICE_HOST/PORT: the ClusterIP is unroutable without kube-proxy
         "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},

@@ -47,6 +47,7 @@ def test_cluster_wide_render():
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"] and "--peering=sampler-operator" in c["args"]
     assert "--all-namespaces" in c["args"]
     assert {"name": "SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT", "value": "120"} in c["env"]
+    assert {"name": "SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", "value": "false"} in c["env"]   # off unless asked
     assert c["livenessProbe"]["httpGet"]["port"] == "liveness"
     rules = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
     granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
@@ -70,3 +71,13 @@ def test_namespaced_render_uses_roles_and_standalone():
     assert all("pods" not in r["resources"] for r in cluster_rules)  # pods only via namespaced Roles
     for role in roles:   # the generated keys are created in each watched namespace
         assert {v for r in role["rules"] if "secrets" in r["resources"] for v in r["verbs"]} == {"get", "create"}
+
+
+@needs_helm
+def test_allow_test_seams_reaches_the_operator_and_only_takes_a_boolean():
+    dep = next(d for d in render("allowTestSeams=true") if d["kind"] == "Deployment")
+    assert {"name": "SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", "value": "true"} in \
+        dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    p = subprocess.run([ks.HELM, "template", "rel", str(CHART), "--set-string", "allowTestSeams=yes"],
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "allowTestSeams" in p.stderr, p.stderr
