@@ -15,7 +15,8 @@ def spec(**over):
     ({"engineArgs": {"extraArgs": ["--enable-test"]}}, "spec.engineArgs.extraArgs[0]"),     # argparse prefix
     ({"engineArgs": {"extraArgs": ["--enable-t", "--test-hang-startup"]}}, "spec.engineArgs.extraArgs[0]"),
     ({"pod": {"command": ["python", "-m", "sampler_pod", "--enable-test-seams"]}}, "spec.pod.command[3]"),
-    ({"pod": {"command": ["sh", "-c", "exec python -m sampler_pod --enable-test-seams \"$@\""]}}, "spec.pod.command[2]"),
+    ({"pod": {"command": ["sh", "-c", "exec python -m sampler_pod --enable-test-seams \"$@\""]}},
+     "spec.pod.command[2]"),
     ({"pod": {"env": [{"name": "SAMPLER_ENABLE_TEST_SEAMS", "value": "1"}]}}, "spec.pod.env[0]"),
     ({"pod": {"env": [{"name": "X", "value": "1"}, {"name": "SAMPLER_ENABLE_TEST_SEAMS", "value": "True"}]}},
      "spec.pod.env[1]"),
