@@ -11,3 +11,6 @@ VERSION = "v1alpha1"
 PLURAL = "samplerreplicas"
 KIND = "SamplerReplica"
 API_VERSION = f"{GROUP}/{VERSION}"
+# kopf's finalizer on every SamplerReplica (settings.apply names it; release_finalizers.py removes it
+# when no operator will).
+FINALIZER = f"{GROUP}/finalizer"

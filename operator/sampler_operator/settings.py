@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import kopf
 
-from . import GROUP
+from . import FINALIZER, GROUP
 from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY
 from .replacement_policy import fleet_cap
 
@@ -78,7 +78,7 @@ def apply(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
     settings.watching.connect_timeout = int(cfg.watch_connect_timeout)
     settings.networking.request_timeout = cfg.request_timeout
     # Our own names for kopf's bookkeeping, so it is obvious who wrote them.
-    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")

@@ -39,7 +39,8 @@ def test_helm_lint(sets):
 def test_cluster_wide_render():
     docs = render("hostNetwork=true", "watchTimeouts.serverTimeout=120")
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Job", "Role",
+                     "RoleBinding", "ServiceAccount"]   # Job, Role, RoleBinding: the uninstall hook
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -61,7 +62,7 @@ def test_cluster_wide_render():
 @needs_helm
 def test_namespaced_render_uses_roles_and_standalone():
     docs = render("watch.allNamespaces=false", "watch.namespaces={a,b}", "peering.enabled=false")
-    roles = [d for d in docs if d["kind"] == "Role"]
+    roles = [d for d in docs if d["kind"] == "Role" and "helm.sh/hook" not in d["metadata"].get("annotations", {})]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["a", "b"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -81,3 +82,37 @@ def test_allow_test_seams_reaches_the_operator_and_only_takes_a_boolean():
     p = subprocess.run([ks.HELM, "template", "rel", str(CHART), "--set-string", "allowTestSeams=yes"],
                        capture_output=True, text=True)
     assert p.returncode != 0 and "allowTestSeams" in p.stderr, p.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, scope", [([], ["--all-namespaces"]),
+                                         (["watch.allNamespaces=false", "watch.namespaces={a,b}"],
+                                          ["--namespace=a", "--namespace=b"])])
+def test_uninstall_hook_stops_the_operator_then_releases_every_replica_it_manages(sets, scope):
+    docs = render("hostNetwork=true", *sets)
+    hooks = {d["kind"]: d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})}
+    assert sorted(hooks) == ["Job", "Role", "RoleBinding"]
+    for d in hooks.values():
+        ann = d["metadata"]["annotations"]
+        assert ann["helm.sh/hook"] == "pre-delete" and "hook-succeeded" in ann["helm.sh/hook-delete-policy"]
+        assert d["metadata"]["namespace"] == "ops"
+    # the Role and its binding exist before the Job runs (lower weight)
+    assert int(hooks["Role"]["metadata"]["annotations"]["helm.sh/hook-weight"]) < \
+        int(hooks["Job"]["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert hooks["Role"]["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["rel-sampler-operator"],
+         "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = hooks["Job"]["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert pod["serviceAccountName"] == dep["spec"]["template"]["spec"]["serviceAccountName"] == \
+        hooks["RoleBinding"]["subjects"][0]["name"]
+    assert c["command"] == ["python", "-m", "sampler_operator.release_finalizers"]
+    assert c["args"] == ["--all", "--stop-operator=ops/rel-sampler-operator", *scope]
+    assert pod["hostNetwork"] is True and pod["restartPolicy"] == "Never"
+    # the Job's pod must not match the Deployment's selector: it waits for those pods to be gone
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= hooks["Job"]["spec"]["template"]["metadata"]["labels"].items()
+    assert not [d for d in render("releaseFinalizersOnUninstall=false") if d["kind"] == "Job"]
