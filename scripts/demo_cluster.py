@@ -117,6 +117,15 @@ class Story:
         # a fresh discovery cache: the CRD may be newer than kubectl's cached API list
         return self.kubectl("--cache-dir", str(CACHE / "demo" / "kube-cache"), "-n", self.cfg.namespace, "get", "sr")
 
+    def key(self, name: str, admin: bool = False) -> str:
+        """A replica's key, read as docs/operator.md tells users: from the Secret its status names (the
+        operator generated it: the demo's spec names none). The API key samples; the admin key loads weights."""
+        import base64
+        ref = self.status(name)["adminApiKeySecretRef" if admin else "apiKeySecretRef"]
+        out = self.kubectl("-n", self.cfg.namespace, "get", "secret", ref["name"], "-o",
+                           f"jsonpath={{.data.{ref['key']}}}")
+        return base64.b64decode(out).decode()
+
     def url(self, name: str) -> str:
         port = self.cfg.ports[0 if name == self.a else 1]
         return f"http://127.0.0.1:{port}"   # hostNetwork pods: podIP is 127.0.0.1 in the node's namespace
@@ -165,7 +174,10 @@ class Story:
             )
         show()
 
-        self.step(3, "sample from both (greedy, 8 tokens, the same prompt)")
+        self.step(3, "sample from both (greedy, 8 tokens, the same prompt), with each replica's API key")
+        ref = self.status(self.a)["apiKeySecretRef"]
+        self.say(f"  the operator generated the keys: kubectl -n {cfg.namespace} get secret {ref['name']} "
+                 f"-o jsonpath='{{.data.{ref['key']}}}' | base64 -d")
         for name in (self.a, self.b):
             out = self.sample(name)
             r.samples[f"{name}/base"] = out
@@ -192,7 +204,8 @@ class Story:
         self.step(5, f"a trainer re-pushes step-1 to {self.b} and the write fails midway "
                      "(test seam test_fail_after_tensors, enabled with --enable-test-seams for this demo only)")
         code, out = post(self.url(self.b) + "/v1/checkpoints/load",
-                         {"path": "/checkpoints/step-1", "version_label": "step-1", "test_fail_after_tensors": 1})
+                         {"path": "/checkpoints/step-1", "version_label": "step-1", "test_fail_after_tensors": 1},
+                         key=self.key(self.b, admin=True))    # a trainer holds the admin key
         r.failed_load = (code, out)
         self.say(f"  HTTP {code} {json.dumps(out)}")
         r.uncertain_health = get_json(self.url(self.b) + "/health")
@@ -322,7 +335,8 @@ class Story:
 
     def sample(self, name: str) -> dict[str, Any]:
         code, out = post(self.url(name) + "/v1/sample",
-                         {"prompts": [PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
+                         {"prompts": [PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
+                         key=self.key(name))
         if code != 200:
             raise RuntimeError(f"sample from {name}: HTTP {code} {out}")
         return out
@@ -371,10 +385,10 @@ def tokens(resp: dict[str, Any]) -> list[int]:
     return resp["results"][0]["sequences"][0]["tokens"]
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any]]:
+def post(url: str, body: dict[str, Any], timeout: float = 300, key: str | None = None) -> tuple[int, dict[str, Any]]:
     from sampler_pod.testing.net import post_json
 
-    return post_json(url, body, timeout)
+    return post_json(url, body, timeout, api_key=key)
 
 
 def get_json(url: str) -> dict[str, Any]:

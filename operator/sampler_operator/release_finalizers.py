@@ -88,11 +88,26 @@ def release_one(custom: Any, namespace: str, name: str, every: bool, attempts: i
     raise RuntimeError(f"{namespace}/{name}: its finalizers kept changing; is an operator still running?")
 
 
-def release(custom: Any, namespaces: list[str] | None, every: bool) -> list[str]:
-    """Release every replica in scope (None: all namespaces) that needs it; returns "ns/name" of each."""
+def _namespace_exists(core: Any, namespace: str) -> bool:
+    # `list` with a field selector: what the chart's ClusterRole grants in namespaced mode (no `get`).
+    return bool(core.list_namespace(field_selector=f"metadata.name={namespace}").items)
+
+
+def release(custom: Any, namespaces: list[str] | None, every: bool, core: Any = None) -> list[str]:
+    """Release every replica in scope (None: all namespaces) that needs it; returns "ns/name" of each.
+
+    A listed namespace that no longer exists is skipped (with its Role gone the list is a 403): a
+    watched namespace deleted before `helm uninstall` must not block the uninstall."""
     done = []
     for namespace in namespaces if namespaces is not None else [None]:
-        for obj in _replicas(custom, namespace):
+        try:
+            replicas = _replicas(custom, namespace)
+        except ApiException as e:
+            if namespace is None or e.status not in (403, 404) or core is None or _namespace_exists(core, namespace):
+                raise
+            print(f"namespace {namespace} does not exist: skipped", flush=True)
+            continue
+        for obj in replicas:
             meta = obj["metadata"]
             if needs_release(obj, every) and release_one(custom, meta["namespace"], meta["name"], every):
                 done.append(f"{meta['namespace']}/{meta['name']}")
@@ -141,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_operator(kubernetes.client.AppsV1Api(), kubernetes.client.CoreV1Api(), dep_namespace, dep_name,
                       timeout_s=args.timeout)
     released = release(kubernetes.client.CustomObjectsApi(), None if args.all_namespaces else args.namespace,
-                       every=args.all)
+                       every=args.all, core=kubernetes.client.CoreV1Api())
     for ref in released:
         print(f"released {ref}", flush=True)
     print(f"{len(released)} SamplerReplica(s) released from {FINALIZER}", flush=True)

@@ -45,6 +45,8 @@ class FakeCustom:
         return {"items": list(self.objs.values())}
 
     def list_namespaced_custom_object(self, _g, _v, namespace, _p):
+        if namespace == "deleted":      # its Role went with it: the chart's ServiceAccount gets a 403
+            raise ApiException(status=403)
         return {"items": [o for (ns, _), o in self.objs.items() if ns == namespace]}
 
     def get_namespaced_custom_object(self, _g, _v, namespace, _p, name):
@@ -76,6 +78,22 @@ def test_release_by_scope_and_mode():
     assert ("ns", "stuck") not in api.objs and api.objs[("ns", "alive")]["metadata"]["finalizers"] == [FINALIZER]
     assert release(api, None, every=True) == ["ns/alive", "ns2/other"]
     assert api.objs[("ns", "alive")]["metadata"]["finalizers"] == [] and ("ns2", "other") not in api.objs
+
+
+class FakeCore:
+    def __init__(self, namespaces):
+        self.namespaces = namespaces
+
+    def list_namespace(self, field_selector):
+        name = field_selector.removeprefix("metadata.name=")
+        return type("L", (), {"items": [name] if name in self.namespaces else []})()
+
+
+def test_a_deleted_namespace_is_skipped_but_a_forbidden_existing_one_is_an_error():
+    api = FakeCustom([cr("stuck", [FINALIZER], deleting=True)])
+    assert release(api, ["deleted", "ns"], every=False, core=FakeCore(["ns"])) == ["ns/stuck"]
+    with pytest.raises(ApiException):
+        release(api, ["deleted"], every=False, core=FakeCore(["ns", "deleted"]))
 
 
 def test_a_concurrent_change_is_reread_not_clobbered():
