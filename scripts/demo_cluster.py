@@ -70,6 +70,7 @@ class Story:
         self.helm_bin = os.environ.get("HELM", "helm")
         self.images = read_images()
         self.a, self.b = "demo-a", "demo-b"
+        self._keys: dict[tuple[str, bool], str] = {}
 
     # ---------------------------------------------------------------- narration and small runners
     def say(self, msg: str) -> None:
@@ -119,12 +120,15 @@ class Story:
 
     def key(self, name: str, admin: bool = False) -> str:
         """A replica's key, read as docs/operator.md tells users: from the Secret its status names (the
-        operator generated it: the demo's spec names none). The API key samples; the admin key loads weights."""
+        operator generated it: the demo's spec names none). The API key samples; the admin key loads weights.
+        Read once per replica: the operator never rotates them (a replacement pod gets the same keys)."""
         import base64
-        ref = self.status(name)["adminApiKeySecretRef" if admin else "apiKeySecretRef"]
-        out = self.kubectl("-n", self.cfg.namespace, "get", "secret", ref["name"], "-o",
-                           f"jsonpath={{.data.{ref['key']}}}")
-        return base64.b64decode(out).decode()
+        if (name, admin) not in self._keys:
+            ref = self.status(name)["adminApiKeySecretRef" if admin else "apiKeySecretRef"]
+            out = self.kubectl("-n", self.cfg.namespace, "get", "secret", ref["name"], "-o",
+                               f"jsonpath={{.data.{ref['key']}}}")
+            self._keys[(name, admin)] = base64.b64decode(out).decode()
+        return self._keys[(name, admin)]
 
     def url(self, name: str) -> str:
         port = self.cfg.ports[0 if name == self.a else 1]
