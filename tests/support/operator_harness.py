@@ -51,6 +51,8 @@ class PodServer:
     def __init__(self, ip: str, port: int, pod: str, behaviour: Behaviour) -> None:
         counter = itertools.count()
         self.last_status: str | None = None  # of the last /health answer: what a readiness probe sees
+        last_n = [-1]                        # ... by request number: threads may finish out of order
+        lock = threading.Lock()
         server_state = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -58,7 +60,8 @@ class PodServer:
                 pass
 
             def do_GET(self) -> None:
-                answer = behaviour(pod, next(counter)) if self.path == "/health" else ok()
+                n = next(counter) if self.path == "/health" else -1
+                answer = behaviour(pod, n) if self.path == "/health" else ok()
                 if answer == HANG:
                     time.sleep(3)
                     return
@@ -67,7 +70,11 @@ class PodServer:
                     return
                 code = 200 if answer["status"] == "ok" else 503
                 if self.path == "/health":
-                    server_state.last_status = answer["status"]
+                    # On a loaded box a timed-out probe's thread can finish after the next probe's: the
+                    # later request's answer must win, or Ready would flip back (ok, then starting).
+                    with lock:
+                        if n > last_n[0]:
+                            last_n[0], server_state.last_status = n, answer["status"]
                 if self.path == "/healthz":
                     code = 200
                 data = json.dumps(answer).encode()
