@@ -197,7 +197,8 @@ async def ensure_keys(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaS
         elif missing := missing_keys(await ctx.kube.read_secret(namespace, name), keys.generated):
             # Not ours to rewrite: the pod cannot start until someone fixes or deletes it.
             ctx.emit(event_target(cr), "Warning", "ApiKeysMissing",
-                     f"Secret {name} exists without {', '.join(missing)}; delete it to have it generated")
+                     f"Secret {name} exists without {', '.join(missing)}: the pod cannot start; delete the "
+                     f"Secret, then the pod, to have the keys generated")
     return key_status(keys)
 
 
