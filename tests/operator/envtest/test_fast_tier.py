@@ -238,6 +238,20 @@ def test_generated_keys_secret_is_created_once_owned_and_collected(api, ns, oper
                 30, 0.2, "generated Secret garbage-collected with its replica")
 
 
+def test_an_existing_secret_under_the_generated_name_is_never_rewritten(api, ns, operator, kubelet):
+    """Someone's Secret already has the generated name but lacks the admin key: left as it is, Warning Event."""
+    kubelet()
+    api.core.create_namespaced_secret(ns, {"metadata": {"name": "r2-sampler-keys"}, "stringData": {"api-key": "k"}})
+    before = api.core.read_namespaced_secret("r2-sampler-keys", ns)
+    create(api, ns, cr_body("r2", ks.free_port()))
+    ev = ks.wait_for(lambda: [e for e in api.core.list_namespaced_event(ns).items if e.reason == "ApiKeysMissing"],
+                     30, 0.2, "ApiKeysMissing event")
+    assert ev[0].type == "Warning" and "admin-api-key" in ev[0].message and "r2-sampler-keys" in ev[0].message
+    after = api.core.read_namespaced_secret("r2-sampler-keys", ns)
+    assert after.metadata.resource_version == before.metadata.resource_version and after.data == before.data
+    assert not after.metadata.owner_references
+
+
 @pytest.mark.parametrize("raw, field", [
     ({"engineArgs": {"maxNumSeqs": 0}}, "spec.engineArgs.maxNumSeqs"),
     ({"engine": "tgi"}, "spec.engine"),
