@@ -14,6 +14,7 @@ import shutil
 import threading
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +139,21 @@ def _replacements_in_progress(events: list[tuple[str, Any]]) -> int:
     return most
 
 
-def test_fleet_cap_bounds_replacements_in_progress(api, ns, k8s, crd, tmp_path):
+@pytest.fixture
+def fleet_ns(api):
+    """Not sr-*: the session's shared operator (namespaces sr-*), once started by an earlier test, would manage
+    these replicas too, with its own cap, and two operators' caps add up."""
+    name = f"fleet-{uuid.uuid4().hex[:8]}"
+    api.core.create_namespace({"metadata": {"name": name}})
+    yield name
+    api.core.delete_namespace(name)
+
+
+def test_fleet_cap_bounds_replacements_in_progress(api, fleet_ns, k8s, crd, tmp_path):
     """10 replicas go uncertain at once with a fleet cap of 2: at most 2 replacements in progress."""
     import kubernetes
 
+    ns = fleet_ns
     op = OperatorProcess(k8s, [ns], tmp_path / "op.log", env={"SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS": "2"})
     op.start()
     # A new pod answers `starting` for its first probes, like an engine loading weights, so each
