@@ -109,6 +109,9 @@ class ServerConfig(BaseModel):
                     "on the pod's emptyDir); read at startup, it wins over the --initial-* flags")
 
     api_key: str | None = Field(None, description="API key required on every route but the probes")
+    admin_api_key: str | None = Field(
+        None, description="when set, weight and adapter changes need this key, and --api-key only samples and "
+                          "reads (the admin key is accepted everywhere)")
     twinkle_session_ttl_s: float = Field(
         86400.0, gt=0, description="Twinkle-client sessions expire this long after their last heartbeat "
                                    "(Twinkle's own default: 24 h)")
@@ -135,6 +138,9 @@ class ServerConfig(BaseModel):
             raise ValueError("--initial-adapters needs a --checkpoint-root (env SAMPLER_CHECKPOINT_ROOTS)")
         if self.initial_adapters and len({a.name for a in self.initial_adapters}) != len(self.initial_adapters):
             raise ValueError("--initial-adapters names an adapter twice")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            # One key for both would make every sampling client an admin, silently.
+            raise ValueError("--admin-api-key must differ from --api-key (env SAMPLER_ADMIN_API_KEY, SAMPLER_API_KEY)")
         if self.test_hang_startup and not self.enable_test_seams:
             raise ValueError("--test-hang-startup needs --enable-test-seams")
         return self

@@ -44,6 +44,13 @@ class Unauthorized(SamplerError):
     category = "unauthorized"
 
 
+class Forbidden(SamplerError):
+    """A valid key that may not do this: the sampling key on a weight or adapter change."""
+
+    status_code = 403
+    category = "forbidden"
+
+
 class NotFound(SamplerError):
     status_code = 404
     category = "not_found"

@@ -70,6 +70,7 @@ class Story:
         self.helm_bin = os.environ.get("HELM", "helm")
         self.images = read_images()
         self.a, self.b = "demo-a", "demo-b"
+        self._keys: dict[tuple[str, bool], str] = {}
 
     # ---------------------------------------------------------------- narration and small runners
     def say(self, msg: str) -> None:
@@ -116,6 +117,18 @@ class Story:
     def get_sr(self) -> str:
         # a fresh discovery cache: the CRD may be newer than kubectl's cached API list
         return self.kubectl("--cache-dir", str(CACHE / "demo" / "kube-cache"), "-n", self.cfg.namespace, "get", "sr")
+
+    def key(self, name: str, admin: bool = False) -> str:
+        """A replica's key, read as docs/operator.md tells users: from the Secret its status names (the
+        operator generated it: the demo's spec names none). The API key samples; the admin key loads weights.
+        Read once per replica: the operator never rotates them (a replacement pod gets the same keys)."""
+        import base64
+        if (name, admin) not in self._keys:
+            ref = self.status(name)["adminApiKeySecretRef" if admin else "apiKeySecretRef"]
+            out = self.kubectl("-n", self.cfg.namespace, "get", "secret", ref["name"], "-o",
+                               f"jsonpath={{.data.{ref['key']}}}")
+            self._keys[(name, admin)] = base64.b64decode(out).decode()
+        return self._keys[(name, admin)]
 
     def url(self, name: str) -> str:
         port = self.cfg.ports[0 if name == self.a else 1]
@@ -165,7 +178,10 @@ class Story:
             )
         show()
 
-        self.step(3, "sample from both (greedy, 8 tokens, the same prompt)")
+        self.step(3, "sample from both (greedy, 8 tokens, the same prompt), with each replica's API key")
+        ref = self.status(self.a)["apiKeySecretRef"]
+        self.say(f"  the operator generated the keys: kubectl -n {cfg.namespace} get secret {ref['name']} "
+                 f"-o jsonpath='{{.data.{ref['key']}}}' | base64 -d")
         for name in (self.a, self.b):
             out = self.sample(name)
             r.samples[f"{name}/base"] = out
@@ -192,7 +208,8 @@ class Story:
         self.step(5, f"a trainer re-pushes step-1 to {self.b} and the write fails midway "
                      "(test seam test_fail_after_tensors, enabled with --enable-test-seams for this demo only)")
         code, out = post(self.url(self.b) + "/v1/checkpoints/load",
-                         {"path": "/checkpoints/step-1", "version_label": "step-1", "test_fail_after_tensors": 1})
+                         {"path": "/checkpoints/step-1", "version_label": "step-1", "test_fail_after_tensors": 1},
+                         key=self.key(self.b, admin=True))    # a trainer holds the admin key
         r.failed_load = (code, out)
         self.say(f"  HTTP {code} {json.dumps(out)}")
         r.uncertain_health = get_json(self.url(self.b) + "/health")
@@ -265,6 +282,9 @@ class Story:
             "watch": {"allNamespaces": False, "namespaces": [cfg.namespace]},
             "liveness": {"port": cfg.liveness_port},
             "logLevel": "verbose",
+            # Step 5 makes a write fail midway through the sampler's test seam: a demo cluster allows it (the
+            # chart's default refuses replicas that enable test seams).
+            "allowTestSeams": True,
             # Node-tier quirks (no CNI/kube-proxy, no ServiceAccount admission plugin): the operator shares the
             # node's network to reach the API server and the pods at 127.0.0.1, and mounts its token Secret.
             "hostNetwork": True,
@@ -319,7 +339,8 @@ class Story:
 
     def sample(self, name: str) -> dict[str, Any]:
         code, out = post(self.url(name) + "/v1/sample",
-                         {"prompts": [PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
+                         {"prompts": [PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
+                         key=self.key(name))
         if code != 200:
             raise RuntimeError(f"sample from {name}: HTTP {code} {out}")
         return out
@@ -368,10 +389,10 @@ def tokens(resp: dict[str, Any]) -> list[int]:
     return resp["results"][0]["sequences"][0]["tokens"]
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any]]:
+def post(url: str, body: dict[str, Any], timeout: float = 300, key: str | None = None) -> tuple[int, dict[str, Any]]:
     from sampler_pod.testing.net import post_json
 
-    return post_json(url, body, timeout)
+    return post_json(url, body, timeout, api_key=key)
 
 
 def get_json(url: str) -> dict[str, Any]:

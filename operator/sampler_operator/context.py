@@ -39,6 +39,7 @@ class Context:
     session: aiohttp.ClientSession
     emit: EventFn
     slots: ReplacementSlots = field(default_factory=lambda: ReplacementSlots("10%"))
+    allow_test_seams: bool = False   # settings.OperatorConfig.allow_test_seams (seams.py)
     clock: Callable[[], float] = time.time
     log: logging.Logger | logging.LoggerAdapter[Any] = field(default=log)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import API_VERSION, GROUP, KIND
+from .api_keys import key_env, replica_keys
 from .spec import SamplerReplicaSpec
 from .weights_intent import WeightsRef
 
@@ -94,13 +95,10 @@ def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
     return args + list(e.extra_args)
 
 
-def _env(spec: SamplerReplicaSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
-    if spec.api_key_secret_ref is not None:
-        # Through the environment, never argv: argv is visible in the pod spec and `ps`.
-        ref = spec.api_key_secret_ref
-        env.append({"name": "SAMPLER_API_KEY",
-                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+def _env(owner_name: str, spec: SamplerReplicaSpec) -> list[dict[str, Any]]:
+    # Both keys, always: the user's Secrets or the generated one (api_keys.py). Never an open pod.
+    env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"},
+                                 *key_env(replica_keys(owner_name, spec))]
     return env + [dict(v) for v in spec.pod.env]
 
 
@@ -143,7 +141,7 @@ def pod_template(owner_name: str, spec: SamplerReplicaSpec) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(spec.pod.command),
         "args": sampler_args(spec),
-        "env": _env(spec),
+        "env": _env(owner_name, spec),
         "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
         # Quantities as strings: the API accepts 1 or "1", the client's validation only the latter.
         "resources": {k: {r: str(q) for r, q in v.items()} for k, v in spec.resources.items() if v},

@@ -4,7 +4,7 @@
   replica_pods      an in-memory index of our pods, kept current by kopf's pod watch
   replica_fleet     an index of every SamplerReplica's `status.replacing` (the fleet-wide cap)
   wake_on_pod_event a pod of a replica changed: wake that replica's loop now
-  validate_spec     a spec was created/changed: report semantic errors as a condition
+  validate_spec     a spec was created/changed: report semantic errors (and refused test seams) as a condition
   replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
   pool_members      an index of the SamplerReplicas owned by SamplerPools, by pool uid
   wake_pool_*       a pool's replica or the pool's spec changed: wake that pool's loop now
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -20,7 +21,7 @@ from typing import Any, cast
 import aiohttp
 import kopf
 
-from . import GROUP, PLURAL, POOL_PLURAL, VERSION
+from . import GROUP, PLURAL, POOL_PLURAL, VERSION, seams
 from . import settings as operator_settings
 from .context import Context, ReplicaMemory
 from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
@@ -80,6 +81,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     config = operator_settings.OperatorConfig.from_env()
     operator_settings.apply(settings, config)
     memo.slots = ReplacementSlots(config.max_parallel_replacements)
+    memo.allow_test_seams = config.allow_test_seams
+    if config.allow_test_seams:
+        logging.getLogger("sampler_operator").warning(
+            "test seams allowed (SAMPLER_OPERATOR_ALLOW_TEST_SEAMS): for test clusters only")
     load_config()
     memo.kube = Kube()
     memo.session = aiohttp.ClientSession()
@@ -122,11 +127,11 @@ async def validate_spec(spec: kopf.Spec, name: str, namespace: str | None, meta:
                         body: kopf.Body, memo: Any, **_: Any) -> None:
     assert namespace is not None  # SamplerReplica is namespaced
     try:
-        parse_spec(dict(spec))
+        seams.check(parse_spec(dict(spec)), memo.allow_test_seams)
     except InvalidSpec as e:
         await memo.kube.patch_replica_status(namespace, name, invalid_spec_status(
-            str(e), status.get("conditions"), meta.get("generation"), time.time()))
-        kopf.warn(body, reason="InvalidSpec", message=str(e))
+            str(e), status.get("conditions"), meta.get("generation"), time.time(), e.reason))
+        kopf.warn(body, reason=e.reason, message=str(e))
         # Permanent: retrying cannot fix a spec; the next spec change calls us again.
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     _wake(namespace, label_value(name))
@@ -142,7 +147,8 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
     memo.slots.fleet = lambda: fleet
     key = (namespace, label_value(name))
     wake = _wakeups.setdefault(key, asyncio.Event())
-    ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger)
+    ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger,
+                  allow_test_seams=memo.allow_test_seams)
     mem = ReplicaMemory()
     try:
         while not stopped:

@@ -80,17 +80,30 @@ class Kube:
         await asyncio.to_thread(self.core.patch_namespaced_pod, name, namespace, {"metadata": metadata},
                                 _preload_content=False)
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
-        """One key of a Secret, decoded; None if the Secret or the key is missing."""
+    async def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            doc = _json(await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace,
-                                                _preload_content=False))
+            return _json(await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace,
+                                                 _preload_content=False))
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
-        raw = (doc.get("data") or {}).get(key)
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None if the Secret or the key is missing."""
+        doc = await self.read_secret(namespace, name)
+        raw = ((doc or {}).get("data") or {}).get(key)
         return base64.b64decode(raw).decode() if raw is not None else None
+
+    async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
+        """True if created, False if a Secret of that name exists (it is never overwritten)."""
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_secret, namespace, body, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
 
     async def get_replica(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

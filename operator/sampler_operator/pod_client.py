@@ -1,4 +1,4 @@
-"""The operator's calls to a sampler pod's weight routes (docs/sampler.md), with the pod's API key.
+"""The operator's calls to a sampler pod's weight routes (docs/sampler.md), with the replica's admin key.
 
 `outcome_of` is pure (status code + body -> outcome), so what the operator does with each answer
 is tested without sockets; the rest is the thin network part. Network trouble is an outcome
@@ -40,7 +40,8 @@ def outcome_of(http_status: int, body: bytes) -> PodAnswer:
         return PodAnswer(Outcome.DONE, "ok", http_status)
     if http_status == 500 and isinstance(err, dict) and err.get("category") == "weight_write_failed":
         return PodAnswer(Outcome.WRITE_FAILED, message, http_status)
-    # 401 (a key not yet mounted), 409 (adapter busy), 429, 5xx, 504 (drain timed out): later.
+    # 401 (a key not yet mounted), 403 (a key that may not load: a misconfigured admin Secret),
+    # 409 (adapter busy), 429, 5xx, 504 (drain timed out): later.
     if http_status in (400, 404, 413, 422):
         return PodAnswer(Outcome.INVALID, message, http_status)
     return PodAnswer(Outcome.TRANSIENT, f"HTTP {http_status}: {message}", http_status)

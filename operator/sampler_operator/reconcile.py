@@ -16,10 +16,21 @@ Two halves:
 """
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import seams
+from .api_keys import (
+    KEY_PREFIX,
+    generated_secret,
+    generated_secret_name,
+    key_status,
+    missing_keys,
+    read_command,
+    replica_keys,
+)
 from .context import Context, ReplicaMemory, event_target, owner_of, test_pause
 from .desired_pod import desired_pod, owner_reference, pod_name, pod_template, selector_labels, template_hash
 from .health_probe import HealthObservation, HealthState, probe
@@ -158,8 +169,8 @@ async def _create_first_or_lost_pod(ctx: Context, cr: Mapping[str, Any], spec: S
     namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
     status = cr.get("status") or {}
     gen = next_generation(status, pods)
-    await _create_pod(ctx, cr, spec, gen)
-    patch: dict[str, Any] = {"podName": pod_name(name, gen), "podGeneration": gen, "podIP": None}
+    keys_status = await _create_pod(ctx, cr, spec, gen)
+    patch: dict[str, Any] = {"podName": pod_name(name, gen), "podGeneration": gen, "podIP": None, **keys_status}
     if status.get("podName"):
         # The previous pod vanished (deleted by someone, evicted and reaped): a replacement.
         patch.update(_outcome(status, old_pod=status["podName"], reason=REASON_POD_DELETED,
@@ -169,8 +180,32 @@ async def _create_first_or_lost_pod(ctx: Context, cr: Mapping[str, Any], spec: S
     mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
 
 
-async def _create_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, gen: int) -> None:
-    """A new pod starts at the replica's intended weights, never silently at the base model."""
+async def ensure_keys(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec) -> dict[str, Any]:
+    """The replica's generated key Secret exists before a pod refers to it (api_keys.py): created if
+    absent, never rewritten. Returns the status fields saying where the keys are."""
+    meta = cr["metadata"]
+    namespace = meta["namespace"]
+    keys = replica_keys(meta["name"], spec)
+    if keys.generated:
+        name = generated_secret_name(meta["name"])
+        values = {k: KEY_PREFIX + secrets.token_urlsafe(32) for k in keys.generated}
+        body = generated_secret(name, namespace, owner_reference(owner_of(cr)), selector_labels(meta["name"]), values)
+        if await ctx.kube.create_secret(namespace, body):
+            how = "; ".join(read_command(namespace, ref) for ref in (keys.api, keys.admin) if ref.name == name)
+            ctx.emit(event_target(cr), "Normal", "ApiKeysGenerated",
+                     f"generated Secret {name} ({', '.join(keys.generated)}); read: {how}")
+        elif missing := missing_keys(await ctx.kube.read_secret(namespace, name), keys.generated):
+            # Not ours to rewrite: the pod cannot start until someone fixes or deletes it.
+            ctx.emit(event_target(cr), "Warning", "ApiKeysMissing",
+                     f"Secret {name} exists without {', '.join(missing)}: the pod cannot start; delete the "
+                     f"Secret, then the pod, to have the keys generated")
+    return key_status(keys)
+
+
+async def _create_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, gen: int) -> dict[str, Any]:
+    """A new pod starts at the replica's intended weights, never silently at the base model, and with
+    its keys. Returns status fields for the caller's patch (where the keys are)."""
+    keys_status = await ensure_keys(ctx, cr, spec)
     weights_status = (cr.get("status") or {}).get("weights") or {}
     weights, why = startup_weights(spec, weights_status)
     body = desired_pod(owner_of(cr), spec, gen, weights, startup_adapters(spec, weights_status))
@@ -178,6 +213,7 @@ async def _create_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaS
     label = weights.version_label if weights else "the base model"
     ctx.log.info(f"{'created' if created else 'found existing'} pod {body['metadata']['name']}, "
                  f"starting at {label}: {why}")
+    return keys_status
 
 
 async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
@@ -195,12 +231,12 @@ async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: Sampler
         if p.name != new_pod and await ctx.kube.get_pod(namespace, p.name) is not None:
             ctx.log.info(f"waiting for pod {p.name} to terminate before creating {new_pod}")
             return
-    await _create_pod(ctx, cr, spec, int(pending["generation"]))
+    keys_status = await _create_pod(ctx, cr, spec, int(pending["generation"]))
     await test_pause(ctx, "after-create")
     # Step 4: outcome + clearing the intent, atomically in one status patch.
     status = cr.get("status") or {}
     patch = {"pendingReplacement": None, "podName": new_pod, "podGeneration": int(pending["generation"]),
-             "podIP": None, "weightsVersion": None, "weightsLabel": None,
+             "podIP": None, "weightsVersion": None, "weightsLabel": None, **keys_status,
              **_outcome(status, old_pod=pending["oldPod"], reason=pending["reason"], message=pending["message"],
                         counts=bool(pending.get("countsTowardCap")), now=ctx.clock(),
                         policy_window=spec.replacement.window_seconds)}
@@ -288,6 +324,7 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
     cr = newest(live_body, mem)
     try:
         spec = parse_spec(cr.get("spec") or {})
+        seams.check(spec, ctx.allow_test_seams)   # a refused replica gets no pod
     except InvalidSpec:
         return 60.0  # validate_spec reported it; fixing the spec wakes the loop
     period = float(spec.health.period_seconds)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import kopf
 
-from . import GROUP
+from . import FINALIZER, GROUP
 from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY
 from .replacement_policy import fleet_cap
 
@@ -22,6 +22,18 @@ from .replacement_policy import fleet_cap
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     return float(raw) if raw not in (None, "") else default
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    """Refuse anything but a clear yes/no at startup (with the variable named): a typo must not flip it."""
+    raw = (os.environ.get(name) or "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: want true or false")
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,8 @@ class OperatorConfig:
     post_events_from_level: int = logging.WARNING  # kopf turns log lines >= this into k8s Events
     # Fleet-wide: most replicas being replaced at once ("10%" of the managed replicas, or a count).
     max_parallel_replacements: str = "10%"
+    # Replicas whose spec enables the sampler's test seams are refused unless this is on (seams.py).
+    allow_test_seams: bool = False
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -44,6 +58,7 @@ class OperatorConfig:
             request_timeout=_env_float("SAMPLER_OPERATOR_REQUEST_TIMEOUT", cls.request_timeout),
             max_parallel_replacements=_cap_setting(os.environ.get("SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS")
                                                    or cls.max_parallel_replacements),
+            allow_test_seams=_env_bool("SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", cls.allow_test_seams),
         )
 
 
@@ -63,7 +78,7 @@ def apply(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
     settings.watching.connect_timeout = int(cfg.watch_connect_timeout)
     settings.networking.request_timeout = cfg.request_timeout
     # Our own names for kopf's bookkeeping, so it is obvious who wrote them.
-    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")

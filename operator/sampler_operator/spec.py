@@ -76,6 +76,11 @@ class SecretKeyRef(_Model):
     key: str = "api-key"
 
 
+class AdminSecretKeyRef(_Model):
+    name: str
+    key: str = "admin-api-key"   # so one user Secret can hold both keys under the defaults
+
+
 class HealthProbe(_Model):
     period_seconds: int = Field(10, alias="periodSeconds", ge=1)
     timeout_seconds: int = Field(3, alias="timeoutSeconds", ge=1)
@@ -117,7 +122,9 @@ class SamplerReplicaSpec(_Model):
     request_timeout_seconds: int = Field(300, alias="requestTimeoutSeconds", ge=1)
     max_request_timeout_seconds: int = Field(3600, alias="maxRequestTimeoutSeconds", ge=1)
     checkpoints: Checkpoints = Field(default_factory=Checkpoints)
+    # Unset: the operator generates the key (api_keys.py). Pods in a cluster are never open.
     api_key_secret_ref: SecretKeyRef | None = Field(None, alias="apiKeySecretRef")
+    admin_api_key_secret_ref: AdminSecretKeyRef | None = Field(None, alias="adminApiKeySecretRef")
     health: HealthProbe = Field(default_factory=HealthProbe)
     replacement: ReplacementPolicy = Field(default_factory=ReplacementPolicy)
     pool: str = "default"
@@ -174,6 +181,10 @@ def _semantic_problems(spec: SamplerReplicaSpec) -> Iterator[str]:
             yield f"{field} {path!r} must be an absolute path under one of spec.checkpoints.allowedRoots"
     if spec.adapters and not spec.engine_args.enable_lora:
         yield "spec.adapters needs spec.engineArgs.enableLora: true"
+    api, admin = spec.api_key_secret_ref, spec.admin_api_key_secret_ref
+    if api is not None and admin is not None and (api.name, api.key) == (admin.name, admin.key):
+        yield ("spec.adminApiKeySecretRef must name another key than spec.apiKeySecretRef "
+               "(the sampler refuses one key for both)")
     adapter_names = [a.name for a in spec.adapters]
     if len(set(adapter_names)) != len(adapter_names):
         yield "spec.adapters names must be unique"
@@ -188,7 +199,12 @@ def _under_any(path: str, roots: list[str]) -> bool:
 
 
 class InvalidSpec(Exception):
-    """The spec is well-typed but makes no sense; retrying will not help."""
+    """The spec is well-typed but makes no sense (or is not allowed here); retrying will not help.
+    `reason` is the condition's and the Event's reason."""
+
+    def __init__(self, message: str, reason: str = "InvalidSpec") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def parse_spec(raw: dict[str, Any]) -> SamplerReplicaSpec:

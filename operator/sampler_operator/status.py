@@ -57,13 +57,13 @@ def merge_conditions(old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapp
 
 
 def invalid_spec_status(message: str, old_conditions: Sequence[Mapping[str, Any]] | None,
-                        generation: int | None, now: float) -> dict[str, Any]:
+                        generation: int | None, now: float, reason: str = "InvalidSpec") -> dict[str, Any]:
     return {
         "phase": PHASE_INVALID,
         "observedGeneration": generation,
         "conditions": merge_conditions(old_conditions, [
-            condition(SPEC_VALID, False, "InvalidSpec", message, now),
-            condition(READY, False, "InvalidSpec", "the spec is invalid; no pod is managed", now),
+            condition(SPEC_VALID, False, reason, message, now),
+            condition(READY, False, reason, "the spec is refused; no pod is created", now),
         ]),
     }
 

@@ -3,7 +3,7 @@
 Called by the replica loop only while the pod reports `ok`. Steps, each recorded in status so a
 restarted operator neither repeats a finished load nor forgets an unfinished one:
   1. spec.weights changed since the operator last acted on it (`status.weights.declared`):
-     WeightsSynced=False/Loading, then `POST /v1/checkpoints/load` with the pod's API key;
+     WeightsSynced=False/Loading, then `POST /v1/checkpoints/load` with the replica's admin key;
      the outcome (Loaded | InvalidCheckpoint | WriteFailed) goes to status with the spec it was
      for. A checkpoint the pod refuses leaves the pod serving its current, certain weights.
      Busy/unreachable/timed out: nothing is recorded and the next loop tries again.
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .api_keys import replica_keys
 from .context import Context, ReplicaMemory, event_target
 from .health_probe import HealthObservation
 from .pod_client import Outcome, PodAnswer, call
@@ -108,7 +109,6 @@ async def _record(ctx: Context, cr: Mapping[str, Any], weights_fields: Mapping[s
 
 
 async def _api_key(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec) -> str | None:
-    ref = spec.api_key_secret_ref
-    if ref is None:
-        return None
+    """The admin key: loads and adapter changes are admin routes on the pod (docs/sampler.md)."""
+    ref = replica_keys(cr["metadata"]["name"], spec).admin
     return await ctx.kube.read_secret_key(cr["metadata"]["namespace"], ref.name, ref.key)

@@ -1,7 +1,8 @@
 """`create_app`: the FastAPI application, assembled in one place (the shape of vLLM's `build_app`).
 
 Routers are thin and hold no state: the services live on `app.state` (`core`, `weights`,
-`tinker`), and authentication is applied here, once, to every router but the probes.
+`tinker`), and authentication is applied here, once, to every router but the probes: the API key
+on sampling and reads, the admin key on the routers that change weights or adapters (`auth.py`).
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
 
     for open_router in (health.router, tinker.probe_router, twinkle.probe_router):
         app.include_router(open_router)
-    auth = [Depends(APIKeyAuth(cfg.api_key))]
+    auth = APIKeyAuth(cfg.api_key, cfg.admin_api_key)
     for router in (native.router, weights.router, tinker.router, twinkle.router):
-        app.include_router(router, dependencies=auth)
+        app.include_router(router, dependencies=[Depends(auth.sampling)])
+    for router in (weights.admin_router, twinkle.admin_router):
+        app.include_router(router, dependencies=[Depends(auth.admin)])
     if cfg.enable_test_seams:
-        app.include_router(test_seams.router, dependencies=auth)
+        app.include_router(test_seams.router, dependencies=[Depends(auth.admin)])
     return app

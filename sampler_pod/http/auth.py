@@ -1,8 +1,16 @@
-"""API-key authentication, applied once in `create_app` to every router except the probes.
+"""API-key authentication, applied once in `create_app`, by router: every router but the probes.
+
+Two keys, two kinds of routes:
+  * `--api-key` guards sampling and reads (`sampling`).
+  * `--admin-api-key`, when set, guards what changes the replica's weights or adapters (`admin`): a
+    trainer or the operator holds it; a sampling client cannot swap the weights others sample from.
+    The admin key is accepted on every route (a trainer that loads weights also samples).
+Without `--admin-api-key` both kinds take the API key, as before. A valid API key on an admin route
+is a 403 (`forbidden`: the key is fine, the action is not), a missing or wrong key a 401.
 
 The key may come as `X-API-Key` or `Authorization: Bearer` (what the Tinker SDK and Twinkle's
-client send). With no key configured the server is open: for local runs and tests only; the
-operator always configures one in a cluster.
+client send). With no key configured the routes are open: for local runs and tests only; the
+operator always configures both keys in a cluster.
 """
 
 from __future__ import annotations
@@ -11,22 +19,50 @@ import hmac
 
 from fastapi import Request
 
-from ..errors import Unauthorized
+from ..errors import Forbidden, Unauthorized
+
+_HOW = "X-API-Key or Authorization: Bearer"
+
+
+def _given(request: Request) -> bytes:
+    given = request.headers.get("x-api-key") or ""
+    auth = request.headers.get("authorization") or ""
+    if auth.lower().startswith("bearer "):
+        given = given or auth[7:]
+    return given.encode()
+
+
+def _matches(given: bytes, key: bytes | None) -> bool:
+    # Constant-time: no timing oracle on the key. An unset key matches nothing.
+    return key is not None and hmac.compare_digest(given, key)
 
 
 class APIKeyAuth:
-    """A FastAPI dependency: `Depends(APIKeyAuth(key))` on a router guards all its routes."""
+    """Two FastAPI dependencies: `Depends(auth.sampling)` / `Depends(auth.admin)` on a router guard
+    all its routes."""
 
-    def __init__(self, api_key: str | None) -> None:
+    def __init__(self, api_key: str | None, admin_api_key: str | None = None) -> None:
         self._key = api_key.encode() if api_key is not None else None
+        self._admin = admin_api_key.encode() if admin_api_key is not None else None
 
-    def __call__(self, request: Request) -> None:
+    def sampling(self, request: Request) -> None:
         if self._key is None:
             return
-        given = request.headers.get("x-api-key") or ""
-        auth = request.headers.get("authorization") or ""
-        if auth.lower().startswith("bearer "):
-            given = given or auth[7:]
-        # Constant-time comparison: no timing oracle on the key.
-        if not hmac.compare_digest(given.encode(), self._key):
-            raise Unauthorized("missing or wrong API key (X-API-Key or Authorization: Bearer)")
+        given = _given(request)
+        # Both comparisons always run: the time taken does not tell which key was close.
+        is_key, is_admin = _matches(given, self._key), _matches(given, self._admin)
+        if not (is_key or is_admin):
+            raise Unauthorized(f"missing or wrong API key ({_HOW})")
+
+    def admin(self, request: Request) -> None:
+        if self._admin is None:
+            self.sampling(request)
+            return
+        given = _given(request)
+        is_key, is_admin = _matches(given, self._key), _matches(given, self._admin)
+        if is_admin:
+            return
+        if is_key:
+            raise Forbidden("this API key may sample and read but not change weights or adapters: "
+                            "use the admin key (--admin-api-key)")
+        raise Unauthorized(f"missing or wrong admin API key ({_HOW})")

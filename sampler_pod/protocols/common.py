@@ -16,6 +16,12 @@ from ..core.schemas import SampleRequest as CoreSampleRequest
 from ..core.schemas import SamplingParams as CoreSamplingParams
 from ..errors import InvalidRequest, validation_error
 
+# OpenAPI `responses` of the routes that change weights or adapters (guarded by the admin key when
+# --admin-api-key is set; http/auth.py).
+ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    403: {"description": "an API key that may only sample and read: changing weights or adapters needs "
+                         "the admin key (--admin-api-key)"}}
+
 # The seed range is the core's (core/schemas.py); protocols check it at their edge to name their field.
 # The core caps top-k widths at 20 (schemas.SamplingParams); refuse above it at the edge.
 MAX_TOPK = 20

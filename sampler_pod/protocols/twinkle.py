@@ -40,7 +40,7 @@ from ..core.sampler import SamplerCore
 from ..errors import InvalidRequest, NotFound, SamplerError
 from ..weights.service import AddAdapterRequest, WeightsService
 from ..weights.validation import resolve_confined
-from .common import openapi_body
+from .common import ADMIN_RESPONSES, openapi_body
 from .tinker import served_names
 from .twinkle_wire import (
     AddAdapterBody,
@@ -272,6 +272,8 @@ def translate_adapter_error(e: SamplerError) -> SamplerError:
 probe_router = APIRouter(prefix="/api/v1", tags=["twinkle"])
 # Behind the app's API-key dependency (`Authorization: Bearer`, what the client sends).
 router = APIRouter(prefix="/api/v1", tags=["twinkle"])
+# Adapter loads: behind the admin key when the server has one (http/auth.py), like /v1/adapters.
+admin_router = APIRouter(prefix="/api/v1", tags=["twinkle"], responses=ADMIN_RESPONSES)
 SAMPLER = "/sampler/{model_id:path}/twinkle"
 
 
@@ -367,7 +369,7 @@ async def sample(model_id: str, request: Request) -> Response:
     return resp
 
 
-@router.post(SAMPLER + "/add_adapter_to_sampler", openapi_extra=openapi_body(AddAdapterBody))
+@admin_router.post(SAMPLER + "/add_adapter_to_sampler", openapi_extra=openapi_body(AddAdapterBody))
 async def add_adapter_to_sampler(model_id: str, request: Request) -> Response:
     svc, rt = _ident(request)
     svc.check_model(model_id)

@@ -17,9 +17,11 @@ def free_port() -> int:
         return port
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
-    """POST a JSON body; (status, JSON answer) whether the status is a success or an error."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def post_json(url: str, body: dict[str, Any], timeout: float = 120,
+              api_key: str | None = None) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body (with `X-API-Key` when given); (status, JSON answer) whether a success or an error."""
+    headers = {"Content-Type": "application/json", **({"X-API-Key": api_key} if api_key else {})}
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             out: dict[str, Any] = json.loads(r.read())

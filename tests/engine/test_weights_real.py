@@ -233,9 +233,17 @@ def test_lora_adapter_matches_hf_peft_and_can_be_replaced(wenv: WeightsEnv) -> N
 
 
 def test_injected_midwrite_failure_makes_weights_uncertain(tiny_model: Path, tmp_path: Path) -> None:
+    """Also the admin key on the real engine (this server has both keys, as every operator-run pod):
+    the sampling key samples but its load is a 403 that leaves the engine untouched; the admin key's
+    load goes through to the engine (here: the injected failure)."""
     root = tmp_path / "ckpt"
     perturbed_checkpoint(tiny_model, root / "step-1", seed=1)
-    with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-test-seams") as s, s.client() as c:
+    keys = ["--api-key", "tml-sample", "--admin-api-key", "tml-admin"]
+    with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-test-seams", *keys) as s, \
+            s.client(headers={"X-API-Key": "tml-admin"}) as c, s.client(headers={"X-API-Key": "tml-sample"}) as user:
+        refused = load(user, "step-1", "step-1", test_fail_after_tensors=3)
+        assert refused.status_code == 403 and refused.json()["error"]["category"] == "forbidden", refused.text
+        assert greedy(user)[1] == 0 and c.get("/health").json()["status"] == "ok"
         r = load(c, "step-1", "step-1", test_fail_after_tensors=3)
         assert r.status_code == 500 and r.json()["error"]["category"] == "weight_write_failed", r.text
         h = c.get("/health")

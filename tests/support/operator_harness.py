@@ -52,6 +52,8 @@ class PodServer:
         counter = itertools.count()
         self.last_status: str | None = None  # of the last /health answer: what a readiness probe sees
         self.health_probes = 0               # /health requests answered: the operator's probe trace
+        last_n = [-1]                        # ... by request number: threads may finish out of order
+        lock = threading.Lock()
         server_state = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -60,8 +62,10 @@ class PodServer:
 
             def do_GET(self) -> None:
                 if self.path == "/health":
-                    server_state.health_probes += 1
-                answer = behaviour(pod, next(counter)) if self.path == "/health" else ok()
+                    with lock:
+                        server_state.health_probes += 1
+                n = next(counter) if self.path == "/health" else -1
+                answer = behaviour(pod, n) if self.path == "/health" else ok()
                 if answer == HANG:
                     time.sleep(3)
                     return
@@ -70,7 +74,11 @@ class PodServer:
                     return
                 code = 200 if answer["status"] == "ok" else 503
                 if self.path == "/health":
-                    server_state.last_status = answer["status"]
+                    # On a loaded box a timed-out probe's thread can finish after the next probe's: the
+                    # later request's answer must win, or Ready would flip back (ok, then starting).
+                    with lock:
+                        if n > last_n[0]:
+                            last_n[0], server_state.last_status = n, answer["status"]
                 if self.path == "/healthz":
                     code = 200
                 data = json.dumps(answer).encode()
@@ -241,9 +249,11 @@ class OperatorProcess:
     """`python -m sampler_operator` as a child process (so tests can SIGKILL and restart it)."""
 
     def __init__(self, cluster: ks.Cluster, namespaces: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 peering: list[str] | None = None):
+                 peering: list[str] | None = None, allow_test_seams: bool = False):
+        """`allow_test_seams`: accept replicas that enable the sampler's test seams (the operator refuses
+        them by default, sampler_operator/seams.py); for tests that make a write fail midway on purpose."""
         self.cluster, self.namespaces, self.log_path = cluster, namespaces, log_path
-        self.extra_env = env or {}
+        self.extra_env = {"SAMPLER_OPERATOR_ALLOW_TEST_SEAMS": "true" if allow_test_seams else "false", **(env or {})}
         self.peering = peering or ["--standalone"]
         self.proc: subprocess.Popen | None = None
 

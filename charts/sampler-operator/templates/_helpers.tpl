@@ -68,11 +68,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, delete, patch]
-# the replica's API key (spec.apiKeySecretRef), to load declared weights through the pod's
-# authenticated load route; get only: no list/watch of the namespace's secrets
+# the replicas' keys: `create` for the Secret the operator generates per replica when the spec names
+# none (created if absent, never updated), `get` to read the admin key for its in-place loads.
+# No list/watch/update/delete: it never sees the namespace's other secrets or rewrites one
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [get, create]
 # a SamplerPool's gateway: its Deployment and Service, and the ServiceAccount, Role and RoleBinding
 # its discovery uses (the Role grants only get/list/watch this Role holds itself: no escalation)
 - apiGroups: [apps]

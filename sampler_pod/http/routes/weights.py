@@ -1,6 +1,7 @@
 """Checkpoint and adapter routes: thin HTTP over `WeightsService`.
 
-Every mutation runs in its own shielded task: a client that hangs up must not cancel a
+Mutations sit on `admin_router` (`create_app` guards it with the admin key, `http/auth.py`), reads
+on `router`. Every mutation runs in its own shielded task: a client that hangs up must not cancel a
 weight write halfway (that would leave the weights uncertain for no reason).
 """
 
@@ -10,6 +11,7 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 
+from ...protocols.common import ADMIN_RESPONSES
 from ...weights.service import (
     AdapterInfo,
     AddAdapterRequest,
@@ -19,6 +21,8 @@ from ...weights.service import (
 )
 
 router = APIRouter(prefix="/v1", tags=["weights"])
+# What changes the weights or adapters: the admin key's routes (when --admin-api-key is set).
+admin_router = APIRouter(prefix="/v1", tags=["weights"], responses=ADMIN_RESPONSES)
 
 
 def _service(request: Request) -> WeightsService:
@@ -26,7 +30,7 @@ def _service(request: Request) -> WeightsService:
     return service
 
 
-@router.post("/checkpoints/load", response_model=LoadCheckpointResponse)
+@admin_router.post("/checkpoints/load", response_model=LoadCheckpointResponse)
 async def load_checkpoint(req: LoadCheckpointRequest, request: Request) -> LoadCheckpointResponse:
     return await asyncio.shield(asyncio.ensure_future(_service(request).load_checkpoint(req)))
 
@@ -36,12 +40,12 @@ async def list_adapters(request: Request) -> list[AdapterInfo]:
     return _service(request).list_adapters()
 
 
-@router.post("/adapters", response_model=AdapterInfo)
+@admin_router.post("/adapters", response_model=AdapterInfo)
 async def add_adapter(req: AddAdapterRequest, request: Request) -> AdapterInfo:
     return await asyncio.shield(asyncio.ensure_future(_service(request).add_adapter(req)))
 
 
-@router.delete("/adapters/{name}", status_code=204)
+@admin_router.delete("/adapters/{name}", status_code=204)
 async def remove_adapter(name: str, request: Request) -> Response:
     await asyncio.shield(asyncio.ensure_future(_service(request).remove_adapter(name)))
     return Response(status_code=204)

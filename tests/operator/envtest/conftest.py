@@ -63,9 +63,10 @@ def api(k8s):
 
 @pytest.fixture(scope="session")
 def operator(k8s, crd, tmp_path_factory):
-    """One operator for the fast tier, watching namespaces named sr-*."""
+    """One operator for the fast tier, watching namespaces named sr-*. It allows the sampler's test seams
+    (test_declared_weights makes a write fail midway); test_fast_tier checks the refusal with its own."""
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(k8s, ["sr-*"], log).start()
+    op = OperatorProcess(k8s, ["sr-*"], log, allow_test_seams=True).start()
     op.wait_live()
     yield op
     op.stop()

@@ -103,7 +103,7 @@ def test_pdb_only_with_more_than_one_replica():
 def test_helm_install_refuses_a_values_typo_and_accepts_the_real_values(k8s, tmp_path):
     """`helm install ... --set`/`-f` with `replicaCont: 2` fails with the schema error and creates
     nothing; the same install with `replicaCount: 2` succeeds: a Deployment with 2 replicas, its
-    PodDisruptionBudget, and NOTES that show the next three commands."""
+    PodDisruptionBudget, and NOTES that show the next commands (keys included)."""
     ns = f"chart-{uuid.uuid4().hex[:6]}"
     k8s.kubectl("create", "namespace", ns)
     rel = "so"
@@ -132,8 +132,13 @@ def test_helm_install_refuses_a_values_typo_and_accepts_the_real_values(k8s, tmp
         commands = [ln.strip() for ln in notes.splitlines() if ln.strip().startswith("kubectl ")]
         assert commands == [f"kubectl -n {ns} rollout status deployment/{rel}-sampler-operator",
                             "kubectl apply -f examples/samplerreplica.yaml",
-                            "kubectl get sr -w"], notes
+                            "kubectl get sr -w",
+                            "kubectl get secret policy-0-sampler-keys -o jsonpath='{.data.api-key}' | base64 -d",
+                            "kubectl get secret policy-0-sampler-keys -o jsonpath='{.data.admin-api-key}' | base64 -d",
+                            ], notes
+        assert "allowTestSeams" not in notes and "pre-delete hook" in notes
         assert f"ghcr.io/sampler-operator/sampler-gpu:{APP_VERSION}" in notes
     finally:
-        k8s.helm("uninstall", rel, "-n", ns, check=False)
+        # no kubelet here to run the pre-delete hook Job (the node tier runs it)
+        k8s.helm("uninstall", rel, "-n", ns, "--no-hooks", check=False)
         k8s.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -8,11 +8,13 @@ goes through the real HTTP API: the API key from the Secret, real checkpoint val
 """
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import threading
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +69,18 @@ def test_patching_spec_weights_loads_them_in_place_once_with_the_key(api, ns, wo
                      "w1 Ready at the base model")
     assert st["weights"]["label"] == "base" and cond(st, "WeightsSynced")["status"] == "True"
     uid = world["kubelet"].uids["w1-0"]
-    # The pod refuses a keyless load: the operator's load below can only succeed with the Secret's key.
-    req = urllib.request.Request(world["kubelet"].url("w1-0", port) + "/v1/checkpoints/load", method="POST",
-                                 data=b'{"path": "step-1", "version_label": "x"}',
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=5)
-    assert e.value.code == 401
+    # The pod refuses a keyless load (401) and one with the sampling key from the user's Secret (403): the
+    # operator's load below can only succeed with the admin key it generated (the spec names none).
+    for headers, code in (({}, 401), ({"X-API-Key": KEY}, 403)):
+        req = urllib.request.Request(world["kubelet"].url("w1-0", port) + "/v1/checkpoints/load", method="POST",
+                                     data=b'{"path": "step-1", "version_label": "x"}',
+                                     headers={"Content-Type": "application/json", **headers})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == code
+    assert st["apiKeySecretRef"] == {"name": "sampler-key", "key": "api-key"}
+    assert st["adminApiKeySecretRef"] == {"name": "w1-sampler-keys", "key": "admin-api-key"}
+    assert set(api.core.read_namespaced_secret("w1-sampler-keys", ns).data) == {"admin-api-key"}
 
     checkpoint = str(world["root"] / "step-1")
     api.custom.patch_namespaced_custom_object(G, V, ns, P, "w1", {"spec": {"weights": {
@@ -133,22 +140,20 @@ def _replacements_in_progress(events: list[tuple[str, Any]]) -> int:
 
 
 @pytest.fixture
-def own_ns(api):
-    """A namespace only this test's operator watches: the session operator (started by earlier tests
-    of this tier) watches `sr-*`, and a second operator acting with its own cap would break the count."""
-    import uuid
-
-    name = f"fc-{uuid.uuid4().hex[:8]}"
+def fleet_ns(api):
+    """Not sr-*: the session's shared operator (namespaces sr-*), once started by an earlier test, would manage
+    these replicas too, with its own cap, and two operators' caps add up."""
+    name = f"fleet-{uuid.uuid4().hex[:8]}"
     api.core.create_namespace({"metadata": {"name": name}})
     yield name
     api.core.delete_namespace(name)
 
 
-def test_fleet_cap_bounds_replacements_in_progress(api, own_ns, k8s, crd, tmp_path):
+def test_fleet_cap_bounds_replacements_in_progress(api, fleet_ns, k8s, crd, tmp_path):
     """10 replicas go uncertain at once with a fleet cap of 2: at most 2 replacements in progress."""
     import kubernetes
 
-    ns = own_ns
+    ns = fleet_ns
     op = OperatorProcess(k8s, [ns], tmp_path / "op.log", env={"SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS": "2"})
     op.start()
     # A new pod answers `starting` for its first probes, like an engine loading weights, so each
@@ -206,10 +211,12 @@ def test_a_replacement_starts_at_the_weights_the_pod_was_loading_not_the_base(ap
     create(api, ns, replica("w3", port, world, engineArgs={"extraArgs": ["--enable-test-seams"]}))
     wait_status(api, ns, "w3", lambda s: s.get("phase") == "Ready", "w3 Ready")
     url = world["kubelet"].url("w3-0", port)
+    admin = base64.b64decode(api.core.read_namespaced_secret("w3-sampler-keys", ns).data["admin-api-key"]).decode()
 
     def load(body: dict[str, Any]) -> int:
+        # a trainer loading straight onto the pod holds the admin key
         req = urllib.request.Request(url + "/v1/checkpoints/load", method="POST", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-API-Key": KEY})
+                                     headers={"Content-Type": "application/json", "X-API-Key": admin})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status

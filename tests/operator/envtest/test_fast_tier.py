@@ -205,6 +205,57 @@ def test_deleting_the_replica_garbage_collects_its_pod(api, ns, operator, kubele
     ks.wait_for(lambda: not api.custom.list_namespaced_custom_object(G, V, ns, P)["items"], 30, 0.2, "CR gone")
 
 
+def test_generated_keys_secret_is_created_once_owned_and_collected(api, ns, operator, kubelet, k8s):
+    """No key refs in the spec: the operator generates one Secret with both keys before the pod, says
+    where it is (status, Event with the read command), never rotates it, and GC collects it."""
+    import base64
+    kubelet()
+    create(api, ns, cr_body("r1", ks.free_port()))
+    st = wait_phase(api, ns, "r1", "Ready")
+    assert st["apiKeySecretRef"] == {"name": "r1-sampler-keys", "key": "api-key"}
+    assert st["adminApiKeySecretRef"] == {"name": "r1-sampler-keys", "key": "admin-api-key"}
+    secret = api.core.read_namespaced_secret("r1-sampler-keys", ns)
+    keys = {k: base64.b64decode(v).decode() for k, v in secret.data.items()}
+    assert set(keys) == {"api-key", "admin-api-key"} and keys["api-key"] != keys["admin-api-key"]
+    assert all(v.startswith("tml-") and len(v) > 40 for v in keys.values())
+    [ref] = secret.metadata.owner_references
+    assert (ref.kind, ref.name, ref.uid) == ("SamplerReplica", "r1", get_cr(api, ns, "r1")["metadata"]["uid"])
+    env = {e.name: e.value_from.secret_key_ref for e in api.core.read_namespaced_pod("r1-0", ns).spec.containers[0].env
+           if e.value_from}
+    assert (env["SAMPLER_API_KEY"].name, env["SAMPLER_API_KEY"].key) == ("r1-sampler-keys", "api-key")
+    assert (env["SAMPLER_ADMIN_API_KEY"].name, env["SAMPLER_ADMIN_API_KEY"].key) == ("r1-sampler-keys", "admin-api-key")
+    [ev] = [e for e in api.core.list_namespaced_event(ns).items if e.reason == "ApiKeysGenerated"]
+    command = ev.message.split("read: ")[1].split("; ")[0]
+    assert command == f"kubectl -n {ns} get secret r1-sampler-keys -o jsonpath='{{.data.api-key}}' | base64 -d"
+    # the documented read command works as written (the jsonpath part, through our kubectl)
+    out = k8s.kubectl("-n", ns, "get", "secret", "r1-sampler-keys", "-o", "jsonpath={.data.api-key}")
+    assert base64.b64decode(out).decode() == keys["api-key"]
+    # a new pod reuses the Secret: never rotated
+    api.core.delete_namespaced_pod("r1-0", ns)
+    ks.wait_for(lambda: [p.metadata.name for p in live_pods(api, ns)] == ["r1-1"], 20, 0.1, "pod r1-1")
+    wait_phase(api, ns, "r1", "Ready")
+    again = api.core.read_namespaced_secret("r1-sampler-keys", ns)
+    assert again.metadata.resource_version == secret.metadata.resource_version and again.data == secret.data
+    assert len([e for e in api.core.list_namespaced_event(ns).items if e.reason == "ApiKeysGenerated"]) == 1
+    api.custom.delete_namespaced_custom_object(G, V, ns, P, "r1")
+    ks.wait_for(lambda: not api.core.list_namespaced_secret(ns, field_selector="metadata.name=r1-sampler-keys").items,
+                30, 0.2, "generated Secret garbage-collected with its replica")
+
+
+def test_an_existing_secret_under_the_generated_name_is_never_rewritten(api, ns, operator, kubelet):
+    """Someone's Secret already has the generated name but lacks the admin key: left as it is, Warning Event."""
+    kubelet()
+    api.core.create_namespaced_secret(ns, {"metadata": {"name": "r2-sampler-keys"}, "stringData": {"api-key": "k"}})
+    before = api.core.read_namespaced_secret("r2-sampler-keys", ns)
+    create(api, ns, cr_body("r2", ks.free_port()))
+    ev = ks.wait_for(lambda: [e for e in api.core.list_namespaced_event(ns).items if e.reason == "ApiKeysMissing"],
+                     30, 0.2, "ApiKeysMissing event")
+    assert ev[0].type == "Warning" and "admin-api-key" in ev[0].message and "r2-sampler-keys" in ev[0].message
+    after = api.core.read_namespaced_secret("r2-sampler-keys", ns)
+    assert after.metadata.resource_version == before.metadata.resource_version and after.data == before.data
+    assert not after.metadata.owner_references
+
+
 @pytest.mark.parametrize("raw, field", [
     ({"engineArgs": {"maxNumSeqs": 0}}, "spec.engineArgs.maxNumSeqs"),
     ({"engine": "tgi"}, "spec.engine"),
@@ -241,6 +292,45 @@ def test_semantically_invalid_spec_gets_a_condition_not_a_crash_loop(api, ns, op
     api.custom.patch_namespaced_custom_object(G, V, ns, P, "r1", {"spec": {"model": "/models/tiny"}})
     st = wait_phase(api, ns, "r1", "Ready")
     assert cond(st, "SpecValid")["status"] == "True"
+
+
+def test_test_seams_are_refused_unless_the_operator_allows_them(api, ns, operator, kubelet, k8s, tmp_path):
+    """Setting off (the default): a replica enabling the sampler's test seams gets no pod, phase Invalid,
+    SpecValid=False/TestSeamsNotAllowed naming the flag and the setting, and a Warning Event. Setting on
+    (the shared operator, which allows them): the same replica gets its pod."""
+    seams = {"engineArgs": {"extraArgs": ["--enable-test-seams"]}}
+    off_ns = f"seams-off-{int(time.time() * 1000) % 100000}"
+    api.core.create_namespace({"metadata": {"name": off_ns}})
+    off = OperatorProcess(k8s, [off_ns], tmp_path / "off.log").start()   # allow_test_seams defaults to off
+    try:
+        off.wait_live()
+        create(api, off_ns, cr_body("s1", ks.free_port(), **seams))
+        st = wait_phase(api, off_ns, "s1", "Invalid")
+        spec_valid, ready = cond(st, "SpecValid"), cond(st, "Ready")
+        assert (spec_valid["status"], spec_valid["reason"]) == ("False", "TestSeamsNotAllowed")
+        assert (ready["status"], ready["reason"]) == ("False", "TestSeamsNotAllowed")
+        for words in ("--enable-test-seams", "spec.engineArgs.extraArgs[0]", "SAMPLER_OPERATOR_ALLOW_TEST_SEAMS",
+                      "allowTestSeams"):
+            assert words in spec_valid["message"], spec_valid["message"]
+        ev = ks.wait_for(lambda: [e for e in api.core.list_namespaced_event(off_ns).items
+                                  if e.reason == "TestSeamsNotAllowed"], 20, 0.2, "the Warning Event")
+        assert ev[0].type == "Warning" and ev[0].involved_object.name == "s1"
+        # The operator works in that namespace (a replica without seams gets its pod); the refused one has none.
+        create(api, off_ns, cr_body("s2", ks.free_port()))
+        ks.wait_for(lambda: [p.metadata.name for p in api.core.list_namespaced_pod(off_ns).items] == ["s2-0"], 20, 0.1,
+                    "the pod of the replica without seams")
+        assert not api.core.list_namespaced_pod(off_ns, label_selector="sampler.rl.dev/replica=s1").items
+        assert "created pod s1-" not in off.logs()
+        assert status(api, off_ns, "s1")["phase"] == "Invalid"
+        api.core.delete_namespace(off_ns)   # while its operator runs: it releases its finalizers
+    finally:
+        off.stop()
+    # The operator that allows test seams runs the same replica.
+    kubelet()
+    create(api, ns, cr_body("s1", ks.free_port(), **seams))
+    st = wait_phase(api, ns, "s1", "Ready")
+    assert cond(st, "SpecValid")["status"] == "True"
+    assert "--enable-test-seams" in api.core.read_namespaced_pod("s1-0", ns).spec.containers[0].args
 
 
 def test_existing_pod_is_adopted_not_duplicated(api, ns, operator, kubelet):

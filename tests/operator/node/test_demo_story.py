@@ -80,7 +80,8 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         assert a["weights"]["label"] == "step-1" and a["weights"]["declaredResult"] == "Loaded"
         assert next(c for c in a["conditions"] if c["type"] == "WeightsSynced")["status"] == "True"
         code, out = post(f"http://127.0.0.1:{cfg.ports[0]}/v1/sample",
-                         {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
+                         {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
+                         key=story.key("demo-a"))
         assert code == 200 and out["weights_label"] == "step-1"
         assert demo.tokens(out) == demo.tokens(r.samples["demo-a/step-1"])
 
@@ -98,7 +99,8 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         for pod in ("demo-a-0", "demo-b-1"):
             assert_runs_project_image(api.core.read_namespaced_pod(pod, ns), "sampler-cpu", "sampler")
         code, out = post(f"http://127.0.0.1:{cfg.ports[1]}/v1/sample",
-                         {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}})
+                         {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
+                         key=story.key("demo-b"))
         assert code == 200 and out["weights_label"] == "step-1"
         assert demo.tokens(out) == demo.tokens(r.samples["demo-a/step-1"])    # greedy on the same weights
         assert demo.tokens(out) != demo.tokens(r.samples["demo-b/base"])      # never the base model

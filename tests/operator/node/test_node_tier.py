@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from sampler_operator import FINALIZER
 from sampler_pod.testing.net import post_json
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
@@ -91,8 +92,8 @@ def cpu_engine_args() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    return post_json(url, body, timeout)
+def post(url: str, body: dict, timeout: float = 120, key: str | None = None) -> tuple[int, dict]:
+    return post_json(url, body, timeout, api_key=key)
 
 
 class Api:
@@ -140,6 +141,15 @@ class Api:
 
     def pod_log(self, ns: str, pod: str) -> str:
         return self.cluster.kubectl("-n", ns, "logs", pod, check=False)
+
+    def key(self, ns: str, name: str, admin: bool = False) -> str:
+        """A replica's API key (admin: its admin key), from where its status says it is (the generated
+        Secret here), read the way docs/operator.md tells users to."""
+        import base64
+        ref = self.wait_status(ns, name, lambda s: s.get("adminApiKeySecretRef"), 60, "key refs in status")[
+            "adminApiKeySecretRef" if admin else "apiKeySecretRef"]
+        out = self.cluster.kubectl("-n", ns, "get", "secret", ref["name"], "-o", f"jsonpath={{.data.{ref['key']}}}")
+        return base64.b64decode(out).decode()
 
 
 class PodMonitor(Poller):
@@ -217,9 +227,10 @@ def api(k8s_node) -> Api:
 
 @pytest.fixture(scope="module")
 def operator(k8s_node, api, tmp_path_factory):
-    """One operator for the module, watching the namespaces nt-*."""
+    """One operator for the module, watching the namespaces nt-*; the replicas here enable the sampler's test
+    seams (a write made to fail midway), so it allows them."""
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, env={"PYTHONPATH": SRC_PATH}).start()
+    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, env={"PYTHONPATH": SRC_PATH}, allow_test_seams=True).start()
     op.wait_live(timeout=120)
     yield op
     op.stop()
@@ -274,6 +285,13 @@ def test_apply_creates_one_running_pod_and_ready_status(api, ns, operator, tiny_
     assert any(m["Destination"] == "/var/run/sampler" and "empty-dir" in m["Source"] for m in d["Mounts"])
     assert api.core.read_namespaced_pod("r1-0", ns).status.pod_ip == "127.0.0.1"
     assert_runs_project_image(pod, "sampler-cpu", "sampler")
+    # never open: the pod's keys come from the Secret the operator generated (the spec names none)
+    refs = {e.name: (e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key) for e in c.env if e.value_from}
+    assert refs == {"SAMPLER_API_KEY": ("r1-sampler-keys", "api-key"),
+                    "SAMPLER_ADMIN_API_KEY": ("r1-sampler-keys", "admin-api-key")}
+    sample = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 2}}
+    assert post(f"http://127.0.0.1:{port}/v1/sample", sample)[0] == 401
+    assert post(f"http://127.0.0.1:{port}/v1/sample", sample, key=api.key(ns, "r1"))[0] == 200
     # printer columns (a fresh discovery cache: the CRD may be newer than kubectl's cached API list)
     table = api.cluster.kubectl("--cache-dir", str(tmp_path / "kube-cache"), "-n", ns, "get", "sr")
     lines = table.splitlines()
@@ -333,7 +351,8 @@ def test_operator_sigkilled_mid_replacement_leaves_one_pod(api, k8s_node, tiny_m
     log = tmp_path / "operator.log"
     port = ks.free_port()
     paused = OperatorProcess(k8s_node, [ns], log, env={"SAMPLER_OPERATOR_TEST_PAUSE_AT": stage, "PYTHONPATH": SRC_PATH,
-                                                       "SAMPLER_OPERATOR_TEST_PAUSE_S": "120"}).start()
+                                                       "SAMPLER_OPERATOR_TEST_PAUSE_S": "120"},
+                             allow_test_seams=True).start()
     restarted = None
     mon = PodMonitor(api.core, ns)
     try:
@@ -341,14 +360,15 @@ def test_operator_sigkilled_mid_replacement_leaves_one_pod(api, k8s_node, tiny_m
         api.apply(ns, replica("r7", port, Path(tiny_model)))
         api.wait_ready(ns, "r7", "r7-0", timeout=180)
         code, body = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
-                          {"path": str(tiny_model), "version_label": "broken", "test_fail_after_tensors": 1})
+                          {"path": str(tiny_model), "version_label": "broken", "test_fail_after_tensors": 1},
+                          key=api.key(ns, "r7", admin=True))
         assert code == 500 and body["error"]["category"] == "weight_write_failed", body
         paused.wait_log(f"test pause at {stage}", timeout=60)
         paused.kill()
         t_kill = time.monotonic()
         mid = api.status(ns, "r7")
         assert mid["pendingReplacement"]["oldPod"] == "r7-0" and mid["phase"] == "Replacing", mid
-        restarted = OperatorProcess(k8s_node, [ns], log, env={"PYTHONPATH": SRC_PATH}).start()
+        restarted = OperatorProcess(k8s_node, [ns], log, env={"PYTHONPATH": SRC_PATH}, allow_test_seams=True).start()
         st = api.wait_ready(ns, "r7", "r7-1", timeout=180)
         _log(f"operator restarted -> replacement Ready in {time.monotonic() - t_kill:.1f}s")
         time.sleep(2 * PERIOD)    # a few more loops of the restarted operator: nothing else happens
@@ -373,7 +393,9 @@ def test_operator_sigkilled_mid_replacement_leaves_one_pod(api, k8s_node, tiny_m
 def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_path):
     """`helm install` the chart with its DEFAULT image (the project's operator image, tag = appVersion, built by
     scripts/images/build.sh): the operator runs as a real in-cluster Deployment, non-root (service-account
-    token, the chart's least-privilege RBAC, peering), and brings a replica to Ready; `helm uninstall` cleans up.
+    token, the chart's least-privilege RBAC, peering), and brings a replica to Ready; `helm uninstall` runs the
+    pre-delete hook (stops the operator, releases the replica's finalizer) and cleans up. Namespaced mode; the
+    chart's default cluster-wide mode: test_helm_clusterwide.py.
     Node-tier quirks only: hostNetwork lets it reach the API server and the pods at 127.0.0.1 (no kube-proxy
     here), and the node tier's API server runs without the ServiceAccount admission plugin (no token volume
     is injected), so the service-account token Secret (filled by the controller-manager's token controller)
@@ -390,6 +412,7 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
         "hostNetwork": True,
         "liveness": {"port": liveness_port, "probe": {"initialDelaySeconds": 30, "periodSeconds": 5}},
         "logLevel": "verbose",
+        "allowTestSeams": True,       # the replica below enables them (replica()'s default extraArgs)
         "watchTimeouts": {"serverTimeout": 30, "clientTimeout": 40},
         # in-cluster config reads KUBERNETES_SERVICE_HOST/PORT: the ClusterIP is unroutable without kube-proxy
         "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
@@ -435,10 +458,13 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
         _log(f"helm install -> replica Ready in {time.monotonic() - t0:.1f}s")
 
         t0 = time.monotonic()
-        k8s_node.helm("uninstall", release, "-n", ops)
+        assert FINALIZER in api.cr(watched, "rh")["metadata"]["finalizers"]
+        k8s_node.helm("uninstall", release, "-n", ops, timeout=360)
         installed = False
+        # the pre-delete hook stopped the operator and released the replica it managed (the namespaced mode)
+        assert FINALIZER not in (api.cr(watched, "rh")["metadata"].get("finalizers") or [])
         ks.wait_for(lambda: not api.core.list_namespaced_pod(ops).items, 120, 0.5, "operator pod gone")
-        for kind in ("deployment", "serviceaccount", "role", "rolebinding"):
+        for kind in ("deployment", "serviceaccount", "role", "rolebinding", "job"):
             left = k8s_node.kubectl("get", kind, "-A", "-l", "app.kubernetes.io/instance=so", "-o", "name")
             assert not left.strip(), (kind, left)
         assert not k8s_node.kubectl("-n", watched, "get", "kopfpeerings", "-o", "name").strip()
@@ -485,8 +511,13 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(
     lock_src = next(m["Source"] for m in docker_container("rv-0")["Mounts"] if m["Destination"] == "/var/run/sampler")
     assert "kubernetes.io~empty-dir/startup-lock" in lock_src and (Path(lock_src) / "engine-startup.lock").is_file()
 
+    # a trainer loads straight onto the pod: with the replica's admin key (the API key may only sample)
+    admin, user = api.key(ns, "rv", admin=True), api.key(ns, "rv")
     code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
-                     {"path": "/checkpoints/step-1", "version_label": "step-1"})
+                     {"path": "/checkpoints/step-1", "version_label": "step-1"}, key=user)
+    assert code == 403 and out["error"]["category"] == "forbidden", out
+    code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
+                     {"path": "/checkpoints/step-1", "version_label": "step-1"}, key=admin)
     assert code == 200 and out["weights_label"] == "step-1", out
     st = api.wait_status(ns, "rv", lambda s: ((s.get("weights") or {}).get("intended") or {}).get("versionLabel")
                          == "step-1", 30, "the pod's intended weights recorded")
@@ -499,7 +530,8 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(
     try:
         t_fail = time.monotonic()
         code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load",
-                         {"path": "/checkpoints/step-2", "version_label": "step-2", "test_fail_after_tensors": 1})
+                         {"path": "/checkpoints/step-2", "version_label": "step-2", "test_fail_after_tensors": 1},
+                         key=admin)
         assert code == 500 and out["error"]["category"] == "weight_write_failed", out
         poller = HealthPoller(port, seen)   # from here on the old pod is uncertain: any `ok` is the new pod's
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
@@ -531,7 +563,7 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(
     assert_runs_project_image(api.core.read_namespaced_pod("rv-1", ns), "sampler-cpu", "sampler")
     log1 = api.pod_log(ns, "rv-1")
     assert "engine startup lock /var/run/sampler/engine-startup.lock acquired" in log1, log1[-3000:]
-    logprobs, out = _prompt_logprobs(port)
+    logprobs, out = _prompt_logprobs(port, user)    # the same generated keys: never rotated by the replacement
     assert out["weights_label"] == "step-2"
     assert _close(logprobs, hf_prompt_logprobs(ckpt_root / "step-2", PROMPT)), logprobs
 
@@ -549,7 +581,8 @@ def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, op
     api.apply(ns, _vllm_replica("dk", port, model, root))
     api.wait_ready(ns, "dk", "dk-0", timeout=600)
     code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load", {"path": "/checkpoints/step-3",
-                                                                       "version_label": "step-3"})
+                                                                       "version_label": "step-3"},
+                     key=api.key(ns, "dk", admin=True))
     assert code == 200, out
     container = docker_container("dk-0")["Id"]
     seen: list[dict] = []
@@ -568,7 +601,7 @@ def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, op
     assert any(not h or h.get("status") == "starting" for h in seen), "the poller saw the restart"
     ok = [h.get("weights_label") for h in seen if h.get("status") == "ok"]
     assert ok and set(ok) == {"step-3"}, ok
-    logprobs, out = _prompt_logprobs(port)
+    logprobs, out = _prompt_logprobs(port, api.key(ns, "dk"))
     assert out["weights_label"] == "step-3"
     assert _close(logprobs, hf_prompt_logprobs(root / "step-3", PROMPT))
     assert [p.metadata.name for p in api.live_pods(ns)] == ["dk-0"], "restarted, not replaced"
@@ -621,10 +654,10 @@ def _checkpoints(model: Path, root: Path, *steps: int) -> None:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
 
 
-def _prompt_logprobs(port: int) -> tuple[list[float], dict]:
+def _prompt_logprobs(port: int, key: str) -> tuple[list[float], dict]:
     code, out = post(f"http://127.0.0.1:{port}/v1/sample",
                      {"prompts": [PROMPT], "sampling_params": {"max_tokens": 1, "temperature": 0.0,
-                                                               "prompt_logprobs": True}})
+                                                               "prompt_logprobs": True}}, key=key)
     assert code == 200, out
     return list(out["results"][0]["prompt_logprobs"][1:]), out
 

@@ -38,7 +38,8 @@ def test_helm_lint(sets):
 def test_cluster_wide_render():
     docs = render("hostNetwork=true", "watchTimeouts.serverTimeout=120")
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Job", "Role",
+                     "RoleBinding", "ServiceAccount"]   # Job, Role, RoleBinding: the uninstall hook
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -46,20 +47,21 @@ def test_cluster_wide_render():
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"] and "--peering=sampler-operator" in c["args"]
     assert "--all-namespaces" in c["args"]
     assert {"name": "SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT", "value": "120"} in c["env"]
+    assert {"name": "SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", "value": "false"} in c["env"]   # off unless asked
     assert c["livenessProbe"]["httpGet"]["port"] == "liveness"
     rules = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
     granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
     assert ("", "pods") in granted
-    # Secrets: only `get`, for the replica's API key when the operator loads declared weights.
+    # Secrets: `get` (the admin key for declared loads) and `create` (generated keys); never list/update.
     secret_verbs = {v for rule in rules if "secrets" in rule["resources"] for v in rule["verbs"]}
-    assert secret_verbs == {"get"}
+    assert secret_verbs == {"get", "create"}
     assert ("sampler.rl.dev", "samplerreplicas/status") in granted
 
 
 @needs_helm
 def test_namespaced_render_uses_roles_and_standalone():
     docs = render("watch.allNamespaces=false", "watch.namespaces={a,b}", "peering.enabled=false")
-    roles = [d for d in docs if d["kind"] == "Role"]
+    roles = [d for d in docs if d["kind"] == "Role" and "helm.sh/hook" not in d["metadata"].get("annotations", {})]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["a", "b"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -67,3 +69,49 @@ def test_namespaced_render_uses_roles_and_standalone():
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
     cluster_rules = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
     assert all("pods" not in r["resources"] for r in cluster_rules)  # pods only via namespaced Roles
+    for role in roles:   # the generated keys are created in each watched namespace
+        assert {v for r in role["rules"] if "secrets" in r["resources"] for v in r["verbs"]} == {"get", "create"}
+
+
+@needs_helm
+def test_allow_test_seams_reaches_the_operator_and_only_takes_a_boolean():
+    dep = next(d for d in render("allowTestSeams=true") if d["kind"] == "Deployment")
+    assert {"name": "SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", "value": "true"} in \
+        dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    p = subprocess.run([ks.HELM, "template", "rel", str(CHART), "--set-string", "allowTestSeams=yes"],
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "allowTestSeams" in p.stderr, p.stderr
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, scope", [([], ["--all-namespaces"]),
+                                         (["watch.allNamespaces=false", "watch.namespaces={a,b}"],
+                                          ["--namespace=a", "--namespace=b"])])
+def test_uninstall_hook_stops_the_operator_then_releases_every_replica_it_manages(sets, scope):
+    docs = render("hostNetwork=true", *sets)
+    hooks = {d["kind"]: d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})}
+    assert sorted(hooks) == ["Job", "Role", "RoleBinding"]
+    for d in hooks.values():
+        ann = d["metadata"]["annotations"]
+        assert ann["helm.sh/hook"] == "pre-delete" and "hook-succeeded" in ann["helm.sh/hook-delete-policy"]
+        assert d["metadata"]["namespace"] == "ops"
+    # the Role and its binding exist before the Job runs (lower weight)
+    assert int(hooks["Role"]["metadata"]["annotations"]["helm.sh/hook-weight"]) < \
+        int(hooks["Job"]["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert hooks["Role"]["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["rel-sampler-operator"],
+         "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = hooks["Job"]["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["image"] == dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert pod["serviceAccountName"] == dep["spec"]["template"]["spec"]["serviceAccountName"] == \
+        hooks["RoleBinding"]["subjects"][0]["name"]
+    assert c["command"] == ["python", "-m", "sampler_operator.release_finalizers"]
+    assert c["args"] == ["--all", "--stop-operator=ops/rel-sampler-operator", *scope]
+    assert pod["hostNetwork"] is True and pod["restartPolicy"] == "Never"
+    # the Job's pod must not match the Deployment's selector: it waits for those pods to be gone
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= hooks["Job"]["spec"]["template"]["metadata"]["labels"].items()
+    assert not [d for d in render("releaseFinalizersOnUninstall=false") if d["kind"] == "Job"]

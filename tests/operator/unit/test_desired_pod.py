@@ -96,7 +96,24 @@ def test_args_follow_the_contract():
 def test_api_key_comes_from_the_secret_via_env_never_argv():
     c = container(desired_pod(OWNER, spec(apiKeySecretRef={"name": "keys"}), 0))
     assert {"name": "SAMPLER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}} in c["env"]
+    # the admin key the spec leaves unset is the generated one
+    assert {"name": "SAMPLER_ADMIN_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "r1-sampler-keys", "key": "admin-api-key"}}} in c["env"]
     assert not any("api-key" in x for x in c["args"])
+
+
+def test_a_pod_is_never_open_without_key_refs_both_keys_come_from_the_generated_secret():
+    c = container(desired_pod(OWNER, spec(), 0))
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
+    assert refs == {"SAMPLER_API_KEY": {"name": "r1-sampler-keys", "key": "api-key"},
+                    "SAMPLER_ADMIN_API_KEY": {"name": "r1-sampler-keys", "key": "admin-api-key"}}
+    both = container(desired_pod(OWNER, spec(apiKeySecretRef={"name": "k"}, adminApiKeySecretRef={"name": "k"}), 0))
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in both["env"] if "valueFrom" in e}
+    assert refs == {"SAMPLER_API_KEY": {"name": "k", "key": "api-key"},
+                    "SAMPLER_ADMIN_API_KEY": {"name": "k", "key": "admin-api-key"}}
+    # where the keys are is part of the template: bringing your own Secret rolls the pod
+    assert template_hash(pod_template("r1", spec())) != template_hash(pod_template("r1", spec(
+        apiKeySecretRef={"name": "k"})))
 
 
 def test_pod_overrides_and_host_network():

@@ -22,3 +22,15 @@ def test_only_our_pods_are_watched():
     crs = Resource(group="sampler.rl.dev", version="v1alpha1", plural="samplerreplicas", kind="SamplerReplica")
     assert st.watching.label_selectors.collect(pods) == ["app.kubernetes.io/managed-by=sampler-operator"]
     assert st.watching.label_selectors.collect(crs) == []
+
+
+def test_test_seams_are_off_by_default_and_the_setting_is_strict(monkeypatch):
+    import pytest
+    monkeypatch.delenv("SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", raising=False)
+    assert settings.OperatorConfig.from_env().allow_test_seams is False
+    for raw, want in (("true", True), ("1", True), ("false", False), ("", False)):
+        monkeypatch.setenv("SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", raw)
+        assert settings.OperatorConfig.from_env().allow_test_seams is want
+    monkeypatch.setenv("SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", "maybe")
+    with pytest.raises(ValueError, match="SAMPLER_OPERATOR_ALLOW_TEST_SEAMS"):
+        settings.OperatorConfig.from_env()

@@ -79,6 +79,9 @@ def test_invalid_spec_status():
     assert s["phase"] == "Invalid" and conds(s)["SpecValid"] == condition(
         "SpecValid", False, "InvalidSpec", "spec.model: nope", NOW
     )
+    refused = invalid_spec_status("seams", None, 3, NOW, reason="TestSeamsNotAllowed")
+    assert conds(refused)["SpecValid"]["reason"] == conds(refused)["Ready"]["reason"] == "TestSeamsNotAllowed"
+    assert conds(refused)["Ready"]["status"] == "False" and refused["phase"] == "Invalid"
 
 
 def test_changed_only_returns_differences():
