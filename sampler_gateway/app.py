@@ -59,7 +59,7 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
     app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)
     install_error_handlers(app)
     app.include_router(health.router)
-    auth = [Depends(APIKeyAuth(cfg.api_key))]
+    auth = [Depends(APIKeyAuth(cfg.api_key).sampling)]
     for router in (native.router, tinker.router, twinkle.router):
         app.include_router(router, dependencies=auth)
     # Last: whatever else is under /api/v1 goes to any replica unchanged.

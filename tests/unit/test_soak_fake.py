@@ -80,7 +80,12 @@ async def test_soak_10k_mixed_requests_fake_engine(capsys: pytest.CaptureFixture
         print("\n".join(report))
     assert sum(figures.by_kind.values()) == TOTAL
     assert not figures.unexpected, "\n".join(figures.unexpected[:20])
-    assert admitted == sum(by_outcome.values()) and admitted > TOTAL / 2
+    # Exactly one end per admitted request. How many are admitted rather than refused (429) depends
+    # on how the 64 clients interleave against the limit of 48, so the check that the soak is not
+    # vacuous is per kind: every kind that can be served was served, many times.
+    assert admitted == sum(by_outcome.values())
+    for kind in ("sample", "future", "abandoned_future", "cancel", "tinker_future", "tinker_abandoned"):
+        assert figures.statuses[kind][200] >= figures.by_kind[kind] / 10, (kind, figures.statuses[kind])
     assert {"ok", "timeout", "cancelled"} <= set(by_outcome), by_outcome
     assert figures.statuses["expired_retrieve"][410] > 0 and figures.statuses["disconnect"][None] > 0
     assert core.admission.in_flight == 0 and core.admission.sequences_in_flight == 0
