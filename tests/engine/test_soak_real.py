@@ -88,7 +88,11 @@ def test_soak_1k_mixed_requests_real_engine(tiny_model: Path, capsys: pytest.Cap
     assert sum(figures.by_kind.values()) == TOTAL
     assert not soak.client.dropped, soak.client.dropped[:10]
     assert not figures.unexpected, "\n".join(figures.unexpected[:20])
-    assert admitted == sum(by_outcome.values()) and admitted > TOTAL / 2
+    # Exactly one end per admitted request; "not vacuous" per kind (how many meet 429 depends on how
+    # the clients interleave against the limits).
+    assert admitted == sum(by_outcome.values())
+    for kind in ("sample", "future", "abandoned_future", "cancel", "tinker_future", "tinker_abandoned"):
+        assert figures.statuses[kind][200] >= figures.by_kind[kind] / 10, (kind, figures.statuses[kind])
     assert {"ok", "timeout", "cancelled"} <= set(by_outcome), by_outcome
     assert expired and set(expired) == {410}, expired
     assert figures.statuses["disconnect"][None] > 0
