@@ -33,11 +33,13 @@ import kubernetes
 import yaml
 from aiohttp import web
 
+from bench.plots import DOCS, replacement_timeline
 from tests.support.operator_harness import FakeKubelet, OperatorProcess, ok, uncertain
 
 REPO = Path(__file__).resolve().parents[1]
 
 G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
+TIMELINE = DOCS / "bench-replacement-timeline.png"
 
 
 class CountingProxy:
@@ -242,6 +244,8 @@ Most frequent operator requests during ramp-up:
 |---|---|
 {top}
 
+![replacement timeline]({TIMELINE.name})
+
 Notes: steady-state probing costs no API requests (pods come from kopf's watch-fed index; status
 is PATCHed only when it changes). Detection waits for the next probe (up to one period); the
 replacement itself is intent PATCH + DELETE + CREATE + outcome PATCH; "Ready" then waits for the
@@ -250,6 +254,8 @@ and engine load time.
 """
     print(section)
     if not args.no_write:
+        title = f"uncertain_weights -> replacement Ready, {len(latencies)} runs (health period {args.period} s)"
+        replacement_timeline(TIMELINE, list(zip(to_new_pod, latencies, strict=True)), title)
         write_section(REPO / "docs" / "benchmarks.md", section)
 
 

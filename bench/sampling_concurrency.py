@@ -37,11 +37,13 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from bench.plots import DOCS, throughput_vs_concurrency
 from bench.report import write_section
 from sampler_pod.testing.net import free_port
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.server import CPU_ENGINE_ARGS, run_server
 
+PLOT = DOCS / "bench-sampling-concurrency.png"
 MAX_TOKENS = 64
 PROMPT_LEN = 16
 MAX_NUM_SEQS = 128
@@ -306,7 +308,15 @@ def main() -> None:
     out = table(results, a.rounds, a.concurrency, env)
     print("\n" + out)
     if not a.no_write:
-        write_section("Sampling concurrency", out, "python -m bench.sampling_concurrency")
+        names = {"direct": "direct AsyncLLM", "native": "this server (/v1/sample)", "vllm": "vLLM's OpenAI server"}
+        series = {names[s]: {c: statistics.median(results[s][c].toks_per_s) for c in a.concurrency}
+                  for s in SYSTEMS if s in results}
+        if "serial" in results:
+            serial = statistics.median(results["serial"][1].toks_per_s)
+            series["serial (one at a time)"] = {c: serial for c in a.concurrency}
+        throughput_vs_concurrency(PLOT, series, f"tiny model on 2 CPU cores, {MAX_TOKENS} tokens per request")
+        write_section("Sampling concurrency", out + f"\n![tok/s against concurrency]({PLOT.name})\n",
+                      "python -m bench.sampling_concurrency")
 
 
 if __name__ == "__main__":
