@@ -7,6 +7,7 @@ store must be emptied by the TTL sweep alone, and memory must not grow with the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 
@@ -19,8 +20,8 @@ from tests.support.soak import InprocClient, Soak
 
 TOTAL, WARMUP = 10_000, 1_000
 # Long enough that a client the busy event loop delays (lag seen up to ~0.2 s here, more when other
-# processes share the 2 cores) still retrieves its finished future; short enough that futures
-# abandoned early in the run are swept, and retrieved as expired (410), before it ends.
+# processes share the 2 cores) still retrieves its finished future; short enough that the quiet
+# period, which waits for the sweep to empty the store, stays short.
 TTL_S = 2.0
 # Python's allocator keeps freed arenas, so RSS is compared after a warm-up, not from zero. What
 # must not happen is growth proportional to the requests served (a leak of ~10 KB a request would
@@ -60,6 +61,9 @@ async def test_soak_10k_mixed_requests_fake_engine(capsys: pytest.CaptureFixture
         async with asyncio.timeout(30):
             while len(core.futures):
                 await core.futures.next_sweep()
+        # Every abandoned future was swept: retrieving it now is "expired" (410), never "unknown".
+        expired = [(await soak.client.post("/v1/sample/retrieve", {"request_id": rid, "wait_s": 0}))[0]
+                   for rid, _ in soak.abandoned]
         rss_end = proc.memory_info().rss
         by_outcome = outcomes(core)
         admitted = core.metrics.admitted._value.get()
@@ -87,7 +91,10 @@ async def test_soak_10k_mixed_requests_fake_engine(capsys: pytest.CaptureFixture
     for kind in ("sample", "future", "abandoned_future", "cancel", "tinker_future", "tinker_abandoned"):
         assert figures.statuses[kind][200] >= figures.by_kind[kind] / 10, (kind, figures.statuses[kind])
     assert {"ok", "timeout", "cancelled"} <= set(by_outcome), by_outcome
-    assert figures.statuses["expired_retrieve"][410] > 0 and figures.statuses["disconnect"][None] > 0
+    # In the run, an id abandoned 3 TTLs earlier is retrieved only if the run lasts that long (a fast
+    # box finishes first); the check that does not depend on it is after the quiet period.
+    assert expired and set(expired) == {410}, collections.Counter(expired)
+    assert figures.statuses["disconnect"][None] > 0
     assert core.admission.in_flight == 0 and core.admission.sequences_in_flight == 0
     assert len(core.futures) == 0 and engine.running == set() and core.lock.readers == 0
     assert (rss_end - rss_warm) / 2**20 < MAX_RSS_GROWTH_MB
