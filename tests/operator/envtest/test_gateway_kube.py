@@ -18,6 +18,16 @@ from tests.support.operator_harness import ProcessKubelet
 pytestmark = pytest.mark.envtest
 G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
 BODY = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4}}
+KEY = "tml-pool-key"
+
+
+def shared_keys(api: Any, ns: str) -> dict[str, Any]:
+    """One key Secret for every replica behind the gateway (the gateway forwards the client's key;
+    per-replica generated keys would each accept only their own). Returns the specs' refs."""
+    api.core.create_namespaced_secret(ns, {"metadata": {"name": "pool-keys"},
+                                           "stringData": {"api-key": KEY, "admin-api-key": KEY + "-admin"}})
+    return {"apiKeySecretRef": {"name": "pool-keys", "key": "api-key"},
+            "adminApiKeySecretRef": {"name": "pool-keys", "key": "admin-api-key"}}
 
 
 def test_kube_discovery_routes_drains_and_forgets(k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path,
@@ -25,12 +35,13 @@ def test_kube_discovery_routes_drains_and_forgets(k8s: Any, api: Any, ns: str, o
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     try:
         port = ks.free_port()
+        keys = shared_keys(api, ns)
         for name in ("g0", "g1"):
-            body = cr_body(name, port, model=str(tiny_model), pool="gp")
+            body = cr_body(name, port, model=str(tiny_model), pool="gp", **keys)
             body["spec"].pop("resources")  # the fake engine needs no GPU
             create(api, ns, body)
         # Not in the pool: never routed to.
-        other = cr_body("x0", port, model=str(tiny_model), pool="other")
+        other = cr_body("x0", port, model=str(tiny_model), pool="other", **keys)
         other["spec"].pop("resources")
         create(api, ns, other)
         for name in ("g0", "g1", "x0"):
@@ -39,17 +50,25 @@ def test_kube_discovery_routes_drains_and_forgets(k8s: Any, api: Any, ns: str, o
             gw.wait_eligible({"g0", "g1"}, timeout=60)
             urls = {r["name"]: r["url"] for r in gw.health()["replicas"]}
             assert urls == {n: kubelet.url(status(api, ns, n)["podName"], port) for n in ("g0", "g1")}
-            c = httpx.Client(base_url=gw.url, timeout=30)
-            seen = {c.post("/v1/sample", json=BODY).headers["x-sampler-replica"] for _ in range(6)}
+            c = httpx.Client(base_url=gw.url, timeout=30, headers={"X-API-Key": KEY})
+
+            def served_by() -> str:
+                r = c.post("/v1/sample", json=BODY)
+                assert r.status_code == 200, r.text
+                return r.headers["x-sampler-replica"]
+
+            seen = {served_by() for _ in range(6)}
             assert seen == {"g0", "g1"}
             rid = ""
             while not rid.startswith("g1~"):
-                rid = c.post("/v1/sample/submit", json=BODY).json()["request_id"]
+                r = c.post("/v1/sample/submit", json=BODY)
+                assert r.status_code == 200, r.text
+                rid = r.json()["request_id"]
             # The pool controller's drain mark: g1 takes no new work, still answers for its futures.
             api.custom.patch_namespaced_custom_object(
                 G, V, ns, P, "g1", {"metadata": {"annotations": {"sampler.rl.dev/draining": "true"}}})
             gw.wait_eligible({"g0"})
-            assert {c.post("/v1/sample", json=BODY).headers["x-sampler-replica"] for _ in range(6)} == {"g0"}
+            assert {served_by() for _ in range(6)} == {"g0"}
             rid2 = ""
             api.custom.patch_namespaced_custom_object(
                 G, V, ns, P, "g1", {"metadata": {"annotations": {"sampler.rl.dev/draining": None}}})
@@ -63,6 +82,6 @@ def test_kube_discovery_routes_drains_and_forgets(k8s: Any, api: Any, ns: str, o
             gw.wait(lambda h: {r["name"] for r in h["replicas"]} == {"g0"}, "g1 gone", timeout=60)
             r = c.post("/v1/sample/retrieve", json={"request_id": rid2})
             assert r.status_code == 410 and r.json()["error"]["category"] == "expired"
-            assert c.post("/v1/sample", json=BODY).headers["x-sampler-replica"] == "g0"
+            assert served_by() == "g0"
     finally:
         kubelet.stop()

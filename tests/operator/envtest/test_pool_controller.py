@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.operator.envtest.test_gateway_kube import KEY, shared_keys
 from tests.support import k8s as ks
 from tests.support.gateway import run_gateway
 from tests.support.operator_harness import FakeKubelet, ProcessKubelet, ok
@@ -112,7 +113,9 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
     watcher = threading.Thread(target=watch_drains, daemon=True)
     stack = contextlib.ExitStack()
     try:
-        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
+        # One key Secret for the whole pool: the gateway forwards the client's key to any replica.
+        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]},
+                       **shared_keys(api, ns))
         body = pool_body("w", 3, tpl, weights={"checkpoint": str(root / "step-1"), "versionLabel": "step-1"},
                          rollout={"maxUnavailable": 1})
         api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", body)
@@ -131,7 +134,8 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
                          "3 at step-2")
         h = gw.wait(lambda h: sum(r["eligible"] for r in h["replicas"]) == 3, "3 eligible at step-2", timeout=60)
         assert {r["weights_label"] for r in h["replicas"]} == {"step-2"}
-        r = httpx.post(gw.url + "/v1/sample", json={"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}})
+        r = httpx.post(gw.url + "/v1/sample", json={"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}},
+                       headers={"X-API-Key": KEY})
         assert r.status_code == 200 and r.headers["x-sampler-weights-label"] == "step-2"
         done.set()
         watcher.join(5)
