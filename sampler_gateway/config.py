@@ -7,13 +7,13 @@ wins over the environment, the environment over the default, and pydantic valida
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from sampler_pod.flags import Flags
 
 VersionPolicy = Literal["Latest", "MinVersion", "Any"]
 
@@ -83,65 +83,10 @@ class GatewayConfig(BaseModel):
         return [(n, u.rstrip("/")) for n, _, u in (r.partition("=") for r in self.replicas)]
 
 
-_FLAG_NAMES = {"replicas": "--replica"}
-
-
-def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
-
-
-def _flag(field: str) -> str:
-    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
-
-
-def _is_bool(field: str) -> bool:
-    return GatewayConfig.model_fields[field].annotation is bool
-
-
-def _is_list(field: str) -> bool:
-    return get_origin(GatewayConfig.model_fields[field].annotation) is list
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sampler_gateway", argument_default=argparse.SUPPRESS,
-                                description="The pool's gateway: one address in front of its sampler replicas.")
-    for name, info in GatewayConfig.model_fields.items():
-        default = "required" if info.is_required() else f"default: {info.get_default(call_default_factory=True)}"
-        help_text = f"{info.description} ({default}; env {env_name(name)})"
-        if _is_bool(name):
-            p.add_argument(_flag(name), dest=name, action="store_true", help=help_text)
-        elif _is_list(name):
-            p.add_argument(_flag(name), dest=name, action="append", help=help_text)
-        else:
-            p.add_argument(_flag(name), dest=name, help=help_text)
-    return p
-
-
-def _from_env(environ: dict[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for name in GatewayConfig.model_fields:
-        raw = environ.get(env_name(name))
-        if raw is None or raw == "":
-            continue
-        if _is_bool(name):
-            values[name] = raw.lower() in {"1", "true", "yes", "on"}
-        elif _is_list(name):
-            values[name] = [r for r in raw.split(",") if r]  # URLs hold colons: a comma separates
-        else:
-            values[name] = raw
-    return values
+FLAGS = Flags(GatewayConfig, prog="python -m sampler_gateway", env_prefix=ENV_PREFIX,
+              description="The pool's gateway: one address in front of its sampler replicas.",
+              flag_names={"replicas": "--replica"}, list_separator=",")  # URLs hold colons
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> GatewayConfig:
-    parser = build_parser()
-    flags = vars(parser.parse_args(argv))
-    values = {**_from_env(dict(os.environ) if environ is None else environ), **flags}
-    try:
-        return GatewayConfig(**values)
-    except ValidationError as e:
-        first = e.errors()[0]
-        if not first.get("loc"):
-            parser.error(str(first["msg"]).removeprefix("Value error, "))
-        field = str(first["loc"][0])
-        parser.error(f"{_flag(field)} (or {env_name(field)}): {first['msg']}")
-        raise
+    return FLAGS.parse(argv, environ)

@@ -9,14 +9,14 @@ with the field named, whichever way it came in.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_origin
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from .flags import Flags
 
 
 def _json_if_str(value: object) -> object:
@@ -146,67 +146,9 @@ class ServerConfig(BaseModel):
         return self
 
 
-# Fields whose flag name differs from the field name (a repeatable flag reads as singular).
-_FLAG_NAMES = {"checkpoint_roots": "--checkpoint-root"}
-
-
-def env_name(field: str) -> str:
-    return "SAMPLER_" + field.upper()
-
-
-def _flag(field: str) -> str:
-    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
-
-
-def _is_bool(field: str) -> bool:
-    return ServerConfig.model_fields[field].annotation is bool
-
-
-def _is_list(field: str) -> bool:
-    # Only a plain `list[...]` is a repeatable flag; `list[...] | None` (a JSON value) is not.
-    return get_origin(ServerConfig.model_fields[field].annotation) is list
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sampler_pod", description="Concurrent vLLM sampling server.",
-                                argument_default=argparse.SUPPRESS)
-    for name, info in ServerConfig.model_fields.items():
-        default = "required" if info.is_required() else f"default: {info.get_default(call_default_factory=True)}"
-        help_text = f"{info.description} ({default}; env {env_name(name)})"
-        if _is_bool(name):
-            p.add_argument(_flag(name), dest=name, action="store_true", help=help_text)
-        elif _is_list(name):
-            p.add_argument(_flag(name), dest=name, action="append", help=help_text)
-        else:
-            p.add_argument(_flag(name), dest=name, help=help_text)
-    return p
-
-
-def _from_env(environ: dict[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for name in ServerConfig.model_fields:
-        raw = environ.get(env_name(name))
-        if raw is None or raw == "":
-            continue
-        if _is_bool(name):
-            values[name] = raw.lower() in {"1", "true", "yes", "on"}
-        elif _is_list(name):
-            values[name] = [r for r in raw.split(":") if r]
-        else:
-            values[name] = raw
-    return values
+FLAGS = Flags(ServerConfig, prog="python -m sampler_pod", description="Concurrent vLLM sampling server.",
+              env_prefix="SAMPLER_", flag_names={"checkpoint_roots": "--checkpoint-root"}, list_separator=":")
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
-    parser = build_parser()
-    flags = vars(parser.parse_args(argv))
-    values = {**_from_env(dict(os.environ) if environ is None else environ), **flags}
-    try:
-        return ServerConfig(**values)
-    except ValidationError as e:
-        first = e.errors()[0]
-        if not first.get("loc"):  # a check across fields: its message names the flags itself
-            parser.error(str(first["msg"]).removeprefix("Value error, "))
-        field = str(first["loc"][0])
-        parser.error(f"{_flag(field)} (or {env_name(field)}): {first['msg']}")
-        raise  # unreachable: parser.error exits
+    return FLAGS.parse(argv, environ)

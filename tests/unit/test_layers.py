@@ -23,7 +23,7 @@ from tests.support import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "sampler_pod"
 # Rank of each layer: a module may import modules of the same or a lower rank.
-LAYERS = {"config": 0, "errors": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "protocols": 4,
+LAYERS = {"config": 0, "flags": 0, "errors": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "protocols": 4,
           "http": 5, "__main__": 6, "__init__": 0}
 
 
