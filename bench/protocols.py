@@ -22,30 +22,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from bench.load import PROMPT_LEN, OneRequest, prompt, run_cell
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.server import run_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MAX_TOKENS = 128
-PROMPT_LEN = 16
 CONCURRENCY = (1, 8, 32)
 # Requests per cell: enough waves that a cell lasts a second or more.
 REQUESTS = {1: 8, 8: 48, 32: 192}
 PB = "application/x-protobuf"
 
-OneRequest = Callable[[int], Awaitable[int]]  # seed -> tokens generated
 # 1-minute load average before each cell: the box is shared, so the numbers carry their context.
 LOADAVG: list[float] = []
 
@@ -63,38 +60,10 @@ def retry_once(one: OneRequest) -> OneRequest:
     return wrapped
 
 
-def prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(PROMPT_LEN)]
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of one process (not its children), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Cell:
     toks_per_s: list[float] = field(default_factory=list)
     cpu_per_1k: list[float] = field(default_factory=list)
-
-
-async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pid: int) -> tuple[float, float]:
-    seeds = iter(range(seed0, seed0 + n))
-    total = 0
-
-    async def worker() -> None:
-        nonlocal total
-        for s in seeds:
-            got = await one(s)  # (not `total += await ...`: that reads `total` before the await)
-            total += got
-
-    cpu0, t0 = proc_cpu_s(cpu_pid), time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
-    assert total == n * MAX_TOKENS, f"expected {n * MAX_TOKENS} tokens, got {total}"
-    return total / dt, cpu / (total / 1000)
 
 
 # ---------------------------------------------------------------------------- clients
@@ -189,7 +158,7 @@ async def bench(model: Path, rounds: int) -> dict[str, dict[int, Cell]]:
                            "tinker": (retry_once(await tinker_client(http, server.url, str(model))), server.proc.pid),
                            "twinkle": (retry_once(twinkle_client(http, server.url, model.name)), server.proc.pid)}
                 for one, pid in clients.values():  # warm-up: first-request costs out of the way
-                    await run_cell(one, 8, 16, 10_000_000, pid)
+                    await run_cell(one, 8, 16, 10_000_000, pid, MAX_TOKENS)
                 seed = 0
                 for rnd in range(rounds):
                     for c in CONCURRENCY:
@@ -198,7 +167,7 @@ async def bench(model: Path, rounds: int) -> dict[str, dict[int, Cell]]:
                             order.reverse()
                         for name, (one, pid) in order:
                             LOADAVG.append(os.getloadavg()[0])
-                            tps, cpu = await run_cell(one, c, REQUESTS[c], seed, pid)
+                            tps, cpu = await run_cell(one, c, REQUESTS[c], seed, pid, MAX_TOKENS)
                             seed += REQUESTS[c]
                             results[name][c].toks_per_s.append(tps)
                             results[name][c].cpu_per_1k.append(cpu)

@@ -30,13 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import httpx
 
+from bench.load import PROMPT_LEN, OneRequest, prompt, run_cell
 from bench.plots import DOCS, throughput_vs_concurrency
 from bench.report import write_section
 from sampler_pod.testing.net import free_port
@@ -45,18 +46,11 @@ from tests.support.server import CPU_ENGINE_ARGS, run_server
 
 PLOT = DOCS / "bench-sampling-concurrency.png"
 MAX_TOKENS = 64
-PROMPT_LEN = 16
 MAX_NUM_SEQS = 128
 # Requests per cell: enough waves that a cell lasts a few seconds.
 REQUESTS = {1: 16, 8: 96, 32: 384, 128: 1024}
 SYSTEMS = ("direct", "native", "vllm")
 
-OneRequest = Callable[[int], Awaitable[int]]  # seed -> tokens generated
-
-
-def prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(PROMPT_LEN)]
 
 
 def engine_args() -> list[str]:
@@ -67,34 +61,11 @@ def engine_args() -> list[str]:
     return args
 
 
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of one process (not its children), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Cell:
     toks_per_s: list[float] = field(default_factory=list)
     cpu_per_1k: list[float] = field(default_factory=list)
     loadavg: list[float] = field(default_factory=list)
-
-
-async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pid: int) -> tuple[float, float]:
-    seeds = iter(range(seed0, seed0 + n))
-    total = 0
-
-    async def worker() -> None:
-        nonlocal total
-        for s in seeds:
-            got = await one(s)
-            total += got
-
-    cpu0, t0 = proc_cpu_s(cpu_pid), time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
-    assert total == n * MAX_TOKENS, f"expected {n * MAX_TOKENS} tokens, got {total}"
-    return total / dt, cpu / (total / 1000)
 
 
 # ---------------------------------------------------------------------------- systems
@@ -228,10 +199,10 @@ async def bench(model: Path, rounds: int, systems: list[str], concurrency: list[
         print(f"round {rnd + 1}: {' '.join(order)}", flush=True)
         for name in order:
             async with system(name, model, env) as (one, pid):
-                await run_cell(one, 8, 32, 10_000_000 + rnd * 1000, pid)  # warm-up, not counted
+                await run_cell(one, 8, 32, 10_000_000 + rnd * 1000, pid, MAX_TOKENS)  # warm-up, not counted
                 for c in concurrency:
                     load = os.getloadavg()[0]
-                    tps, cpu = await run_cell(one, c, REQUESTS[c], next_seed, pid)
+                    tps, cpu = await run_cell(one, c, REQUESTS[c], next_seed, pid, MAX_TOKENS)
                     next_seed += REQUESTS[c]
                     cell = results[name][c]
                     cell.toks_per_s.append(tps)

@@ -1,0 +1,46 @@
+"""The closed-loop load generator the throughput benchmarks share: seeded prompts, `concurrency`
+workers each sending one request after another, and the server process's own CPU time."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+PROMPT_LEN = 16
+
+OneRequest = Callable[[int], Awaitable[int]]  # seed -> tokens generated
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(PROMPT_LEN)]
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of one process (not its children), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pid: int,
+                   tokens_per_request: int) -> tuple[float, float]:
+    """n requests over `concurrency` workers: (tokens/s, CPU-seconds of `cpu_pid` per 1,000 tokens).
+    Every request must generate exactly `tokens_per_request` tokens."""
+    seeds = iter(range(seed0, seed0 + n))
+    total = 0
+
+    async def worker() -> None:
+        nonlocal total
+        for s in seeds:
+            got = await one(s)  # (not `total += await ...`: that reads `total` before the await)
+            total += got
+
+    cpu0, t0 = proc_cpu_s(cpu_pid), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
+    assert total == n * tokens_per_request, f"expected {n * tokens_per_request} tokens, got {total}"
+    return total / dt, cpu / (total / 1000)
