@@ -31,6 +31,28 @@ def _json(resp: Any) -> dict[str, Any]:
     return doc
 
 
+async def _read(call: Any, *args: Any) -> dict[str, Any] | None:
+    """A GET: the object, or None if it does not exist."""
+    try:
+        return _json(await asyncio.to_thread(call, *args, _preload_content=False))
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+async def _create(call: Any, *args: Any) -> bool:
+    """A create: True if created, False if an object of that name exists (a retried create; it is
+    never overwritten)."""
+    try:
+        await asyncio.to_thread(call, *args, _preload_content=False)
+        return True
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise
+
+
 class Kube:
     def __init__(self, api_client: kubernetes.client.ApiClient | None = None) -> None:
         self.core = kubernetes.client.CoreV1Api(api_client)
@@ -46,23 +68,11 @@ class Kube:
         return items
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return _json(await asyncio.to_thread(self.core.read_namespaced_pod, name, namespace,
-                                                 _preload_content=False))
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return await _read(self.core.read_namespaced_pod, name, namespace)
 
     async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created, False if a pod of that name already exists (a retried create)."""
-        try:
-            await asyncio.to_thread(self.core.create_namespaced_pod, namespace, body, _preload_content=False)
-            return True
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
+        return await _create(self.core.create_namespaced_pod, namespace, body)
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> None:
         """Delete exactly that pod (uid precondition); gone already or a newer namesake is fine."""
@@ -81,13 +91,7 @@ class Kube:
                                 _preload_content=False)
 
     async def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return _json(await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace,
-                                                 _preload_content=False))
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return await _read(self.core.read_namespaced_secret, name, namespace)
 
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
         """One key of a Secret, decoded; None if the Secret or the key is missing."""
@@ -97,22 +101,10 @@ class Kube:
 
     async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created, False if a Secret of that name exists (it is never overwritten)."""
-        try:
-            await asyncio.to_thread(self.core.create_namespaced_secret, namespace, body, _preload_content=False)
-            return True
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
+        return await _create(self.core.create_namespaced_secret, namespace, body)
 
     async def get_replica(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return _json(await asyncio.to_thread(self.custom.get_namespaced_custom_object, GROUP, VERSION,
-                                                 namespace, PLURAL, name, _preload_content=False))
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return await _read(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 
     async def patch_replica_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """A merge patch on the status subresource; returns the updated object."""
@@ -124,14 +116,7 @@ class Kube:
 
     async def create_replica(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created, False if it exists already (a retried create)."""
-        try:
-            await asyncio.to_thread(self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                                    body, _preload_content=False)
-            return True
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
+        return await _create(self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, body)
 
     async def delete_replica(self, namespace: str, name: str) -> None:
         try:
