@@ -16,7 +16,7 @@ import tinker
 from tinker import types
 
 from tests.support.gateway import Pool, RunningGateway, fake_replicas, metric, run_gateway
-from tests.support.twinkle import TwinkleClients
+from tests.support.twinkle import TwinkleClients, check_samples_and_bad_input
 
 KEY = "tml-gw-key"
 
@@ -99,13 +99,7 @@ def test_twinkle_client_through_the_gateway(env: Env, clients: TwinkleClients) -
     owner = session.split("~")[0]
     assert owner in env.pool.servers  # the session names the replica that holds it
     sampler = vLLMSampler(env.model.name)
-    out = sampler.sample([{"input_ids": [1, 5, 9]}], sampling_params={"max_tokens": 4, "seed": 1, "logprobs": 1},
-                         num_samples=3)
-    assert len(out) == 1 and len(out[0].sequences) == 3
-    assert all(len(q.tokens) == 4 and len(q.logprobs) == 4 and q.stop_reason == "length" for q in out[0].sequences)
-    with pytest.raises(requests.HTTPError) as e:
-        sampler.sample([{"input_ids": [1, 5, 9]}], sampling_params={"max_tokns": 4})
-    assert e.value.response.status_code == 400 and "sampling_params.max_tokns" in str(e.value)
+    check_samples_and_bad_input(sampler)
     auth = {"Authorization": f"Bearer {KEY}", "X-Twinkle-Session-Id": session}
     # Sampler calls of the session go to its replica; heartbeats and reads reach the session there.
     r = httpx.post(f"{env.gw.url}/api/v1/sampler/{env.model.name}/twinkle/sample", headers=auth,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+import requests
 import twinkle_client.manager as manager
 
 
@@ -38,3 +40,15 @@ class TwinkleClients:
         for c in self.created:
             if hasattr(c, "_stop_event"):
                 c.close()
+
+
+def check_samples_and_bad_input(sampler: Any) -> None:
+    """What Twinkle's `vLLMSampler` must see from any sampler address (a pod, or the pool's gateway):
+    num_samples sequences with tokens, logprobs and a stop reason; a bad key is a 400 naming the field."""
+    out = sampler.sample([{"input_ids": [1, 5, 9]}], sampling_params={"max_tokens": 4, "seed": 1, "logprobs": 1},
+                         num_samples=3)
+    assert len(out) == 1 and len(out[0].sequences) == 3
+    assert all(len(q.tokens) == 4 and len(q.logprobs) == 4 and q.stop_reason == "length" for q in out[0].sequences)
+    with pytest.raises(requests.HTTPError) as e:
+        sampler.sample([{"input_ids": [1, 5, 9]}], sampling_params={"max_tokns": 4})
+    assert e.value.response.status_code == 400 and "sampling_params.max_tokns" in str(e.value)

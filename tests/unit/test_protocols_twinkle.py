@@ -32,7 +32,7 @@ from sampler_pod.protocols.twinkle_wire import (
 )
 from tests.support.inproc import fake_client, fake_core
 from tests.support.server import run_server
-from tests.support.twinkle import TwinkleClients
+from tests.support.twinkle import TwinkleClients, check_samples_and_bad_input
 
 
 def plan(sp: dict[str, Any] | None = None, num_samples: int = 1, lens: list[int] | None = None,
@@ -359,13 +359,7 @@ def test_real_client_flow_on_fake_engine(tiny_model: Path, clients: TwinkleClien
     with run_server(tiny_model, "--api-key", "tml-k", engine="fake") as s:
         clients.init(base_url=s.url, api_key="tml-k")
         sampler = vLLMSampler(tiny_model.name)
-        out = sampler.sample([{"input_ids": [1, 5, 9]}], sampling_params={"max_tokens": 4, "seed": 1, "logprobs": 1},
-                             num_samples=3)
-        assert len(out) == 1 and len(out[0].sequences) == 3
-        assert all(len(q.tokens) == 4 and len(q.logprobs) == 4 and q.stop_reason == "length" for q in out[0].sequences)
-        with pytest.raises(requests.HTTPError) as e:
-            sampler.sample([{"input_ids": [1, 5, 9]}], sampling_params={"max_tokns": 4})
-        assert e.value.response.status_code == 400 and "sampling_params.max_tokns" in str(e.value)
+        check_samples_and_bad_input(sampler)
         with pytest.raises(requests.HTTPError) as e:
             vLLMSampler("not-this-model")
         assert e.value.response.status_code == 404
