@@ -7,6 +7,7 @@
 # How, with no registry and no base image to pull:
 #   1. base: Debian bookworm's own python3 (3.11, the wheels' ABI) via `debootstrap --variant=minbase`,
 #      a root-fs tarball `docker import`ed as sampler-operator/python-base:<hash> (like scripts/k8s/make-images.sh);
+#   (each image's sources, copied into its build context: images/<name>/sources)
 #   2. wheels: a wheelhouse per image filled on the host by `pip download` (`pip wheel` for an sdist) from the
 #      image's requirements.lock (scripts/images/lock.py), passed in the build context;
 #   3. `docker build --network none` (pip install --no-index) against a PRIVATE dockerd this script starts in
@@ -40,6 +41,16 @@ rm -rf "$IMG_CACHE"/.ctx-* "$IMG_CACHE"/.base-*   # leftovers of an interrupted 
 h() { { echo "$RECIPE"; cat "$@"; } | sha256sum | cut -c1-16; }
 # every file of a source package (bytecode excluded), by path and content
 tree_hash() { (cd "$1" && find . -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum) | sha256sum | cut -c1-16; }
+# an image's sources (images/<name>/sources: ROOT:PATH lines, ROOT relative to the repo)
+sources() { grep -v '^#' "$1" | grep -v '^$'; }
+# A directory hashes as before (tree_hash), so an image whose sources are one package keeps its inputs hash.
+sources_hash() {
+  local e
+  for e in $(sources "$1"); do
+    if [ -d "$REPO_ROOT/${e%%:*}/${e#*:}" ]; then tree_hash "$REPO_ROOT/${e%%:*}/${e#*:}"
+    else (cd "$REPO_ROOT/${e%%:*}" && sha256sum "${e#*:}"); fi
+  done
+}
 
 # --- 1. base root-fs
 BASE_H=$(echo "$BASE_PKGS bookworm minbase" | h)
@@ -60,7 +71,6 @@ if [ ! -f "$BASE_TAR" ]; then
 fi
 
 # --- 2..4 per image
-declare -A SRC=([operator]="$REPO_ROOT/operator/sampler_operator" [sampler-cpu]="$REPO_ROOT/sampler_pod")
 NAMES=(operator sampler-cpu)
 DOCKERD_PID=""
 DD=$IMG_CACHE/dockerd
@@ -114,8 +124,8 @@ wheelhouse() {  # wheelhouse LOCKFILE -> prints the dir; pip download (+ pip whe
 
 LIST=$IMG_CACHE/images.list.tmp; : > "$LIST"
 for name in "${NAMES[@]}"; do
-  dir=$IMG_SRC/$name; src=${SRC[$name]}
-  H=$( { echo "$RECIPE $BASE_H $APP_VERSION"; cat "$dir/Dockerfile" "$dir/requirements.lock"; tree_hash "$src"; } | sha256sum | cut -c1-16)
+  dir=$IMG_SRC/$name
+  H=$( { echo "$RECIPE $BASE_H $APP_VERSION"; cat "$dir/Dockerfile" "$dir/requirements.lock"; sources_hash "$dir/sources"; } | sha256sum | cut -c1-16)
   TAG=$REGISTRY/$name:$APP_VERSION
   TAR=$IMG_CACHE/$name-$H.tar
   if [ -n "${FORCE:-}" ] || [ ! -f "$TAR" ]; then
@@ -125,7 +135,8 @@ for name in "${NAMES[@]}"; do
     CTX=$(mktemp -d -p "$IMG_CACHE" .ctx-XXXX)
     cp "$dir/Dockerfile" "$dir/requirements.lock" "$CTX/"
     cp -al "$WH" "$CTX/wheels" 2>/dev/null || cp -a "$WH" "$CTX/wheels"; rm -f "$CTX/wheels/.complete"
-    cp -a "$src" "$CTX/$(basename "$src")"; find "$CTX/$(basename "$src")" -name __pycache__ -prune -exec rm -rf {} +
+    for e in $(sources "$dir/sources"); do (cd "$REPO_ROOT/${e%%:*}" && cp -a --parents "${e#*:}" "$CTX/"); done
+    find "$CTX" -name __pycache__ -prune -exec rm -rf {} +
     echo "[images] building $TAG (inputs $H)..." >&2
     # The classic builder (the Docker CLI here has no buildx). The build stage (the venv) is built and TAGGED
     # first: a tagged image survives `docker image prune`, so the next build (e.g. after a source change)

