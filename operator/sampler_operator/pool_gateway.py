@@ -14,6 +14,7 @@ from typing import Any
 
 from . import API_VERSION, POOL_KIND
 from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY, label_value
+from .settings import gateway_image
 
 LABEL_GATEWAY = "sampler.rl.dev/gateway"
 
@@ -30,8 +31,13 @@ def _meta(pool: str, namespace: str, uid: str, name: str) -> dict[str, Any]:
                                  "controller": True, "blockOwnerDeletion": True}]}
 
 
-def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """ServiceAccount, Role, RoleBinding, Deployment, Service: in the order they must exist."""
+def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
+                    default_image: str | None = None) -> list[dict[str, Any]]:
+    """ServiceAccount, Role, RoleBinding, Deployment, Service: in the order they must exist.
+
+    The image: spec.gateway.image, else `default_image`, else the operator's configured gateway image
+    (settings.gateway_image(): the operator's own). Never spec.template.image: no sampler image
+    carries sampler_gateway, so a gateway on it would crash at start."""
     gw = spec.get("gateway") or {}
     routing = spec.get("routing") or {}
     affinity = routing.get("affinity") or {}
@@ -53,7 +59,7 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any]) -
             "name": key_ref["name"], "key": key_ref.get("key", "api-key")}}})
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
     container: dict[str, Any] = {
-        "name": "gateway", "image": gw.get("image") or template.get("image"),
+        "name": "gateway", "image": gw.get("image") or default_image or gateway_image(),
         "command": ["python", "-m", "sampler_gateway"], "args": args, "env": env,
         "ports": [{"name": "http", "containerPort": port}],
         # Ready while the process serves: with no replica eligible it answers 503 with the reason,

@@ -24,6 +24,18 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw not in (None, "") else default
 
 
+# Outside the chart (which sets SAMPLER_OPERATOR_GATEWAY_IMAGE to the operator's own image): the published
+# operator image of this version. tests/operator/unit/test_pool_gateway_image.py ties it to the chart.
+DEFAULT_GATEWAY_IMAGE = "ghcr.io/sampler-operator/operator:0.1.0"
+
+
+def gateway_image() -> str:
+    """The image of a pool's gateway when its spec names none: the operator's own (images/operator carries
+    sampler_gateway), so the gateway runs at exactly the operator's version. Never the sampler's image:
+    that one has no sampler_gateway."""
+    return os.environ.get("SAMPLER_OPERATOR_GATEWAY_IMAGE") or DEFAULT_GATEWAY_IMAGE
+
+
 def _env_bool(name: str, default: bool) -> bool:
     """Refuse anything but a clear yes/no at startup (with the variable named): a typo must not flip it."""
     raw = (os.environ.get(name) or "").strip().lower()
@@ -47,6 +59,8 @@ class OperatorConfig:
     max_parallel_replacements: str = "10%"
     # Replicas whose spec enables the sampler's test seams are refused unless this is on (seams.py).
     allow_test_seams: bool = False
+    # Image of pools' gateways whose spec.gateway.image is unset (gateway_image()).
+    gateway_image: str = DEFAULT_GATEWAY_IMAGE
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -59,6 +73,7 @@ class OperatorConfig:
             max_parallel_replacements=_cap_setting(os.environ.get("SAMPLER_OPERATOR_MAX_PARALLEL_REPLACEMENTS")
                                                    or cls.max_parallel_replacements),
             allow_test_seams=_env_bool("SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", cls.allow_test_seams),
+            gateway_image=gateway_image(),
         )
 
 

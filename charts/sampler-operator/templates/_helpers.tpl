@@ -90,3 +90,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [events]
   verbs: [create]
 {{- end -}}
+
+{{- /* The operator's image (also the default image of pools' gateways: it carries sampler_gateway). */ -}}
+{{- define "sampler-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}

@@ -92,6 +92,7 @@ def test_from_object_reads_the_drain_mark() -> None:
 
 def test_gateway_objects_follow_the_pool_spec() -> None:
     from sampler_operator.pool_gateway import gateway_objects
+    from sampler_operator.settings import gateway_image
 
     pool_spec = {"template": {**TEMPLATE, "apiKeySecretRef": {"name": "k"}, "requestTimeoutSeconds": 60},
                  "routing": {"versionPolicy": "MinVersion", "affinity": {"header": "X-Group", "replicaCapacity": 8}},
@@ -102,7 +103,9 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
                for o in objs.values())
     dep = objs["Deployment"]["spec"]
     c = dep["template"]["spec"]["containers"][0]
-    assert dep["replicas"] == 2 and c["image"] == "img" and c["command"] == ["python", "-m", "sampler_gateway"]
+    # the operator's gateway image, never the template's (no sampler image carries sampler_gateway)
+    assert dep["replicas"] == 2 and c["image"] == gateway_image()
+    assert c["command"] == ["python", "-m", "sampler_gateway"]
     args = dict(zip(c["args"][::2], c["args"][1::2], strict=True))
     assert args == {"--pool": "p", "--namespace": "ns", "--discovery": "kube", "--host": "0.0.0.0",
                     "--port": "9090", "--version-policy": "MinVersion", "--affinity-header": "X-Group",
