@@ -9,10 +9,14 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 PROMPT_LEN = 16
 
 OneRequest = Callable[[int], Awaitable[int]]  # seed -> tokens generated
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 def prompt(seed: int) -> list[int]:
@@ -44,3 +48,13 @@ async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pi
     dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
     assert total == n * tokens_per_request, f"expected {n * tokens_per_request} tokens, got {total}"
     return total / dt, cpu / (total / 1000)
+
+
+async def post_sample(http: aiohttp.ClientSession, url: str, seed: int, max_tokens: int) -> int:
+    """One native `/v1/sample` of `max_tokens` tokens (ignore_eos), seeded: the tokens it generated."""
+    body = {"prompts": [prompt(seed)], "sampling_params": {
+        "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "ignore_eos": True}}
+    async with http.post(url + "/v1/sample", json=body) as r:
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    return len(out["results"][0]["sequences"][0]["tokens"])

@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from bench.load import PROMPT_LEN, OneRequest, prompt, run_cell
+from bench.load import PROMPT_LEN, OneRequest, post_sample, prompt, run_cell
 from bench.plots import DOCS, throughput_vs_concurrency
 from bench.report import write_section
 from sampler_pod.testing.net import free_port
@@ -113,12 +113,7 @@ async def native_system(model: Path, env: dict[str, str]) -> AsyncIterator[tuple
         async with http_session() as http:
 
             async def one(seed: int) -> int:
-                body = {"prompts": [prompt(seed)], "sampling_params": {
-                    "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": seed, "ignore_eos": True}}
-                async with http.post(server.url + "/v1/sample", json=body) as r:
-                    assert r.status == 200, await r.text()
-                    out = await r.json()
-                return len(out["results"][0]["sequences"][0]["tokens"])
+                return await post_sample(http, server.url, seed, MAX_TOKENS)
 
             yield one, server.proc.pid
 

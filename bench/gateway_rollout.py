@@ -1,0 +1,168 @@
+"""The pool-rollout part of bench/gateway.py: how long a pool-wide weights change takes through the gateway,
+against the loads it is made of.
+
+What is measured, and what is not: the pool controller needs Kubernetes, so this drives the same steps
+the controller takes (pool_plan: per batch of at most maxUnavailable replicas, mark draining -> load ->
+verify the replica serves the target label -> back in routing) against the static gateway, whose
+replicas file plays the drain annotation. The controller's own API round trips are not in it; the
+gateway-side part (drain seen, label seen, back in routing) and the loads are. Each step waits on the
+gateway's /health (its own view), never on time.
+
+The target of issue 12 ("≤ the slowest single load + 1 s") is for one batch; with several batches the
+loads add up, so the bound here is the sum over batches of each batch's slowest load, + 1 s.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.gateway import RunningGateway, write_replicas
+
+ROLLOUT_BUDGET_S = 1.0
+SHORT = {"prompts": [[1, 17, 42, 99]], "sampling_params": {"max_tokens": 8, "temperature": 1.0}}
+
+
+@dataclass
+class Rollout:
+    max_unavailable: int
+    total_s: float
+    loads_s: list[list[float]]          # per batch, per replica
+    refused: int                        # 503s (no eligible replica) the client saw during it
+    failed: int                         # anything else but 200
+
+    @property
+    def bound_s(self) -> float:
+        return sum(max(batch) for batch in self.loads_s) + ROLLOUT_BUDGET_S
+
+    @property
+    def overhead_s(self) -> float:
+        """Rollout time beyond its loads: drain, label check and return to routing, all batches."""
+        return self.total_s - sum(max(batch) for batch in self.loads_s)
+
+
+@dataclass
+class ClientTally:
+    ok: int = 0
+    refused: int = 0
+    failed: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+@contextmanager
+def closed_loop(url: str, concurrency: int) -> Iterator[ClientTally]:
+    """Clients sampling through the gateway while the rollout runs: loads then drain real work."""
+    tally = ClientTally()
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            while not tally.stop.is_set():
+                status = c.post("/v1/sample", json=SHORT).status_code
+                with lock:
+                    if status == 200:
+                        tally.ok += 1
+                    elif status == 503:
+                        tally.refused += 1
+                    else:
+                        tally.failed += 1
+                if status == 503:
+                    time.sleep(0.02)   # no replica may take it (all draining): don't spin
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    try:
+        yield tally
+    finally:
+        tally.stop.set()
+        for t in threads:
+            t.join(180)
+
+
+def _members(urls: dict[str, str], draining: set[str]) -> list[dict[str, object]]:
+    return [{"name": n, "url": u, "draining": n in draining} for n, u in urls.items()]
+
+
+def _each(out: set[str], test: Callable[[dict[str, Any]], bool]) -> Callable[[dict[str, Any]], bool]:
+    """A predicate on the gateway's /health: `test` holds for every replica of the batch."""
+    return lambda health: all(test(r) for r in health["replicas"] if r["name"] in out)
+
+
+def rollout(gw: RunningGateway, urls: dict[str, str], checkpoint: str, label: str, max_unavailable: int,
+            tally: ClientTally) -> Rollout:
+    """One pool-wide weights change, batch by batch, as pool_plan orders it."""
+    names = sorted(urls)
+    batches = [names[i:i + max_unavailable] for i in range(0, len(names), max_unavailable)]
+    refused0, failed0 = tally.refused, tally.failed
+    loads: list[list[float]] = []
+    t0 = time.perf_counter()
+    for batch in batches:
+        out = set(batch)
+        write_replicas(gw.replicas_file, _members(urls, out))
+        gw.wait(_each(out, lambda r: bool(r["draining"])), f"{out} draining")
+
+        def load(name: str) -> float:
+            t = time.perf_counter()
+            r = httpx.post(urls[name] + "/v1/checkpoints/load", json={"path": checkpoint, "version_label": label},
+                           timeout=600)
+            assert r.status_code == 200, r.text
+            return time.perf_counter() - t
+
+        with ThreadPoolExecutor(len(batch)) as ex:
+            loads.append(list(ex.map(load, batch)))
+        # verify: the replica serves the target label, as the gateway's refresh of its /health sees it
+        gw.wait(_each(out, lambda r: r["weights_label"] == label), f"{out} on {label}")
+        write_replicas(gw.replicas_file, _members(urls, set()))
+        gw.wait(_each(out, lambda r: bool(r["eligible"])), f"{out} back in routing")
+    total = time.perf_counter() - t0
+    return Rollout(max_unavailable, total, loads, tally.refused - refused0, tally.failed - failed0)
+
+
+def checkpoints(model: Path, root: Path, engine: str) -> list[str]:
+    """Two checkpoints to alternate between (a new label each rollout). vLLM: real perturbed weights;
+    the fake engine: the model's own file (it reads the label, not the bytes)."""
+    root.mkdir(parents=True, exist_ok=True)
+    names = ["c0", "c1"]
+    for i, name in enumerate(names):
+        if (root / name / "model.safetensors").exists():
+            continue
+        if engine == "vllm":
+            from tests.support.checkpoints import perturbed_checkpoint  # torch: only when it is needed
+
+            perturbed_checkpoint(model, root / name, seed=i + 1)
+        else:
+            (root / name).mkdir(exist_ok=True)
+            os.link(model / "model.safetensors", root / name / "model.safetensors")
+    return names
+
+
+def summary_lines(results: list[Rollout], engine: str, concurrency: int) -> list[str]:
+    import statistics
+
+    med = statistics.median
+    lines = [f"Pool rollout: 2 replicas ({engine} engine), static gateway (`--version-policy Latest`), "
+             f"{concurrency} clients sampling through the gateway throughout. Per batch: drain mark "
+             "(replicas file) -> load (`POST /v1/checkpoints/load`) -> label seen by the gateway -> back in "
+             "routing; the controller's own API calls are not in it. Bound: per batch the slowest load, summed, "
+             f"+ {ROLLOUT_BUDGET_S:g} s.", "",
+             "| maxUnavailable | rollouts | rollout (median) | loads (slowest per batch, summed; median) | "
+             "overhead beyond the loads (median, max) | within bound | 503s / other failures |",
+             "|---|---|---|---|---|---|---|"]
+    for mu in sorted({r.max_unavailable for r in results}):
+        rs = [r for r in results if r.max_unavailable == mu]
+        within = sum(r.total_s <= r.bound_s for r in rs)
+        lines.append(f"| {mu} | {len(rs)} | {med(r.total_s for r in rs):.2f} s | "
+                     f"{med(r.bound_s - ROLLOUT_BUDGET_S for r in rs):.2f} s | "
+                     f"{med(r.overhead_s for r in rs):.2f} s, {max(r.overhead_s for r in rs):.2f} s | "
+                     f"{within}/{len(rs)} | {sum(r.refused for r in rs)} / {sum(r.failed for r in rs)} |")
+    return lines
