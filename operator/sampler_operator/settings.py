@@ -25,7 +25,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 # Outside the chart (which sets SAMPLER_OPERATOR_GATEWAY_IMAGE to the operator's own image): the published
-# operator image of this version. tests/operator/unit/test_pool_gateway_image.py ties it to the chart.
+# operator image of this version. tests/operator/unit/test_gateway_image.py ties it to the chart.
 DEFAULT_GATEWAY_IMAGE = "ghcr.io/sampler-operator/operator:0.1.0"
 
 
