@@ -15,6 +15,7 @@ loads add up, so the bound here is the sum over batches of each batch's slowest 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,7 +68,10 @@ def closed_loop(url: str, concurrency: int) -> Iterator[ClientTally]:
     def client() -> None:
         with httpx.Client(base_url=url, timeout=120) as c:
             while not tally.stop.is_set():
-                status = c.post("/v1/sample", json=SHORT).status_code
+                try:
+                    status = c.post("/v1/sample", json=SHORT).status_code
+                except httpx.HTTPError:
+                    status = 0      # counted as a failure; the client goes on (a dead thread is lost load)
                 with lock:
                     if status == 200:
                         tally.ok += 1
@@ -142,7 +146,10 @@ def checkpoints(model: Path, root: Path, engine: str) -> list[str]:
             perturbed_checkpoint(model, root / name, seed=i + 1)
         else:
             (root / name).mkdir(exist_ok=True)
-            os.link(model / "model.safetensors", root / name / "model.safetensors")
+            try:
+                os.link(model / "model.safetensors", root / name / "model.safetensors")
+            except OSError:     # another filesystem: a copy (small: the tiny model)
+                shutil.copyfile(model / "model.safetensors", root / name / "model.safetensors")
     return names
 
 
