@@ -242,6 +242,11 @@ async def bench(parts: list[str], rounds: int, sizes: Sizes, seed: int, rollout_
     return "\n\n".join(sections) + "\n"
 
 
+def publishable(parts: list[str], rounds: int, quick: bool, rollout_engine: str) -> bool:
+    """A smoke run or a part alone never replaces the published section: all parts, full sizes, ≥ 3 rounds."""
+    return set(parts) == set(PARTS) and rounds >= 3 and not quick and rollout_engine == "vllm"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", nargs="+", default=list(PARTS), choices=PARTS)
@@ -255,8 +260,7 @@ def main() -> None:
     sizes = Sizes.quick() if a.quick else Sizes()
     out = asyncio.run(bench(a.part, a.rounds, sizes, a.seed, a.rollout_engine))
     print("\n" + out)
-    # A smoke run or a part alone never replaces the published section: all three parts, full sizes.
-    if a.no_write or a.quick or set(a.part) != set(PARTS) or a.rounds < 3 or a.rollout_engine != "vllm":
+    if a.no_write or not publishable(a.part, a.rounds, a.quick, a.rollout_engine):
         print("(not written to docs/benchmarks.md: needs all parts, full sizes, >= 3 rounds, vLLM rollouts)")
         return
     write_section("Gateway", out, "python -m bench.gateway")
