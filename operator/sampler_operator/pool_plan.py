@@ -12,6 +12,11 @@ new spec (its own controller then loads the weights in place, or replaces the po
 change), and is put back in routing once it is Ready at the new spec and, with declared weights,
 reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
 ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
+
+Keys: the gateway forwards a client's API key to whichever replica serves it, so every replica of a
+pool must accept the same keys. Where the template names no key Secret, the pool has one generated,
+`<pool>-sampler-keys` (api_keys.py, the same shape as a replica's), and every replica's spec names
+it, so no replica generates its own.
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import API_VERSION, KIND, POOL_KIND
+from .api_keys import ReplicaKeys, effective_keys, generated_secret, generated_secret_name, key_status
 from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value
+from .spec import AdminSecretKeyRef, SecretKeyRef
 
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
 ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
@@ -59,9 +66,31 @@ def _index(pool: str, name: str) -> int:
     return int(tail) if name.startswith(pool + "-") and tail.isdigit() else 1 << 30
 
 
+def pool_owner_ref(pool: str, uid: str) -> dict[str, Any]:
+    """What makes an object the pool's: garbage-collected with it."""
+    return {"apiVersion": API_VERSION, "kind": POOL_KIND, "name": pool, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def pool_keys(pool: str, spec: PoolSpec) -> ReplicaKeys:
+    """The pool's keys: the template's Secrets where it names them, else `<pool>-sampler-keys`."""
+    api, admin = spec.template.get("apiKeySecretRef"), spec.template.get("adminApiKeySecretRef")
+    return effective_keys(pool, SecretKeyRef.model_validate(api) if api else None,
+                          AdminSecretKeyRef.model_validate(admin) if admin else None)
+
+
+def keys_secret(pool: str, namespace: str, uid: str, keys: ReplicaKeys,
+                values: dict[str, str]) -> dict[str, Any] | None:
+    """The pool's generated key Secret (None when the template names both keys' Secrets)."""
+    if not keys.generated:
+        return None
+    return generated_secret(generated_secret_name(pool), namespace, pool_owner_ref(pool, uid),
+                            {LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY}, values)
+
+
 def desired_replica_spec(pool: str, spec: PoolSpec) -> dict[str, Any]:
-    """The template, in the pool, at the pool's weights."""
-    out = {**spec.template, "pool": label_value(pool)}
+    """The template, in the pool, at the pool's weights, with the pool's keys."""
+    out = {**spec.template, "pool": label_value(pool), **key_status(pool_keys(pool, spec))}
     if spec.weights is not None:
         out["weights"] = dict(spec.weights)
     return out
@@ -80,8 +109,7 @@ def replica_body(pool: str, namespace: str, pool_uid: str, spec: PoolSpec, index
             "name": replica_name(pool, index), "namespace": namespace,
             "labels": {LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY},
             "annotations": {ANNOTATION_SPEC_HASH: spec_hash(replica_spec)},
-            "ownerReferences": [{"apiVersion": API_VERSION, "kind": POOL_KIND, "name": pool, "uid": pool_uid,
-                                 "controller": True, "blockOwnerDeletion": True}],
+            "ownerReferences": [pool_owner_ref(pool, pool_uid)],
         },
         "spec": replica_spec,
     }
@@ -161,6 +189,7 @@ def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[Replica
         "readyReplicas": sum(1 for r in ours if r.phase == "Ready" and not r.draining),
         "updatedReplicas": sum(1 for r in ours if _verified(r, want_hash, target)),
         "targetLabel": target,
+        **key_status(pool_keys(pool, spec)),
         "replicaStatus": [{"name": r.name, "phase": r.phase, "weightsLabel": r.label, "draining": r.draining,
                            "state": state(r)} for r in ours],
     }

@@ -11,11 +11,14 @@ from sampler_operator.pool_plan import (
     PoolSpec,
     ReplicaState,
     desired_replica_spec,
+    keys_secret,
     plan,
+    pool_keys,
     pool_status,
     replica_body,
     spec_hash,
 )
+from sampler_operator.api_keys import replica_keys
 from sampler_operator.spec import parse_spec
 
 UID = "uid-1"
@@ -96,7 +99,8 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     pool_spec = {"template": {**TEMPLATE, "apiKeySecretRef": {"name": "k"}, "requestTimeoutSeconds": 60},
                  "routing": {"versionPolicy": "MinVersion", "affinity": {"header": "X-Group", "replicaCapacity": 8}},
                  "gateway": {"replicas": 2, "port": 9090}, "weights": {"checkpoint": "/ckpt/s", "versionLabel": "s"}}
-    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec)}
+    keys = pool_keys("p", PoolSpec.model_validate(pool_spec))
+    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api)}
     assert list(objs) == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == UID and o["metadata"]["name"] == "p-gateway"
                for o in objs.values())
@@ -116,3 +120,32 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
     granted = {(r, v) for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {(r, v) for r in ("samplerreplicas", "samplerpools", "pods") for v in ("get", "list", "watch")}
+
+
+def test_a_template_without_keys_gets_one_generated_secret_for_the_whole_pool() -> None:
+    s = spec()
+    keys = pool_keys("p", s)
+    assert keys.generated == ("api-key", "admin-api-key")
+    # Every replica names the pool's Secret, so none generates its own (api_keys.replica_keys).
+    body = replica_body("p", "ns", UID, s, 1)
+    refs = {"apiKeySecretRef": {"name": "p-sampler-keys", "key": "api-key"},
+            "adminApiKeySecretRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}
+    assert {k: body["spec"][k] for k in refs} == refs
+    assert replica_keys("p-1", parse_spec(body["spec"])).generated == ()
+    secret = keys_secret("p", "ns", UID, keys, {"api-key": "tml-a", "admin-api-key": "tml-b"})
+    assert secret is not None and secret["metadata"]["name"] == "p-sampler-keys"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID and secret["stringData"] == {
+        "api-key": "tml-a", "admin-api-key": "tml-b"}
+    assert {k: v for k, v in pool_status("p", UID, s, [], 1).items() if k in refs} == refs
+
+
+def test_a_template_with_both_keys_generates_none_and_keeps_them() -> None:
+    refs = {"apiKeySecretRef": {"name": "mine", "key": "a"}, "adminApiKeySecretRef": {"name": "mine", "key": "b"}}
+    s = PoolSpec.model_validate({"replicas": 1, "template": {**TEMPLATE, **refs}})
+    keys = pool_keys("p", s)
+    assert keys.generated == () and keys_secret("p", "ns", UID, keys, {}) is None
+    assert {k: desired_replica_spec("p", s)[k] for k in refs} == refs
+    # Only the admin key named: the api key alone is generated, in the pool's Secret.
+    half = PoolSpec.model_validate({"replicas": 1, "template": {**TEMPLATE, "adminApiKeySecretRef": {"name": "mine"}}})
+    assert pool_keys("p", half).generated == ("api-key",)
+    assert pool_keys("p", half).api.name == "p-sampler-keys" and pool_keys("p", half).admin.name == "mine"
