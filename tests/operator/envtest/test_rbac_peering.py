@@ -16,6 +16,7 @@ from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.operator_harness import FakeKubelet, OperatorProcess, ok, uncertain
 
+
 def forbidden(log: str) -> list[str]:
     """Log lines telling of a refused API call: "Forbidden", or an HTTP 403 (not the digits of a log
     timestamp's milliseconds (",403"), a port or a name)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sampler_operator.api_keys import replica_keys
 from sampler_operator.pool_plan import (
     ANNOTATION_DRAINING,
     ANNOTATION_SPEC_HASH,
@@ -18,7 +19,6 @@ from sampler_operator.pool_plan import (
     replica_body,
     spec_hash,
 )
-from sampler_operator.api_keys import replica_keys
 from sampler_operator.spec import parse_spec
 
 UID = "uid-1"
