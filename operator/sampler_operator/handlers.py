@@ -205,8 +205,9 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
             wake.clear()
             try:
                 # `body` is kopf's live view: the spec as of now, not as of the daemon's start.
-                delay = await pool_step(memo.kube, name, namespace, uid, _plain(body["spec"]),
-                                        body["metadata"].get("generation"), members.get(uid, []), mem, emit)
+                delay = await pool_step(memo.kube, memo.session, name, namespace, uid, _plain(body["spec"]),
+                                        body["metadata"].get("generation"), members.get(uid, []), mem, emit,
+                                        time.time())
             except Exception as e:  # an API hiccup must not end the loop; state is in the API
                 logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
                 delay = 2.0

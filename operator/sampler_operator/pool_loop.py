@@ -1,5 +1,6 @@
 """One step of a SamplerPool's loop: the gateway's objects (written when they change), the pool's
-replicas (read from kopf's index, no API call), plan (pool_plan.plan), act, report. Idempotent: a
+replicas (read from kopf's index, no API call), the in-flight requests of those draining to leave
+(their pods' /health, the only pod calls), plan (pool_plan.plan), act, report. Idempotent: a
 step repeated on a stale view creates nothing twice (409), deletes nothing twice (404), and writes
 the same spec again."""
 from __future__ import annotations
@@ -8,28 +9,35 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+
 from .api_keys import fresh_values, missing_keys, read_command
+from .health_probe import HealthState, probe
 from .kube import Kube
 from .pool_gateway import gateway_objects, objects_hash
 from .pool_plan import (
     ANNOTATION_DRAINING,
+    ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
     PoolSpec,
     ReplicaState,
     desired_replica_spec,
     keys_secret,
+    leaving,
     plan,
     pool_keys,
     pool_status,
     replica_body,
     spec_hash,
 )
+from .status import iso
 
 # JSON-pointer escapes of the annotation keys ('/' is '~1').
 _HASH_PATH = "/metadata/annotations/" + ANNOTATION_SPEC_HASH.replace("/", "~1")
 _DRAIN_PATH = "/metadata/annotations/" + ANNOTATION_DRAINING.replace("/", "~1")
 # How soon to look again: while work is under way, soon; at rest, events wake the loop.
 BUSY_S, IDLE_S = 1.0, 60.0
+PROBE_TIMEOUT_S = 2.0
 
 # Posts an Event on the pool: (type, reason, message).
 Emit = Callable[[str, str, str], None]
@@ -61,12 +69,25 @@ async def ensure_keys(kube: Kube, name: str, namespace: str, uid: str, spec: Poo
                                        f"cannot start; delete the Secret to have the keys generated")
 
 
-async def step(kube: Kube, name: str, namespace: str, uid: str, raw_spec: dict[str, Any],
-               generation: int | None, replicas: Iterable[ReplicaState], mem: PoolMemory, emit: Emit) -> float:
+async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> int | None:
+    """What a leaving replica's pod has in flight: 0 without a pod or when nothing answers (nothing
+    left to finish there), None when its answer does not say (the plan then waits for the timeout)."""
+    if replica.pod_ip is None or replica.port is None:
+        return 0
+    obs = await probe(session, replica.pod_ip, replica.port, PROBE_TIMEOUT_S)
+    if obs.state == HealthState.UNREACHABLE:
+        return 0
+    return obs.in_flight if isinstance(obs.in_flight, int) else None
+
+
+async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace: str, uid: str,
+               raw_spec: dict[str, Any], generation: int | None, replicas: Iterable[ReplicaState],
+               mem: PoolMemory, emit: Emit, now: float) -> float:
     """Returns the seconds until the next step."""
     spec = PoolSpec.model_validate(raw_spec)
     existing = list(replicas)
-    todo = plan(name, uid, spec, existing)
+    counts = {r.name: await in_flight(session, r) for r in leaving(name, uid, spec, existing)}
+    todo = plan(name, uid, spec, existing, now, counts)
     # Once per loop (an operator restart checks again), and before any replica that would name it.
     if not mem.keys_ensured or todo.create:
         await ensure_keys(kube, name, namespace, uid, spec, emit)
@@ -78,11 +99,18 @@ async def step(kube: Kube, name: str, namespace: str, uid: str, raw_spec: dict[s
         mem.gateway_hash = objects_hash(gateway)
     for index in todo.create:
         await kube.create_replica(namespace, replica_body(name, namespace, uid, spec, index))
+    for replica in todo.retire:
+        # Out of routing now; deleted once drained (pool_plan.plan).
+        await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: "true",
+                                                                  ANNOTATION_DRAINING_SINCE: iso(now)})
+        emit("Normal", "Draining", f"replica {replica} is beyond spec.replicas: draining (at most "
+                                   f"{spec.rollout.drain_timeout_seconds} s), then deleted")
     for replica in todo.delete:
         await kube.delete_replica(namespace, replica)
     # Back in routing first, then the next batch out: never more than maxUnavailable out at once.
     for replica in todo.undrain:
-        await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: None})
+        await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: None,
+                                                                  ANNOTATION_DRAINING_SINCE: None})
     desired = desired_replica_spec(name, spec)
     for replica in todo.update:
         # Out of routing and onto the new spec in one write: never one without the other.

@@ -57,10 +57,12 @@ def pool_key(api: Any, ns: str, pool: str) -> str:
 
 
 def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any) -> None:
-    kubelet = FakeKubelet(api.core, ns, lambda pod, n: ok(1))
+    busy: dict[str, int] = {}  # replica -> the in_flight its pod's /health reports
+    kubelet = FakeKubelet(api.core, ns, lambda pod, n: ok(1, in_flight=busy.get(pod.rsplit("-", 1)[0], 0)))
     try:
-        pool = api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools",
-                                                          pool_body("p", 2, template(ks.free_port())))
+        # A drain timeout no test waits for: a scaled-away replica leaves only once its pod is idle.
+        pool = api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body(
+            "p", 2, template(ks.free_port()), rollout={"drainTimeoutSeconds": 600}))
         uid = pool["metadata"]["uid"]
         ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0", "p-1"], 60, 0.1, "2 replicas")
         for o in replicas_of(api, ns).values():
@@ -95,8 +97,19 @@ def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any
         k8s.kubectl("-n", ns, "scale", "sp", "p", "--replicas=3")
         ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0", "p-1", "p-2"], 60, 0.1, "scaled to 3")
         ks.wait_for(lambda: pool_status(api, ns, "p").get("readyReplicas") == 3, 60, 0.2, "3 Ready")
+        # Scale-down drains first: p-2 has requests in flight, p-1 none.
+        busy["p-2"] = 2
         k8s.kubectl("-n", ns, "scale", "sp", "p", "--replicas=1")
-        ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0"], 60, 0.1, "scaled to 1 (highest first)")
+        ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0", "p-2"], 60, 0.1, "idle p-1 deleted")
+        ann = replicas_of(api, ns)["p-2"]["metadata"]["annotations"]
+        assert ann[DRAINING] == "true" and "sampler.rl.dev/draining-since" in ann
+        ks.wait_for(lambda: [(r["name"], r["state"]) for r in pool_status(api, ns, "p")["replicaStatus"]] == [
+            ("p-0", "Updated"), ("p-2", "Leaving")], 30, 0.2, "p-2 leaving in the status")
+        ks.wait_for(lambda: {e.involved_object.name for e in api.core.list_namespaced_event(ns).items
+                             if e.reason == "Draining"} == {"p"}, 30, 0.2, "a Draining event on the pool")
+        assert pool_status(api, ns, "p")["readyReplicas"] == 1  # the leaving one is not routed to
+        busy["p-2"] = 0
+        ks.wait_for(lambda: sorted(replicas_of(api, ns)) == ["p-0"], 60, 0.1, "p-2 deleted once idle")
         # A replica the pool does not own, even with the pool's label, is never touched.
         api.custom.create_namespaced_custom_object(G, V, ns, "samplerreplicas", {
             "apiVersion": f"{G}/{V}", "kind": "SamplerReplica",

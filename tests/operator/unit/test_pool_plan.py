@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from sampler_operator.api_keys import replica_keys
 from sampler_operator.pool_plan import (
     ANNOTATION_DRAINING,
+    ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
+    ROUTING_GRACE_S,
     Plan,
     PoolSpec,
     ReplicaState,
     desired_replica_spec,
     keys_secret,
+    leaving,
     plan,
     pool_keys,
     pool_status,
@@ -20,6 +24,7 @@ from sampler_operator.pool_plan import (
     spec_hash,
 )
 from sampler_operator.spec import parse_spec
+from sampler_operator.status import parse_iso
 
 UID = "uid-1"
 TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
@@ -56,7 +61,44 @@ def test_scale_up_and_down_only_touches_its_own_replicas() -> None:
     assert plan("p", UID, s, [at(s, "p-1"), foreign]) == Plan(create=[0, 2])
     down = spec(replicas=1)
     got = plan("p", UID, down, [at(down, "p-0"), at(down, "p-1"), at(down, "p-2"), foreign])
-    assert got == Plan(delete=["p-2", "p-1"])  # highest index first; the foreign one is never deleted
+    # Drained first, highest index first; the foreign one is never touched.
+    assert got == Plan(retire=["p-2", "p-1"])
+
+
+def leaving_at(s: PoolSpec, name: str, since: float) -> ReplicaState:
+    return replace(at(s, name, draining=True), leaving_since=since)
+
+
+def test_a_scaled_away_replica_is_deleted_once_idle_or_after_the_drain_timeout() -> None:
+    s = spec(replicas=1)  # drainTimeoutSeconds: 30 by default
+    reps = [at(s, "p-0"), leaving_at(s, "p-1", since=100.0), leaving_at(s, "p-2", since=100.0)]
+    assert [r.name for r in leaving("p", UID, s, reps)] == ["p-1", "p-2"]
+    # Idle, but the gateway may not have seen the mark yet: wait.
+    assert plan("p", UID, s, reps, 100.0 + ROUTING_GRACE_S - 0.5, {"p-1": 0, "p-2": 0}) == Plan(
+        leaving=["p-2", "p-1"])
+    # Past the grace: the idle one goes; the busy one and the unknown one wait.
+    assert plan("p", UID, s, reps, 100.0 + ROUTING_GRACE_S, {"p-1": 0, "p-2": 4}) == Plan(
+        delete=["p-1"], leaving=["p-2"])
+    assert plan("p", UID, s, reps, 110.0, {"p-1": None, "p-2": 4}).delete == []
+    # The timeout ends every wait.
+    assert plan("p", UID, s, reps, 130.0, {"p-1": None, "p-2": 4}) == Plan(delete=["p-2", "p-1"])
+    short = PoolSpec.model_validate({**s.model_dump(by_alias=True), "rollout": {"drainTimeoutSeconds": 0}})
+    assert plan("p", UID, short, [at(short, "p-0"), leaving_at(short, "p-1", 100.0)], 100.0).delete == ["p-1"]
+
+
+def test_a_replica_wanted_again_while_leaving_comes_back_into_routing() -> None:
+    s = spec(replicas=2)
+    assert plan("p", UID, s, [at(s, "p-0"), leaving_at(s, "p-1", 100.0)], 101.0) == Plan(undrain=["p-1"])
+
+
+def test_the_drain_mark_and_its_time_are_read_from_annotations() -> None:
+    obj: dict[str, Any] = {"metadata": {"name": "p-1", "annotations": {
+        ANNOTATION_DRAINING: "true", ANNOTATION_DRAINING_SINCE: "2026-01-01T00:00:10Z"}},
+        "spec": {"port": 8000}, "status": {"podIP": "10.0.0.7"}}
+    st = ReplicaState.from_object(obj)
+    assert st.leaving_since == parse_iso("2026-01-01T00:00:10Z") and (st.pod_ip, st.port) == ("10.0.0.7", 8000)
+    obj["metadata"]["annotations"][ANNOTATION_DRAINING_SINCE] = "soon"
+    assert ReplicaState.from_object(obj).leaving_since is None  # edited by hand: retired again from now
 
 
 def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
@@ -74,6 +116,9 @@ def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
     assert plan("p", UID, spec(label="step-2", max_unavailable=2), replicas).update == ["p-0", "p-1"]
     done = [at(new, f"p-{i}") for i in range(3)]
     assert plan("p", UID, new, done).empty()
+    # The weights move again while p-0 is out loading step-2: it gets step-3 at once, no extra batch.
+    newer = spec(label="step-3")
+    assert plan("p", UID, newer, loading) == Plan(update=["p-0"])
 
 
 def test_status_counts_ready_and_updated() -> None:
