@@ -6,7 +6,7 @@ the same spec again."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -14,6 +14,7 @@ import aiohttp
 from .api_keys import fresh_values, missing_keys, read_command
 from .health_probe import HealthState, probe
 from .kube import Kube
+from .pool_conditions import rollout_events
 from .pool_gateway import gateway_objects, objects_hash
 from .pool_plan import (
     ANNOTATION_DRAINING,
@@ -50,6 +51,9 @@ class PoolMemory:
     status: dict[str, Any] | None = None
     gateway_hash: str | None = None
     keys_ensured: bool = False
+    # replica -> the spec hash last given to it: a step on an index that has not seen that write
+    # yet writes it again (harmless) but tells of it once.
+    given: dict[str, str] = field(default_factory=dict)
 
 
 async def ensure_keys(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec, emit: Emit) -> None:
@@ -82,8 +86,9 @@ async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> in
 
 async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace: str, uid: str,
                raw_spec: dict[str, Any], generation: int | None, replicas: Iterable[ReplicaState],
-               mem: PoolMemory, emit: Emit, now: float) -> float:
-    """Returns the seconds until the next step."""
+               mem: PoolMemory, emit: Emit, now: float, last_status: dict[str, Any] | None = None) -> float:
+    """Returns the seconds until the next step. `last_status`: the pool's status as the API server
+    had it (after a restart, what the previous operator wrote)."""
     spec = PoolSpec.model_validate(raw_spec)
     existing = list(replicas)
     counts = {r.name: await in_flight(session, r) for r in leaving(name, uid, spec, existing)}
@@ -112,6 +117,8 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
         await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: None,
                                                                   ANNOTATION_DRAINING_SINCE: None})
     desired = desired_replica_spec(name, spec)
+    batch = [r for r in todo.update if mem.given.get(r) != spec_hash(desired)]
+    mem.given.update((r, spec_hash(desired)) for r in todo.update)
     for replica in todo.update:
         # Out of routing and onto the new spec in one write: never one without the other.
         await kube.json_patch_replica(namespace, replica, [
@@ -119,9 +126,14 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
             {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
             {"op": "add", "path": _DRAIN_PATH, "value": "true"},
         ])
-    status = pool_status(name, uid, spec, existing, generation)
+    # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
+    old = mem.status if mem.status is not None else last_status
+    status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"))
     if status != mem.status:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status
+    # After the write: an Event never tells of a status the API server does not have.
+    for type_, reason, message in rollout_events(old, status, batch):
+        emit(type_, reason, message)
     busy = not todo.empty() or status["updatedReplicas"] != spec.replicas
     return BUSY_S if busy else IDLE_S

@@ -13,6 +13,10 @@ change), and is put back in routing once it is Ready at the new spec and, with d
 reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
 ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
 
+A replica that refuses the target weights (its load failed validation: `status.weights.declaredResult`
+InvalidCheckpoint for the pool's `spec.weights`) stops the rollout: no further batch is updated, and
+the replica stays out of routing on the weights it had. Changing `spec.weights` again resumes.
+
 A scale-down drains first: a replica beyond `spec.replicas` is marked draining with the time it
 started (`sampler.rl.dev/draining-since`), and deleted once its pod reports no request in flight
 (its /health `in_flight`, read by the loop) after the gateway has had time to see the mark
@@ -36,8 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import API_VERSION, KIND, POOL_KIND
 from .api_keys import ReplicaKeys, effective_keys, generated_secret, generated_secret_name, key_status
 from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value
+from .pool_conditions import Counts, pool_conditions
 from .spec import AdminSecretKeyRef, SecretKeyRef
 from .status import parse_iso
+from .weights_intent import INVALID
 
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
 ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
@@ -140,6 +146,9 @@ class ReplicaState:
     leaving_since: float | None = None  # scaled away: draining since (epoch seconds)
     pod_ip: str | None = None
     port: int | None = None
+    # The declared weights its load refused (checkpoint, versionLabel), and why.
+    rejected: tuple[str, str] | None = None
+    rejected_message: str | None = None
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
@@ -150,11 +159,16 @@ class ReplicaState:
         status = obj.get("status") or {}
         label = (status.get("weights") or {}).get("label") or status.get("weightsLabel")
         port = (obj.get("spec") or {}).get("port")
+        weights = status.get("weights") or {}
+        declared = weights.get("declared") or {}
+        rejected = ((str(declared.get("checkpoint")), str(declared.get("versionLabel")))
+                    if weights.get("declaredResult") == INVALID else None)
         return cls(name=meta.get("name", ""), owner_uid=owner, spec_hash=ann.get(ANNOTATION_SPEC_HASH),
                    draining=ann.get(ANNOTATION_DRAINING) == "true", phase=status.get("phase"),
                    label=label if isinstance(label, str) else None,
                    leaving_since=_since(ann.get(ANNOTATION_DRAINING_SINCE)),
-                   pod_ip=status.get("podIP") or None, port=port if isinstance(port, int) else None)
+                   pod_ip=status.get("podIP") or None, port=port if isinstance(port, int) else None,
+                   rejected=rejected, rejected_message=str(weights.get("declaredMessage") or "") if rejected else None)
 
 
 def _since(text: Any) -> float | None:
@@ -179,6 +193,15 @@ class Plan:
 
 def _verified(r: ReplicaState, want_hash: str, target: str | None) -> bool:
     return r.spec_hash == want_hash and r.phase == "Ready" and (target is None or r.label == target)
+
+
+def rejection(pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> ReplicaState | None:
+    """The first of the pool's replicas that refused the pool's target weights (it stops the rollout)."""
+    if spec.weights is None:
+        return None
+    target = (str(spec.weights.get("checkpoint")), str(spec.weights.get("versionLabel")))
+    return next((r for r in sorted(existing, key=lambda r: r.name)
+                 if r.owner_uid == pool_uid and r.rejected == target), None)
 
 
 def leaving(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> list[ReplicaState]:
@@ -217,30 +240,43 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     # Out of routing at a spec that changed again mid-rollout: the newest spec, at no extra cost.
     stale = [r.name for r in out if r.spec_hash != want_hash]
     outdated = [r.name for r in current if r.spec_hash != want_hash and not r.draining]
-    return Plan(create=create, retire=retire, delete=delete, update=stale + outdated[:budget], undrain=undrain,
+    # A replica refused the target: the rollout stops where it is (no batch is sent into the same refusal).
+    update = [] if rejection(pool_uid, spec, existing) else stale + outdated[:budget]
+    return Plan(create=create, retire=retire, delete=delete, update=update, undrain=undrain,
                 leaving=[r.name for r in gone if r.name not in delete])
 
 
 def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
-                generation: int | None) -> dict[str, Any]:
-    """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target)."""
+                generation: int | None, now: float = 0.0,
+                old_conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target), and
+    the conditions Available and Progressing (pool_conditions.py)."""
     ours = sorted((r for r in existing if r.owner_uid == pool_uid), key=lambda r: _index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))
     target = spec.target_label
 
+    stopped = rejection(pool_uid, spec, existing)
+
     def state(r: ReplicaState) -> str:
         if r.leaving_since is not None:
             return "Leaving"
+        if stopped is not None and r.name == stopped.name:
+            return "Rejected"
         if _verified(r, want_hash, target):
             return "Draining" if r.draining else "Updated"
         return "Updating" if r.spec_hash == want_hash else "Outdated"
 
+    wanted = {replica_name(pool, i) for i in range(spec.replicas)}
+    ready = sum(1 for r in ours if r.phase == "Ready" and not r.draining)
+    updated = sum(1 for r in ours if r.name in wanted and _verified(r, want_hash, target))
+    stop = (stopped.name, stopped.rejected_message or "") if stopped is not None else None
     return {
         "observedGeneration": generation,
         "replicas": len(ours),
-        "readyReplicas": sum(1 for r in ours if r.phase == "Ready" and not r.draining),
+        "readyReplicas": ready,
         "updatedReplicas": sum(1 for r in ours if _verified(r, want_hash, target)),
         "targetLabel": target,
+        "conditions": pool_conditions(Counts(spec.replicas, ready, updated, target), stop, old_conditions, now),
         **key_status(pool_keys(pool, spec)),
         "replicaStatus": [{"name": r.name, "phase": r.phase, "weightsLabel": r.label, "draining": r.draining,
                            "state": state(r)} for r in ours],

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support import corrupt_checkpoints as cc
 from tests.support import k8s as ks
 from tests.support.gateway import run_gateway
 from tests.support.operator_harness import FakeKubelet, ProcessKubelet, ok
@@ -54,6 +55,17 @@ def pool_key(api: Any, ns: str, pool: str) -> str:
     """The pool's generated client key, read as a user would (docs/pool.md)."""
     secret = api.core.read_namespaced_secret(f"{pool}-sampler-keys", ns)
     return base64.b64decode(secret.data["api-key"]).decode()
+
+
+def conditions(api: Any, ns: str, name: str) -> dict[str, tuple[str, str, str]]:
+    return {c["type"]: (c["status"], c["reason"], c["message"])
+            for c in pool_status(api, ns, name).get("conditions") or []}
+
+
+def pool_events(api: Any, ns: str, name: str) -> list[str]:
+    """The reasons of the Events posted on the pool (kopf posts them on the SamplerPool)."""
+    return [e.reason for e in api.core.list_namespaced_event(ns).items
+            if e.involved_object.kind == "SamplerPool" and e.involved_object.name == name]
 
 
 def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any) -> None:
@@ -181,6 +193,33 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
         for o in replicas_of(api, ns).values():
             assert DRAINING not in (o["metadata"].get("annotations") or {})
             assert o["status"]["weights"]["label"] == "step-2"
+        assert conditions(api, ns, "w") == {
+            "Available": ("True", "AllReplicasReady", "3/3 replicas ready"),
+            "Progressing": ("False", "RolloutComplete", "3/3 updated to step-2")}
+        told = ks.wait_for(lambda: (e := pool_events(api, ns, "w")).count("RolloutComplete") == 2 and e, 30, 0.2,
+                           "the rollouts' Events")  # step-1 (the pool's creation) and step-2
+        assert told.count("RolloutStarted") == 2 and told.count("BatchUpdating") == 3, told
+        stack.close()  # the gateway: not needed below
+
+        # A checkpoint the first replica refuses stops the rollout there: no other replica gets it.
+        bad = cc.build_case("wrong_shape", root / "step-1", root=root, outside=tmp_path / "outside", name="step-bad")
+        api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", "w", {
+            "spec": {"weights": {"checkpoint": str(bad.checkpoint_dir), "versionLabel": "step-bad"}}})
+        why = ks.wait_for(lambda: conditions(api, ns, "w").get("Progressing", ("",) * 3)[1] == "RolloutStopped"
+                          and conditions(api, ns, "w")["Progressing"], 120, 0.2, "the rollout stopped")
+        assert why[0] == "False" and why[2].startswith("replica w-0 rejected step-bad: "), why
+        assert bad.expected_tensor and bad.expected_tensor in why[2], why
+        ks.wait_for(lambda: "RolloutStopped" in pool_events(api, ns, "w"), 30, 0.2, "a RolloutStopped Event")
+        reps = replicas_of(api, ns)
+        assert [reps[n]["spec"]["weights"]["versionLabel"] for n in ("w-0", "w-1", "w-2")] == [
+            "step-bad", "step-2", "step-2"]
+        assert [r["state"] for r in pool_status(api, ns, "w")["replicaStatus"]] == ["Rejected", "Outdated", "Outdated"]
+        # New weights resume it: every replica reaches them.
+        api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", "w", {
+            "spec": {"weights": {"checkpoint": str(root / "step-1"), "versionLabel": "step-1b"}}})
+        ks.wait_for(lambda: (s := pool_status(api, ns, "w")).get("updatedReplicas") == 3
+                    and s.get("targetLabel") == "step-1b", 120, 0.2, "3 at step-1b")
+        assert conditions(api, ns, "w")["Progressing"][:2] == ("False", "RolloutComplete")
     finally:
         done.set()
         stack.close()

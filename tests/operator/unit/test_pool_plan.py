@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from sampler_operator.api_keys import replica_keys
+from sampler_operator.pool_conditions import rollout_events
 from sampler_operator.pool_plan import (
     ANNOTATION_DRAINING,
     ANNOTATION_DRAINING_SINCE,
@@ -24,7 +25,7 @@ from sampler_operator.pool_plan import (
     spec_hash,
 )
 from sampler_operator.spec import parse_spec
-from sampler_operator.status import parse_iso
+from sampler_operator.status import iso, parse_iso
 
 UID = "uid-1"
 TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
@@ -194,3 +195,71 @@ def test_a_template_with_both_keys_generates_none_and_keeps_them() -> None:
     half = PoolSpec.model_validate({"replicas": 1, "template": {**TEMPLATE, "adminApiKeySecretRef": {"name": "mine"}}})
     assert pool_keys("p", half).generated == ("api-key",)
     assert pool_keys("p", half).api.name == "p-sampler-keys" and pool_keys("p", half).admin.name == "mine"
+
+
+def conds(st: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+    return {c["type"]: (c["status"], c["reason"], c["message"]) for c in st["conditions"]}
+
+
+def test_conditions_say_available_and_how_far_the_rollout_is() -> None:
+    old, new = spec(label="step-1"), spec(label="step-2")
+    rolling = [at(new, "p-0"), at(new, "p-1", label="step-1", draining=True), at(old, "p-2")]
+    st = pool_status("p", UID, new, rolling, 1, 50.0)
+    assert conds(st) == {"Available": ("True", "SomeReplicasReady", "2/3 replicas ready"),
+                         "Progressing": ("True", "RollingOut", "1/3 updated to step-2")}
+    done = pool_status("p", UID, new, [at(new, f"p-{i}") for i in range(3)], 1, 60.0, st["conditions"])
+    assert conds(done) == {"Available": ("True", "AllReplicasReady", "3/3 replicas ready"),
+                           "Progressing": ("False", "RolloutComplete", "3/3 updated to step-2")}
+    # Available stayed True: its transition time is kept; Progressing changed: a new one.
+    times = {c["type"]: c["lastTransitionTime"] for c in done["conditions"]}
+    assert times == {"Available": iso(50.0), "Progressing": iso(60.0)}
+    none = pool_status("p", UID, new, [at(new, "p-0", phase="Starting")], 1)
+    assert conds(none)["Available"][:2] == ("False", "NoReplicaReady")
+
+
+def rejected(s: PoolSpec, name: str, why: str) -> ReplicaState:
+    w = s.weights or {}
+    return replace(at(s, name, label="step-1", draining=True), rejected=(w["checkpoint"], w["versionLabel"]),
+                   rejected_message=why)
+
+
+def test_a_replica_that_rejects_the_checkpoint_stops_the_rollout_until_the_weights_change() -> None:
+    # maxUnavailable 2: p-1 would be in the next batch; after a rejection, no batch is.
+    old, bad = spec(label="step-1"), spec(label="step-bad", max_unavailable=2)
+    reps = [rejected(bad, "p-0", "model.safetensors: tensor w has shape [2]"), at(old, "p-1"), at(old, "p-2")]
+    assert plan("p", UID, bad, reps) == Plan()
+    st = pool_status("p", UID, bad, reps, 1)
+    assert conds(st)["Progressing"] == (
+        "False", "RolloutStopped", "replica p-0 rejected step-bad: model.safetensors: tensor w has shape [2]; "
+        "change spec.weights to go on")
+    assert [r["state"] for r in st["replicaStatus"]] == ["Rejected", "Outdated", "Outdated"]
+    # New weights: the rejected replica (out of routing) gets them at once, the rollout goes on.
+    good = spec(label="step-2", max_unavailable=2)
+    assert plan("p", UID, good, reps) == Plan(update=["p-0", "p-1"])
+    assert conds(pool_status("p", UID, good, reps, 1))["Progressing"][1] == "RollingOut"
+
+
+def test_the_rejection_is_read_from_the_replica_status() -> None:
+    obj: dict[str, Any] = {"metadata": {"name": "p-0"}, "status": {"weights": {
+        "declared": {"checkpoint": "/ckpt/x", "versionLabel": "x"}, "declaredResult": "InvalidCheckpoint",
+        "declaredMessage": "bad tensor"}}}
+    st = ReplicaState.from_object(obj)
+    assert (st.rejected, st.rejected_message) == (("/ckpt/x", "x"), "bad tensor")
+    obj["status"]["weights"]["declaredResult"] = "Loaded"
+    assert ReplicaState.from_object(obj).rejected is None
+
+
+def test_rollout_events_tell_each_transition_once() -> None:
+    def status(reason: str, message: str = "m") -> dict[str, Any]:
+        return {"targetLabel": "step-2", "conditions": [{"type": "Progressing", "reason": reason, "message": message}]}
+
+    assert rollout_events(status("RolloutComplete"), status("RollingOut", "0/3 updated to step-2"), ["p-0"]) == [
+        ("Normal", "RolloutStarted", "0/3 updated to step-2"),
+        ("Normal", "BatchUpdating", "p-0 out of routing, onto step-2")]
+    assert rollout_events(status("RollingOut"), status("RollingOut", "1/3"), []) == []
+    assert rollout_events(status("RollingOut"), status("RolloutComplete", "3/3"), []) == [
+        ("Normal", "RolloutComplete", "3/3")]
+    assert rollout_events(status("RollingOut"), status("RolloutStopped", "p-0 rejected"), []) == [
+        ("Warning", "RolloutStopped", "p-0 rejected")]
+    assert rollout_events(status("RolloutStopped", "p-0 rejected"), status("RolloutStopped", "p-0 rejected"), []) == []
+    assert rollout_events(None, status("RolloutComplete"), []) == []  # a pool created at rest: no story
