@@ -39,6 +39,7 @@ _DRAIN_PATH = "/metadata/annotations/" + ANNOTATION_DRAINING.replace("/", "~1")
 # How soon to look again: while work is under way, soon; at rest, events wake the loop.
 BUSY_S, IDLE_S = 1.0, 60.0
 PROBE_TIMEOUT_S = 2.0
+INDEX_LAG_S = 10.0  # far more than kopf's index takes to see our own write
 
 # Posts an Event on the pool: (type, reason, message).
 Emit = Callable[[str, str, str], None]
@@ -54,6 +55,9 @@ class PoolMemory:
     # replica -> the spec hash last given to it: a step on an index that has not seen that write
     # yet writes it again (harmless) but tells of it once.
     given: dict[str, str] = field(default_factory=dict)
+    # replica -> when this loop marked it to leave (same reason; a mark the index still lacks after
+    # INDEX_LAG_S was removed by someone: mark again).
+    retired: dict[str, float] = field(default_factory=dict)
 
 
 async def ensure_keys(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec, emit: Emit) -> None:
@@ -105,17 +109,22 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     for index in todo.create:
         await kube.create_replica(namespace, replica_body(name, namespace, uid, spec, index))
     for replica in todo.retire:
+        if now - mem.retired.get(replica, -INDEX_LAG_S) < INDEX_LAG_S:
+            continue  # marked already: a second mark would move its drain's start
         # Out of routing now; deleted once drained (pool_plan.plan).
         await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: "true",
                                                                   ANNOTATION_DRAINING_SINCE: iso(now)})
+        mem.retired[replica] = now
         emit("Normal", "Draining", f"replica {replica} is beyond spec.replicas: draining (at most "
                                    f"{spec.rollout.drain_timeout_seconds} s), then deleted")
     for replica in todo.delete:
         await kube.delete_replica(namespace, replica)
+        mem.retired.pop(replica, None)
     # Back in routing first, then the next batch out: never more than maxUnavailable out at once.
     for replica in todo.undrain:
         await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: None,
                                                                   ANNOTATION_DRAINING_SINCE: None})
+        mem.retired.pop(replica, None)
     desired = desired_replica_spec(name, spec)
     batch = [r for r in todo.update if mem.given.get(r) != spec_hash(desired)]
     mem.given.update((r, spec_hash(desired)) for r in todo.update)
