@@ -5,6 +5,7 @@ step repeated on a stale view creates nothing twice (409), deletes nothing twice
 the same spec again."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +96,10 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     had it (after a restart, what the previous operator wrote)."""
     spec = PoolSpec.model_validate(raw_spec)
     existing = list(replicas)
-    counts = {r.name: await in_flight(session, r) for r in leaving(name, uid, spec, existing)}
+    going = leaving(name, uid, spec, existing)
+    # Together: a scale-down of many replicas waits for the slowest probe once, not for each in turn.
+    counts = dict(zip((r.name for r in going), await asyncio.gather(*(in_flight(session, r) for r in going)),
+                      strict=True))
     todo = plan(name, uid, spec, existing, now, counts)
     # Once per loop (an operator restart checks again), and before any replica that would name it.
     if not mem.keys_ensured or todo.create:
