@@ -157,9 +157,9 @@ class ReplicaState:
         owner = next((o.get("uid") for o in meta.get("ownerReferences") or []
                       if o.get("kind") == POOL_KIND and o.get("controller")), None)
         status = obj.get("status") or {}
-        label = (status.get("weights") or {}).get("label") or status.get("weightsLabel")
-        port = (obj.get("spec") or {}).get("port")
         weights = status.get("weights") or {}
+        label = weights.get("label") or status.get("weightsLabel")
+        port = (obj.get("spec") or {}).get("port")
         declared = weights.get("declared") or {}
         rejected = ((str(declared.get("checkpoint")), str(declared.get("versionLabel")))
                     if weights.get("declaredResult") == INVALID else None)
