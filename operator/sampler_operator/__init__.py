@@ -6,7 +6,8 @@ replacement_policy.py (when a pod must be swapped), status.py (what we report ba
 health_probe.py (how we look at a pod), reconcile.py (the loop tying them together),
 handlers.py (the kopf wiring), settings.py and __main__.py (how it runs);
 release_finalizers.py (a command: deleting replicas while no operator runs).
-The SamplerPool controller: pool_plan.py (pure decisions), pool_loop.py (one step of the pool's loop).
+The SamplerPool controller: pool_plan.py (pure decisions), pool_conditions.py (its conditions and
+Events, pure), pool_gateway.py (the gateway's objects, pure), pool_loop.py (one step of the pool's loop).
 """
 
 GROUP = "sampler.rl.dev"

@@ -1,4 +1,5 @@
-"""Every replica's two API keys: which Secret holds each, and the Secret the operator generates. Pure.
+"""Every replica's two API keys: which Secret holds each, and the Secret the operator generates. Pure
+(but for `fresh_values`, the random source).
 
 Why: a sampler without `--api-key` serves anyone who reaches its port, and without `--admin-api-key`
 every sampling client may also swap its weights. In a cluster no pod is ever open: when the spec
@@ -12,16 +13,20 @@ The Secret is created only if absent and never rewritten: rotating a key would c
 client holding it, on every reconcile. (Rotation by hand: delete the Secret; the next pod the
 operator creates gets new keys.)
 
+A SamplerPool does the same once for all its replicas (`<pool>-sampler-keys`, pool_plan.py): the
+gateway forwards a client's key to whichever replica serves it, so a pool's replicas share keys.
+
 Generated keys start with `tml-`: the Tinker SDK refuses keys without that prefix.
 """
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import SamplerReplicaSpec
+from .spec import AdminSecretKeyRef, SamplerReplicaSpec, SecretKeyRef
 
 API_KEY = "api-key"
 ADMIN_API_KEY = "admin-api-key"
@@ -59,8 +64,13 @@ def generated_secret_name(owner_name: str) -> str:
 
 def replica_keys(owner_name: str, spec: SamplerReplicaSpec) -> ReplicaKeys:
     """The effective Secret refs of a replica: the user's where the spec names one, else generated."""
+    return effective_keys(owner_name, spec.api_key_secret_ref, spec.admin_api_key_secret_ref)
+
+
+def effective_keys(owner_name: str, user_api: SecretKeyRef | None,
+                   user_admin: AdminSecretKeyRef | None) -> ReplicaKeys:
+    """The user's refs where given, else the owner's generated Secret (a replica's, or a pool's)."""
     generated = generated_secret_name(owner_name)
-    user_api, user_admin = spec.api_key_secret_ref, spec.admin_api_key_secret_ref
     api = KeyRef(user_api.name, user_api.key) if user_api else KeyRef(generated, API_KEY)
     admin = KeyRef(user_admin.name, user_admin.key) if user_admin else KeyRef(generated, ADMIN_API_KEY)
     todo = tuple(k for k, user in ((API_KEY, user_api), (ADMIN_API_KEY, user_admin)) if user is None)
@@ -71,6 +81,11 @@ def key_env(keys: ReplicaKeys) -> list[dict[str, Any]]:
     """The pod's env for both keys. Through the environment, never argv: argv shows in the pod spec and `ps`."""
     return [{"name": env, "valueFrom": {"secretKeyRef": ref.as_dict()}}
             for env, ref in ((ENV_API_KEY, keys.api), (ENV_ADMIN_API_KEY, keys.admin))]
+
+
+def fresh_values(wanted: tuple[str, ...]) -> dict[str, str]:
+    """New secret text for each wanted key (the one impure function here: the random source)."""
+    return {k: KEY_PREFIX + secrets.token_urlsafe(32) for k in wanted}
 
 
 def generated_secret(name: str, namespace: str, owner_ref: Mapping[str, Any], labels: Mapping[str, str],

@@ -8,7 +8,7 @@
   replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
   pool_members      an index of the SamplerReplicas owned by SamplerPools, by pool uid
   wake_pool_*       a pool's replica or the pool's spec changed: wake that pool's loop now
-  pool_loop         one long-lived task per SamplerPool: create/delete/roll its replicas, report
+  pool_loop         one long-lived task per SamplerPool: keys, create/drain/delete/roll its replicas, report
 """
 from __future__ import annotations
 
@@ -196,13 +196,18 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
     members: kopf.Index[str, ReplicaState] = kwargs["pool_members"]
     wake = _pool_wakeups.setdefault(uid, asyncio.Event())
     mem = PoolMemory()
+
+    def emit(type_: str, reason: str, message: str) -> None:
+        _emit(body, type_, reason, message)
+
     try:
         while not stopped:
             wake.clear()
             try:
                 # `body` is kopf's live view: the spec as of now, not as of the daemon's start.
-                delay = await pool_step(memo.kube, name, namespace, uid, _plain(body["spec"]),
-                                        body["metadata"].get("generation"), members.get(uid, []), mem)
+                delay = await pool_step(memo.kube, memo.session, name, namespace, uid, _plain(body["spec"]),
+                                        body["metadata"].get("generation"), members.get(uid, []), mem, emit,
+                                        time.time(), _plain(body.get("status") or {}))
             except Exception as e:  # an API hiccup must not end the loop; state is in the API
                 logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
                 delay = 2.0

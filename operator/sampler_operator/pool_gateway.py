@@ -12,8 +12,9 @@ import hashlib
 import json
 from typing import Any
 
-from . import API_VERSION, POOL_KIND
+from .api_keys import KeyRef
 from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY, label_value
+from .pool_plan import pool_owner_ref
 from .settings import gateway_image
 
 LABEL_GATEWAY = "sampler.rl.dev/gateway"
@@ -27,16 +28,16 @@ def _meta(pool: str, namespace: str, uid: str, name: str) -> dict[str, Any]:
     return {"name": name, "namespace": namespace,
             "labels": {LABEL_GATEWAY: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY,
                        "app.kubernetes.io/name": "sampler-gateway"},
-            "ownerReferences": [{"apiVersion": API_VERSION, "kind": POOL_KIND, "name": pool, "uid": uid,
-                                 "controller": True, "blockOwnerDeletion": True}]}
+            "ownerReferences": [pool_owner_ref(pool, uid)]}
 
 
 def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
-                    default_image: str | None = None) -> list[dict[str, Any]]:
+                    api_key: KeyRef) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding, Deployment, Service: in the order they must exist.
+    `api_key`: the replicas' shared key (pool_plan.pool_keys), which the gateway checks.
 
-    The image: spec.gateway.image, else `default_image`, else the operator's configured gateway image
-    (settings.gateway_image(): the operator's own). Never spec.template.image: no sampler image
+    The image: spec.gateway.image, else the operator's configured gateway image (settings.gateway_image():
+    the operator's own). Never spec.template.image: no sampler image
     carries sampler_gateway, so a gateway on it would crash at start."""
     gw = spec.get("gateway") or {}
     routing = spec.get("routing") or {}
@@ -51,15 +52,12 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
             "--replica-capacity", str(affinity.get("replicaCapacity", 128))]
     if isinstance(template.get("requestTimeoutSeconds"), int | float):
         args += ["--request-timeout-s", str(template["requestTimeoutSeconds"])]
-    env: list[dict[str, Any]] = []
-    key_ref = template.get("apiKeySecretRef")
-    if isinstance(key_ref, dict) and key_ref.get("name"):
-        # The replicas' own key: the gateway checks it and forwards it as sent.
-        env.append({"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": key_ref["name"], "key": key_ref.get("key", "api-key")}}})
+    # The replicas' own key: the gateway checks it and forwards it as sent. Never an open gateway.
+    env: list[dict[str, Any]] = [{"name": "SAMPLER_GATEWAY_API_KEY",
+                                  "valueFrom": {"secretKeyRef": api_key.as_dict()}}]
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
     container: dict[str, Any] = {
-        "name": "gateway", "image": gw.get("image") or default_image or gateway_image(),
+        "name": "gateway", "image": gw.get("image") or gateway_image(),
         "command": ["python", "-m", "sampler_gateway"], "args": args, "env": env,
         "ports": [{"name": "http", "containerPort": port}],
         # Ready while the process serves: with no replica eligible it answers 503 with the reason,

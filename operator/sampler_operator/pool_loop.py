@@ -1,32 +1,49 @@
 """One step of a SamplerPool's loop: the gateway's objects (written when they change), the pool's
-replicas (read from kopf's index, no API call), plan (pool_plan.plan), act, report. Idempotent: a
+replicas (read from kopf's index, no API call), the in-flight requests of those draining to leave
+(their pods' /health, the only pod calls), plan (pool_plan.plan), act, report. Idempotent: a
 step repeated on a stale view creates nothing twice (409), deletes nothing twice (404), and writes
 the same spec again."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
+from .api_keys import fresh_values, missing_keys, read_command
+from .health_probe import HealthState, probe
 from .kube import Kube
+from .pool_conditions import rollout_events
 from .pool_gateway import gateway_objects, objects_hash
 from .pool_plan import (
     ANNOTATION_DRAINING,
+    ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
     PoolSpec,
     ReplicaState,
     desired_replica_spec,
+    keys_secret,
+    leaving,
     plan,
+    pool_keys,
     pool_status,
     replica_body,
     spec_hash,
 )
+from .status import iso
 
 # JSON-pointer escapes of the annotation keys ('/' is '~1').
 _HASH_PATH = "/metadata/annotations/" + ANNOTATION_SPEC_HASH.replace("/", "~1")
 _DRAIN_PATH = "/metadata/annotations/" + ANNOTATION_DRAINING.replace("/", "~1")
 # How soon to look again: while work is under way, soon; at rest, events wake the loop.
 BUSY_S, IDLE_S = 1.0, 60.0
+PROBE_TIMEOUT_S = 2.0
+INDEX_LAG_S = 10.0  # far more than kopf's index takes to see our own write
+
+# Posts an Event on the pool: (type, reason, message).
+Emit = Callable[[str, str, str], None]
 
 
 @dataclass
@@ -35,27 +52,86 @@ class PoolMemory:
 
     status: dict[str, Any] | None = None
     gateway_hash: str | None = None
+    keys_ensured: bool = False
+    # replica -> the spec hash last given to it: a step on an index that has not seen that write
+    # yet writes it again (harmless) but tells of it once.
+    given: dict[str, str] = field(default_factory=dict)
+    # replica -> when this loop marked it to leave (same reason; a mark the index still lacks after
+    # INDEX_LAG_S was removed by someone: mark again).
+    retired: dict[str, float] = field(default_factory=dict)
 
 
-async def step(kube: Kube, name: str, namespace: str, uid: str, raw_spec: dict[str, Any],
-               generation: int | None, replicas: Iterable[ReplicaState], mem: PoolMemory) -> float:
-    """Returns the seconds until the next step."""
+async def ensure_keys(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec, emit: Emit) -> None:
+    """The pool's generated key Secret exists before a replica names it: created if absent, never
+    rewritten (a new key would cut off every client holding the old one)."""
+    keys = pool_keys(name, spec)
+    body = keys_secret(name, namespace, uid, keys, fresh_values(keys.generated))
+    if body is None:
+        return
+    secret = body["metadata"]["name"]
+    if await kube.create_secret(namespace, body):
+        how = "; ".join(read_command(namespace, ref) for ref in (keys.api, keys.admin) if ref.name == secret)
+        emit("Normal", "KeysGenerated", f"generated Secret {secret} ({', '.join(keys.generated)}) for every "
+                                        f"replica and the gateway; read: {how}")
+    elif missing := missing_keys(await kube.read_secret(namespace, secret), keys.generated):
+        emit("Warning", "KeysMissing", f"Secret {secret} exists without {', '.join(missing)}: the pool's pods "
+                                       f"cannot start; delete the Secret to have the keys generated")
+
+
+async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> int | None:
+    """What a leaving replica's pod has in flight: 0 without a pod or when nothing answers (nothing
+    left to finish there), None when its answer does not say (the plan then waits for the timeout)."""
+    if replica.pod_ip is None or replica.port is None:
+        return 0
+    obs = await probe(session, replica.pod_ip, replica.port, PROBE_TIMEOUT_S)
+    if obs.state == HealthState.UNREACHABLE:
+        return 0
+    return obs.in_flight if isinstance(obs.in_flight, int) else None
+
+
+async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace: str, uid: str,
+               raw_spec: dict[str, Any], generation: int | None, replicas: Iterable[ReplicaState],
+               mem: PoolMemory, emit: Emit, now: float, last_status: dict[str, Any] | None = None) -> float:
+    """Returns the seconds until the next step. `last_status`: the pool's status as the API server
+    had it (after a restart, what the previous operator wrote)."""
     spec = PoolSpec.model_validate(raw_spec)
-    gateway = gateway_objects(name, namespace, uid, raw_spec)
+    existing = list(replicas)
+    going = leaving(name, uid, spec, existing)
+    # Together: a scale-down of many replicas waits for the slowest probe once, not for each in turn.
+    counts = dict(zip((r.name for r in going), await asyncio.gather(*(in_flight(session, r) for r in going)),
+                      strict=True))
+    todo = plan(name, uid, spec, existing, now, counts)
+    # Once per loop (an operator restart checks again), and before any replica that would name it.
+    if not mem.keys_ensured or todo.create:
+        await ensure_keys(kube, name, namespace, uid, spec, emit)
+        mem.keys_ensured = True
+    gateway = gateway_objects(name, namespace, uid, raw_spec, pool_keys(name, spec).api)
     if objects_hash(gateway) != mem.gateway_hash:
         for obj in gateway:
             await kube.apply(namespace, obj)
         mem.gateway_hash = objects_hash(gateway)
-    existing = list(replicas)
-    todo = plan(name, uid, spec, existing)
     for index in todo.create:
         await kube.create_replica(namespace, replica_body(name, namespace, uid, spec, index))
+    for replica in todo.retire:
+        if now - mem.retired.get(replica, -INDEX_LAG_S) < INDEX_LAG_S:
+            continue  # marked already: a second mark would move its drain's start
+        # Out of routing now; deleted once drained (pool_plan.plan).
+        await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: "true",
+                                                                  ANNOTATION_DRAINING_SINCE: iso(now)})
+        mem.retired[replica] = now
+        emit("Normal", "Draining", f"replica {replica} is beyond spec.replicas: draining (at most "
+                                   f"{spec.rollout.drain_timeout_seconds} s), then deleted")
     for replica in todo.delete:
         await kube.delete_replica(namespace, replica)
+        mem.retired.pop(replica, None)
     # Back in routing first, then the next batch out: never more than maxUnavailable out at once.
     for replica in todo.undrain:
-        await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: None})
+        await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: None,
+                                                                  ANNOTATION_DRAINING_SINCE: None})
+        mem.retired.pop(replica, None)
     desired = desired_replica_spec(name, spec)
+    batch = [r for r in todo.update if mem.given.get(r) != spec_hash(desired)]
+    mem.given.update((r, spec_hash(desired)) for r in todo.update)
     for replica in todo.update:
         # Out of routing and onto the new spec in one write: never one without the other.
         await kube.json_patch_replica(namespace, replica, [
@@ -63,9 +139,14 @@ async def step(kube: Kube, name: str, namespace: str, uid: str, raw_spec: dict[s
             {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
             {"op": "add", "path": _DRAIN_PATH, "value": "true"},
         ])
-    status = pool_status(name, uid, spec, existing, generation)
+    # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
+    old = mem.status if mem.status is not None else last_status
+    status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"))
     if status != mem.status:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status
+    # After the write: an Event never tells of a status the API server does not have.
+    for type_, reason, message in rollout_events(old, status, batch):
+        emit(type_, reason, message)
     busy = not todo.empty() or status["updatedReplicas"] != spec.replicas
     return BUSY_S if busy else IDLE_S

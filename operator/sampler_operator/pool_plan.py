@@ -12,6 +12,21 @@ new spec (its own controller then loads the weights in place, or replaces the po
 change), and is put back in routing once it is Ready at the new spec and, with declared weights,
 reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
 ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
+
+A replica that refuses the target weights (its load failed validation: `status.weights.declaredResult`
+InvalidCheckpoint for the pool's `spec.weights`) stops the rollout: no further batch is updated, and
+the replica stays out of routing on the weights it had. Changing `spec.weights` again resumes.
+
+A scale-down drains first: a replica beyond `spec.replicas` is marked draining with the time it
+started (`sampler.rl.dev/draining-since`), and deleted once its pod reports no request in flight
+(its /health `in_flight`, read by the loop) after the gateway has had time to see the mark
+(ROUTING_GRACE_S), or once `rollout.drainTimeoutSeconds` have passed, whichever comes first. The time
+and the in-flight counts are arguments: the plan stays pure.
+
+Keys: the gateway forwards a client's API key to whichever replica serves it, so every replica of a
+pool must accept the same keys. Where the template names no key Secret, the pool has one generated,
+`<pool>-sampler-keys` (api_keys.py, the same shape as a replica's), and every replica's spec names
+it, so no replica generates its own.
 """
 from __future__ import annotations
 
@@ -23,10 +38,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import API_VERSION, KIND, POOL_KIND
+from .api_keys import ReplicaKeys, effective_keys, generated_secret, generated_secret_name, key_status
 from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value
+from .pool_conditions import Counts, pool_conditions
+from .spec import AdminSecretKeyRef, SecretKeyRef
+from .status import parse_iso
+from .weights_intent import INVALID
 
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
 ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
+ANNOTATION_DRAINING_SINCE = "sampler.rl.dev/draining-since"
+# The gateway sees a drain mark within two refreshes (<= 1 s, docs/pool.md); the mark's time has a
+# resolution of 1 s. Before this, an idle replica may still be picked by a gateway that missed the mark.
+ROUTING_GRACE_S = 3.0
 
 
 class _Model(BaseModel):
@@ -36,6 +60,7 @@ class _Model(BaseModel):
 class Rollout(_Model):
     max_unavailable: int = Field(1, alias="maxUnavailable", ge=1)
     mode: Literal["Drain", "Abort"] = "Drain"
+    drain_timeout_seconds: int = Field(30, alias="drainTimeoutSeconds", ge=0)
 
 
 class PoolSpec(_Model):
@@ -59,9 +84,31 @@ def _index(pool: str, name: str) -> int:
     return int(tail) if name.startswith(pool + "-") and tail.isdigit() else 1 << 30
 
 
+def pool_owner_ref(pool: str, uid: str) -> dict[str, Any]:
+    """What makes an object the pool's: garbage-collected with it."""
+    return {"apiVersion": API_VERSION, "kind": POOL_KIND, "name": pool, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def pool_keys(pool: str, spec: PoolSpec) -> ReplicaKeys:
+    """The pool's keys: the template's Secrets where it names them, else `<pool>-sampler-keys`."""
+    api, admin = spec.template.get("apiKeySecretRef"), spec.template.get("adminApiKeySecretRef")
+    return effective_keys(pool, SecretKeyRef.model_validate(api) if api else None,
+                          AdminSecretKeyRef.model_validate(admin) if admin else None)
+
+
+def keys_secret(pool: str, namespace: str, uid: str, keys: ReplicaKeys,
+                values: dict[str, str]) -> dict[str, Any] | None:
+    """The pool's generated key Secret (None when the template names both keys' Secrets)."""
+    if not keys.generated:
+        return None
+    return generated_secret(generated_secret_name(pool), namespace, pool_owner_ref(pool, uid),
+                            {LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY}, values)
+
+
 def desired_replica_spec(pool: str, spec: PoolSpec) -> dict[str, Any]:
-    """The template, in the pool, at the pool's weights."""
-    out = {**spec.template, "pool": label_value(pool)}
+    """The template, in the pool, at the pool's weights, with the pool's keys."""
+    out = {**spec.template, "pool": label_value(pool), **key_status(pool_keys(pool, spec))}
     if spec.weights is not None:
         out["weights"] = dict(spec.weights)
     return out
@@ -80,8 +127,7 @@ def replica_body(pool: str, namespace: str, pool_uid: str, spec: PoolSpec, index
             "name": replica_name(pool, index), "namespace": namespace,
             "labels": {LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY},
             "annotations": {ANNOTATION_SPEC_HASH: spec_hash(replica_spec)},
-            "ownerReferences": [{"apiVersion": API_VERSION, "kind": POOL_KIND, "name": pool, "uid": pool_uid,
-                                 "controller": True, "blockOwnerDeletion": True}],
+            "ownerReferences": [pool_owner_ref(pool, pool_uid)],
         },
         "spec": replica_spec,
     }
@@ -97,6 +143,12 @@ class ReplicaState:
     draining: bool
     phase: str | None
     label: str | None
+    leaving_since: float | None = None  # scaled away: draining since (epoch seconds)
+    pod_ip: str | None = None
+    port: int | None = None
+    # The declared weights its load refused (checkpoint, versionLabel), and why.
+    rejected: tuple[str, str] | None = None
+    rejected_message: str | None = None
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
@@ -105,62 +157,127 @@ class ReplicaState:
         owner = next((o.get("uid") for o in meta.get("ownerReferences") or []
                       if o.get("kind") == POOL_KIND and o.get("controller")), None)
         status = obj.get("status") or {}
-        label = (status.get("weights") or {}).get("label") or status.get("weightsLabel")
+        weights = status.get("weights") or {}
+        label = weights.get("label") or status.get("weightsLabel")
+        port = (obj.get("spec") or {}).get("port")
+        declared = weights.get("declared") or {}
+        rejected = ((str(declared.get("checkpoint")), str(declared.get("versionLabel")))
+                    if weights.get("declaredResult") == INVALID else None)
         return cls(name=meta.get("name", ""), owner_uid=owner, spec_hash=ann.get(ANNOTATION_SPEC_HASH),
                    draining=ann.get(ANNOTATION_DRAINING) == "true", phase=status.get("phase"),
-                   label=label if isinstance(label, str) else None)
+                   label=label if isinstance(label, str) else None,
+                   leaving_since=_since(ann.get(ANNOTATION_DRAINING_SINCE)),
+                   pod_ip=status.get("podIP") or None, port=port if isinstance(port, int) else None,
+                   rejected=rejected, rejected_message=str(weights.get("declaredMessage") or "") if rejected else None)
+
+
+def _since(text: Any) -> float | None:
+    try:
+        return parse_iso(text) if isinstance(text, str) else None
+    except ValueError:  # edited by hand: drain from now on
+        return None
 
 
 @dataclass(frozen=True)
 class Plan:
     create: list[int] = field(default_factory=list)  # indexes of replicas to create
-    delete: list[str] = field(default_factory=list)  # beyond spec.replicas (highest index first)
+    retire: list[str] = field(default_factory=list)  # beyond spec.replicas: mark draining since now
+    delete: list[str] = field(default_factory=list)  # beyond spec.replicas and drained (highest index first)
     update: list[str] = field(default_factory=list)  # give the new spec, and mark draining
-    undrain: list[str] = field(default_factory=list)  # at the new spec and verified: back in routing
+    undrain: list[str] = field(default_factory=list)  # verified at the new spec, or wanted again: back in routing
+    leaving: list[str] = field(default_factory=list)  # draining to be deleted, still waited for
 
     def empty(self) -> bool:
-        return not (self.create or self.delete or self.update or self.undrain)
+        return not (self.create or self.retire or self.delete or self.update or self.undrain or self.leaving)
 
 
 def _verified(r: ReplicaState, want_hash: str, target: str | None) -> bool:
     return r.spec_hash == want_hash and r.phase == "Ready" and (target is None or r.label == target)
 
 
-def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> Plan:
+def rejection(pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> ReplicaState | None:
+    """The first of the pool's replicas that refused the pool's target weights (it stops the rollout)."""
+    if spec.weights is None:
+        return None
+    target = (str(spec.weights.get("checkpoint")), str(spec.weights.get("versionLabel")))
+    return next((r for r in sorted(existing, key=lambda r: r.name)
+                 if r.owner_uid == pool_uid and r.rejected == target), None)
+
+
+def leaving(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> list[ReplicaState]:
+    """The pool's replicas draining before deletion: those whose in-flight count the plan wants."""
+    wanted = {replica_name(pool, i) for i in range(spec.replicas)}
+    return [r for r in existing if r.owner_uid == pool_uid and r.name not in wanted and r.leaving_since is not None]
+
+
+def _drained(r: ReplicaState, spec: PoolSpec, now: float, in_flight: dict[str, int | None]) -> bool:
+    elapsed = now - (r.leaving_since or now)
+    return elapsed >= spec.rollout.drain_timeout_seconds or (elapsed >= ROUTING_GRACE_S and in_flight.get(r.name) == 0)
+
+
+def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState], now: float = 0.0,
+         in_flight: dict[str, int | None] | None = None) -> Plan:
+    """`in_flight`: requests each leaving replica's pod reports (0 when it has no pod or is
+    unreachable: nothing to wait for; None when unknown: wait for the timeout)."""
     ours = [r for r in existing if r.owner_uid == pool_uid]
     wanted = {replica_name(pool, i) for i in range(spec.replicas)}
     have = {r.name for r in ours}
     create = [i for i in range(spec.replicas) if replica_name(pool, i) not in have]
-    delete = sorted((r.name for r in ours if r.name not in wanted), key=lambda n: -_index(pool, n))
+    beyond = sorted((r for r in ours if r.name not in wanted), key=lambda r: -_index(pool, r.name))
+    retire = [r.name for r in beyond if r.leaving_since is None]
+    gone = [r for r in beyond if r.leaving_since is not None]
+    delete = [r.name for r in gone if _drained(r, spec, now, in_flight or {})]
     current = sorted((r for r in ours if r.name in wanted), key=lambda r: _index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))
-    undrain = [r.name for r in current if r.draining and _verified(r, want_hash, spec.target_label)]
+    # Scaled back up while draining to leave: back in routing; the rollout takes it from there.
+    undrain = [r.name for r in current if r.leaving_since is not None or (
+        r.draining and _verified(r, want_hash, spec.target_label))]
+    out = [r for r in current if r.draining and r.name not in undrain]
     # A replica at the new spec that is not verified yet still counts against the budget, drained or not.
-    busy = [r for r in current if r.name not in undrain and (r.draining or (
-        r.spec_hash == want_hash and not _verified(r, want_hash, spec.target_label)))]
+    busy = out + [r for r in current if not r.draining and r.spec_hash == want_hash
+                  and not _verified(r, want_hash, spec.target_label)]
     budget = max(0, spec.rollout.max_unavailable - len(busy))
+    # Out of routing at a spec that changed again mid-rollout: the newest spec, at no extra cost.
+    stale = [r.name for r in out if r.spec_hash != want_hash]
     outdated = [r.name for r in current if r.spec_hash != want_hash and not r.draining]
-    return Plan(create=create, delete=delete, update=outdated[:budget], undrain=undrain)
+    # A replica refused the target: the rollout stops where it is (no batch is sent into the same refusal).
+    update = [] if rejection(pool_uid, spec, existing) else stale + outdated[:budget]
+    return Plan(create=create, retire=retire, delete=delete, update=update, undrain=undrain,
+                leaving=[r.name for r in gone if r.name not in delete])
 
 
 def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
-                generation: int | None) -> dict[str, Any]:
-    """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target)."""
+                generation: int | None, now: float = 0.0,
+                old_conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target), and
+    the conditions Available and Progressing (pool_conditions.py)."""
     ours = sorted((r for r in existing if r.owner_uid == pool_uid), key=lambda r: _index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))
     target = spec.target_label
 
+    stopped = rejection(pool_uid, spec, existing)
+
     def state(r: ReplicaState) -> str:
+        if r.leaving_since is not None:
+            return "Leaving"
+        if stopped is not None and r.name == stopped.name:
+            return "Rejected"
         if _verified(r, want_hash, target):
             return "Draining" if r.draining else "Updated"
         return "Updating" if r.spec_hash == want_hash else "Outdated"
 
+    wanted = {replica_name(pool, i) for i in range(spec.replicas)}
+    ready = sum(1 for r in ours if r.phase == "Ready" and not r.draining)
+    updated = sum(1 for r in ours if r.name in wanted and _verified(r, want_hash, target))
+    stop = (stopped.name, stopped.rejected_message or "") if stopped is not None else None
     return {
         "observedGeneration": generation,
         "replicas": len(ours),
-        "readyReplicas": sum(1 for r in ours if r.phase == "Ready" and not r.draining),
+        "readyReplicas": ready,
         "updatedReplicas": sum(1 for r in ours if _verified(r, want_hash, target)),
         "targetLabel": target,
+        "conditions": pool_conditions(Counts(spec.replicas, ready, updated, target), stop, old_conditions, now),
+        **key_status(pool_keys(pool, spec)),
         "replicaStatus": [{"name": r.name, "phase": r.phase, "weightsLabel": r.label, "draining": r.draining,
                            "state": state(r)} for r in ours],
     }

@@ -16,14 +16,13 @@ Two halves:
 """
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import seams
 from .api_keys import (
-    KEY_PREFIX,
+    fresh_values,
     generated_secret,
     generated_secret_name,
     key_status,
@@ -188,7 +187,7 @@ async def ensure_keys(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaS
     keys = replica_keys(meta["name"], spec)
     if keys.generated:
         name = generated_secret_name(meta["name"])
-        values = {k: KEY_PREFIX + secrets.token_urlsafe(32) for k in keys.generated}
+        values = fresh_values(keys.generated)
         body = generated_secret(name, namespace, owner_reference(owner_of(cr)), selector_labels(meta["name"]), values)
         if await ctx.kube.create_secret(namespace, body):
             how = "; ".join(read_command(namespace, ref) for ref in (keys.api, keys.admin) if ref.name == name)

@@ -16,6 +16,14 @@ from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.operator_harness import FakeKubelet, OperatorProcess, ok, uncertain
 
+
+def forbidden(log: str) -> list[str]:
+    """Log lines telling of a refused API call: "Forbidden", or an HTTP 403 (not the digits of a log
+    timestamp's milliseconds (",403"), a port or a name)."""
+    return [line for line in log.splitlines()
+            if "Forbidden" in line or re.search(r"(?<![\w,.])403(?!\w)", line)]
+
+
 pytestmark = [pytest.mark.envtest,
               ks.needs_helm()]
 
@@ -72,9 +80,7 @@ def test_least_privilege_rbac_and_peering(k8s, api, crd, tmp_path):
         assert [p.metadata.name for p in live_pods(api, ns)] == ["r1-1"] and kubelet.max_live == 1
         assert any(e.reason == "UncertainWeights" for e in api.core.list_namespaced_event(ns).items)
         for op in (high, low):
-            log = op.logs()
-            # an HTTP 403, not the digits of a log timestamp's milliseconds (",403") or of a name
-            assert "Forbidden" not in log and not re.search(r"(?<![\w,.])403(?!\w)", log), log[-3000:]
+            assert not forbidden(op.logs())
         assert "created pod" not in low.logs() and "replacing pod" not in low.logs()  # the paused peer idles
         # failover: the active peer leaves (a clean exit removes its keepalive), the other takes over
         high.stop()
@@ -94,7 +100,7 @@ def test_least_privilege_rbac_and_peering(k8s, api, crd, tmp_path):
         ks.wait_for(lambda: k8s.kubectl("-n", ns, "get", "role,rolebinding,deployment,service,serviceaccount",
                                         "-l", "sampler.rl.dev/gateway=pl", "-o", "name").count("\n") == 5,
                     40, 0.2, "the pool's gateway objects")
-        assert "Forbidden" not in low.logs() and "403" not in low.logs(), low.logs()[-3000:]
+        assert not forbidden(low.logs())
     finally:
         kubelet.stop()
         high.stop()

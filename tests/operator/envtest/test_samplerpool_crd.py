@@ -41,7 +41,7 @@ def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: No
     k8s.kubectl("-n", ns, "apply", "-f", "-", input=pool("p1", weights={"checkpoint": "/ckpt/step-2",
                                                                         "versionLabel": "step-2"}))
     got = k8s.kubectl_json("-n", ns, "get", "sp", "p1")
-    assert got["spec"]["rollout"] == {"maxUnavailable": 1, "mode": "Drain"}
+    assert got["spec"]["rollout"] == {"maxUnavailable": 1, "mode": "Drain", "drainTimeoutSeconds": 30}
     assert got["spec"]["routing"] == {"versionPolicy": "Latest",
                                       "affinity": {"header": "X-Sampler-Affinity", "replicaCapacity": 128}}
     assert got["spec"]["gateway"] == {"replicas": 1, "port": 8080}
@@ -60,6 +60,7 @@ def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: No
     ({"routing": {"versionPolicy": "Newest"}}, "spec.routing.versionPolicy"),
     ({"rollout": {"mode": "Yolo"}}, "spec.rollout.mode"),
     ({"rollout": {"maxUnavailable": 0}}, "spec.rollout.maxUnavailable"),
+    ({"rollout": {"drainTimeoutSeconds": -1}}, "spec.rollout.drainTimeoutSeconds"),
     ({"replicas": -1}, "spec.replicas"),
     ({"weights": {"checkpoint": "relative/step-1", "versionLabel": "s"}}, "spec.weights.checkpoint"),
     ({"template": {"model": "/m"}}, "spec.template.image"),

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from sampler_operator import settings
+from sampler_operator.api_keys import KeyRef
 from sampler_operator.pool_gateway import gateway_objects
 from tests.support import REPO_ROOT
 
@@ -27,7 +28,7 @@ CHART = REPO_ROOT / "charts" / "sampler-operator"
 
 
 def _container(spec: dict) -> dict:
-    objs = gateway_objects("p", "ns", "uid-1", spec)
+    objs = gateway_objects("p", "ns", "uid-1", spec, KeyRef(name="p-sampler-keys", key="api-key"))
     dep = next(o for o in objs if o["kind"] == "Deployment")
     return dep["spec"]["template"]["spec"]["containers"][0]
 
@@ -46,10 +47,6 @@ def test_default_is_the_operators_configured_image_never_the_template(monkeypatc
         c = _container(spec)
         assert c["image"] == "ghcr.io/x/operator:9" and c["command"] == ["python", "-m", "sampler_gateway"]
     assert settings.OperatorConfig.from_env().gateway_image == "ghcr.io/x/operator:9"
-    # an explicit default (a caller holding OperatorConfig) beats the environment
-    objs = gateway_objects("p", "ns", "uid-1", SPEC, default_image="op:explicit")
-    assert next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0][
-        "image"] == "op:explicit"
 
 
 def test_without_the_chart_the_default_is_the_published_operator_image(monkeypatch):

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from sampler_operator.api_keys import replica_keys
+from sampler_operator.pool_conditions import rollout_events
 from sampler_operator.pool_plan import (
     ANNOTATION_DRAINING,
+    ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
+    ROUTING_GRACE_S,
     Plan,
     PoolSpec,
     ReplicaState,
     desired_replica_spec,
+    keys_secret,
+    leaving,
     plan,
+    pool_keys,
     pool_status,
     replica_body,
     spec_hash,
 )
 from sampler_operator.spec import parse_spec
+from sampler_operator.status import iso, parse_iso
 
 UID = "uid-1"
 TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
@@ -53,7 +62,44 @@ def test_scale_up_and_down_only_touches_its_own_replicas() -> None:
     assert plan("p", UID, s, [at(s, "p-1"), foreign]) == Plan(create=[0, 2])
     down = spec(replicas=1)
     got = plan("p", UID, down, [at(down, "p-0"), at(down, "p-1"), at(down, "p-2"), foreign])
-    assert got == Plan(delete=["p-2", "p-1"])  # highest index first; the foreign one is never deleted
+    # Drained first, highest index first; the foreign one is never touched.
+    assert got == Plan(retire=["p-2", "p-1"])
+
+
+def leaving_at(s: PoolSpec, name: str, since: float) -> ReplicaState:
+    return replace(at(s, name, draining=True), leaving_since=since)
+
+
+def test_a_scaled_away_replica_is_deleted_once_idle_or_after_the_drain_timeout() -> None:
+    s = spec(replicas=1)  # drainTimeoutSeconds: 30 by default
+    reps = [at(s, "p-0"), leaving_at(s, "p-1", since=100.0), leaving_at(s, "p-2", since=100.0)]
+    assert [r.name for r in leaving("p", UID, s, reps)] == ["p-1", "p-2"]
+    # Idle, but the gateway may not have seen the mark yet: wait.
+    assert plan("p", UID, s, reps, 100.0 + ROUTING_GRACE_S - 0.5, {"p-1": 0, "p-2": 0}) == Plan(
+        leaving=["p-2", "p-1"])
+    # Past the grace: the idle one goes; the busy one and the unknown one wait.
+    assert plan("p", UID, s, reps, 100.0 + ROUTING_GRACE_S, {"p-1": 0, "p-2": 4}) == Plan(
+        delete=["p-1"], leaving=["p-2"])
+    assert plan("p", UID, s, reps, 110.0, {"p-1": None, "p-2": 4}).delete == []
+    # The timeout ends every wait.
+    assert plan("p", UID, s, reps, 130.0, {"p-1": None, "p-2": 4}) == Plan(delete=["p-2", "p-1"])
+    short = PoolSpec.model_validate({**s.model_dump(by_alias=True), "rollout": {"drainTimeoutSeconds": 0}})
+    assert plan("p", UID, short, [at(short, "p-0"), leaving_at(short, "p-1", 100.0)], 100.0).delete == ["p-1"]
+
+
+def test_a_replica_wanted_again_while_leaving_comes_back_into_routing() -> None:
+    s = spec(replicas=2)
+    assert plan("p", UID, s, [at(s, "p-0"), leaving_at(s, "p-1", 100.0)], 101.0) == Plan(undrain=["p-1"])
+
+
+def test_the_drain_mark_and_its_time_are_read_from_annotations() -> None:
+    obj: dict[str, Any] = {"metadata": {"name": "p-1", "annotations": {
+        ANNOTATION_DRAINING: "true", ANNOTATION_DRAINING_SINCE: "2026-01-01T00:00:10Z"}},
+        "spec": {"port": 8000}, "status": {"podIP": "10.0.0.7"}}
+    st = ReplicaState.from_object(obj)
+    assert st.leaving_since == parse_iso("2026-01-01T00:00:10Z") and (st.pod_ip, st.port) == ("10.0.0.7", 8000)
+    obj["metadata"]["annotations"][ANNOTATION_DRAINING_SINCE] = "soon"
+    assert ReplicaState.from_object(obj).leaving_since is None  # edited by hand: retired again from now
 
 
 def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
@@ -71,6 +117,9 @@ def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
     assert plan("p", UID, spec(label="step-2", max_unavailable=2), replicas).update == ["p-0", "p-1"]
     done = [at(new, f"p-{i}") for i in range(3)]
     assert plan("p", UID, new, done).empty()
+    # The weights move again while p-0 is out loading step-2: it gets step-3 at once, no extra batch.
+    newer = spec(label="step-3")
+    assert plan("p", UID, newer, loading) == Plan(update=["p-0"])
 
 
 def test_status_counts_ready_and_updated() -> None:
@@ -97,7 +146,8 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     pool_spec = {"template": {**TEMPLATE, "apiKeySecretRef": {"name": "k"}, "requestTimeoutSeconds": 60},
                  "routing": {"versionPolicy": "MinVersion", "affinity": {"header": "X-Group", "replicaCapacity": 8}},
                  "gateway": {"replicas": 2, "port": 9090}, "weights": {"checkpoint": "/ckpt/s", "versionLabel": "s"}}
-    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec)}
+    keys = pool_keys("p", PoolSpec.model_validate(pool_spec))
+    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api)}
     assert list(objs) == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == UID and o["metadata"]["name"] == "p-gateway"
                for o in objs.values())
@@ -119,3 +169,100 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
     granted = {(r, v) for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {(r, v) for r in ("samplerreplicas", "samplerpools", "pods") for v in ("get", "list", "watch")}
+
+
+def test_a_template_without_keys_gets_one_generated_secret_for_the_whole_pool() -> None:
+    s = spec()
+    keys = pool_keys("p", s)
+    assert keys.generated == ("api-key", "admin-api-key")
+    # Every replica names the pool's Secret, so none generates its own (api_keys.replica_keys).
+    body = replica_body("p", "ns", UID, s, 1)
+    refs = {"apiKeySecretRef": {"name": "p-sampler-keys", "key": "api-key"},
+            "adminApiKeySecretRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}
+    assert {k: body["spec"][k] for k in refs} == refs
+    assert replica_keys("p-1", parse_spec(body["spec"])).generated == ()
+    secret = keys_secret("p", "ns", UID, keys, {"api-key": "tml-a", "admin-api-key": "tml-b"})
+    assert secret is not None and secret["metadata"]["name"] == "p-sampler-keys"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID and secret["stringData"] == {
+        "api-key": "tml-a", "admin-api-key": "tml-b"}
+    assert {k: v for k, v in pool_status("p", UID, s, [], 1).items() if k in refs} == refs
+
+
+def test_a_template_with_both_keys_generates_none_and_keeps_them() -> None:
+    refs = {"apiKeySecretRef": {"name": "mine", "key": "a"}, "adminApiKeySecretRef": {"name": "mine", "key": "b"}}
+    s = PoolSpec.model_validate({"replicas": 1, "template": {**TEMPLATE, **refs}})
+    keys = pool_keys("p", s)
+    assert keys.generated == () and keys_secret("p", "ns", UID, keys, {}) is None
+    assert {k: desired_replica_spec("p", s)[k] for k in refs} == refs
+    # Only the admin key named: the api key alone is generated, in the pool's Secret.
+    half = PoolSpec.model_validate({"replicas": 1, "template": {**TEMPLATE, "adminApiKeySecretRef": {"name": "mine"}}})
+    assert pool_keys("p", half).generated == ("api-key",)
+    assert pool_keys("p", half).api.name == "p-sampler-keys" and pool_keys("p", half).admin.name == "mine"
+
+
+def conds(st: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+    return {c["type"]: (c["status"], c["reason"], c["message"]) for c in st["conditions"]}
+
+
+def test_conditions_say_available_and_how_far_the_rollout_is() -> None:
+    old, new = spec(label="step-1"), spec(label="step-2")
+    rolling = [at(new, "p-0"), at(new, "p-1", label="step-1", draining=True), at(old, "p-2")]
+    st = pool_status("p", UID, new, rolling, 1, 50.0)
+    assert conds(st) == {"Available": ("True", "SomeReplicasReady", "2/3 replicas ready"),
+                         "Progressing": ("True", "RollingOut", "1/3 updated to step-2")}
+    done = pool_status("p", UID, new, [at(new, f"p-{i}") for i in range(3)], 1, 60.0, st["conditions"])
+    assert conds(done) == {"Available": ("True", "AllReplicasReady", "3/3 replicas ready"),
+                           "Progressing": ("False", "RolloutComplete", "3/3 updated to step-2")}
+    # Available stayed True: its transition time is kept; Progressing changed: a new one.
+    times = {c["type"]: c["lastTransitionTime"] for c in done["conditions"]}
+    assert times == {"Available": iso(50.0), "Progressing": iso(60.0)}
+    none = pool_status("p", UID, new, [at(new, "p-0", phase="Starting")], 1)
+    assert conds(none)["Available"][:2] == ("False", "NoReplicaReady")
+
+
+def rejected(s: PoolSpec, name: str, why: str) -> ReplicaState:
+    w = s.weights or {}
+    return replace(at(s, name, label="step-1", draining=True), rejected=(w["checkpoint"], w["versionLabel"]),
+                   rejected_message=why)
+
+
+def test_a_replica_that_rejects_the_checkpoint_stops_the_rollout_until_the_weights_change() -> None:
+    # maxUnavailable 2: p-1 would be in the next batch; after a rejection, no batch is.
+    old, bad = spec(label="step-1"), spec(label="step-bad", max_unavailable=2)
+    reps = [rejected(bad, "p-0", "model.safetensors: tensor w has shape [2]"), at(old, "p-1"), at(old, "p-2")]
+    assert plan("p", UID, bad, reps) == Plan()
+    st = pool_status("p", UID, bad, reps, 1)
+    assert conds(st)["Progressing"] == (
+        "False", "RolloutStopped", "replica p-0 rejected step-bad: model.safetensors: tensor w has shape [2]; "
+        "change spec.weights to go on")
+    assert [r["state"] for r in st["replicaStatus"]] == ["Rejected", "Outdated", "Outdated"]
+    # New weights: the rejected replica (out of routing) gets them at once, the rollout goes on.
+    good = spec(label="step-2", max_unavailable=2)
+    assert plan("p", UID, good, reps) == Plan(update=["p-0", "p-1"])
+    assert conds(pool_status("p", UID, good, reps, 1))["Progressing"][1] == "RollingOut"
+
+
+def test_the_rejection_is_read_from_the_replica_status() -> None:
+    obj: dict[str, Any] = {"metadata": {"name": "p-0"}, "status": {"weights": {
+        "declared": {"checkpoint": "/ckpt/x", "versionLabel": "x"}, "declaredResult": "InvalidCheckpoint",
+        "declaredMessage": "bad tensor"}}}
+    st = ReplicaState.from_object(obj)
+    assert (st.rejected, st.rejected_message) == (("/ckpt/x", "x"), "bad tensor")
+    obj["status"]["weights"]["declaredResult"] = "Loaded"
+    assert ReplicaState.from_object(obj).rejected is None
+
+
+def test_rollout_events_tell_each_transition_once() -> None:
+    def status(reason: str, message: str = "m") -> dict[str, Any]:
+        return {"targetLabel": "step-2", "conditions": [{"type": "Progressing", "reason": reason, "message": message}]}
+
+    assert rollout_events(status("RolloutComplete"), status("RollingOut", "0/3 updated to step-2"), ["p-0"]) == [
+        ("Normal", "RolloutStarted", "0/3 updated to step-2"),
+        ("Normal", "BatchUpdating", "p-0 out of routing, onto step-2")]
+    assert rollout_events(status("RollingOut"), status("RollingOut", "1/3"), []) == []
+    assert rollout_events(status("RollingOut"), status("RolloutComplete", "3/3"), []) == [
+        ("Normal", "RolloutComplete", "3/3")]
+    assert rollout_events(status("RollingOut"), status("RolloutStopped", "p-0 rejected"), []) == [
+        ("Warning", "RolloutStopped", "p-0 rejected")]
+    assert rollout_events(status("RolloutStopped", "p-0 rejected"), status("RolloutStopped", "p-0 rejected"), []) == []
+    assert rollout_events(None, status("RolloutComplete"), []) == []  # a pool created at rest: no story
