@@ -49,7 +49,9 @@ MAX_TOKENS = 64
 MAX_NUM_SEQS = 128
 # Requests per cell: enough waves that a cell lasts a few seconds.
 REQUESTS = {1: 16, 8: 96, 32: 384, 128: 1024}
-SYSTEMS = ("direct", "native", "vllm")
+SYSTEMS = ("direct", "native", "pinned", "vllm")
+# "pinned" is this server with --cpu-affinity auto (sampler_pod/engine/cpu_affinity.py), "native" with off.
+AFFINITY = {"native": "off", "pinned": "auto"}
 
 
 
@@ -107,8 +109,9 @@ def http_session() -> aiohttp.ClientSession:
 
 
 @contextlib.asynccontextmanager
-async def native_system(model: Path, env: dict[str, str]) -> AsyncIterator[tuple[OneRequest, int]]:
-    with run_server(model, "--concurrent-task-limit", "512", "--log-level", "warning", env=env,
+async def native_system(model: Path, env: dict[str, str], affinity: str) -> AsyncIterator[tuple[OneRequest, int]]:
+    with run_server(model, "--concurrent-task-limit", "512", "--log-level", "warning", "--cpu-affinity", affinity,
+                    env=env,
                     engine_args=engine_args()) as server:
         async with http_session() as http:
 
@@ -173,8 +176,8 @@ def system(name: str, model: Path, env: dict[str, str]) -> contextlib.AbstractAs
         tuple[OneRequest, int]]:
     if name == "direct":
         return direct_system(model)
-    if name == "native":
-        return native_system(model, env)
+    if name in AFFINITY:
+        return native_system(model, env, AFFINITY[name])
     return vllm_system(model, env)
 
 
@@ -228,22 +231,22 @@ def table(results: dict[str, dict[int, Cell]], rounds: int, concurrency: list[in
         "",
         "Median tok/s (and the lowest round / median round):",
         "",
-        "| concurrency | " + " | ".join(systems) + " | native / direct | native / vLLM |",
-        "|---|" + "---|" * (len(systems) + 2),
     ]
+    ours = [s for s in AFFINITY if s in systems]
+    pairs = [(a, b) for a in ours for b in ("direct", "vllm") if b in systems]
+    lines += ["| concurrency | " + " | ".join(systems) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |",
+              "|---|" + "---|" * (len(systems) + len(pairs))]
     for c in concurrency:
         cells = []
         for s in systems:
             t = results[s][c].toks_per_s
             cells.append(f"{med(t):,.0f} ({min(t) / med(t):.2f})")
-        nd = f"{med(ratios(results, 'native', 'direct', c)):.2f}x" if {"native", "direct"} <= set(systems) else "-"
-        nv = f"{med(ratios(results, 'native', 'vllm', c)):.2f}x" if {"native", "vllm"} <= set(systems) else "-"
-        lines.append(f"| {c} | " + " | ".join(cells) + f" | {nd} | {nv} |")
-    if "native" in systems:
-        lines += ["", "Per-round native / direct and native / vLLM (the spread behind the medians):", ""]
+        cells += [f"{med(ratios(results, a, b, c)):.2f}x" for a, b in pairs]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if pairs:
+        lines += ["", "Per-round paired ratios (the spread behind the medians):", ""]
         for c in concurrency:
-            parts = [f"{other}: " + ", ".join(f"{r:.2f}" for r in ratios(results, "native", other, c))
-                     for other in ("direct", "vllm") if other in systems]
+            parts = [f"{a} / {b}: " + ", ".join(f"{r:.2f}" for r in ratios(results, a, b, c)) for a, b in pairs]
             lines.append(f"- c={c}: " + "; ".join(parts))
         if "serial" in results and max(concurrency) >= 32:
             serial = med(results["serial"][1].toks_per_s)
@@ -274,7 +277,8 @@ def main() -> None:
     out = table(results, a.rounds, a.concurrency, env)
     print("\n" + out)
     if not a.no_write:
-        names = {"direct": "direct AsyncLLM", "native": "this server (/v1/sample)", "vllm": "vLLM's OpenAI server"}
+        names = {"direct": "direct AsyncLLM", "native": "this server (/v1/sample)",
+                 "pinned": "this server, --cpu-affinity auto", "vllm": "vLLM's OpenAI server"}
         series = {names[s]: {c: statistics.median(results[s][c].toks_per_s) for c in a.concurrency}
                   for s in SYSTEMS if s in results}
         if "serial" in results:

@@ -33,7 +33,7 @@ def front_end_cpus(allowed: frozenset[int], worker: frozenset[int]) -> frozenset
     return rest
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     found: list[int] = []
     todo = [pid]
     while todo:
@@ -48,7 +48,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _name(pid: int) -> str:
+def process_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
@@ -68,8 +68,8 @@ def keep_front_end_off_worker_cores() -> frozenset[int] | None:
     """Pin this process and the engine's non-worker processes off the worker's cores, if vLLM
     bound its worker to some of ours. Returns the front end's cores, or None if nothing changed."""
     me = os.getpid()
-    kids = _descendants(me)
-    workers = [p for p in kids if _name(p).startswith(WORKER_PREFIX)]
+    kids = descendants(me)
+    workers = [p for p in kids if process_name(p).startswith(WORKER_PREFIX)]
     if not workers:
         return None
     allowed = frozenset(os.sched_getaffinity(me))
