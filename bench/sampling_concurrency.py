@@ -1,12 +1,12 @@
 """Sampling throughput under concurrency: direct AsyncLLM vs this server's native HTTP API vs vLLM's
-own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline.
+own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline. "native" is this
+server with `--cpu-affinity off`, "pinned" with `--cpu-affinity auto` (sampler_pod/engine/cpu_affinity.py).
 
     python -m bench.sampling_concurrency [--rounds 3] [--concurrency 1 8 32 128] [--systems ...]
                                          [--server-env K=V ...] [--no-write]
 
 Method (a noisy 2-core box; docs/benchmarks.md):
-- One engine alive at a time. Each round starts every system once, in a shuffled order, runs all its
-  cells, and stops it before the next starts: with three engines alive the load average reached 22.
+- One engine alive at a time, systems in a shuffled order per round (bench/rounds.py).
 - Every request generates exactly MAX_TOKENS tokens (ignore_eos), seeded, temperature 1, with the
   sampled token's logprob (what every sample of this server reports).
 - The paired ratio of a round is this server / direct (and / vLLM's server) within that round; the
@@ -24,22 +24,21 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import httpx
 
-from bench.load import PROMPT_LEN, OneRequest, post_sample, prompt, run_cell
+from bench.load import PROMPT_LEN, OneRequest, post_sample, prompt
 from bench.plots import DOCS, throughput_vs_concurrency
 from bench.report import write_section
+from bench.rounds import Results, System, cpu_table, loadavg_range, run_rounds, throughput_table
 from sampler_pod.testing.net import free_port
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.server import CPU_ENGINE_ARGS, run_server
@@ -61,13 +60,6 @@ def engine_args() -> list[str]:
     args[args.index("--max-num-seqs") + 1] = str(MAX_NUM_SEQS)
     args[args.index("--kv-cache-memory-bytes") + 1] = str(256 << 20)
     return args
-
-
-@dataclass
-class Cell:
-    toks_per_s: list[float] = field(default_factory=list)
-    cpu_per_1k: list[float] = field(default_factory=list)
-    loadavg: list[float] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- systems
@@ -109,16 +101,23 @@ def http_session() -> aiohttp.ClientSession:
 
 
 @contextlib.asynccontextmanager
-async def native_system(model: Path, env: dict[str, str], affinity: str) -> AsyncIterator[tuple[OneRequest, int]]:
+async def our_server(model: Path, env: dict[str, str], affinity: str) -> AsyncIterator[
+        tuple[str, int, aiohttp.ClientSession]]:
+    """This server with the benchmark's engine: (url, server pid, client session)."""
     with run_server(model, "--concurrent-task-limit", "512", "--log-level", "warning", "--cpu-affinity", affinity,
-                    env=env,
-                    engine_args=engine_args()) as server:
+                    env=env, engine_args=engine_args()) as server:
         async with http_session() as http:
+            yield server.url, server.proc.pid, http
 
-            async def one(seed: int) -> int:
-                return await post_sample(http, server.url, seed, MAX_TOKENS)
 
-            yield one, server.proc.pid
+@contextlib.asynccontextmanager
+async def native_system(model: Path, env: dict[str, str], affinity: str) -> AsyncIterator[tuple[OneRequest, int]]:
+    async with our_server(model, env, affinity) as (url, pid, http):
+
+        async def one(seed: int) -> int:
+            return await post_sample(http, url, seed, MAX_TOKENS)
+
+        yield one, pid
 
 
 @contextlib.contextmanager
@@ -172,93 +171,46 @@ async def vllm_system(model: Path, env: dict[str, str]) -> AsyncIterator[tuple[O
             yield one, proc.pid
 
 
-def system(name: str, model: Path, env: dict[str, str]) -> contextlib.AbstractAsyncContextManager[
-        tuple[OneRequest, int]]:
-    if name == "direct":
-        return direct_system(model)
-    if name in AFFINITY:
-        return native_system(model, env, AFFINITY[name])
-    return vllm_system(model, env)
+def systems(names: list[str], model: Path, env: dict[str, str]) -> dict[str, System]:
+    def one(name: str) -> System:
+        if name == "direct":
+            return lambda: direct_system(model)
+        if name in AFFINITY:
+            return lambda: native_system(model, env, AFFINITY[name])
+        return lambda: vllm_system(model, env)
+
+    return {name: one(name) for name in names}
 
 
 # ---------------------------------------------------------------------------- run
 
 
-async def bench(model: Path, rounds: int, systems: list[str], concurrency: list[int],
-                env: dict[str, str], seed: int) -> dict[str, dict[int, Cell]]:
-    rng = random.Random(seed)
-    results = {s: {c: Cell() for c in concurrency} for s in systems}
-    if 1 in concurrency and "native" in systems:
-        results["serial"] = {1: Cell()}
-    next_seed = 0
-    for rnd in range(rounds):
-        order = list(systems)
-        rng.shuffle(order)
-        print(f"round {rnd + 1}: {' '.join(order)}", flush=True)
-        for name in order:
-            async with system(name, model, env) as (one, pid):
-                await run_cell(one, 8, 32, 10_000_000 + rnd * 1000, pid, MAX_TOKENS)  # warm-up, not counted
-                for c in concurrency:
-                    load = os.getloadavg()[0]
-                    tps, cpu = await run_cell(one, c, REQUESTS[c], next_seed, pid, MAX_TOKENS)
-                    next_seed += REQUESTS[c]
-                    cell = results[name][c]
-                    cell.toks_per_s.append(tps)
-                    cell.cpu_per_1k.append(cpu)
-                    cell.loadavg.append(load)
-                    print(f"  c={c:>3} {name:<7} {tps:8.0f} tok/s  server cpu {cpu:.3f} s/1k tok  "
-                          f"load {load:.2f}", flush=True)
-    if "serial" in results:
-        results["serial"][1] = results["native"][1]
-    return results
-
-
-def ratios(results: dict[str, dict[int, Cell]], a: str, b: str, c: int) -> list[float]:
-    return [x / y for x, y in zip(results[a][c].toks_per_s, results[b][c].toks_per_s, strict=True)]
-
-
-def table(results: dict[str, dict[int, Cell]], rounds: int, concurrency: list[int], env: dict[str, str]) -> str:
+def table(results: Results, rounds: int, concurrency: list[int], env: dict[str, str]) -> str:
     med = statistics.median
-    loads = [x for cells in results.values() for cell in cells.values() for x in cell.loadavg]
-    systems = [s for s in SYSTEMS if s in results]
+    names = [s for s in SYSTEMS if s in results]
+    ours = [s for s in AFFINITY if s in names]
+    pairs = [(a, b) for a in ours for b in ("direct", "vllm") if b in names]
     lines = [
         f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, "
         f"{MAX_TOKENS} tokens per request (ignore_eos), {PROMPT_LEN}-token prompts, temperature 1, seeded, "
         f"sampled-token logprobs; {rounds} rounds, systems in a shuffled order per round, one engine alive "
         "at a time; aiohttp load generator on the same 2-core box. "
-        f"1-minute load average before the cells: {min(loads):.2f}-{max(loads):.2f} "
-        f"(median {med(loads):.2f})." + (f" Server environment: `{env}`." if env else ""),
+        f"1-minute load average before the cells: {loadavg_range(results)}."
+        + (f" Server environment: `{env}`." if env else ""),
         "",
         "Median tok/s (and the lowest round / median round):",
         "",
+        *throughput_table(results, names, pairs, concurrency),
     ]
-    ours = [s for s in AFFINITY if s in systems]
-    pairs = [(a, b) for a in ours for b in ("direct", "vllm") if b in systems]
-    lines += ["| concurrency | " + " | ".join(systems) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |",
-              "|---|" + "---|" * (len(systems) + len(pairs))]
-    for c in concurrency:
-        cells = []
-        for s in systems:
-            t = results[s][c].toks_per_s
-            cells.append(f"{med(t):,.0f} ({min(t) / med(t):.2f})")
-        cells += [f"{med(ratios(results, a, b, c)):.2f}x" for a, b in pairs]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    if pairs:
-        lines += ["", "Per-round paired ratios (the spread behind the medians):", ""]
-        for c in concurrency:
-            parts = [f"{a} / {b}: " + ", ".join(f"{r:.2f}" for r in ratios(results, a, b, c)) for a, b in pairs]
-            lines.append(f"- c={c}: " + "; ".join(parts))
-        if "serial" in results and max(concurrency) >= 32:
-            serial = med(results["serial"][1].toks_per_s)
-            lines += ["", "Concurrency against the strictly serial baseline (native, one request at a time, "
-                      f"{serial:,.0f} tok/s): " + ", ".join(
-                          f"c={c} {med(results['native'][c].toks_per_s) / serial:.1f}x"
-                          for c in concurrency if c > 1)]
+    if "native" in names and 1 in concurrency and max(concurrency) >= 32:
+        # The strictly serial baseline: this server, one request at a time (its c=1 cells).
+        serial = med(results["native"][1].toks_per_s)
+        lines += ["", f"Concurrency against the strictly serial baseline ({serial:,.0f} tok/s, this server one "
+                  "request at a time): " + ", ".join(
+                      f"{s} c={c} {med(results[s][c].toks_per_s) / serial:.1f}x"
+                      for s in ours for c in concurrency if c > 1)]
     lines += ["", "Server process CPU-seconds per 1,000 tokens (median; engine processes excluded; for "
-              "direct, the bench process itself):", "",
-              "| concurrency | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
-    for c in concurrency:
-        lines.append(f"| {c} | " + " | ".join(f"{med(results[s][c].cpu_per_1k):.3f}" for s in systems) + " |")
+              "direct, the bench process itself):", "", *cpu_table(results, names, concurrency)]
     return "\n".join(lines) + "\n"
 
 
@@ -273,7 +225,8 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     env = dict(kv.split("=", 1) for kv in a.server_env)
-    results = asyncio.run(bench(cached_tiny_model(), a.rounds, a.systems, a.concurrency, env, a.seed))
+    results = asyncio.run(run_rounds(systems(a.systems, cached_tiny_model(), env), a.rounds, a.concurrency,
+                                     REQUESTS, MAX_TOKENS, a.seed))
     out = table(results, a.rounds, a.concurrency, env)
     print("\n" + out)
     if not a.no_write:
@@ -281,8 +234,8 @@ def main() -> None:
                  "pinned": "this server, --cpu-affinity auto", "vllm": "vLLM's OpenAI server"}
         series = {names[s]: {c: statistics.median(results[s][c].toks_per_s) for c in a.concurrency}
                   for s in SYSTEMS if s in results}
-        if "serial" in results:
-            serial = statistics.median(results["serial"][1].toks_per_s)
+        if "native" in results and 1 in a.concurrency:
+            serial = statistics.median(results["native"][1].toks_per_s)
             series["serial (one at a time)"] = {c: serial for c in a.concurrency}
         throughput_vs_concurrency(PLOT, series, f"tiny model on 2 CPU cores, {MAX_TOKENS} tokens per request")
         write_section("Sampling concurrency", out + f"\n![tok/s against concurrency]({PLOT.name})\n",

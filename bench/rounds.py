@@ -1,0 +1,99 @@
+"""Side-by-side rounds, the method every throughput benchmark here follows (docs/benchmarks.md):
+
+- one system alive at a time: each round starts every system once, in a shuffled order, runs all
+  its cells, and stops it before the next one starts (with three engines alive at once the load
+  average of this 2-core box reached 22 and the figures were noise);
+- the paired ratio of a round compares two systems within that round; tables report the median
+  of those ratios and the lowest round against the median round ("no collapse": >= 0.8);
+- the 1-minute load average is recorded before every cell and printed with the table.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+
+from bench.load import OneRequest, run_cell
+
+# A system: started on entry, stopped on exit; yields one request and the pid whose CPU is counted.
+System = Callable[[], AbstractAsyncContextManager[tuple[OneRequest, int]]]
+
+
+@dataclass
+class Cell:
+    toks_per_s: list[float] = field(default_factory=list)
+    cpu_per_1k: list[float] = field(default_factory=list)
+    loadavg: list[float] = field(default_factory=list)
+
+
+Results = dict[str, dict[int, Cell]]
+
+
+async def run_rounds(systems: dict[str, System], rounds: int, concurrency: list[int], requests: dict[int, int],
+                     tokens_per_request: int | None, seed: int) -> Results:
+    """`tokens_per_request` None: a request may stop early (count what it generated)."""
+    rng = random.Random(seed)
+    results: Results = {s: {c: Cell() for c in concurrency} for s in systems}
+    next_seed = 0
+    for rnd in range(rounds):
+        order = list(systems)
+        rng.shuffle(order)
+        print(f"round {rnd + 1}: {' '.join(order)}", flush=True)
+        for name in order:
+            async with systems[name]() as (one, pid):
+                # Warm-up, not counted: first-request costs out of the way.
+                await run_cell(one, 8, 32, 10_000_000 + rnd * 1000, pid, tokens_per_request)
+                for c in concurrency:
+                    load = os.getloadavg()[0]
+                    tps, cpu = await run_cell(one, c, requests[c], next_seed, pid, tokens_per_request)
+                    next_seed += requests[c]
+                    cell = results[name][c]
+                    cell.toks_per_s.append(tps)
+                    cell.cpu_per_1k.append(cpu)
+                    cell.loadavg.append(load)
+                    print(f"  c={c:>3} {name:<8} {tps:8.0f} tok/s  server cpu {cpu:.3f} s/1k tok  "
+                          f"load {load:.2f}", flush=True)
+    return results
+
+
+def ratios(results: Results, a: str, b: str, c: int) -> list[float]:
+    return [x / y for x, y in zip(results[a][c].toks_per_s, results[b][c].toks_per_s, strict=True)]
+
+
+def loadavg_range(results: Results) -> str:
+    loads = [x for cells in results.values() for cell in cells.values() for x in cell.loadavg]
+    return f"{min(loads):.2f}-{max(loads):.2f} (median {statistics.median(loads):.2f})"
+
+
+def throughput_table(results: Results, systems: list[str], pairs: Sequence[tuple[str, str]],
+                     concurrency: list[int]) -> list[str]:
+    """Median tok/s per system (lowest round / median round), the median paired ratios, and the
+    per-round ratios behind them."""
+    med = statistics.median
+    lines = ["| concurrency | " + " | ".join(systems) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |",
+             "|---|" + "---|" * (len(systems) + len(pairs))]
+    for c in concurrency:
+        cells = []
+        for s in systems:
+            t = results[s][c].toks_per_s
+            cells.append(f"{med(t):,.0f} ({min(t) / med(t):.2f})")
+        cells += [f"{med(ratios(results, a, b, c)):.2f}x" for a, b in pairs]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if pairs:
+        lines += ["", "Per-round paired ratios (the spread behind the medians):", ""]
+        for c in concurrency:
+            parts = [f"{a} / {b}: " + ", ".join(f"{r:.2f}" for r in ratios(results, a, b, c)) for a, b in pairs]
+            lines.append(f"- c={c}: " + "; ".join(parts))
+    return lines
+
+
+def cpu_table(results: Results, systems: list[str], concurrency: list[int]) -> list[str]:
+    med = statistics.median
+    lines = ["| concurrency | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+    for c in concurrency:
+        lines.append(f"| {c} | " + " | ".join(f"{med(results[s][c].cpu_per_1k):.3f}" for s in systems) + " |")
+    return lines
