@@ -2,7 +2,7 @@
 Twinkle path (/api/v1/sampler/{model}/twinkle/sample, the body twinkle_client posts) against direct
 in-process AsyncLLM, at concurrency 1/8/32.
 
-    python -m bench.protocols [--rounds 3] [--cpu-affinity auto|off] [--no-write]
+    python -m bench.protocols [--rounds 3] [--no-write]
 
 The method and the engine are bench/sampling_concurrency.py's (bench/rounds.py): one engine alive
 at a time, systems in a shuffled order per round, >= 3 rounds, medians of paired ratios, the load
@@ -77,25 +77,25 @@ def twinkle_client(http: aiohttp.ClientSession, url: str, model: str) -> OneRequ
 
 
 @contextlib.asynccontextmanager
-async def protocol_system(model: Path, protocol: str, affinity: str) -> AsyncIterator[tuple[OneRequest, int]]:
-    async with our_server(model, {}, affinity) as (url, pid, http):
+async def protocol_system(model: Path, protocol: str) -> AsyncIterator[tuple[OneRequest, int]]:
+    async with our_server(model, {}) as (url, pid, http):
         one = await tinker_client(http, url, str(model)) if protocol == "tinker" else twinkle_client(
             http, url, model.name)
         yield one, pid
 
 
-def systems(model: Path, affinity: str) -> dict[str, System]:
+def systems(model: Path) -> dict[str, System]:
     return {"direct": lambda: direct_system(model),
-            "tinker": lambda: protocol_system(model, "tinker", affinity),
-            "twinkle": lambda: protocol_system(model, "twinkle", affinity)}
+            "tinker": lambda: protocol_system(model, "tinker"),
+            "twinkle": lambda: protocol_system(model, "twinkle")}
 
 
-def table(results: Results, rounds: int, affinity: str) -> str:
+def table(results: Results, rounds: int) -> str:
     names = ["tinker", "twinkle", "direct"]
     return "\n".join([
         f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, {MAX_TOKENS} tokens "
         f"per request (Tinker `stop=[]`: no EOS stop; Twinkle may stop at EOS), {PROMPT_LEN}-token prompts, "
-        f"temperature 1, seeded; server `--cpu-affinity {affinity}`; {rounds} rounds, systems in a shuffled "
+        f"temperature 1, seeded; {rounds} rounds, systems in a shuffled "
         "order per round, one engine alive at a time; aiohttp load generator on the same 2-core box. "
         f"1-minute load average before the cells: {loadavg_range(results)}.",
         "",
@@ -112,17 +112,15 @@ def table(results: Results, rounds: int, affinity: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--cpu-affinity", choices=["auto", "off"], default="auto",
-                   help="the server's --cpu-affinity (bench/sampling_concurrency.py compares the two)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled order")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     model = cached_tiny_model()
-    results = asyncio.run(run_rounds(systems(model, a.cpu_affinity), a.rounds, CONCURRENCY, REQUESTS, None, a.seed))
-    out = table(results, a.rounds, a.cpu_affinity)
+    results = asyncio.run(run_rounds(systems(model), a.rounds, CONCURRENCY, REQUESTS, None, a.seed))
+    out = table(results, a.rounds)
     print("\n" + out)
     if not a.no_write:
-        write_section("Protocols", out, f"python -m bench.protocols --cpu-affinity {a.cpu_affinity}")
+        write_section("Protocols", out, "python -m bench.protocols")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """Sampling throughput under concurrency: direct AsyncLLM vs this server's native HTTP API vs vLLM's
-own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline. "native" is this
-server with `--cpu-affinity off`, "pinned" with `--cpu-affinity auto` (sampler_pod/engine/cpu_affinity.py).
+own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline.
 
     python -m bench.sampling_concurrency [--rounds 3] [--concurrency 1 8 32 128] [--systems ...]
                                          [--server-env K=V ...] [--no-write]
@@ -48,9 +47,7 @@ MAX_TOKENS = 64
 MAX_NUM_SEQS = 128
 # Requests per cell: enough waves that a cell lasts a few seconds.
 REQUESTS = {1: 16, 8: 96, 32: 384, 128: 1024}
-SYSTEMS = ("direct", "native", "pinned", "vllm")
-# "pinned" is this server with --cpu-affinity auto (sampler_pod/engine/cpu_affinity.py), "native" with off.
-AFFINITY = {"native": "off", "pinned": "auto"}
+SYSTEMS = ("direct", "native", "vllm")
 
 
 
@@ -101,18 +98,17 @@ def http_session() -> aiohttp.ClientSession:
 
 
 @contextlib.asynccontextmanager
-async def our_server(model: Path, env: dict[str, str], affinity: str) -> AsyncIterator[
-        tuple[str, int, aiohttp.ClientSession]]:
+async def our_server(model: Path, env: dict[str, str]) -> AsyncIterator[tuple[str, int, aiohttp.ClientSession]]:
     """This server with the benchmark's engine: (url, server pid, client session)."""
-    with run_server(model, "--concurrent-task-limit", "512", "--log-level", "warning", "--cpu-affinity", affinity,
-                    env=env, engine_args=engine_args()) as server:
+    with run_server(model, "--concurrent-task-limit", "512", "--log-level", "warning", env=env,
+                    engine_args=engine_args()) as server:
         async with http_session() as http:
             yield server.url, server.proc.pid, http
 
 
 @contextlib.asynccontextmanager
-async def native_system(model: Path, env: dict[str, str], affinity: str) -> AsyncIterator[tuple[OneRequest, int]]:
-    async with our_server(model, env, affinity) as (url, pid, http):
+async def native_system(model: Path, env: dict[str, str]) -> AsyncIterator[tuple[OneRequest, int]]:
+    async with our_server(model, env) as (url, pid, http):
 
         async def one(seed: int) -> int:
             return await post_sample(http, url, seed, MAX_TOKENS)
@@ -175,8 +171,8 @@ def systems(names: list[str], model: Path, env: dict[str, str]) -> dict[str, Sys
     def one(name: str) -> System:
         if name == "direct":
             return lambda: direct_system(model)
-        if name in AFFINITY:
-            return lambda: native_system(model, env, AFFINITY[name])
+        if name == "native":
+            return lambda: native_system(model, env)
         return lambda: vllm_system(model, env)
 
     return {name: one(name) for name in names}
@@ -188,7 +184,7 @@ def systems(names: list[str], model: Path, env: dict[str, str]) -> dict[str, Sys
 def table(results: Results, rounds: int, concurrency: list[int], env: dict[str, str]) -> str:
     med = statistics.median
     names = [s for s in SYSTEMS if s in results]
-    ours = [s for s in AFFINITY if s in names]
+    ours = [s for s in ("native",) if s in names]
     pairs = [(a, b) for a in ours for b in ("direct", "vllm") if b in names]
     lines = [
         f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, "
@@ -230,8 +226,7 @@ def main() -> None:
     out = table(results, a.rounds, a.concurrency, env)
     print("\n" + out)
     if not a.no_write:
-        names = {"direct": "direct AsyncLLM", "native": "this server (/v1/sample)",
-                 "pinned": "this server, --cpu-affinity auto", "vllm": "vLLM's OpenAI server"}
+        names = {"direct": "direct AsyncLLM", "native": "this server (/v1/sample)", "vllm": "vLLM's OpenAI server"}
         series = {names[s]: {c: statistics.median(results[s][c].toks_per_s) for c in a.concurrency}
                   for s in SYSTEMS if s in results}
         if "native" in results and 1 in a.concurrency:

@@ -57,9 +57,6 @@ class ServerConfig(BaseModel):
         0.9, gt=0, le=1, description="GPU memory share for vLLM, when --kv-cache-memory-bytes is unset")
     enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (always on CPU)")
     seed: int = Field(0, description="engine seed (per-request seeds are separate)")
-    cpu_affinity: Literal["auto", "off"] = Field(
-        "off", description="auto: when vLLM's CPU backend binds its worker to some cores, pin this server and "
-                           "the engine core to the others (small CPU machines; no effect on GPU nodes)")
 
     # Serving policy.
     concurrent_task_limit: int = Field(

@@ -53,10 +53,6 @@ class VllmEngine:
             enable_log_requests=False,
         )
         llm = AsyncLLM.from_engine_args(args)
-        if cfg.cpu_affinity == "auto":
-            from .cpu_affinity import keep_front_end_off_worker_cores
-
-            keep_front_end_off_worker_cores()
         mc = llm.model_config
         # The tokenizer (and its chat template) is loaded here, once, never per request.
         tokenizer = llm.get_tokenizer()
