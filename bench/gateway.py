@@ -63,6 +63,7 @@ class Sizes:
 class Samples:
     values: list[float] = field(default_factory=list)
     loadavg: list[float] = field(default_factory=list)
+    failed: int = 0  # throughput requests whose connection broke (counted, not retried)
 
 
 def _cell_header(name: str) -> float:
@@ -165,11 +166,13 @@ async def throughput(rounds: int, sizes: Sizes, rng: random.Random) -> tuple[lis
                 print(f"throughput round {rnd + 1}: {' '.join(order)}", flush=True)
                 for name in order:
                     cells[name].loadavg.append(_cell_header(f"  {name}"))
-                    tps, cpu = await run_cell(ones[name], CONCURRENCY, sizes.throughput_requests, seed,
-                                              gw.proc.pid, MAX_TOKENS)
+                    run = await run_cell(ones[name], CONCURRENCY, sizes.throughput_requests, seed,
+                                         gw.proc.pid, MAX_TOKENS)
                     seed += sizes.throughput_requests
-                    cells[name].values.append(tps)
-                    print(f"  {tps:8.0f} tok/s  gateway cpu {cpu:.3f} s/1k tok", flush=True)
+                    cells[name].values.append(run.toks_per_s)
+                    cells[name].failed += run.failed
+                    print(f"  {run.toks_per_s:8.0f} tok/s  gateway cpu {run.cpu_per_1k:.3f} s/1k tok  "
+                          f"failed {run.failed}", flush=True)
     ratios = [g / d for g, d in zip(cells["gateway"].values, cells["direct"].values, strict=True)]
     return ratios, cells
 
@@ -186,7 +189,9 @@ def throughput_lines(ratios: list[float], cells: dict[str, Samples], rounds: int
             "per round | target |", "|---|---|---|---|---|",
             f"| {med(cells['direct'].values):,.0f} | {med(cells['gateway'].values):,.0f} | {r:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in ratios)} | ≥ {TARGET_RATIO:g} "
-            f"({'met' if r >= TARGET_RATIO else 'NOT met'}) |"]
+            f"({'met' if r >= TARGET_RATIO else 'NOT met'}) |", "",
+            f"Requests whose connection broke (counted, not retried): direct {cells['direct'].failed}, "
+            f"gateway {cells['gateway'].failed}."]
 
 
 # ---------------------------------------------------------------------------- rollout

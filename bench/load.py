@@ -8,6 +8,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,27 +31,42 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass(frozen=True)
+class CellRun:
+    toks_per_s: float
+    cpu_per_1k: float  # CPU-seconds of the measured process per 1,000 tokens
+    failed: int        # requests whose connection broke: counted and reported, never retried
+
+
 async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pid: int,
-                   tokens_per_request: int | None) -> tuple[float, float]:
-    """n requests over `concurrency` workers: (tokens/s, CPU-seconds of `cpu_pid` per 1,000 tokens).
-    Every request must generate exactly `tokens_per_request` tokens (None: any number, at least one)."""
+                   tokens_per_request: int | None) -> CellRun:
+    """n requests over `concurrency` workers. Every request that completes must generate exactly
+    `tokens_per_request` tokens (None: any number, at least one); one whose connection breaks is
+    counted as failed (a benchmark reports a server that drops connections; it does not hide it
+    with a retry, nor lose the whole run to it)."""
     seeds = iter(range(seed0, seed0 + n))
     total = 0
+    failed = 0
 
     async def worker() -> None:
-        nonlocal total
+        nonlocal total, failed
         for s in seeds:
-            got = await one(s)  # (not `total += await ...`: that reads `total` before the await)
+            try:
+                got = await one(s)  # (not `total += await ...`: that reads `total` before the await)
+            except aiohttp.ClientError:
+                failed += 1
+                continue
             total += got
 
     cpu0, t0 = proc_cpu_s(cpu_pid), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
+    done = n - failed
     if tokens_per_request is None:
-        assert total >= n, f"{n} requests generated only {total} tokens"
+        assert total >= done, f"{done} requests generated only {total} tokens"
     else:
-        assert total == n * tokens_per_request, f"expected {n * tokens_per_request} tokens, got {total}"
-    return total / dt, cpu / (total / 1000)
+        assert total == done * tokens_per_request, f"expected {done * tokens_per_request} tokens, got {total}"
+    return CellRun(total / dt, cpu / max(total / 1000, 1e-9), failed)
 
 
 async def post_sample(http: aiohttp.ClientSession, url: str, seed: int, max_tokens: int) -> int:

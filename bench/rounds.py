@@ -28,6 +28,7 @@ class Cell:
     toks_per_s: list[float] = field(default_factory=list)
     cpu_per_1k: list[float] = field(default_factory=list)
     loadavg: list[float] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
 
 
 Results = dict[str, dict[int, Cell]]
@@ -49,14 +50,15 @@ async def run_rounds(systems: dict[str, System], rounds: int, concurrency: list[
                 await run_cell(one, 8, 32, 10_000_000 + rnd * 1000, pid, tokens_per_request)
                 for c in concurrency:
                     load = os.getloadavg()[0]
-                    tps, cpu = await run_cell(one, c, requests[c], next_seed, pid, tokens_per_request)
+                    run = await run_cell(one, c, requests[c], next_seed, pid, tokens_per_request)
                     next_seed += requests[c]
                     cell = results[name][c]
-                    cell.toks_per_s.append(tps)
-                    cell.cpu_per_1k.append(cpu)
+                    cell.toks_per_s.append(run.toks_per_s)
+                    cell.cpu_per_1k.append(run.cpu_per_1k)
                     cell.loadavg.append(load)
-                    print(f"  c={c:>3} {name:<8} {tps:8.0f} tok/s  server cpu {cpu:.3f} s/1k tok  "
-                          f"load {load:.2f}", flush=True)
+                    cell.failed.append(run.failed)
+                    print(f"  c={c:>3} {name:<8} {run.toks_per_s:8.0f} tok/s  server cpu {run.cpu_per_1k:.3f} s/1k tok"
+                          f"  load {load:.2f}  failed {run.failed}", flush=True)
     return results
 
 
@@ -88,6 +90,9 @@ def throughput_table(results: Results, systems: list[str], pairs: Sequence[tuple
         for c in concurrency:
             parts = [f"{a} / {b}: " + ", ".join(f"{r:.2f}" for r in ratios(results, a, b, c)) for a, b in pairs]
             lines.append(f"- c={c}: " + "; ".join(parts))
+    failed = {f"{s} c={c}": sum(results[s][c].failed) for s in systems for c in concurrency}
+    lines += ["", "Requests whose connection broke (counted, not retried): " + (
+        ", ".join(f"{k}: {v}" for k, v in failed.items() if v) or "none")]
     return lines
 
 
