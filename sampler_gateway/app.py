@@ -45,7 +45,8 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, session, min(cfg.health_timeout_s, cfg.refresh_interval_s))
         refresher = asyncio.create_task(
-            refresh_forever(source, pool, session, cfg.refresh_interval_s, cfg.health_timeout_s), name="refresh")
+            refresh_forever(source, pool, session, cfg.refresh_interval_s, cfg.health_timeout_s,
+                            cfg.health_failure_threshold), name="refresh")
         try:
             yield
         finally:

@@ -37,7 +37,11 @@ class GatewayConfig(BaseModel):
         None, description='JSON list of {"name", "url", "draining"?}, re-read every refresh (static discovery)')
     refresh_interval_s: float = Field(
         0.5, gt=0, le=1.0, description="how often each replica's /health is read (and the replica set refreshed)")
-    health_timeout_s: float = Field(1.0, gt=0, description="a replica whose /health takes longer is not ready")
+    health_timeout_s: float = Field(
+        1.0, gt=0, description="a /health read taking longer is unanswered (bounded by --refresh-interval-s)")
+    health_failure_threshold: int = Field(
+        3, ge=1, description="consecutive unanswered /health reads before a ready replica leaves routing "
+                             "(a busy replica answers late; an answer that is not ok counts at once)")
 
     # Routing.
     version_policy: VersionPolicy = Field(

@@ -29,6 +29,8 @@ class ReplicaView:
     weights_version: int | None
     # Why it is not ready (its /health reason, or the error reaching it); None when ready.
     reason: str | None = None
+    # /health reads in a row that got no answer (discovery/health.py).
+    unanswered: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,12 @@
 """Read one replica's `/health` (docs/contract.md): ready iff `status == "ok"`, plus its weights.
 
+A read that gets no answer (a timeout, a refused or broken connection) takes a ready replica out of
+routing only after `failure_threshold` in a row, as a kubelet's probe does: a replica under heavy
+load can answer `/health` late while it serves well (seen on 2 CPU cores with two engines), and one
+late answer must not empty the pool. A replica that really died is still found at once by the
+requests sent to it (forward.py retries a refused request elsewhere). An answer that is not ok
+(starting, draining, uncertain weights) counts at once.
+
 The label matters even for a replica that is not ready: a retrieve of its futures still goes to
 it, and the error that names a lost replica names its version.
 """
@@ -14,15 +21,20 @@ from ..replicas import Member, ReplicaView
 
 
 async def read_health(session: aiohttp.ClientSession, member: Member, timeout_s: float,
-                      last: ReplicaView | None = None) -> ReplicaView:
+                      last: ReplicaView | None = None, failure_threshold: int = 1) -> ReplicaView:
     label = last.weights_label if last is not None else None
     version = last.weights_version if last is not None else None
     try:
         async with session.get(member.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             body: Any = await r.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        unanswered = (last.unanswered if last is not None else 0) + 1
+        if last is not None and last.ready and unanswered < failure_threshold:
+            return ReplicaView(member.name, member.url, ready=True, draining=member.draining, weights_label=label,
+                               weights_version=version, unanswered=unanswered)
         return ReplicaView(member.name, member.url, ready=False, draining=member.draining, weights_label=label,
-                           weights_version=version, reason=f"/health unreachable: {type(e).__name__}: {e}"[:300])
+                           weights_version=version, reason=f"/health unreachable ({unanswered} in a row): "
+                                                           f"{type(e).__name__}: {e}"[:300], unanswered=unanswered)
     if not isinstance(body, dict):
         return ReplicaView(member.name, member.url, False, member.draining, label, version, "/health: not an object")
     status = body.get("status")
