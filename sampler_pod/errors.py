@@ -89,6 +89,17 @@ class EngineUnavailable(SamplerError):
     category = "engine_unavailable"
 
 
+class Aborted(SamplerError):
+    """Stopped mid-generation by a weights load in abort mode (`in_flight: "abort"`). Nothing is wrong
+    with the request: resubmitted, it queues behind the load and runs on the new weights."""
+
+    status_code = 503
+    category = "aborted"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
 class EngineFailure(SamplerError):
     status_code = 500
     category = "engine_error"

@@ -13,6 +13,11 @@ change), and is put back in routing once it is Ready at the new spec and, with d
 reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
 ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
 
+`rollout.mode` says how each replica's load treats its samples in flight: Drain waits for them,
+Abort has the pod abort them (each answered "resubmit"; the gateway has already stopped routing to
+the replica) so its write starts at once. It reaches the replica as `spec.weights.inFlight` and is
+left out of the spec hash: changing the mode alone rolls nothing.
+
 A replica that refuses the target weights (its load failed validation: `status.weights.declaredResult`
 InvalidCheckpoint for the pool's `spec.weights`) stops the rollout: no further batch is updated, and
 the replica stays out of routing on the weights it had. Changing `spec.weights` again resumes.
@@ -107,14 +112,26 @@ def keys_secret(pool: str, namespace: str, uid: str, keys: ReplicaKeys,
 
 
 def desired_replica_spec(pool: str, spec: PoolSpec) -> dict[str, Any]:
-    """The template, in the pool, at the pool's weights, with the pool's keys."""
+    """The template, in the pool, at the pool's weights, with the pool's keys. With `rollout.mode:
+    Abort` the weights carry `inFlight: Abort`: each replica's own controller then has its pod abort
+    the samples in flight when it loads them (Drain, the replica's default, is left unsaid)."""
     out = {**spec.template, "pool": label_value(pool), **key_status(pool_keys(pool, spec))}
     if spec.weights is not None:
         out["weights"] = dict(spec.weights)
+        if spec.rollout.mode == "Abort":
+            out["weights"]["inFlight"] = "Abort"
     return out
 
 
 def spec_hash(replica_spec: dict[str, Any]) -> str:
+    """The hash of what a replica is given, without `weights.inFlight`: that says how a load treats
+    the samples in flight, not what the replica serves, so a change of `rollout.mode` alone rolls no
+    replica (nothing would be loaded). Every weights change writes the whole spec, so the next load
+    of each replica goes the new way; a replica already given the current weights keeps the mode
+    its load was given."""
+    weights = replica_spec.get("weights")
+    if isinstance(weights, dict) and "inFlight" in weights:
+        replica_spec = {**replica_spec, "weights": {k: v for k, v in weights.items() if k != "inFlight"}}
     canonical = json.dumps(replica_spec, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

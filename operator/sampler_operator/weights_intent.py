@@ -75,6 +75,17 @@ def declared_ref(spec: SamplerReplicaSpec) -> WeightsRef | None:
     return None if w is None else WeightsRef(w.checkpoint, w.version_label, w.sha256_manifest)
 
 
+def declared_load_request(spec: SamplerReplicaSpec) -> dict[str, Any]:
+    """The pod's `POST /v1/checkpoints/load` body for spec.weights. `in_flight` is sent only for
+    Abort: a Drain load is the same request as before the field existed, which any pod accepts."""
+    ref = declared_ref(spec)
+    assert ref is not None and spec.weights is not None
+    body = ref.to_load_request()
+    if spec.weights.in_flight == "Abort":
+        body["in_flight"] = "abort"
+    return body
+
+
 def declared_adapters(spec: SamplerReplicaSpec) -> list[dict[str, str]]:
     return [{"name": a.name, "path": a.path} for a in spec.adapters]
 

@@ -3,7 +3,9 @@
 Called by the replica loop only while the pod reports `ok`. Steps, each recorded in status so a
 restarted operator neither repeats a finished load nor forgets an unfinished one:
   1. spec.weights changed since the operator last acted on it (`status.weights.declared`):
-     WeightsSynced=False/Loading, then `POST /v1/checkpoints/load` with the replica's admin key;
+     WeightsSynced=False/Loading, then `POST /v1/checkpoints/load` with the replica's admin key
+     (`in_flight: abort` when spec.weights.inFlight is Abort: the pod aborts its samples in flight
+     instead of waiting for them, once the checkpoint has passed validation);
      the outcome (Loaded | InvalidCheckpoint | WriteFailed) goes to status with the spec it was
      for. A checkpoint the pod refuses leaves the pod serving its current, certain weights.
      Busy/unreachable/timed out: nothing is recorded and the next loop tries again.
@@ -28,6 +30,7 @@ from .weights_intent import (
     Synced,
     adapter_changes,
     declared_adapters,
+    declared_load_request,
     declared_outcome,
     declared_ref,
     needs_declared_load,
@@ -62,7 +65,7 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     await _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem)
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
     answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", await _api_key(ctx, cr, spec),
-                        ref.to_load_request(), LOAD_TIMEOUT_S)
+                        declared_load_request(spec), LOAD_TIMEOUT_S)
     if answer.outcome is Outcome.TRANSIENT:
         ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
         return False

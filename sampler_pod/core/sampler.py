@@ -3,7 +3,9 @@
 A request's life:
     check (4xx) -> admit (429) -> [task] read-lock (waits during a weight write)
     -> engine calls with a deadline -> abort + wait on timeout or cancel -> release slot.
-Exactly one terminal state per admitted request: ok | timeout | error | cancelled. It is
+A weights load in abort mode aborts the engine calls of the requests inside (`core/aborts.py`);
+they end `aborted` once the engine has let go.
+Exactly one terminal state per admitted request: ok | timeout | aborted | error | cancelled. It is
 recorded (and the slot freed) by `_end`, called from the task's own `finally` or, for a task
 cancelled before its first step (whose `finally` never runs), from the task's done-callback.
 A sync caller that goes away (client disconnect, handler cancelled) cancels its request.
@@ -23,6 +25,7 @@ from typing import Any
 from ..config import ServerConfig
 from ..engine.base import AdapterRef, Engine, EngineDead, EngineRejected, GenerationOutput
 from ..errors import (
+    Aborted,
     EngineFailure,
     EngineUnavailable,
     InvalidRequest,
@@ -32,6 +35,7 @@ from ..errors import (
     SamplerError,
     UncertainWeights,
 )
+from .aborts import AbortBoard, Reading
 from .admission import AdmissionController, Slot
 from .futures import FutureStore
 from .health import AdapterEntry, HealthReport, WeightsState, health_status
@@ -77,6 +81,7 @@ class SamplerCore:
         self.admission = AdmissionController(limit=self.cfg.concurrent_task_limit,
                                              max_sequences=self.cfg.max_inflight_sequences)
         self.futures = FutureStore(ttl_s=self.cfg.future_ttl_s, max_entries=self.cfg.max_futures)
+        self.aborts = AbortBoard()
         self._engine_running = 0
         self.engine_running_max = 0
         self.write_lock_wait_max = 0.0
@@ -139,6 +144,37 @@ class SamplerCore:
             yield
         finally:
             await self.lock.release_write()
+
+    @contextlib.asynccontextmanager
+    async def load_locked(self, engine: Engine, timeout: float, abort_why: str | None) -> AsyncIterator[None]:
+        """The write lock for a checkpoint load; TimeoutError when it cannot be had in `timeout`.
+
+        `abort_why` (abort mode: why, for the aborted requests' answers): the samples inside are
+        aborted instead of waited for. Marked first, then the writer queues at once (no await in
+        between when the lock's mutex is free, so requests arriving from then on queue behind the
+        load as in a drain); the engine aborts run meanwhile, and the lock comes once the engine
+        has let go of every aborted call."""
+        if abort_why is None:
+            await self.lock.acquire_write(timeout)
+        else:
+            ids = self.aborts.begin(abort_why)
+            aborting = asyncio.ensure_future(self._abort_engine_ids(engine, ids))
+            try:
+                await self.lock.acquire_write(timeout)
+            finally:
+                self.aborts.end(abort_why)
+                await aborting
+        try:
+            yield
+        finally:
+            await self.lock.release_write()
+
+    async def _abort_engine_ids(self, engine: Engine, ids: list[str]) -> None:
+        for rid in ids:
+            try:
+                await engine.abort(rid)
+            except Exception:  # a dead engine: its calls end anyway, and the load waits for them as in a drain
+                log.exception("abort of %s for a weights load failed", rid)
 
     # ------------------------------------------------------------------ sampling
 
@@ -215,6 +251,9 @@ class SamplerCore:
         except RequestTimedOut:
             outcome = "timeout"
             raise
+        except Aborted:
+            outcome = "aborted"
+            raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -232,15 +271,21 @@ class SamplerCore:
                 self.metrics.write_lock_wait.observe(waited)
                 self.write_lock_wait_max = max(self.write_lock_wait_max, waited)
                 self.metrics.write_lock_wait_max.set(self.write_lock_wait_max)
-            # The weights may have gone uncertain while we waited behind a writer.
-            engine = self.require_serving()
-            if adapter is not None and self.adapters.get(adapter.name) != adapter:
-                raise InvalidRequest(f"adapter {adapter.name!r} was removed or replaced while queued", field="adapter")
-            # Readers exclude writers, so this version holds for every token of every sequence.
-            version, label = self.weights.version, self.weights.label
-            outputs = await self._generate_all(engine, request_id, req, deadline, adapter)
+            with self.aborts.reading() as reading:
+                # The weights may have gone uncertain while we waited behind a writer.
+                engine = self.require_serving()
+                if adapter is not None and self.adapters.get(adapter.name) != adapter:
+                    raise InvalidRequest(f"adapter {adapter.name!r} was removed or replaced while queued",
+                                         field="adapter")
+                # Readers exclude writers, so this version holds for every token of every sequence.
+                version, label = self.weights.version, self.weights.label
+                outputs = await self._generate_all(engine, reading, request_id, req, deadline, adapter)
         finally:
             await self.lock.release_read()
+        if reading.aborted_by is not None and any(s.finish_reason == "abort" for o in outputs for s in o.sequences):
+            # Truncated by the load, not finished: a resubmit runs on the new weights.
+            raise Aborted(f"request {request_id} was aborted by {reading.aborted_by}; resubmit it (it will run on "
+                          "the new weights)")
         results = [
             PromptResult(
                 sequences=[Sequence(tokens=s.tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
@@ -252,11 +297,11 @@ class SamplerCore:
         return SampleResponse(request_id=request_id, weights_version=version, weights_label=label,
                               adapter=adapter.name if adapter else None, results=results)
 
-    async def _generate_all(self, engine: Engine, request_id: str, req: SampleRequest, deadline: float,
-                            adapter: AdapterRef | None) -> list[GenerationOutput]:
+    async def _generate_all(self, engine: Engine, reading: Reading, request_id: str, req: SampleRequest,
+                            deadline: float, adapter: AdapterRef | None) -> list[GenerationOutput]:
         spec = generation_spec(req)
         ids = [f"{request_id}-{i}" for i in range(len(req.prompts))]
-        tasks = [asyncio.ensure_future(self._engine_call(engine, rid, p, spec, adapter))
+        tasks = [asyncio.ensure_future(self._engine_call(engine, reading, rid, p, spec, adapter))
                  for rid, p in zip(ids, req.prompts, strict=True)]
         try:
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()),
@@ -275,8 +320,12 @@ class SamplerCore:
             raise RequestTimedOut(f"request {request_id} timed out and was aborted", field="timeout_s")
         return [t.result() for t in tasks]
 
-    async def _engine_call(self, engine: Engine, rid: str, prompt: list[int], spec: Any,
+    async def _engine_call(self, engine: Engine, reading: Reading, rid: str, prompt: list[int], spec: Any,
                            adapter: AdapterRef | None) -> GenerationOutput:
+        if not self.aborts.enter(reading, rid):
+            # A load in abort mode is under way: never hand the engine work it would have to abort.
+            raise Aborted(f"request {rid.rsplit('-', 1)[0]} was aborted by {reading.aborted_by} before it reached "
+                          "the engine; resubmit it (it will run on the new weights)")
         self._engine_running += 1
         self.engine_running_max = max(self.engine_running_max, self._engine_running)
         self.metrics.engine_running_max.set(self.engine_running_max)
@@ -284,6 +333,7 @@ class SamplerCore:
             return await engine.generate(rid, prompt, spec, adapter)
         finally:
             self._engine_running -= 1
+            self.aborts.left(reading, rid)
 
     async def _abort_and_wait(self, engine: Engine, ids: list[str], tasks: list[asyncio.Task[Any]]) -> None:
         """Abort unfinished engine calls and return only once they have really exited."""

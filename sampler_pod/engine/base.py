@@ -82,6 +82,10 @@ class Engine(Protocol):
 
     async def resume(self) -> None: ...
 
+    # How many requests the engine holds right now (registered in it, queued or running). Test seams
+    # only: a test that aborts requests must know they reached the engine, not just our call to it.
+    def held_requests(self) -> int: ...
+
     @property
     def dead_reason(self) -> str | None: ...
 

@@ -49,8 +49,11 @@ class FakeEngine:
     fail_writes: bool = False
     write_gate: asyncio.Event | None = None
     write_started: asyncio.Event = field(default_factory=asyncio.Event)
-    # Cleared by pause(): generation holds before its next token until resume().
+    # Cleared by pause(): generation holds before its next token until resume(), or until the request
+    # is aborted (as in vLLM's keep-mode pause, which lets aborts through). Set and replaced on
+    # either, to wake the held requests.
     _unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+    _poke: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._unpaused.set()
@@ -84,8 +87,8 @@ class FakeEngine:
                 reason: FinishReason = "length"
                 for i in range(spec.max_tokens):
                     await asyncio.sleep(self.token_delay_s)
-                    await self._unpaused.wait()
-                    if request_id in self._aborted and self.stuck_marker not in request_id:
+                    await self._held(request_id)
+                    if self._abort_pending(request_id):
                         reason = "abort"
                         break
                     key = (prompt, i, self.weights_salt, adapter.name if adapter else None)
@@ -102,9 +105,21 @@ class FakeEngine:
             self.running.discard(request_id)
             self._aborted.discard(request_id)
 
+    def _abort_pending(self, request_id: str) -> bool:
+        return request_id in self._aborted and self.stuck_marker not in request_id
+
+    async def _held(self, request_id: str) -> None:
+        while not self._unpaused.is_set() and not self._abort_pending(request_id):
+            await self._poke.wait()
+
+    def _wake(self) -> None:
+        self._poke.set()
+        self._poke = asyncio.Event()
+
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
             self._aborted.add(request_id)
+            self._wake()
 
     async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int:
         self.write_started.set()
@@ -125,6 +140,10 @@ class FakeEngine:
 
     async def resume(self) -> None:
         self._unpaused.set()
+        self._wake()
+
+    def held_requests(self) -> int:
+        return len(self.running)
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         self.adapters[ref.name] = ref

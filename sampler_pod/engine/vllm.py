@@ -124,6 +124,9 @@ class VllmEngine:
     async def resume(self) -> None:
         await self.llm.resume_generation()
 
+    def held_requests(self) -> int:
+        return int(self.llm.get_num_unfinished_requests())
+
     async def add_adapter(self, ref: AdapterRef) -> None:
         from vllm.lora.request import LoRARequest
 

@@ -4,6 +4,11 @@ A load is: validate (pure, no lock, 4xx on failure, engine untouched) -> take th
 lock (in-flight samples drain, new ones queue) -> record the intended state -> write ->
 bump the version.
 
+`in_flight: "abort"` changes one step: instead of waiting for the in-flight samples, the load
+aborts them (each ends once, `aborted`: 503, resubmit) and takes the lock as soon as the engine has
+let go of them (`SamplerCore.load_locked`, `core/aborts.py`). Only after validation passed: a
+checkpoint that is refused never costs anyone their sample.
+
 Timeouts: the load's `timeout_s` (default `--load-timeout-s`) bounds validation and the
 drain only. Past it the load is an ordinary 504 `load_timeout`: nothing was written, the
 replica stays `ok`. Once the write has started it runs to the end, bounded only by
@@ -23,6 +28,7 @@ import itertools
 import logging
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +54,10 @@ class LoadCheckpointRequest(BaseModel):
     version_label: str = Field(..., min_length=1, max_length=200)
     sha256_manifest: dict[str, str] | None = None
     timeout_s: float | None = Field(None, gt=0)
+    in_flight: Literal["drain", "abort"] = Field(
+        "drain", description="What happens to the samples in flight once the checkpoint passed validation: "
+                             "`drain` waits for them to finish; `abort` aborts them (each answers 503 `aborted`, "
+                             "resubmit) so the write starts as soon as the engine lets go of them.")
     # TEST SEAM (documented in docs/sampler.md): only honoured with --enable-test-seams.
     # The worker raises after writing this many tensors: a real mid-write failure.
     test_fail_after_tensors: int | None = Field(None, ge=0)
@@ -104,7 +114,7 @@ class WeightsService:
     # ------------------------------------------------------------ checkpoints
 
     async def load_checkpoint(self, req: LoadCheckpointRequest, *, restoring: bool = False) -> LoadCheckpointResponse:
-        """Validate -> drain (write lock) -> record the intended state -> write -> bump the version.
+        """Validate -> drain or abort (write lock) -> record the intended state -> write -> bump the version.
         The outcome metric is recorded once, whatever the way out: ok | rejected (nothing written) |
         uncertain.
 
@@ -116,7 +126,7 @@ class WeightsService:
             raise InvalidRequest("test_fail_after_tensors needs a server started with --enable-test-seams",
                                  field="test_fail_after_tensors")
         require = core.require_engine if restoring else core.require_serving
-        require()
+        engine = require()
         t0 = time.monotonic()
         budget = req.timeout_s or core.cfg.load_timeout_s
         deadline = t0 + budget
@@ -136,7 +146,8 @@ class WeightsService:
             try:
                 # Only taking the lock can raise TimeoutError here: nothing in the body lets one out
                 # (`_persist` and `_write` turn every failure into their own errors).
-                async with core.lock.write(timeout=max(0.0, deadline - time.monotonic())):
+                why = f"a load of {req.version_label!r} (in_flight=abort)" if req.in_flight == "abort" else None
+                async with core.load_locked(engine, max(0.0, deadline - time.monotonic()), abort_why=why):
                     drained = time.monotonic()
                     engine = require()
                     validated.assert_unchanged()  # the files may have changed while we drained
@@ -151,7 +162,8 @@ class WeightsService:
                     n = await self._write(engine, validated, intended, req.test_fail_after_tensors)
                     outcome = "ok"
             except TimeoutError:
-                raise LoadTimedOut(f"in-flight samples did not drain within timeout_s={budget:g}s; nothing was "
+                ended = "end after their abort" if req.in_flight == "abort" else "drain"
+                raise LoadTimedOut(f"in-flight samples did not {ended} within timeout_s={budget:g}s; nothing was "
                                    "written", field="timeout_s") from None
         finally:
             m.weight_loads.labels(outcome=outcome).inc()

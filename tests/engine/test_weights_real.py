@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import corrupt_checkpoints as cc
 from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, make_lora_adapter, perturbed_checkpoint
-from tests.support.server import RunningServer, run_server
+from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
 
@@ -150,6 +150,32 @@ def exclusive_load_scenario(wenv: WeightsEnv) -> None:
     count, total = waits_after[0] - waits_before[0], waits_after[1] - waits_before[1]
     assert count == 8, (waits_before, waits_after)
     assert total / count <= timings["drain_wait_s"] + timings["write_s"] + 0.05, (total / count, timings)
+
+
+def test_abort_mode_load_aborts_the_samples_in_flight_and_writes_at_once(tiny_model: Path, tmp_path: Path) -> None:
+    perturbed_checkpoint(tiny_model, tmp_path / "abort-a", seed=7)
+    body = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}}
+    # Its own server (not the module's): the engine-pause seam exists only with --enable-test-seams.
+    with run_server(tiny_model, "--checkpoint-root", str(tmp_path), "--enable-test-seams") as server, \
+            server.client() as c:
+        v0 = c.get("/health").json()["weights_version"]
+        with engine_paused(server):
+            rids = [submit(c, body) for _ in range(8)]
+            # Registered inside vLLM, not only handed to it: an abort reaches only those.
+            wait_until(lambda: c.get("/v1/test/engine/held").json()["held"] == 8, "8 requests inside vLLM")
+            r = load(c, "abort-a", "abort-a", in_flight="abort", timeout_s=120)
+            # Frozen, the 8 could never finish: a 200 here means the load did not wait for them.
+            assert r.status_code == 200, r.text
+            answers = [c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 30}) for rid in rids]
+            health = c.get("/health").json()
+            metrics = c.get("/metrics").text
+        after = c.post("/v1/sample", json=body)
+    assert r.json()["weights_version"] == v0 + 1
+    for a in answers:
+        assert a.status_code == 503 and a.json()["error"]["category"] == "aborted", a.text
+    assert health["in_flight"] == 0 and health["weights_label"] == "abort-a" and health["status"] == "ok"
+    assert metric(metrics, 'sampler_requests_finished_total{outcome="aborted"}') == 8
+    assert after.status_code == 200 and after.json()["weights_label"] == "abort-a", after.text
 
 
 def submit(c: httpx.Client, body: dict[str, Any]) -> str:

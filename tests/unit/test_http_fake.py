@@ -239,6 +239,7 @@ async def test_engine_pause_seam_holds_requests_in_flight_until_resume() -> None
         # Frozen: still pending however long it waits, and still in flight.
         r = await c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 0.2})
         assert r.status_code == 202 and core.admission.in_flight == 1
+        assert (await c.get("/v1/test/engine/held")).json() == {"held": 1}
         assert (await c.post("/v1/test/engine/resume")).json() == {"paused": False}
         r = await c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 5})
         assert r.status_code == 200 and core.admission.in_flight == 0

@@ -3,7 +3,9 @@
 `POST /v1/test/engine/pause` freezes the engine's scheduling with every admitted request kept;
 `POST /v1/test/engine/resume` thaws it. Tests use the pair to hold real samples in flight for as
 long as a scenario needs (a load arriving during 32 in-flight samples), instead of racing the
-engine with their own requests.
+engine with their own requests. `GET /v1/test/engine/held` says how many requests the engine itself
+holds: an abort can only reach a request vLLM has registered, which happens a moment after the
+server hands it over.
 """
 
 from __future__ import annotations
@@ -30,3 +32,12 @@ async def pause_engine(request: Request) -> EnginePaused:
 async def resume_engine(request: Request) -> EnginePaused:
     await core_of(request).require_engine().resume()
     return EnginePaused(paused=False)
+
+
+class EngineHeld(BaseModel):
+    held: int
+
+
+@router.get("/engine/held", response_model=EngineHeld)
+async def engine_held(request: Request) -> EngineHeld:
+    return EngineHeld(held=core_of(request).require_engine().held_requests())

@@ -122,6 +122,41 @@ def test_an_invalid_declared_checkpoint_keeps_the_replica_ready_on_its_weights(a
     assert pod_metric(world, "w2-0", port, 'sampler_weight_loads_total{outcome="rejected"}') == 1
 
 
+def test_declared_weights_with_in_flight_abort_abort_the_samples_in_flight(api, ns, world):
+    """spec.weights.inFlight: Abort: the operator's in-place load has the pod abort its samples in
+    flight. They are frozen (the engine-pause seam), so a load that drained would never finish."""
+    port = ks.free_port()
+    create(api, ns, replica("w4", port, world, engineArgs={"extraArgs": ["--enable-test-seams"]}))
+    wait_status(api, ns, "w4", lambda s: s.get("phase") == "Ready", "w4 Ready")
+    url = world["kubelet"].url("w4-0", port)
+    admin = base64.b64decode(api.core.read_namespaced_secret("w4-sampler-keys", ns).data["admin-api-key"]).decode()
+
+    def call(method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, method=method, data=data,
+                                     headers={"Content-Type": "application/json", "X-API-Key": admin})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    assert call("POST", "/v1/test/engine/pause")[0] == 200
+    sample = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 50}}
+    rids = [call("POST", "/v1/sample/submit", sample)[1]["request_id"] for _ in range(2)]
+    ks.wait_for(lambda: call("GET", "/v1/test/engine/held")[1]["held"] == 2, 10, 0.05, "2 samples in the engine")
+    api.custom.patch_namespaced_custom_object(G, V, ns, P, "w4", {"spec": {"weights": {
+        "checkpoint": str(world["root"] / "step-1"), "versionLabel": "step-1", "inFlight": "Abort"}}})
+    st = wait_status(api, ns, "w4", lambda s: (s.get("weights") or {}).get("label") == "step-1",
+                     "w4 at step-1 while its samples are frozen")
+    assert st["weights"]["declaredResult"] == "Loaded"
+    for rid in rids:
+        code, body = call("POST", "/v1/sample/retrieve", {"request_id": rid, "wait_s": 5})
+        assert code == 503 and body["error"]["category"] == "aborted", body
+    assert pod_metric(world, "w4-0", port, 'sampler_requests_finished_total{outcome="aborted"}') == 2
+    assert call("POST", "/v1/test/engine/resume")[0] == 200
+
+
 def _replacements_in_progress(events: list[tuple[str, Any]]) -> int:
     """Replay the pod watch: most replicas at once whose old pod is gone or going while their new
     pod is not Ready yet (a replacement in progress, as the API server shows it)."""

@@ -31,10 +31,10 @@ UID = "uid-1"
 TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
 
 
-def spec(replicas: int = 3, label: str | None = "step-1", max_unavailable: int = 1) -> PoolSpec:
+def spec(replicas: int = 3, label: str | None = "step-1", max_unavailable: int = 1, mode: str = "Drain") -> PoolSpec:
     weights = {"checkpoint": f"/ckpt/{label}", "versionLabel": label} if label else None
     return PoolSpec.model_validate({"replicas": replicas, "template": TEMPLATE, "weights": weights,
-                                    "rollout": {"maxUnavailable": max_unavailable}})
+                                    "rollout": {"maxUnavailable": max_unavailable, "mode": mode}})
 
 
 def at(s: PoolSpec, name: str, *, phase: str = "Ready", label: str | None = None, draining: bool = False,
@@ -120,6 +120,22 @@ def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
     # The weights move again while p-0 is out loading step-2: it gets step-3 at once, no extra batch.
     newer = spec(label="step-3")
     assert plan("p", UID, newer, loading) == Plan(update=["p-0"])
+
+
+def test_abort_mode_reaches_each_replica_load_and_a_mode_change_alone_rolls_nothing() -> None:
+    drain, abort = spec(), spec(mode="Abort")
+    assert "inFlight" not in desired_replica_spec("p", drain)["weights"]  # the spec pools have always written
+    body = replica_body("p", "ns", UID, abort, 0)
+    assert body["spec"]["weights"]["inFlight"] == "Abort" and parse_spec(body["spec"]).weights.in_flight == "Abort"
+    assert spec_hash(desired_replica_spec("p", abort)) == spec_hash(desired_replica_spec("p", drain))
+    settled = [at(drain, f"p-{i}") for i in range(3)]
+    assert plan("p", UID, abort, settled).empty()
+    assert pool_status("p", UID, abort, settled, 1)["updatedReplicas"] == 3
+    # The next weights change is a rollout as ever, and each replica is given the mode with the weights.
+    step2 = spec(label="step-2", mode="Abort")
+    assert plan("p", UID, step2, settled).update == ["p-0"]
+    assert desired_replica_spec("p", step2)["weights"] == {"checkpoint": "/ckpt/step-2", "versionLabel": "step-2",
+                                                           "inFlight": "Abort"}
 
 
 def test_status_counts_ready_and_updated() -> None:

@@ -16,6 +16,7 @@ from sampler_operator.weights_intent import (
     LOADED,
     WeightsRef,
     adapter_changes,
+    declared_load_request,
     declared_outcome,
     needs_declared_load,
     observed_weights,
@@ -84,6 +85,18 @@ def test_a_new_declaration_is_loaded_once_and_then_recorded() -> None:
     assert needs_declared_load(spec(weights=step(2)), recorded)
     # A refused checkpoint is acted on too: not loaded again until the spec changes.
     assert not needs_declared_load(s, declared_outcome(s, INVALID, "bad tensor"))
+
+
+def test_in_flight_says_how_to_load_not_what() -> None:
+    drain, abort = spec(weights=step(1)), spec(weights={**step(1), "inFlight": "Abort"})
+    assert drain.weights.in_flight == "Drain"
+    # Drain is the request pods have always accepted; Abort asks the pod to abort its samples in flight.
+    assert declared_load_request(drain) == {"path": f"{ROOT}/step-1", "version_label": "step-1"}
+    assert declared_load_request(abort) == {"path": f"{ROOT}/step-1", "version_label": "step-1", "in_flight": "abort"}
+    # Changing only inFlight loads nothing again.
+    assert not needs_declared_load(abort, declared_outcome(drain, LOADED, "ok"))
+    with pytest.raises(InvalidSpec, match="spec.weights.inFlight"):
+        spec(weights={**step(1), "inFlight": "Kill"})
 
 
 def test_startup_weights_follow_the_newest_intent() -> None:
