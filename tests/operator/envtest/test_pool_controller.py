@@ -214,12 +214,16 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
         assert [reps[n]["spec"]["weights"]["versionLabel"] for n in ("w-0", "w-1", "w-2")] == [
             "step-bad", "step-2", "step-2"]
         assert [r["state"] for r in pool_status(api, ns, "w")["replicaStatus"]] == ["Rejected", "Outdated", "Outdated"]
-        # New weights resume it: every replica reaches them.
+        # New weights resume it, this time in Abort mode: every replica reaches them, each load told
+        # to abort its samples in flight (the pod side of Abort: tests/unit/test_load_abort.py).
         api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", "w", {
-            "spec": {"weights": {"checkpoint": str(root / "step-1"), "versionLabel": "step-1b"}}})
+            "spec": {"weights": {"checkpoint": str(root / "step-1"), "versionLabel": "step-1b"},
+                     "rollout": {"maxUnavailable": 1, "mode": "Abort"}}})
         ks.wait_for(lambda: (s := pool_status(api, ns, "w")).get("updatedReplicas") == 3
                     and s.get("targetLabel") == "step-1b", 120, 0.2, "3 at step-1b")
         assert conditions(api, ns, "w")["Progressing"][:2] == ("False", "RolloutComplete")
+        assert {n: o["spec"]["weights"].get("inFlight") for n, o in replicas_of(api, ns).items()} == {
+            "w-0": "Abort", "w-1": "Abort", "w-2": "Abort"}
     finally:
         done.set()
         stack.close()
