@@ -27,15 +27,16 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from bench.gateway_rollout import checkpoints, closed_loop, rollout, summary_lines
-from bench.load import post_sample, run_cell
+from bench.load import OneRequest, post_sample
 from bench.report import write_section
+from bench.rounds import Cell, System, ratios, run_rounds
 from bench.sampling_concurrency import MAX_TOKENS, REQUESTS, engine_args, http_session
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.gateway import RunningGateway, fake_replicas, run_gateway
@@ -57,13 +58,6 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(overhead_requests=200, throughput_requests=64, rollouts=1, rollout_clients=2)
-
-
-@dataclass
-class Samples:
-    values: list[float] = field(default_factory=list)
-    loadavg: list[float] = field(default_factory=list)
-    failed: int = 0  # throughput requests whose connection broke (counted, not retried)
 
 
 def _cell_header(name: str) -> float:
@@ -143,8 +137,14 @@ def vllm_pool(names: list[str], *flags: str) -> Iterator[dict[str, RunningServer
                for n in names}
 
 
-async def throughput(rounds: int, sizes: Sizes, rng: random.Random) -> tuple[list[float], dict[str, Samples]]:
-    cells = {s: Samples() for s in SYSTEMS}
+@contextlib.asynccontextmanager
+async def _running(one: OneRequest, pid: int) -> AsyncIterator[tuple[OneRequest, int]]:
+    """A system on processes already up: direct and gateway share the replicas and the gateway, so a
+    round has nothing to start or stop."""
+    yield one, pid
+
+
+async def throughput(rounds: int, sizes: Sizes, rng: random.Random) -> tuple[list[float], dict[str, Cell]]:
     with vllm_pool(["v0", "v1"]) as servers, run_gateway({n: s.url for n, s in servers.items()}) as gw:
         gw.wait_eligible(set(servers))
         direct = [s.url for s in servers.values()]
@@ -156,28 +156,15 @@ async def throughput(rounds: int, sizes: Sizes, rng: random.Random) -> tuple[lis
             async def spread(seed: int) -> int:
                 return await post_sample(http, direct[seed % len(direct)], seed, MAX_TOKENS)
 
-            ones = {"direct": spread, "gateway": via_gateway}
-            for one in ones.values():
-                await run_cell(one, 8, 32, 10_000_000, gw.proc.pid, MAX_TOKENS)    # warm-up, not counted
-            seed = 0
-            for rnd in range(rounds):
-                order = list(SYSTEMS)
-                rng.shuffle(order)
-                print(f"throughput round {rnd + 1}: {' '.join(order)}", flush=True)
-                for name in order:
-                    cells[name].loadavg.append(_cell_header(f"  {name}"))
-                    run = await run_cell(ones[name], CONCURRENCY, sizes.throughput_requests, seed,
-                                         gw.proc.pid, MAX_TOKENS)
-                    seed += sizes.throughput_requests
-                    cells[name].values.append(run.toks_per_s)
-                    cells[name].failed += run.failed
-                    print(f"  {run.toks_per_s:8.0f} tok/s  gateway cpu {run.cpu_per_1k:.3f} s/1k tok  "
-                          f"failed {run.failed}", flush=True)
-    ratios = [g / d for g, d in zip(cells["gateway"].values, cells["direct"].values, strict=True)]
-    return ratios, cells
+            # The gateway's CPU is what both systems report (direct: the gateway idles).
+            systems: dict[str, System] = {"direct": lambda: _running(spread, gw.proc.pid),
+                                          "gateway": lambda: _running(via_gateway, gw.proc.pid)}
+            results = await run_rounds(systems, rounds, [CONCURRENCY], {CONCURRENCY: sizes.throughput_requests},
+                                       MAX_TOKENS, rng.randrange(1 << 30))
+    return ratios(results, "gateway", "direct", CONCURRENCY), {s: results[s][CONCURRENCY] for s in SYSTEMS}
 
 
-def throughput_lines(ratios: list[float], cells: dict[str, Samples], rounds: int, sizes: Sizes) -> list[str]:
+def throughput_lines(ratios: list[float], cells: dict[str, Cell], rounds: int, sizes: Sizes) -> list[str]:
     med = statistics.median
     loads = [x for c in cells.values() for x in c.loadavg]
     r = med(ratios)
@@ -187,11 +174,11 @@ def throughput_lines(ratios: list[float], cells: dict[str, Samples], rounds: int
             f"1-minute load average per cell: {min(loads):.2f}-{max(loads):.2f}.", "",
             "| direct (median tok/s) | gateway (median tok/s) | gateway / direct (median of paired ratios) | "
             "per round | target |", "|---|---|---|---|---|",
-            f"| {med(cells['direct'].values):,.0f} | {med(cells['gateway'].values):,.0f} | {r:.2f} | "
+            f"| {med(cells['direct'].toks_per_s):,.0f} | {med(cells['gateway'].toks_per_s):,.0f} | {r:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in ratios)} | ≥ {TARGET_RATIO:g} "
             f"({'met' if r >= TARGET_RATIO else 'NOT met'}) |", "",
-            f"Requests whose connection broke (counted, not retried): direct {cells['direct'].failed}, "
-            f"gateway {cells['gateway'].failed}."]
+            f"Requests whose connection broke (counted, not retried): direct {sum(cells['direct'].failed)}, "
+            f"gateway {sum(cells['gateway'].failed)}."]
 
 
 # ---------------------------------------------------------------------------- rollout
