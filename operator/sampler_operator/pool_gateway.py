@@ -55,6 +55,9 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     # The replicas' own key: the gateway checks it and forwards it as sent. Never an open gateway.
     env: list[dict[str, Any]] = [{"name": "SAMPLER_GATEWAY_API_KEY",
                                   "valueFrom": {"secretKeyRef": api_key.as_dict()}}]
+    # The user's extras come after ours; one named like the key is dropped: the gateway must check
+    # exactly the key its replicas check.
+    env += [dict(v) for v in gw.get("env") or [] if v.get("name") != "SAMPLER_GATEWAY_API_KEY"]
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
     container: dict[str, Any] = {
         "name": "gateway", "image": gw.get("image") or gateway_image(),
@@ -66,6 +69,10 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     }
     if gw.get("resources"):
         container["resources"] = gw["resources"]
+    pod_spec: dict[str, Any] = {"serviceAccountName": name, "containers": [container]}
+    if gw.get("hostNetwork"):
+        # As a replica's pod: on the node's network, cluster DNS still first.
+        pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     rules = [{"apiGroups": ["sampler.rl.dev"], "resources": ["samplerreplicas", "samplerpools"],
               "verbs": ["get", "list", "watch"]},
              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
@@ -80,7 +87,7 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, namespace, uid, name),
          "spec": {"replicas": int(gw.get("replicas", 1)), "selector": {"matchLabels": selector},
                   "template": {"metadata": {"labels": selector},
-                               "spec": {"serviceAccountName": name, "containers": [container]}}}},
+                               "spec": pod_spec}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, namespace, uid, name),
          "spec": {"selector": selector, "ports": [{"name": "http", "port": port, "targetPort": "http"}]}},
     ]

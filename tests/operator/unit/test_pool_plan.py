@@ -185,6 +185,22 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
     granted = {(r, v) for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {(r, v) for r in ("samplerreplicas", "samplerpools", "pods") for v in ("get", "list", "watch")}
+    assert "hostNetwork" not in dep["template"]["spec"]
+
+
+def test_gateway_on_the_node_network_with_extra_env_keeps_its_key() -> None:
+    from sampler_operator.pool_gateway import gateway_objects
+
+    extra = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+             {"name": "SAMPLER_GATEWAY_API_KEY", "value": "tml-not-the-pools"}]
+    pool_spec = {"template": TEMPLATE, "gateway": {"hostNetwork": True, "env": extra}}
+    keys = pool_keys("p", PoolSpec.model_validate(pool_spec))
+    [dep] = [o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api) if o["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # The pool's key stays the only one: an extra named like it is dropped.
+    assert pod["containers"][0]["env"] == [
+        {"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": keys.api.as_dict()}}, extra[0]]
 
 
 def test_a_template_without_keys_gets_one_generated_secret_for_the_whole_pool() -> None:
