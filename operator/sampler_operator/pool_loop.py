@@ -30,6 +30,8 @@ from .pool_plan import (
     pool_keys,
     pool_status,
     replica_body,
+    replica_index,
+    replica_spec,
     spec_hash,
 )
 from .status import iso
@@ -135,7 +137,7 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     for replica in todo.update:
         # Out of routing and onto the new spec in one write: never one without the other.
         await kube.json_patch_replica(namespace, replica, [
-            {"op": "replace", "path": "/spec", "value": desired},
+            {"op": "replace", "path": "/spec", "value": replica_spec(name, spec, replica_index(name, replica))},
             {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
             {"op": "add", "path": _DRAIN_PATH, "value": "true"},
         ])

@@ -56,6 +56,8 @@ ANNOTATION_DRAINING_SINCE = "sampler.rl.dev/draining-since"
 # The gateway sees a drain mark within two refreshes (<= 1 s, docs/pool.md); the mark's time has a
 # resolution of 1 s. Before this, an idle replica may still be picked by a gateway that missed the mark.
 ROUTING_GRACE_S = 3.0
+# A SamplerReplica's spec.port when its template says none (the CRD's default).
+DEFAULT_PORT = 8000
 
 
 class _Model(BaseModel):
@@ -84,7 +86,7 @@ def replica_name(pool: str, index: int) -> str:
     return f"{pool}-{index}"
 
 
-def _index(pool: str, name: str) -> int:
+def replica_index(pool: str, name: str) -> int:
     tail = name[len(pool) + 1:]
     return int(tail) if name.startswith(pool + "-") and tail.isdigit() else 1 << 30
 
@@ -123,6 +125,17 @@ def desired_replica_spec(pool: str, spec: PoolSpec) -> dict[str, Any]:
     return out
 
 
+def replica_spec(pool: str, spec: PoolSpec, index: int) -> dict[str, Any]:
+    """What replica `index` is given: the pool's desired spec, except that with `hostNetwork` replica
+    i listens on `template.port + i`. Pods on the node's network share its ports, and a node may run
+    several of a pool's replicas. The port is not in the spec hash (desired_replica_spec is), so the
+    offset never makes a replica look outdated."""
+    out = desired_replica_spec(pool, spec)
+    if out.get("hostNetwork"):
+        out["port"] = int(out.get("port", DEFAULT_PORT)) + index
+    return out
+
+
 def spec_hash(replica_spec: dict[str, Any]) -> str:
     """The hash of what a replica is given, without `weights.inFlight`: that says how a load treats
     the samples in flight, not what the replica serves, so a change of `rollout.mode` alone rolls no
@@ -137,16 +150,15 @@ def spec_hash(replica_spec: dict[str, Any]) -> str:
 
 
 def replica_body(pool: str, namespace: str, pool_uid: str, spec: PoolSpec, index: int) -> dict[str, Any]:
-    replica_spec = desired_replica_spec(pool, spec)
     return {
         "apiVersion": API_VERSION, "kind": KIND,
         "metadata": {
             "name": replica_name(pool, index), "namespace": namespace,
             "labels": {LABEL_POOL: label_value(pool), LABEL_MANAGED_BY: MANAGED_BY},
-            "annotations": {ANNOTATION_SPEC_HASH: spec_hash(replica_spec)},
+            "annotations": {ANNOTATION_SPEC_HASH: spec_hash(desired_replica_spec(pool, spec))},
             "ownerReferences": [pool_owner_ref(pool, pool_uid)],
         },
-        "spec": replica_spec,
+        "spec": replica_spec(pool, spec, index),
     }
 
 
@@ -240,11 +252,11 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     wanted = {replica_name(pool, i) for i in range(spec.replicas)}
     have = {r.name for r in ours}
     create = [i for i in range(spec.replicas) if replica_name(pool, i) not in have]
-    beyond = sorted((r for r in ours if r.name not in wanted), key=lambda r: -_index(pool, r.name))
+    beyond = sorted((r for r in ours if r.name not in wanted), key=lambda r: -replica_index(pool, r.name))
     retire = [r.name for r in beyond if r.leaving_since is None]
     gone = [r for r in beyond if r.leaving_since is not None]
     delete = [r.name for r in gone if _drained(r, spec, now, in_flight or {})]
-    current = sorted((r for r in ours if r.name in wanted), key=lambda r: _index(pool, r.name))
+    current = sorted((r for r in ours if r.name in wanted), key=lambda r: replica_index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))
     # Scaled back up while draining to leave: back in routing; the rollout takes it from there.
     undrain = [r.name for r in current if r.leaving_since is not None or (
@@ -268,7 +280,7 @@ def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[Replica
                 old_conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target), and
     the conditions Available and Progressing (pool_conditions.py)."""
-    ours = sorted((r for r in existing if r.owner_uid == pool_uid), key=lambda r: _index(pool, r.name))
+    ours = sorted((r for r in existing if r.owner_uid == pool_uid), key=lambda r: replica_index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))
     target = spec.target_label
 

@@ -22,6 +22,7 @@ from sampler_operator.pool_plan import (
     pool_keys,
     pool_status,
     replica_body,
+    replica_spec,
     spec_hash,
 )
 from sampler_operator.spec import parse_spec
@@ -298,3 +299,13 @@ def test_rollout_events_tell_each_transition_once() -> None:
         ("Warning", "RolloutStopped", "p-0 rejected")]
     assert rollout_events(status("RolloutStopped", "p-0 rejected"), status("RolloutStopped", "p-0 rejected"), []) == []
     assert rollout_events(None, status("RolloutComplete"), []) == []  # a pool created at rest: no story
+
+
+def test_host_network_replicas_each_get_their_own_port_outside_the_hash() -> None:
+    s = spec().model_copy(update={"template": {**TEMPLATE, "hostNetwork": True, "port": 9100}})
+    bodies = [replica_body("p", "ns", UID, s, i) for i in range(3)]
+    assert [b["spec"]["port"] for b in bodies] == [9100, 9101, 9102]
+    # One hash for all: the offset never makes a replica look outdated (plan compares it).
+    assert {b["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for b in bodies} == {
+        spec_hash(desired_replica_spec("p", s))}
+    assert "port" not in replica_spec("p", spec(), 2)  # on the pod network: the template's, one for all
