@@ -12,6 +12,9 @@ new spec (its own controller then loads the weights in place, or replaces the po
 change), and is put back in routing once it is Ready at the new spec and, with declared weights,
 reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
 ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
+An outdated replica that is not Ready (starting, or being replaced after an uncertain write) is out
+of service anyway: it gets the new spec at once, outside the batch budget (as a Deployment replaces
+unavailable pods first), so its next pod starts at the target and is routed to only once verified.
 
 `rollout.mode` says how each replica's load treats its samples in flight: Drain waits for them,
 Abort has the pod abort them (each answered "resubmit"; the gateway has already stopped routing to
@@ -268,9 +271,15 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     budget = max(0, spec.rollout.max_unavailable - len(busy))
     # Out of routing at a spec that changed again mid-rollout: the newest spec, at no extra cost.
     stale = [r.name for r in out if r.spec_hash != want_hash]
-    outdated = [r.name for r in current if r.spec_hash != want_hash and not r.draining]
+    outdated = [r for r in current if r.spec_hash != want_hash and not r.draining]
+    # Outdated and not Ready (starting, or being replaced after an uncertain write): out of service
+    # anyway, so it takes the new spec at no cost to the budget. Its next pod then starts at the target
+    # weights, and it stays out of routing until it reports them: a replacement mid-rollout never
+    # serves a request on the old weights, nor before it is verified.
+    down = [r.name for r in outdated if r.phase != "Ready"]
+    up = [r.name for r in outdated if r.phase == "Ready"]
     # A replica refused the target: the rollout stops where it is (no batch is sent into the same refusal).
-    update = [] if rejection(pool_uid, spec, existing) else stale + outdated[:budget]
+    update = [] if rejection(pool_uid, spec, existing) else stale + down + up[:budget]
     return Plan(create=create, retire=retire, delete=delete, update=update, undrain=undrain,
                 leaving=[r.name for r in gone if r.name not in delete])
 

@@ -123,6 +123,18 @@ def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
     assert plan("p", UID, newer, loading) == Plan(update=["p-0"])
 
 
+def test_an_outdated_replica_being_replaced_takes_the_target_at_once_outside_the_budget() -> None:
+    old, new = spec(label="step-1"), spec(label="step-2")
+    loading = at(new, "p-0", label="step-1", draining=True)
+    # p-2's write failed mid-rollout: its replica is replacing the pod, still at the old spec. It is
+    # out of service anyway, so it gets the target now (its new pod starts there) and stays out of
+    # routing until verified; p-1, serving, still waits for the budget.
+    replacing = [loading, at(old, "p-1"), at(old, "p-2", phase="Replacing")]
+    assert plan("p", UID, new, replacing) == Plan(update=["p-2"])
+    # Verified at the target: back in routing like any batch.
+    assert plan("p", UID, new, [loading, at(old, "p-1"), at(new, "p-2", draining=True)]) == Plan(undrain=["p-2"])
+
+
 def test_abort_mode_reaches_each_replica_load_and_a_mode_change_alone_rolls_nothing() -> None:
     drain, abort = spec(), spec(mode="Abort")
     assert "inFlight" not in desired_replica_spec("p", drain)["weights"]  # the spec pools have always written
