@@ -5,8 +5,10 @@ What is measured, and what is not: the pool controller needs Kubernetes, so this
 the controller takes (pool_plan: per batch of at most maxUnavailable replicas, mark draining -> load ->
 verify the replica serves the target label -> back in routing) against the static gateway, whose
 replicas file plays the drain annotation. The controller's own API round trips are not in it; the
-gateway-side part (drain seen, label seen, back in routing) and the loads are. Each step waits on the
-gateway's /health (its own view), never on time.
+gateway-side part (drain seen, back in routing on the new label) and the loads are. The verify step
+asks the replica's own /health, as the controller reads the label from the replica's status (written
+from that /health), not from the gateway. The gateway steps wait on the gateway's /health (its own
+view), never on time.
 
 The target of issue 12 ("≤ the slowest single load + 1 s") is for one batch; with several batches the
 loads add up, so the bound here is the sum over batches of each batch's slowest load, + 1 s.
@@ -124,10 +126,13 @@ def rollout(gw: RunningGateway, urls: dict[str, str], checkpoint: str, label: st
 
         with ThreadPoolExecutor(len(batch)) as ex:
             loads.append(list(ex.map(load, batch)))
-        # verify: the replica serves the target label, as the gateway's refresh of its /health sees it
-        gw.wait(_each(out, lambda r: r["weights_label"] == label), f"{out} on {label}")
+        # verify: the replica serves the target label, asked as the controller asks it
+        for name in batch:
+            served = httpx.get(urls[name] + "/health", timeout=30).json().get("weights_label")
+            assert served == label, f"{name} serves {served!r} after loading {label!r}"
         write_replicas(gw.replicas_file, _members(urls, set()))
-        gw.wait(_each(out, lambda r: bool(r["eligible"])), f"{out} back in routing")
+        gw.wait(_each(out, lambda r: bool(r["eligible"]) and r["weights_label"] == label),
+                f"{out} back in routing on {label}")
     total = time.perf_counter() - t0
     return Rollout(max_unavailable, total, loads, tally.refused - refused0, tally.failed - failed0)
 
@@ -159,9 +164,9 @@ def summary_lines(results: list[Rollout], engine: str, concurrency: int) -> list
     med = statistics.median
     lines = [f"Pool rollout: 2 replicas ({engine} engine), static gateway (`--version-policy Latest`), "
              f"{concurrency} clients sampling through the gateway throughout. Per batch: drain mark "
-             "(replicas file) -> load (`POST /v1/checkpoints/load`) -> label seen by the gateway -> back in "
-             "routing; the controller's own API calls are not in it. Bound: per batch the slowest load, summed, "
-             f"+ {ROLLOUT_BUDGET_S:g} s.", "",
+             "(replicas file) -> load (`POST /v1/checkpoints/load`) -> label verified at the replica's "
+             "`/health` -> back in routing on it (as the gateway sees it); the controller's own API calls are "
+             f"not in it. Bound: per batch the slowest load, summed, + {ROLLOUT_BUDGET_S:g} s.", "",
              "| maxUnavailable | rollouts | rollout (median) | loads (slowest per batch, summed; median) | "
              "overhead beyond the loads (median, max) | within bound | 503s / other failures |",
              "|---|---|---|---|---|---|---|"]

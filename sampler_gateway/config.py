@@ -34,9 +34,10 @@ class GatewayConfig(BaseModel):
     replicas: list[str] = Field(
         default_factory=list, description="a replica as NAME=URL (flag --replica, repeatable; env: comma-separated)")
     replicas_file: Path | None = Field(
-        None, description='JSON list of {"name", "url", "draining"?}, re-read every refresh (static discovery)')
+        None, description='JSON list of {"name", "url", "draining"?}, re-read when it changes (static discovery)')
     refresh_interval_s: float = Field(
-        0.5, gt=0, le=1.0, description="how often each replica's /health is read (and the replica set refreshed)")
+        0.5, gt=0, le=60.0, description="how often each replica's /health is read when nothing changes; a change of "
+                                        "the replica set (a drain, a new replica) is acted on at once")
     health_timeout_s: float = Field(
         1.0, gt=0, description="a /health read taking longer is unanswered (bounded by --refresh-interval-s)")
     health_failure_threshold: int = Field(

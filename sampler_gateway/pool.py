@@ -44,8 +44,9 @@ class Pool:
     def min_label(self) -> str | None:
         return self.view.min_label or self.cfg.min_label
 
-    def update(self, view: PoolView) -> None:
-        """A refresh from discovery."""
+    def update(self, view: PoolView, refreshed: bool = True) -> None:
+        """A view from discovery: a refresh's `/health` reads, or (`refreshed=False`) a membership
+        change applied to the last reads (discovery/merge.py)."""
         for name, (at, _) in list(self._lost.items()):
             r = view.by_name.get(name)
             if r is None or (r.ready and view.started_at > at):
@@ -53,7 +54,8 @@ class Pool:
         self.view = view
         self.order.see((r.weights_label, r.weights_version) for r in view.replicas
                        if r.ready and r.weights_label is not None)
-        self.refreshes += 1
+        if refreshed:
+            self.refreshes += 1
         states = {"ready": 0, "draining": 0, "not_ready": 0}
         for r in view.replicas:
             states["draining" if r.draining else "ready" if self._usable(r) else "not_ready"] += 1

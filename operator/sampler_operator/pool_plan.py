@@ -56,8 +56,8 @@ from .weights_intent import INVALID
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
 ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
 ANNOTATION_DRAINING_SINCE = "sampler.rl.dev/draining-since"
-# The gateway sees a drain mark within two refreshes (<= 1 s, docs/pool.md); the mark's time has a
-# resolution of 1 s. Before this, an idle replica may still be picked by a gateway that missed the mark.
+# The gateway acts on a drain mark on its watch event (well under 1 s, docs/pool.md); the mark's time
+# has a resolution of 1 s. Before this, an idle replica may still be picked by a gateway that missed the mark.
 ROUTING_GRACE_S = 3.0
 # A SamplerReplica's spec.port when its template says none (the CRD's default).
 DEFAULT_PORT = 8000

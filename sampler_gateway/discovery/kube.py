@@ -13,7 +13,9 @@ The pool's target weights label is the SamplerPool's `spec.weights.versionLabel`
 SamplerPool object (when there is one), so a rollout moves the gateway's target without a restart.
 
 Three list+watch loops (SamplerReplicas, pods, the SamplerPool) run in threads with the blocking
-kubernetes client and keep the latest objects in memory; `membership()` reads that memory.
+kubernetes client and keep the latest objects in memory; `membership()` reads that memory. Every
+event and every (re)list raises a `ChangeSignal`, so the refresh loop acts on a drain mark as soon
+as the API server tells of it, not on its next poll.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..replicas import Member
+from .signal import ChangeSignal
 from .source import Membership
 
 log = logging.getLogger(__name__)
@@ -50,9 +53,9 @@ def _plain(obj: Any) -> dict[str, Any]:
 class _Watch(threading.Thread):
     """List, then watch from that list's resourceVersion; on any error or expiry, list again."""
 
-    def __init__(self, what: str, list_fn: Callable[..., Any], **kwargs: Any) -> None:
+    def __init__(self, what: str, on_change: Callable[[], None], list_fn: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(daemon=True, name=f"watch-{what}")
-        self.what, self.list_fn, self.kwargs = what, list_fn, kwargs
+        self.what, self.on_change, self.list_fn, self.kwargs = what, on_change, list_fn, kwargs
         self.items: dict[str, dict[str, Any]] = {}
         self.synced = threading.Event()
         self._stop = threading.Event()
@@ -73,6 +76,7 @@ class _Watch(threading.Thread):
                 with self._lock:
                     self.items = {o["metadata"]["name"]: o for o in listed.get("items", [])}
                 self.synced.set()
+                self.on_change()
                 w = watch.Watch()
                 for ev in w.stream(self.list_fn, resource_version=listed["metadata"]["resourceVersion"],
                                    timeout_seconds=WATCH_TIMEOUT_S, **self.kwargs):
@@ -85,6 +89,7 @@ class _Watch(threading.Thread):
                             self.items.pop(name, None)
                         else:
                             self.items[name] = obj
+                    self.on_change()
                     if self._stop.is_set():
                         w.stop()
             except Exception as e:  # the API server restarting, a network blip, no such CRD: list again
@@ -141,11 +146,13 @@ class KubeDiscovery:
         selector = f"{POOL_LABEL}={pool}"
         custom, core = client.CustomObjectsApi(), client.CoreV1Api()
         self.pool = pool
+        self._changes = ChangeSignal()
+        changed = self._changes.raise_
         # Every SamplerReplica of the namespace: one applied by hand names its pool in spec.pool only.
-        self._replicas = _Watch("samplerreplicas", custom.list_namespaced_custom_object, group=GROUP,
+        self._replicas = _Watch("samplerreplicas", changed, custom.list_namespaced_custom_object, group=GROUP,
                                 version=VERSION, namespace=namespace, plural=PLURAL)
-        self._pods = _Watch("pods", core.list_namespaced_pod, namespace=namespace, label_selector=selector)
-        self._pool = _Watch("samplerpool", custom.list_namespaced_custom_object, group=GROUP, version=VERSION,
+        self._pods = _Watch("pods", changed, core.list_namespaced_pod, namespace=namespace, label_selector=selector)
+        self._pool = _Watch("samplerpool", changed, custom.list_namespaced_custom_object, group=GROUP, version=VERSION,
                             namespace=namespace, plural=POOL_PLURAL, field_selector=f"metadata.name={pool}")
         self._watches = (self._replicas, self._pods, self._pool)
         for w in self._watches:
@@ -154,6 +161,9 @@ class KubeDiscovery:
     async def membership(self) -> Membership:
         return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()),
                           target_label=target_of(self._pool.snapshot()))
+
+    async def changed(self) -> None:
+        await self._changes.wait()
 
     def close(self) -> None:
         for w in self._watches:

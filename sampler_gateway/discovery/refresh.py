@@ -1,17 +1,25 @@
-"""The refresh loop: every interval, the source's members, each one's `/health` (in parallel, each
-bounded by the health timeout), one `PoolView` published to the pool."""
+"""The refresh loop: the source's members, each one's `/health` (in parallel, each bounded by the
+health timeout), one `PoolView` published to the pool; every interval, and right after the source
+says its membership changed.
+
+Two tasks share the work. `follow_changes` wakes on each change and publishes at once what the new
+membership alone decides (a drain, a removal: merge.py), without a `/health` read; then it asks for
+a refresh. `refresh_forever` runs one refresh at a time: changes during a refresh (a rollout writes
+several objects) ask for exactly one more, right after it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import aiohttp
 
 from ..pool import Pool
-from ..replicas import PoolView
 from .health import read_health
+from .merge import Reads, merge
 from .source import Source
 
 log = logging.getLogger(__name__)
@@ -21,21 +29,46 @@ async def refresh_once(source: Source, pool: Pool, session: aiohttp.ClientSessio
                        failure_threshold: int = 1) -> None:
     started = time.monotonic()
     ms = await source.membership()
-    views = await asyncio.gather(*(read_health(session, m, health_timeout_s, pool.view.by_name.get(m.name),
+    pool.update(merge(ms, pool.view), refreshed=False)
+    against = pool.view
+    views = await asyncio.gather(*(read_health(session, m, health_timeout_s, against.by_name.get(m.name),
                                                failure_threshold) for m in ms.members))
-    pool.update(PoolView(replicas=tuple(views), target_label=ms.target_label, min_label=ms.min_label,
-                         started_at=started))
+    # The membership again: what changed during the reads is not undone by them.
+    reads = Reads(dict(zip(ms.members, views, strict=True)), against, started)
+    pool.update(merge(await source.membership(), pool.view, reads))
+
+
+async def follow_changes(source: Source, pool: Pool, refresh_due: asyncio.Event) -> None:
+    while True:
+        try:
+            await source.changed()
+            pool.update(merge(await source.membership(), pool.view), refreshed=False)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the next change may read well; the refresh below reads anyway
+            log.exception("reading a changed replica set failed")
+            await asyncio.sleep(1.0)  # a source that keeps failing must not spin
+        refresh_due.set()
 
 
 async def refresh_forever(source: Source, pool: Pool, session: aiohttp.ClientSession, interval_s: float,
                           health_timeout_s: float, failure_threshold: int) -> None:
-    while True:
-        t0 = time.monotonic()
-        try:
-            # A slow /health never stretches a round past the interval: a drain is seen within two.
-            await refresh_once(source, pool, session, min(health_timeout_s, interval_s), failure_threshold)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # one failed round is not the end: the next one may succeed
-            log.exception("refresh of the replica set failed")
-        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - t0)))
+    refresh_due = asyncio.Event()
+    follower = asyncio.create_task(follow_changes(source, pool, refresh_due), name="follow-changes")
+    try:
+        while True:
+            t0 = time.monotonic()
+            try:
+                # A slow /health never stretches a refresh past the interval.
+                await refresh_once(source, pool, session, min(health_timeout_s, interval_s), failure_threshold)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one failed refresh is not the end: the next one may succeed
+                log.exception("refresh of the replica set failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(refresh_due.wait(), max(0.0, interval_s - (time.monotonic() - t0)))
+            refresh_due.clear()
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower

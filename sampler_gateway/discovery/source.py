@@ -1,4 +1,6 @@
-"""What a discovery source provides: the members, and the pool's declared labels when it knows them."""
+"""What a discovery source provides: the members, the pool's declared labels when it knows them,
+and a way to wait for the next change of those, so the gateway acts on a drain at once instead of
+on its next poll (refresh.py)."""
 
 from __future__ import annotations
 
@@ -17,5 +19,10 @@ class Membership:
 
 class Source(Protocol):
     async def membership(self) -> Membership: ...
+
+    async def changed(self) -> None:
+        """Return once the membership may have changed since it was last read (at once if it
+        already did). A spurious return costs one extra refresh; a missed one, a poll interval."""
+        ...
 
     def close(self) -> None: ...

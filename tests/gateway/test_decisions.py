@@ -214,7 +214,7 @@ def test_config_flags_env_and_refusals(capsys: pytest.CaptureFixture[str]) -> No
                                     "SAMPLER_GATEWAY_REPLICAS": "a=http://x:1,b=http://y:2"})
     assert [n for n, _ in env.static_members()] == ["a", "b"]
     for argv, needle in [(["--pool", "p", "--discovery", "static"], "needs --replica"),
-                         (["--pool", "p", "--refresh-interval-s", "2"], "--refresh-interval-s"),
+                         (["--pool", "p", "--refresh-interval-s", "61"], "--refresh-interval-s"),
                          (["--pool", "p", "--discovery", "static", "--replica", "r0"], "NAME=http"),
                          (["--pool", "p", "--version-policy", "Newest"], "--version-policy")]:
         with pytest.raises(SystemExit):

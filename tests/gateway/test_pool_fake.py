@@ -158,6 +158,28 @@ def test_drain_stops_new_work_but_not_retrieves(env: Env) -> None:
         assert c.post("/v1/sample/retrieve", json={"request_id": rid}).status_code == 200
 
 
+def test_a_drain_is_acted_on_at_once_not_on_the_next_refresh(env: Env) -> None:
+    """Issue #12, acceptance 4: the leaving replica gets no new request once marked draining (≤ 1 s).
+    This gateway reads /health every 30 s: only the file's change can explain what it sees sooner."""
+    urls = env.pool.urls()
+    with run_gateway(urls, "--api-key", KEY, "--refresh-interval-s", "30") as gw:
+        gw.wait_eligible(set(urls))
+        c = httpx.Client(base_url=gw.url, headers=AUTH, timeout=60)
+        refreshes = gw.health()["refreshes"]
+        marked = time.monotonic()
+        write_replicas(gw.replicas_file, [{"name": n, "url": u, "draining": n == "r2"} for n, u in urls.items()])
+        gw.wait(lambda h: any(r["name"] == "r2" and r["draining"] and not r["eligible"] for r in h["replicas"]),
+                "r2 draining", timeout=10)
+        assert time.monotonic() - marked <= 1.0
+        admitted = env.pod_metric("r2", "sampler_requests_admitted_total")
+        assert {c.post("/v1/sample", json=BODY).headers["x-sampler-replica"] for _ in range(12)} == {"r0", "r1"}
+        assert env.pod_metric("r2", "sampler_requests_admitted_total") == admitted
+        # Unmarked: back in routing after a /health read the change asked for (not 30 s later).
+        write_replicas(gw.replicas_file, [{"name": n, "url": u} for n, u in urls.items()])
+        gw.wait_eligible(set(urls), timeout=10)
+        assert gw.health()["refreshes"] > refreshes
+
+
 def test_no_eligible_replica_is_a_503_with_retry_after(env: Env) -> None:
     urls = env.pool.urls()
     write_replicas(env.gw.replicas_file, [{"name": n, "url": u, "draining": True} for n, u in urls.items()])

@@ -1,6 +1,6 @@
 """A pool of real fake-engine sampler processes behind a real gateway process, all on 127.0.0.1.
 
-Replicas are listed in a JSON file the gateway re-reads on every refresh (static discovery), so a
+Replicas are listed in a JSON file the gateway re-reads as soon as it changes (static discovery), so a
 test drains, adds or removes a replica by rewriting it. `PoolUnderTest.wait_gateway` waits on the
 gateway's own `/health` (its view of the replicas), never on time.
 """

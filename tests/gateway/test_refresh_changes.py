@@ -1,0 +1,247 @@
+"""The refresh loop acts on a membership change at once: `merge` (pure), then `refresh_forever` in
+this process against real HTTP `/health` endpoints on 127.0.0.1 whose answers the test holds back.
+
+Every refresh here runs with a 30 s interval and a 30 s health timeout, so nothing the tests wait
+for can come from the periodic refresh: only a change signal explains it. They wait on the pool's
+state, never on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sampler_gateway.config import GatewayConfig
+from sampler_gateway.discovery.merge import Reads, merge
+from sampler_gateway.discovery.refresh import refresh_forever
+from sampler_gateway.discovery.signal import ChangeSignal
+from sampler_gateway.discovery.source import Membership, Source
+from sampler_gateway.discovery.static import StaticDiscovery
+from sampler_gateway.metrics import GatewayMetrics
+from sampler_gateway.pool import Pool
+from sampler_gateway.replicas import Member, PoolView, ReplicaView
+
+LONG_S = 30.0
+
+
+def rv(name: str, url: str | None = None, ready: bool = True, draining: bool = False,
+       label: str | None = "step-1") -> ReplicaView:
+    return ReplicaView(name, url or f"http://{name}", ready, draining, label, 1)
+
+
+# ---------------------------------------------------------------------------- merge (pure)
+
+
+def test_merge_without_reads_only_takes_replicas_out() -> None:
+    last = PoolView((rv("a"), rv("b"), rv("c"), rv("d", draining=True), rv("e")), started_at=5.0)
+    ms = Membership((Member("a", "http://a"), Member("b", "http://b", draining=True), Member("d", "http://d"),
+                     Member("e", "http://e2"), Member("n", "http://n")), target_label="step-2")
+    view = merge(ms, last)
+    by = view.by_name
+    assert by["a"] == last.by_name["a"]
+    assert by["b"].draining and by["b"].ready           # drained at once; still ready for its futures
+    assert "c" not in by                                 # removed
+    assert by["d"].draining                              # drain mark removed: stays out until a read
+    assert by["e"].url == "http://e2" and not by["e"].ready  # a new pod: not ready until read
+    assert "n" not in by                                 # new: appears once read
+    assert view.target_label == "step-2"
+    assert view.started_at == 5.0                        # still the last reads: lost replicas stay lost
+
+
+def test_merge_counts_a_read_only_if_nothing_changed_while_it_ran() -> None:
+    a, b, c, n = (Member(x, f"http://{x}") for x in "abcn")
+    b_marked = Member("b", "http://b", draining=True)
+    # Before the reads: b marked draining (kept out since), c's mark just removed (still out).
+    against = PoolView((rv("a"), rv("b", draining=True), rv("c", draining=True)), started_at=5.0)
+    read = {a: rv("a", label="step-2"), b_marked: rv("b", draining=True, label="step-2"), c: rv("c", label="step-2"),
+            n: rv("n")}
+    reads = Reads(read, against, started_at=7.0)
+    # During the reads: b's mark removed (its read was made while marked); n added, nothing else.
+    view = merge(Membership((a, b, c, n)), against, reads)
+    assert view.by_name["a"].weights_label == "step-2"
+    assert view.by_name["b"].draining and view.by_name["b"].weights_label == "step-1"
+    assert view.by_name["c"] == rv("c", label="step-2")   # its return: read after the mark went
+    assert view.by_name["n"] == rv("n") and view.started_at == 7.0
+    # A drain and its removal during the reads: the same record, but the view it was read against
+    # changed: the read predates the drain, so it does not put the replica back.
+    drained = merge(Membership((a, b_marked)), PoolView((rv("a"), rv("b"))))
+    reads = Reads({a: rv("a"), b: rv("b", label="step-0")}, PoolView((rv("a"), rv("b"))), started_at=7.0)
+    view = merge(Membership((a, b)), drained, reads)
+    assert view.by_name["b"].draining and view.by_name["b"].weights_label == "step-1"
+
+
+# ---------------------------------------------------------------------------- the loop, in process
+
+
+@dataclass
+class Replica:
+    open: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: its /health answers once set
+    held: int = 0       # reads waiting now
+    reads: int = 0      # reads begun
+
+    def __post_init__(self) -> None:
+        self.open.set()
+
+
+class Replicas:
+    """Replicas as paths of one HTTP server: `<url>/<name>/health`, answered ok at once or, while
+    held, once released."""
+
+    def __init__(self) -> None:
+        self.state: collections.defaultdict[str, Replica] = collections.defaultdict(Replica)
+        self.base = ""
+
+    async def health(self, request: web.Request) -> web.Response:
+        r = self.state[request.match_info["name"]]
+        r.reads += 1
+        r.held += 1
+        try:
+            await r.open.wait()
+        finally:
+            r.held -= 1
+        return web.json_response({"status": "ok", "weights_label": "step-1", "weights_version": 1})
+
+    def member(self, name: str, draining: bool = False) -> Member:
+        return Member(name, f"{self.base}/{name}", draining)
+
+    def hold(self, name: str) -> None:
+        self.state[name].open.clear()
+
+    def release(self, name: str) -> None:
+        self.state[name].open.set()
+
+
+@pytest.fixture
+async def replicas() -> AsyncIterator[Replicas]:
+    reps = Replicas()
+    app = web.Application()
+    app.router.add_get("/{name}/health", reps.health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    reps.base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    yield reps
+    for r in reps.state.values():
+        r.open.set()
+    await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def refreshing(source: Source) -> AsyncIterator[Pool]:
+    pool = Pool(GatewayConfig(pool="p", discovery="static", replicas=["x=http://x"]), GatewayMetrics())
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(refresh_forever(source, pool, session, LONG_S, LONG_S, failure_threshold=3))
+        try:
+            yield pool
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def until(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait on state (the periodic refresh is 30 s away: a 10 s bound fails a test that needs it)."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not cond():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout} s: {what}") from None
+
+
+def eligible(pool: Pool) -> set[str]:
+    return {r.name for r in pool.eligible()}
+
+
+def write(path: Path, members: list[Member]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([{"name": m.name, "url": m.url, "draining": m.draining} for m in members]))
+    os.replace(tmp, path)
+
+
+async def test_a_slow_health_read_delays_no_drain_and_a_return_waits_for_its_read(replicas: Replicas,
+                                                                                tmp_path: Path) -> None:
+    path = tmp_path / "replicas.json"
+    a, b, d = (replicas.member(n) for n in "abd")
+    marked = {n: replicas.member(n, draining=True) for n in "abd"}
+    write(path, [a, b, d])
+    async with refreshing(StaticDiscovery([], path)) as pool:
+        await until("all routed", lambda: eligible(pool) == {"a", "b", "d"})
+        # a's next /health hangs; draining d starts a refresh, which waits on it.
+        replicas.hold("a")
+        write(path, [a, b, marked["d"]])
+        await until("a refresh waiting on a's /health", lambda: replicas.state["a"].held == 1)
+        assert "d" not in eligible(pool)
+        write(path, [a, marked["b"], marked["d"]])
+        await until("b drained", lambda: "b" not in eligible(pool))
+        assert replicas.state["a"].held == 1 and pool.view.by_name["b"].draining
+
+        # b and d unmarked while the refresh still waits (draining a in the same write shows the
+        # write was applied): both stay out, for their /health was read before.
+        write(path, [marked["a"], b, d])
+        await until("a drained", lambda: pool.view.by_name["a"].draining)
+        reads = {n: replicas.state[n].reads for n in "bd"}
+        assert eligible(pool) == set() and replicas.state["a"].held == 1
+
+        # The refresh ends; the changes ask for one more, which reads b and d (b's read held). The
+        # refresh that ended must not have put b back: its read of b predates b's drain.
+        replicas.hold("b")
+        replicas.release("a")
+        await until("the next refresh waiting on b's /health", lambda: replicas.state["b"].held == 1)
+        assert replicas.state["b"].reads > reads["b"] and "b" not in eligible(pool)
+        replicas.release("b")
+        await until("b and d routed again", lambda: eligible(pool) == {"b", "d"})
+        assert replicas.state["d"].reads > reads["d"]
+
+
+class MemorySource:
+    """Members in memory; `set` from any thread raises the change signal, as the kube watches do."""
+
+    def __init__(self, members: list[Member]) -> None:
+        self.members = tuple(members)
+        self.signal = ChangeSignal()
+
+    def set(self, members: list[Member]) -> None:
+        self.members = tuple(members)
+        self.signal.raise_()
+
+    async def membership(self) -> Membership:
+        return Membership(self.members)
+
+    async def changed(self) -> None:
+        await self.signal.wait()
+
+    def close(self) -> None:
+        return None
+
+
+async def test_a_burst_of_changes_during_a_refresh_asks_for_one_more(replicas: Replicas) -> None:
+    a, b, c = (replicas.member(n) for n in "abc")
+    source = MemorySource([a])
+    async with refreshing(source) as pool:
+        await until("a routed", lambda: eligible(pool) == {"a"} and pool.refreshes == 1)
+        replicas.hold("a")
+        source.set([a, b])
+        await until("refresh 2 waiting on a's /health", lambda: replicas.state["a"].held == 1)
+        for members in ([a, b, c], [a, c], [a, b], [a, replicas.member("b", draining=True)], [a]):
+            await asyncio.to_thread(source.set, members)  # from a thread, like a watch event
+        await until("the burst applied", lambda: set(pool.view.by_name) == {"a"})
+        assert pool.refreshes == 1
+        replicas.release("a")
+        await until("refresh 2 and the one after it", lambda: pool.refreshes == 3)
+        # One more change, and its refresh: had the burst asked for more than one refresh, they
+        # would have run before this one.
+        source.set([a, c])
+        await until("c routed", lambda: eligible(pool) == {"a", "c"})
+        assert pool.refreshes == 4 and replicas.state["a"].reads == 4
