@@ -69,7 +69,11 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     }
     if gw.get("resources"):
         container["resources"] = gw["resources"]
+    if gw.get("volumeMounts"):
+        container["volumeMounts"] = [dict(m) for m in gw["volumeMounts"]]
     pod_spec: dict[str, Any] = {"serviceAccountName": name, "containers": [container]}
+    if gw.get("volumes"):
+        pod_spec["volumes"] = [dict(v) for v in gw["volumes"]]
     if gw.get("hostNetwork"):
         # As a replica's pod: on the node's network, cluster DNS still first.
         pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")

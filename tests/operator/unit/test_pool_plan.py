@@ -201,12 +201,15 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     assert "hostNetwork" not in dep["template"]["spec"]
 
 
-def test_gateway_on_the_node_network_with_extra_env_keeps_its_key() -> None:
+def test_gateway_on_the_node_network_with_extra_env_and_volumes_keeps_its_key() -> None:
     from sampler_operator.pool_gateway import gateway_objects
 
     extra = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
              {"name": "SAMPLER_GATEWAY_API_KEY", "value": "tml-not-the-pools"}]
-    pool_spec = {"template": TEMPLATE, "gateway": {"hostNetwork": True, "env": extra}}
+    token = {"name": "sa-token", "secret": {"secretName": "p-gateway-token"}}
+    mount = {"name": "sa-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
+    pool_spec = {"template": TEMPLATE, "gateway": {"hostNetwork": True, "env": extra, "volumes": [token],
+                                                   "volumeMounts": [mount]}}
     keys = pool_keys("p", PoolSpec.model_validate(pool_spec))
     [dep] = [o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api) if o["kind"] == "Deployment"]
     pod = dep["spec"]["template"]["spec"]
@@ -214,6 +217,7 @@ def test_gateway_on_the_node_network_with_extra_env_keeps_its_key() -> None:
     # The pool's key stays the only one: an extra named like it is dropped.
     assert pod["containers"][0]["env"] == [
         {"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": keys.api.as_dict()}}, extra[0]]
+    assert pod["volumes"] == [token] and pod["containers"][0]["volumeMounts"] == [mount]
 
 
 def test_a_template_without_keys_gets_one_generated_secret_for_the_whole_pool() -> None:

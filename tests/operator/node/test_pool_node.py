@@ -1,0 +1,398 @@
+"""Node tier, issue #12 acceptance 2-4: a SamplerPool on the REAL kubelet. Its replicas AND its gateway
+(the Deployment the operator writes, on the operator's image) are real pods; a closed-loop client
+(tests/support/closed_loop.py) samples through the gateway while the pool changes under it.
+
+- Rollout under load (REAL vLLM, pool of 2, maxUnavailable 1, Latest, concurrency 16): step-1 ->
+  step-2 -> step-3 with 0 failed requests, every sequence stamped, never an older version after a
+  newer one, UPDATED = 2 each time, and greedy prompt logprobs at step-3's reference at the end.
+- Replacement safety (same pool, step-3 -> step-4): the replica not yet updated has a weight write
+  fail midway (the sampler's test seam); its replacement pod admits no request before it reports
+  step-4 (its own admitted counter, read before its /health), and the pool ends at 2/2 on step-4.
+- Drain (fake engine, 3 -> 2 under load): no request lost; no request sent more than a second after
+  the leaving replica was marked draining reaches it (the gateway names the replica of each answer).
+
+Replicas use hostNetwork (the node has no pod network): a pool gives replica i `template.port + i`.
+The gateway runs with `spec.gateway.hostNetwork`, the API server's address in `spec.gateway.env` (no
+kube-proxy here) and its account's token mounted through `spec.gateway.volumes` (this API server
+injects none): documented pool options, nothing test-only.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.operator.node.test_node_tier import (
+    NS_PREFIX,
+    PROMPT,
+    SRC_PATH,
+    Api,
+    _checkpoints,
+    _close,
+    _vllm_replica,
+    new_namespace,
+    post,
+    project_image,
+    replica,
+)
+from tests.support import REPO_ROOT
+from tests.support import k8s as ks
+from tests.support.closed_loop import Answer, ClosedLoop, older_after_newer
+from tests.support.operator_harness import OperatorProcess
+from tests.support.polling import Poller
+
+pytestmark = pytest.mark.node
+k8s_node = ks.node_fixture()
+
+G, V = "sampler.rl.dev", "v1alpha1"
+DRAINING = "sampler.rl.dev/draining"
+# In-cluster config reads these; the Service IP is unroutable without kube-proxy.
+API_SERVER_ENV = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                  {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}]
+
+
+def _log(msg: str) -> None:
+    print(f"[pool-node {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def api(k8s_node) -> Api:
+    a = Api(k8s_node)
+    for crd, name in (("samplerreplica.yaml", "samplerreplicas"), ("samplerpool.yaml", "samplerpools")):
+        k8s_node.kubectl("apply", "-f", str(REPO_ROOT / "crds" / crd))
+        ks.wait_crd_established(f"{name}.sampler.rl.dev", cluster=k8s_node)
+    return a
+
+
+@pytest.fixture(scope="module")
+def operator(k8s_node, api, tmp_path_factory):
+    """The operator as a process (as in test_node_tier.py); pools' gateways run the operator IMAGE, as
+    the chart configures it."""
+    log = tmp_path_factory.mktemp("pool-operator") / "operator.log"
+    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, allow_test_seams=True, env={
+        "PYTHONPATH": SRC_PATH, "SAMPLER_OPERATOR_GATEWAY_IMAGE": project_image("operator").tag}).start()
+    op.wait_live(timeout=120)
+    yield op
+    op.stop()
+    _log(f"operator log: {log}")
+
+
+@pytest.fixture
+def ns(api, operator):
+    from tests.support.operator_harness import ensure_watched
+
+    name = new_namespace(api)
+    ensure_watched(api, operator, name)
+    yield name
+    try:
+        api.core.delete_namespace(name)
+    except Exception:
+        pass
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free on 127.0.0.1 (a hostNetwork pool's replicas)."""
+    for _ in range(200):
+        first = ks.free_port()
+        if first + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def weights(step: int) -> dict[str, str]:
+    """The pool's weights: step-N of the checkpoints the replicas mount at /checkpoints."""
+    return {"checkpoint": f"/checkpoints/step-{step}", "versionLabel": f"step-{step}"}
+
+
+def pool_body(name: str, replicas: int, template: dict[str, Any], gateway_port: int,
+              **spec: Any) -> dict[str, Any]:
+    # This API server injects no service-account token (no ServiceAccount admission plugin): the
+    # gateway mounts its account's token Secret (apply_pool makes it) where in-cluster config reads it.
+    token = {"name": "sa-token", "secret": {"secretName": f"{name}-gateway-token"}}
+    mount = {"name": "sa-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
+    return {"apiVersion": f"{G}/{V}", "kind": "SamplerPool", "metadata": {"name": name},
+            "spec": {"replicas": replicas, "template": template,
+                     "rollout": {"maxUnavailable": 1}, "routing": {"versionPolicy": "Latest"},
+                     "gateway": {"port": gateway_port, "hostNetwork": True, "env": API_SERVER_ENV,
+                                 "volumes": [token], "volumeMounts": [mount]}, **spec}}
+
+
+def apply_pool(api: Api, ns: str, body: dict[str, Any]) -> None:
+    """The pool, then a token Secret for its gateway's ServiceAccount once the operator made it (the
+    controller-manager fills it in; the kubelet retries the gateway pod's mount until then)."""
+    api.apply(ns, body)
+    name = body["metadata"]["name"]
+    account = f"{name}-gateway"
+    ks.wait_for(lambda: any(a.metadata.name == account for a in api.core.list_namespaced_service_account(ns).items),
+                60, 0.2, f"ServiceAccount {account}")
+    api.core.create_namespaced_secret(ns, {
+        "metadata": {"name": f"{name}-gateway-token", "annotations": {"kubernetes.io/service-account.name": account}},
+        "type": "kubernetes.io/service-account-token"})
+
+
+def pool_status(api: Api, ns: str, name: str) -> dict[str, Any]:
+    return api.custom.get_namespaced_custom_object(G, V, ns, "samplerpools", name).get("status") or {}
+
+
+def wait_pool(api: Api, ns: str, name: str, n: int, label: str | None, timeout: float) -> dict[str, Any]:
+    """Until the pool reports n replicas ready and updated (at `label`)."""
+    last: dict[str, Any] = {}
+
+    def check() -> Any:
+        nonlocal last
+        last = pool_status(api, ns, name)
+        return (last.get("readyReplicas") == n and last.get("updatedReplicas") == n and last.get("replicas") == n
+                and last.get("targetLabel") == label and last)
+    try:
+        return ks.wait_for(check, timeout, 0.5, f"pool {name}: {n}/{n} at {label}")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; last status: {json.dumps(last)[:3000]}") from None
+
+
+def pool_key(api: Api, ns: str, pool: str, key: str = "api-key") -> str:
+    return base64.b64decode(api.core.read_namespaced_secret(f"{pool}-sampler-keys", ns).data[key]).decode()
+
+
+def patch_pool(api: Api, ns: str, name: str, spec: dict[str, Any]) -> None:
+    api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", name, {"spec": spec})
+
+
+class Gateway:
+    """The pool's gateway pod, reached on the node's network."""
+
+    def __init__(self, api: Api, ns: str, pool: str, port: int) -> None:
+        self.api, self.ns, self.pool = api, ns, pool
+        self.url = f"http://127.0.0.1:{port}"
+
+    def diagnose(self) -> str:
+        """What a failure message needs: the gateway's Deployment, pods and their logs."""
+        k, ns, sel = self.api.cluster.kubectl, self.ns, "app.kubernetes.io/name=sampler-gateway"
+        out = [k("-n", ns, "get", "deploy,rs,pods", "-o", "wide", check=False),
+               k("-n", ns, "describe", "pods", "-l", sel, check=False)[-3000:],
+               k("-n", ns, "logs", "-l", sel, "--tail", "60", check=False)[-4000:]]
+        return "\n".join(out)
+
+    def health(self) -> dict[str, Any]:
+        try:
+            body: dict[str, Any] = httpx.get(self.url + "/health", timeout=5).json()
+            return body
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def wait(self, pred: Callable[[dict[str, Any]], bool], what: str, timeout: float) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+
+        def check() -> Any:
+            nonlocal last
+            last = self.health()
+            return bool(last) and pred(last) and last
+        try:
+            return ks.wait_for(check, timeout, 0.2, f"gateway: {what}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; last /health: {json.dumps(last)[:3000]}\n{self.diagnose()}") from None
+
+
+def eligible_at(h: dict[str, Any], names: set[str], label: str | None) -> bool:
+    return {r["name"] for r in h.get("replicas", []) if r["eligible"] and (
+        label is None or r["weights_label"] == label)} == names
+
+
+def sample_body(max_tokens: int) -> Callable[[int], dict[str, Any]]:
+    def body(n: int) -> dict[str, Any]:
+        return {"prompts": [[1, 17, 42, 3 + n % 200]],
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": n}}
+    return body
+
+
+class PodCounter(Poller):
+    """Reads a replica port's `/metrics` (admitted requests) and THEN its `/health`, over and over: a
+    request admitted before a read of /health happened before it, so "admitted > 0 while /health was
+    not yet at the target" is a real violation, never an artefact of the two reads."""
+    interval = 0.05
+
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        # (monotonic time, admitted or None, /health status or None, weights label or None)
+        self.seen: list[tuple[float, int | None, str | None, str | None]] = []
+        self.start()
+
+    def _get(self, path: str) -> bytes | None:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=2) as r:
+                return bytes(r.read())
+        except urllib.error.HTTPError as e:
+            return bytes(e.read())
+        except OSError:
+            return None
+
+    def poll(self) -> None:
+        text = self._get("/metrics")
+        admitted = None
+        if text is not None:
+            admitted = int(sum(float(line.split()[-1]) for line in text.decode().splitlines()
+                               if line.startswith("sampler_requests_admitted_total")))
+        raw = self._get("/health")
+        h = json.loads(raw) if raw else {}
+        self.seen.append((time.monotonic(), admitted, h.get("status"), h.get("weights_label")))
+
+
+def assert_clean(answers: list[Answer], what: str) -> None:
+    failed = [(a.status, a.error) for a in answers if a.status != 200]
+    assert not failed, f"{what}: {len(failed)} of {len(answers)} failed: {failed[:5]}"
+    unstamped = [a.body for a in answers if not a.stamped]
+    assert not unstamped, f"{what}: unstamped answers: {unstamped[:2]}"
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns, operator, tiny_model, tmp_path):
+    from tests.support.checkpoints import hf_prompt_logprobs
+    model = Path(tiny_model)
+    root = tmp_path / "checkpoints"
+    _checkpoints(model, root, 1, 2, 3, 4)
+    base, gw_port = free_ports(2), ks.free_port()
+    template = _vllm_replica("t", base, model, root)["spec"]
+    t0 = time.monotonic()
+    apply_pool(api, ns, pool_body("rl", 2, template, gw_port, weights=weights(1)))
+    wait_pool(api, ns, "rl", 2, "step-1", timeout=900)
+    _log(f"pool rl: 2 vLLM replicas at step-1 in {time.monotonic() - t0:.0f}s")
+    gw = Gateway(api, ns, "rl", gw_port)
+    gw.wait(lambda h: eligible_at(h, {"rl-0", "rl-1"}, "step-1"), "both replicas eligible at step-1", 300)
+    key, admin = pool_key(api, ns, "rl"), pool_key(api, ns, "rl", "admin-api-key")
+
+    # --- acceptance 2: step-1 -> step-2 -> step-3 under a closed loop of 16
+    loop = ClosedLoop(gw.url + "/v1/sample", sample_body(16), 16, key).start()
+    loop.wait_for(32, 300, "load through the gateway")
+    for step in (2, 3):
+        t = time.monotonic()
+        patch_pool(api, ns, "rl", {"weights": weights(step)})
+        wait_pool(api, ns, "rl", 2, f"step-{step}", timeout=600)
+        _log(f"rollout to step-{step} under load: {time.monotonic() - t:.1f}s")
+        loop.wait_for(16, 300, f"answers at step-{step}")
+    answers = loop.stop()
+    assert_clean(answers, "rollout under load")
+    labels = [a.label for a in sorted(answers, key=lambda a: a.received)]
+    assert {"step-1", "step-2", "step-3"} <= set(labels), sorted(set(labels))
+    assert older_after_newer(answers, ["step-1", "step-2", "step-3"]) == []
+    _log(f"rollout: {len(answers)} answers, per replica "
+         f"{ {r: sum(a.replica == r for a in answers) for r in ('rl-0', 'rl-1')} }")
+    # Greedy prompt logprobs through the gateway and on each replica: step-3's.
+    reference = hf_prompt_logprobs(root / "step-3", PROMPT)
+    greedy = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": True}}
+    for url in (gw.url, f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"):
+        code, out = post(url + "/v1/sample", greedy, key=key)
+        assert code == 200 and out["weights_label"] == "step-3", out
+        assert _close(list(out["results"][0]["prompt_logprobs"][1:]), reference), (url, out)
+
+    # --- acceptance 3: a replica's write fails midway while the pool rolls out step-4
+    counter = PodCounter(base + 1)
+    loop = ClosedLoop(gw.url + "/v1/sample", sample_body(16), 16, key).start()
+    try:
+        loop.wait_for(16, 300, "load before step-4")
+        patch_pool(api, ns, "rl", {"weights": weights(4)})
+        # rl-0 is the first batch: rl-1 still serves step-3 when its write fails.
+        ks.wait_for(lambda: (api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", "rl-0")
+                             ["metadata"].get("annotations") or {}).get(DRAINING) == "true", 60, 0.1,
+                    "rl-0 out of routing for step-4")
+        old_pod = api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", "rl-1")["status"]["podName"]
+        code, out = post(f"http://127.0.0.1:{base + 1}/v1/checkpoints/load",
+                         {"path": "/checkpoints/step-4", "version_label": "step-4", "test_fail_after_tensors": 1},
+                         key=admin)
+        assert code == 500 and out["error"]["category"] == "weight_write_failed", out
+        ks.wait_for(lambda: api.events(ns, "rl-1", "UncertainWeights"), 60, 0.25, "UncertainWeights on rl-1")
+        t = time.monotonic()
+        st = wait_pool(api, ns, "rl", 2, "step-4", timeout=900)
+        _log(f"rl-1 uncertain -> pool 2/2 at step-4 in {time.monotonic() - t:.0f}s")
+        loop.wait_for(16, 300, "answers at step-4")
+    finally:
+        answers = loop.stop()
+        counter.stop()
+    rl1 = api.status(ns, "rl-1")
+    assert rl1["replacements"] == 1 and rl1["podName"] != old_pod, rl1
+    assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-4", "step-4"], st
+    # The replacement pod: the readings after the old pod's last `uncertain_weights` answer. Before its
+    # first `ok` at step-4 it admitted nothing.
+    seen = counter.seen
+    uncertain = [i for i, (_, _, status, _) in enumerate(seen) if status == "uncertain_weights"]
+    assert uncertain, "the old pod's uncertain state was never read"
+    new = seen[uncertain[-1] + 1:]
+    first_ok = next((i for i, (_, _, status, label) in enumerate(new) if status == "ok" and label == "step-4"), None)
+    assert first_ok is not None, f"the replacement never reported ok at step-4: {new[-5:]}"
+    early = [(round(t, 2), n, status, label) for t, n, status, label in new[:first_ok] if n]
+    assert not early, f"the replacement admitted requests before it reported step-4: {early}"
+    assert any(status == "starting" or status is None for _, _, status, _ in new[:first_ok]), \
+        "the replacement's start was not observed"
+    # The client: only clear errors while no replica could take work (both out), never a hang, and no
+    # older version after a newer one.
+    assert all(a.status != 0 for a in answers), [a.error for a in answers if a.status == 0][:3]
+    assert all(a.body.get("error", {}).get("category") for a in answers if a.status != 200)
+    assert older_after_newer(answers, ["step-3", "step-4"]) == []
+    assert [a.label for a in sorted(answers, key=lambda a: a.received) if a.status == 200][-1] == "step-4"
+
+
+def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api, ns, operator, tiny_model):
+    model = Path(tiny_model)
+    base, gw_port = free_ports(3), ks.free_port()
+    template = replica("t", base, model)["spec"]        # the fake engine: 1 ms per token
+    apply_pool(api, ns, pool_body("dr", 3, template, gw_port))
+    wait_pool(api, ns, "dr", 3, None, timeout=300)
+    gw = Gateway(api, ns, "dr", gw_port)
+    gw.wait(lambda h: eligible_at(h, {"dr-0", "dr-1", "dr-2"}, None), "3 replicas eligible", 300)
+    key = pool_key(api, ns, "dr")
+    marked: dict[str, float] = {}
+    stop = threading.Event()
+
+    def watch_mark() -> None:
+        from kubernetes import watch
+        w = watch.Watch()
+        for ev in w.stream(api.custom.list_namespaced_custom_object, G, V, ns, "samplerreplicas",
+                           field_selector="metadata.name=dr-2", timeout_seconds=300):
+            if (ev["object"]["metadata"].get("annotations") or {}).get(DRAINING) == "true":
+                marked.setdefault("at", time.monotonic())
+            if stop.is_set() or "at" in marked:
+                w.stop()
+
+    watcher = threading.Thread(target=watch_mark, daemon=True)
+    watcher.start()
+    # 200 tokens at 1 ms: requests are in flight on every replica when the mark lands.
+    loop = ClosedLoop(gw.url + "/v1/sample", sample_body(200), 16, key).start()
+    try:
+        loop.wait_for(48, 120, "load on 3 replicas")
+        patch_pool(api, ns, "dr", {"replicas": 2})
+        ks.wait_for(lambda: "at" in marked, 60, 0.05, "dr-2 marked draining")
+        ks.wait_for(lambda: not any(o["metadata"]["name"] == "dr-2" for o in api.custom.list_namespaced_custom_object(
+            G, V, ns, "samplerreplicas")["items"]), 120, 0.2, "dr-2 deleted once drained")
+        wait_pool(api, ns, "dr", 2, None, timeout=60)
+        loop.wait_for(16, 60, "answers from the 2 left")
+    finally:
+        stop.set()
+        answers = loop.stop()
+    assert_clean(answers, "scale 3 -> 2 under load")
+    grace = marked["at"] + 1.0     # one gateway refresh at most (docs/pool.md)
+    late = [a for a in answers if a.replica == "dr-2" and a.sent > grace]
+    assert not late, f"{len(late)} requests sent > 1 s after the drain mark reached dr-2"
+    assert any(a.replica == "dr-2" for a in answers), "dr-2 took no load before the mark: nothing was tested"
+    # dr-2 was deleted only after its requests ended: none of them failed (assert_clean above).
