@@ -18,6 +18,9 @@ from .pool_plan import pool_owner_ref
 from .settings import gateway_image
 
 LABEL_GATEWAY = "sampler.rl.dev/gateway"
+# spec.gateway.resources when unset (docs/pool.md).
+DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
+STARTUP_PROBE_FAILURES = 60  # x 2 s
 
 
 def gateway_name(pool: str) -> str:
@@ -59,16 +62,20 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     # exactly the key its replicas check.
     env += [dict(v) for v in gw.get("env") or [] if v.get("name") != "SAMPLER_GATEWAY_API_KEY"]
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
+    # A gateway starting on a node whose engines are starting too may take a minute to listen
+    # (seen: ~55 s beside two vLLM engine starts on 2 cores): the startup probe gives it 2 minutes
+    # before liveness may kill it, and liveness never kills it mid-start.
+    startup = {**probe, "periodSeconds": 2, "failureThreshold": STARTUP_PROBE_FAILURES}
     container: dict[str, Any] = {
         "name": "gateway", "image": gw.get("image") or gateway_image(),
         "command": ["python", "-m", "sampler_gateway"], "args": args, "env": env,
         "ports": [{"name": "http", "containerPort": port}],
         # Ready while the process serves: with no replica eligible it answers 503 with the reason,
         # which tells a client more than a Service without endpoints would.
-        "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6},
+        "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6}, "startupProbe": startup,
+        # Every request of the pool goes through it: never BestEffort (the least CPU share of the node).
+        "resources": gw.get("resources") or DEFAULT_RESOURCES,
     }
-    if gw.get("resources"):
-        container["resources"] = gw["resources"]
     if gw.get("volumeMounts"):
         container["volumeMounts"] = [dict(m) for m in gw["volumeMounts"]]
     pod_spec: dict[str, Any] = {"serviceAccountName": name, "containers": [container]}

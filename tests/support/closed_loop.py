@@ -78,7 +78,9 @@ class ClosedLoop:
                     a = Answer(sent, time.monotonic(), 0, None, None, None, {}, f"{type(e).__name__}: {e}")
                 with self._lock:
                     self.answers.append(a)
-                if a.status in (429, 503):
+                if a.status == 0:
+                    self._stop.wait(0.5)    # nothing answered: no hot loop of refused connections
+                elif a.status in (429, 503):
                     # As a trainer's client does: wait as told (the pool has no eligible replica now).
                     self._stop.wait(min(float(r.headers.get("retry-after") or 1), 2.0))
 

@@ -260,9 +260,9 @@ class PodCounter(Poller):
         self.seen.append((time.monotonic(), admitted, h.get("status"), h.get("weights_label")))
 
 
-def assert_clean(answers: list[Answer], what: str) -> None:
+def assert_clean(answers: list[Answer], what: str, gw: Gateway) -> None:
     failed = [(a.status, a.error) for a in answers if a.status != 200]
-    assert not failed, f"{what}: {len(failed)} of {len(answers)} failed: {failed[:5]}"
+    assert not failed, f"{what}: {len(failed)} of {len(answers)} failed: {failed[:5]}\n{gw.diagnose()}"
     unstamped = [a.body for a in answers if not a.stamped]
     assert not unstamped, f"{what}: unstamped answers: {unstamped[:2]}"
 
@@ -293,7 +293,7 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
         _log(f"rollout to step-{step} under load: {time.monotonic() - t:.1f}s")
         loop.wait_for(16, 300, f"answers at step-{step}")
     answers = loop.stop()
-    assert_clean(answers, "rollout under load")
+    assert_clean(answers, "rollout under load", gw)
     labels = [a.label for a in sorted(answers, key=lambda a: a.received)]
     assert {"step-1", "step-2", "step-3"} <= set(labels), sorted(set(labels))
     assert older_after_newer(answers, ["step-1", "step-2", "step-3"]) == []
@@ -390,7 +390,7 @@ def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api
     finally:
         stop.set()
         answers = loop.stop()
-    assert_clean(answers, "scale 3 -> 2 under load")
+    assert_clean(answers, "scale 3 -> 2 under load", gw)
     grace = marked["at"] + 1.0     # one gateway refresh at most (docs/pool.md)
     late = [a for a in answers if a.replica == "dr-2" and a.sent > grace]
     assert not late, f"{len(late)} requests sent > 1 s after the drain mark reached dr-2"

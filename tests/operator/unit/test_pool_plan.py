@@ -199,6 +199,9 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     granted = {(r, v) for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert granted == {(r, v) for r in ("samplerreplicas", "samplerpools", "pods") for v in ("get", "list", "watch")}
     assert "hostNetwork" not in dep["template"]["spec"]
+    # Never BestEffort; a slow start is not a dead gateway.
+    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}}
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 120
 
 
 def test_gateway_on_the_node_network_with_extra_env_and_volumes_keeps_its_key() -> None:
