@@ -4,10 +4,17 @@ a refresh's `/health` reads, if any.
 A membership change is news that needs no `/health` read to act on, as long as it only takes a
 replica out of routing: a drain mark, a removal, a new address (a new pod, not ready until read).
 So the refresh loop publishes it at once, before (and while) it reads the replicas' health, and a
-slow `/health` of one replica never delays the drain of another. What would put a replica (back)
-into routing waits for a read made after the change: a new member stays out of the view, and a
-replica whose drain mark was removed stays draining, until a `/health` read begun after that says
-it is ready, so no replica gets traffic on weights nobody checked.
+slow `/health` of one replica never delays the drain of another. A new member, or a new address,
+waits for a read made after the change: nobody has checked what it serves.
+
+A replica whose drain mark is removed returns at once if its last read said it is ready: its
+`/health` is read on every refresh while it drains, so that read is at most one interval old, and
+the controller removes the mark only once the replica reports its target weights. Waiting for one
+more read would leave a gap exactly when it hurts: a rollout step puts one batch back and takes the
+next one out in the same moment, and a pool of two had both replicas out at once (503s, node tier).
+If that read is older than its load, the label it carries is the old one; the first response
+stamped with the new label moves it (pool.py), and the version policy never returns an older label
+after a newer one either way. A replica last read not ready stays out until a read says it is.
 
 So a read counts only if nothing about its replica changed while it ran: its record (address,
 drain mark) is the same in the membership read before and after the reads, and the published view
@@ -59,7 +66,9 @@ def without_read(member: Member, last: ReplicaView | None) -> ReplicaView | None
                                    reason="new address, /health not read yet")
     if member.draining:
         view = dataclasses.replace(view, draining=True)
-    return view  # drain mark removed: still draining here, until a read begun after it
+    elif view.draining and view.ready:
+        view = dataclasses.replace(view, draining=False)  # mark removed, last read ready: back now
+    return view  # mark removed but last read not ready: out until a read says it is
 
 
 def _counted(reads: Reads | None, member: Member, current: ReplicaView | None) -> ReplicaView | None:

@@ -42,16 +42,19 @@ def rv(name: str, url: str | None = None, ready: bool = True, draining: bool = F
 # ---------------------------------------------------------------------------- merge (pure)
 
 
-def test_merge_without_reads_only_takes_replicas_out() -> None:
-    last = PoolView((rv("a"), rv("b"), rv("c"), rv("d", draining=True), rv("e")), started_at=5.0)
+def test_merge_without_reads_takes_replicas_out_and_returns_only_those_last_read_ready() -> None:
+    last = PoolView((rv("a"), rv("b"), rv("c"), rv("d", draining=True), rv("e"),
+                     rv("f", draining=True, ready=False)), started_at=5.0)
     ms = Membership((Member("a", "http://a"), Member("b", "http://b", draining=True), Member("d", "http://d"),
-                     Member("e", "http://e2"), Member("n", "http://n")), target_label="step-2")
+                     Member("e", "http://e2"), Member("n", "http://n"), Member("f", "http://f")),
+                    target_label="step-2")
     view = merge(ms, last)
     by = view.by_name
     assert by["a"] == last.by_name["a"]
     assert by["b"].draining and by["b"].ready           # drained at once; still ready for its futures
     assert "c" not in by                                 # removed
-    assert by["d"].draining                              # drain mark removed: stays out until a read
+    assert by["d"] == rv("d")                            # drain mark removed, last read ready: back at once
+    assert by["f"].draining and not by["f"].ready        # ... last read not ready: out until a read says so
     assert by["e"].url == "http://e2" and not by["e"].ready  # a new pod: not ready until read
     assert "n" not in by                                 # new: appears once read
     assert view.target_label == "step-2"
@@ -69,15 +72,20 @@ def test_merge_counts_a_read_only_if_nothing_changed_while_it_ran() -> None:
     # During the reads: b's mark removed (its read was made while marked); n added, nothing else.
     view = merge(Membership((a, b, c, n)), against, reads)
     assert view.by_name["a"].weights_label == "step-2"
-    assert view.by_name["b"].draining and view.by_name["b"].weights_label == "step-1"
+    # b's read was made on its marked record: it does not count; its last read (ready) puts it back.
+    assert view.by_name["b"] == rv("b", label="step-1")
     assert view.by_name["c"] == rv("c", label="step-2")   # its return: read after the mark went
     assert view.by_name["n"] == rv("n") and view.started_at == 7.0
     # A drain and its removal during the reads: the same record, but the view it was read against
-    # changed: the read predates the drain, so it does not put the replica back.
+    # changed: the read predates the drain and does not count (its label is not taken).
     drained = merge(Membership((a, b_marked)), PoolView((rv("a"), rv("b"))))
     reads = Reads({a: rv("a"), b: rv("b", label="step-0")}, PoolView((rv("a"), rv("b"))), started_at=7.0)
     view = merge(Membership((a, b)), drained, reads)
-    assert view.by_name["b"].draining and view.by_name["b"].weights_label == "step-1"
+    assert view.by_name["b"] == rv("b", label="step-1")
+    # The same with b last read not ready: it stays out.
+    drained = PoolView((rv("a"), rv("b", draining=True, ready=False)))
+    view = merge(Membership((a, b)), drained, Reads({a: rv("a"), b: rv("b")}, PoolView((rv("a"), rv("b"))), 7.0))
+    assert view.by_name["b"].draining and not view.by_name["b"].ready
 
 
 # ---------------------------------------------------------------------------- the loop, in process
@@ -170,8 +178,7 @@ def write(path: Path, members: list[Member]) -> None:
     os.replace(tmp, path)
 
 
-async def test_a_slow_health_read_delays_no_drain_and_a_return_waits_for_its_read(replicas: Replicas,
-                                                                                tmp_path: Path) -> None:
+async def test_a_slow_health_read_delays_no_drain_nor_a_return(replicas: Replicas, tmp_path: Path) -> None:
     path = tmp_path / "replicas.json"
     a, b, d = (replicas.member(n) for n in "abd")
     marked = {n: replicas.member(n, draining=True) for n in "abd"}
@@ -187,22 +194,14 @@ async def test_a_slow_health_read_delays_no_drain_and_a_return_waits_for_its_rea
         await until("b drained", lambda: "b" not in eligible(pool))
         assert replicas.state["a"].held == 1 and pool.view.by_name["b"].draining
 
-        # b and d unmarked while the refresh still waits (draining a in the same write shows the
-        # write was applied): both stay out, for their /health was read before.
+        # b and d unmarked while the refresh still waits, a marked in the same write: b and d are
+        # back at once (their last reads said ready), before any new read; the pool is never empty.
+        reads = {n: replicas.state[n].reads for n in "bd"}
         write(path, [marked["a"], b, d])
         await until("a drained", lambda: pool.view.by_name["a"].draining)
-        reads = {n: replicas.state[n].reads for n in "bd"}
-        assert eligible(pool) == set() and replicas.state["a"].held == 1
-
-        # The refresh ends; the changes ask for one more, which reads b and d (b's read held). The
-        # refresh that ended must not have put b back: its read of b predates b's drain.
-        replicas.hold("b")
+        assert eligible(pool) == {"b", "d"} and replicas.state["a"].held == 1
+        assert {n: replicas.state[n].reads for n in "bd"} == reads
         replicas.release("a")
-        await until("the next refresh waiting on b's /health", lambda: replicas.state["b"].held == 1)
-        assert replicas.state["b"].reads > reads["b"] and "b" not in eligible(pool)
-        replicas.release("b")
-        await until("b and d routed again", lambda: eligible(pool) == {"b", "d"})
-        assert replicas.state["d"].reads > reads["d"]
 
 
 class MemorySource:
