@@ -32,6 +32,9 @@ class Pool:
         # later finds it ready again (a failed connection is fresher news than the last /health).
         self._lost: dict[str, tuple[float, str]] = {}
         self._turn = itertools.count()
+        # Replica -> when it last answered a request (passive health: a busy replica's late /health
+        # does not count against it, discovery/health.py).
+        self._answered_at: dict[str, float] = {}
         self.refreshes = 0
 
     # ---------------------------------------------------------------- what the policy reads
@@ -102,6 +105,7 @@ class Pool:
     def returned(self, replica: ReplicaView, label: str, version: int | None = None) -> bool:
         """A response on `label` is about to go back to a client: False if the version policy forbids
         it (stale), else record it (it may be the first of a newer label)."""
+        self._answered_at[replica.name] = self.clock()
         self.order.see([(label, version)])
         self._observe(replica, label, version)
         if is_stale(label, self.cfg.version_policy, self.order, self.target):
@@ -109,6 +113,10 @@ class Pool:
             return False
         self.order.note_returned(label, self.target)
         return True
+
+    def answered_since(self, name: str, since: float) -> bool:
+        """Did replica `name` answer a request at or after `since` (monotonic)?"""
+        return self._answered_at.get(name, float("-inf")) >= since
 
     def _observe(self, replica: ReplicaView, label: str, version: int | None) -> None:
         """A response is fresher news than the last /health: the replica serves `label` now (so a

@@ -7,12 +7,18 @@ late answer must not empty the pool. A replica that really died is still found a
 requests sent to it (forward.py retries a refused request elsewhere). An answer that is not ok
 (starting, draining, uncertain weights) counts at once.
 
+A late read of a replica that answered a request since shortly before the read began is not counted
+at all: it serves, it is merely busy. Reads now follow every membership change, so "3 in a row" may
+span well under a second; on the node tier a pool of two lost the one replica serving all the
+traffic (the other was loading) to three late reads during a rollout step.
+
 The label matters even for a replica that is not ready: a retrieve of its futures still goes to
 it, and the error that names a lost replica names its version.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -21,13 +27,17 @@ from ..replicas import Member, ReplicaView
 
 
 async def read_health(session: aiohttp.ClientSession, member: Member, timeout_s: float,
-                      last: ReplicaView | None = None, failure_threshold: int = 1) -> ReplicaView:
+                      last: ReplicaView | None = None, failure_threshold: int = 1,
+                      serving: Callable[[], bool] = lambda: False) -> ReplicaView:
+    """`serving()`, asked when a read times out: has the replica answered a request lately?"""
     label = last.weights_label if last is not None else None
     version = last.weights_version if last is not None else None
     try:
         async with session.get(member.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             body: Any = await r.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        if isinstance(e, TimeoutError) and last is not None and last.ready and serving():
+            return last  # busy, not gone: this read says nothing new
         unanswered = (last.unanswered if last is not None else 0) + 1
         if last is not None and last.ready and unanswered < failure_threshold:
             return ReplicaView(member.name, member.url, ready=True, draining=member.draining, weights_label=label,

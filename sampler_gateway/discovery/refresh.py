@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -31,11 +32,17 @@ async def refresh_once(source: Source, pool: Pool, session: aiohttp.ClientSessio
     ms = await source.membership()
     pool.update(merge(ms, pool.view), refreshed=False)
     against = pool.view
+    # "Serving": answered a request since one read-timeout before this refresh began.
     views = await asyncio.gather(*(read_health(session, m, health_timeout_s, against.by_name.get(m.name),
-                                               failure_threshold) for m in ms.members))
+                                               failure_threshold, _serving(pool, m.name, started - health_timeout_s))
+                                   for m in ms.members))
     # The membership again: what changed during the reads is not undone by them.
     reads = Reads(dict(zip(ms.members, views, strict=True)), against, started)
     pool.update(merge(await source.membership(), pool.view, reads))
+
+
+def _serving(pool: Pool, name: str, since: float) -> Callable[[], bool]:
+    return lambda: pool.answered_since(name, since)
 
 
 async def follow_changes(source: Source, pool: Pool, refresh_due: asyncio.Event) -> None:

@@ -78,3 +78,22 @@ async def test_a_replica_never_seen_ready_is_not_ready_until_it_answers(served) 
     replica.mode = "late"
     view = await read_health(session, member, 0.2, None, failure_threshold=3)
     assert not view.ready and view.unanswered == 1
+
+
+async def test_late_reads_of_a_replica_answering_requests_do_not_count(served) -> None:
+    """A busy replica (it answered a request lately) whose /health is late stays in, however many
+    reads in a row are late; once it stops answering requests, late reads count again."""
+    replica, member, session = served
+    view = await read_health(session, member, 0.2, None, failure_threshold=3)
+    replica.mode = "late"
+    for _ in range(5):
+        view = await read_health(session, member, 0.2, view, failure_threshold=3, serving=lambda: True)
+        assert view.ready and view.unanswered == 0 and view.weights_label == "step-1"
+    for n in (1, 2):
+        view = await read_health(session, member, 0.2, view, failure_threshold=3, serving=lambda: False)
+        assert view.ready and view.unanswered == n
+    view = await read_health(session, member, 0.2, view, failure_threshold=3, serving=lambda: False)
+    assert not view.ready
+    # Not ready already: a request answered meanwhile does not bring it back without a read.
+    view = await read_health(session, member, 0.2, view, failure_threshold=3, serving=lambda: True)
+    assert not view.ready
