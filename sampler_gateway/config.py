@@ -70,6 +70,9 @@ class GatewayConfig(BaseModel):
     control_timeout_s: float = Field(
         10.0, gt=0, description="bound of the short calls: submits, sessions, cancels, capabilities")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; past it: 413")
+    no_replica_wait_s: float = Field(
+        10.0, ge=0, description="how long a new request waits for a replica that may take it (a rollout batch "
+                                "coming back, a replica starting) before the 503 no_replica; 0: answer at once")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503 when no replica may take the request")
     log_level: str = Field("info", description="log level")
 

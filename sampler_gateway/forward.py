@@ -1,6 +1,8 @@
 """A request's life through the gateway. Two kinds:
 
-- **New work** (`to_new`): the picker chooses a replica (least loaded, affinity, version policy).
+- **New work** (`to_new`): the picker chooses a replica (least loaded, affinity, version policy);
+  when none may take it now, the request waits for one up to `--no-replica-wait-s` (a rollout step),
+  then 503.
   A replica lost before it got the request is left out and the request goes once more, to another
   replica at the same weights label. A replica lost while running it: a 502 naming the replica and
   its weights, unless the request is `resendable` (a submit: its id never reached the client, so
@@ -56,7 +58,8 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
     tried: set[str] = set()
     label: str | None = None  # a retry stays on the weights the first attempt was routed to
     for attempt in (1, 2):
-        replica = gw.pool.choose(affinity, exclude=frozenset(tried), label=label, prefer=prefer)
+        replica = await gw.pool.choose_within(gw.cfg.no_replica_wait_s, affinity, exclude=frozenset(tried),
+                                              label=label, prefer=prefer)
         tried.add(replica.name)
         try:
             with gw.pool.lease(replica, "new"):

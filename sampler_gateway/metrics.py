@@ -29,6 +29,8 @@ class GatewayMetrics:
                              "returned (Latest), not returned", ["replica"], registry=r)
         self.no_replica = Counter("sampler_gateway_no_replica", "Requests answered 503: no eligible replica",
                                   registry=r)
+        self.waiting = Gauge("sampler_gateway_waiting_for_replica", "New requests waiting for a replica that may "
+                             "take them (--no-replica-wait-s)", registry=r)
         self.gone = Counter("sampler_gateway_owner_gone", "Future/session requests whose owner is gone "
                             "(answered with the protocol's expired form)", registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)

@@ -7,6 +7,7 @@ All of it lives in one event loop (uvicorn's), so plain dicts and ints need no l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -32,6 +33,7 @@ class Pool:
         # later finds it ready again (a failed connection is fresher news than the last /health).
         self._lost: dict[str, tuple[float, str]] = {}
         self._turn = itertools.count()
+        self._changed = asyncio.Event()
         # Replica -> when it last answered a request (passive health: a busy replica's late /health
         # does not count against it, discovery/health.py).
         self._answered_at: dict[str, float] = {}
@@ -64,6 +66,7 @@ class Pool:
             states["draining" if r.draining else "ready" if self._usable(r) else "not_ready"] += 1
         for state, n in states.items():
             self.metrics.replicas.labels(state=state).set(n)
+        self._notify()
 
     def _usable(self, r: ReplicaView) -> bool:
         return r.ready and not r.draining and r.name not in self._lost
@@ -82,17 +85,48 @@ class Pool:
         """The replica for a new request; `label` restricts to one weights label (a retry stays on
         the version it started on); `prefer` names a replica that takes it whenever it is eligible
         (the owner of the client's session). Raises NoReplica (503) when none may take it."""
+        chosen = self._pick(affinity, exclude, label, prefer)
+        if chosen is None:
+            self.metrics.no_replica.inc()
+            raise NoReplica(self.why_none(exclude, label), self.cfg.retry_after_s)
+        return chosen
+
+    async def choose_within(self, wait_s: float, affinity: str | None = None, exclude: frozenset[str] = frozenset(),
+                            label: str | None = None, prefer: str | None = None) -> ReplicaView:
+        """`choose`, but when no replica may take the request now, wait up to `wait_s` for one that
+        may, re-trying at each change of the pool: during a rollout step under Latest the first
+        answer on the new weights can come back before its replica is in routing again, and the
+        old ones may no longer answer; a trainer is better served by a short wait than by a 503."""
+        deadline = self.clock() + wait_s
+        chosen = self._pick(affinity, exclude, label, prefer)
+        if chosen is not None:
+            return chosen
+        self.metrics.waiting.inc()
+        try:
+            while (chosen := self._pick(affinity, exclude, label, prefer)) is None:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return self.choose(affinity, exclude, label, prefer)  # the 503, counted, with the reason
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+            return chosen
+        finally:
+            self.metrics.waiting.dec()
+
+    def _pick(self, affinity: str | None, exclude: frozenset[str], label: str | None,
+              prefer: str | None) -> ReplicaView | None:
         cands = [r for r in self.candidates() if r.name not in exclude and (label is None or r.weights_label == label)]
         allowed, rejected = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)
         for r in rejected:
             self.metrics.rejected_by_version.labels(replica=r.name).inc()
         owner = next((r for r in allowed if r.name == prefer), None)
-        chosen = owner or pick(allowed, self.in_flight, affinity=affinity, capacity=self.cfg.replica_capacity,
-                      turn=next(self._turn))
-        if chosen is None:
-            self.metrics.no_replica.inc()
-            raise NoReplica(self.why_none(exclude, label), self.cfg.retry_after_s)
-        return chosen
+        return owner or pick(allowed, self.in_flight, affinity=affinity, capacity=self.cfg.replica_capacity,
+                             turn=next(self._turn))
+
+    def _notify(self) -> None:
+        """Wake the requests waiting for a replica (choose_within): something that decides routing changed."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def owner(self, name: str) -> ReplicaView | None:
         """The replica named by a routed id, whatever its state (a draining or unready replica still
@@ -112,6 +146,7 @@ class Pool:
             self.metrics.stale.labels(replica=replica.name).inc()
             return False
         self.order.note_returned(label, self.target)
+        self._notify()  # a newer label or a replica's new one: the eligible set may have changed
         return True
 
     def answered_since(self, name: str, since: float) -> bool:

@@ -4,6 +4,7 @@ so every branch is reached deterministically (the process tests cover the real s
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
@@ -35,9 +36,10 @@ def ok(label: str = "step-1") -> Reply:
     return Reply(200, (("content-type", "application/json"),), label.encode())
 
 
-def gateway(script: Script, replicas: list[ReplicaView], policy: str = "Any") -> tuple[Gateway, ScriptedUpstream]:
+def gateway(script: Script, replicas: list[ReplicaView], policy: str = "Any",
+            wait_s: float = 0.0) -> tuple[Gateway, ScriptedUpstream]:
     cfg = GatewayConfig.model_validate({"pool": "p", "discovery": "static", "replicas": ["a=http://a"],
-                                        "version_policy": policy})
+                                        "version_policy": policy, "no_replica_wait_s": wait_s})
     metrics = GatewayMetrics()
     pool = Pool(cfg, metrics)
     pool.update(PoolView(tuple(replicas)))
@@ -136,3 +138,28 @@ async def test_owner_gone_lost_or_restarted() -> None:
     gw, _ = gateway(lambda r: Reply(404, (), b"{}"), [rv("a")])
     with pytest.raises(OwnerGone, match="restarted"):
         await to_owner(gw, RoutedId("a", "x"), OUT, "future")
+
+
+async def test_a_request_waits_for_a_replica_that_may_take_it_then_503s() -> None:
+    """Latest, step-2 already returned, its replica out of routing (a rollout step): a new request
+    waits, and goes as soon as a replica at step-2 is back; with none within the wait, a 503."""
+    gw, up = gateway(lambda r: ok(r.weights_label or ""), [rv("old", "step-1"), rv("new", "step-2")],
+                     policy="Latest", wait_s=30.0)
+    replica, _ = await to_new(gw, OUT, label_of=label_of)
+    assert replica.name == "new"
+    gw.pool.update(PoolView((rv("old", "step-1"),)))        # "new" out: nobody may take step-2 work
+    waiting = asyncio.create_task(to_new(gw, OUT, label_of=label_of))
+    await asyncio.sleep(0)
+    for _ in range(3):                                      # changes that do not help: it keeps waiting
+        gw.pool.update(PoolView((rv("old", "step-1"),)))
+        await asyncio.sleep(0)
+    assert not waiting.done() and up.calls == ["new"]
+    gw.pool.update(PoolView((rv("old", "step-1"), rv("new", "step-2"))))
+    replica, reply = await asyncio.wait_for(waiting, 5)
+    assert replica.name == "new" and label_of(reply) == "step-2" and up.calls == ["new", "new"]
+    # Nobody comes back within the wait: the 503 with the reason, counted once.
+    gw.cfg.no_replica_wait_s = 0.2
+    gw.pool.update(PoolView((rv("old", "step-1"),)))
+    with pytest.raises(NoReplica, match="old: serves 'step-1', left out by version policy Latest"):
+        await to_new(gw, OUT, label_of=label_of)
+    assert gw.metrics.registry.get_sample_value("sampler_gateway_no_replica_total") == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,10 +46,13 @@ class Env:
         return metric(self.gw.metrics(), name, **labels)
 
 
+NO_REPLICA_WAIT_S = 5.0
+
+
 @pytest.fixture(scope="module")
 def env(tiny_model: Path) -> Iterator[Env]:
     with fake_replicas(tiny_model, ["r0", "r1", "r2"], "--api-key", KEY) as pool, \
-            run_gateway(pool.urls(), "--api-key", KEY) as gw:
+            run_gateway(pool.urls(), "--api-key", KEY, "--no-replica-wait-s", str(NO_REPLICA_WAIT_S)) as gw:
         gw.wait_eligible({"r0", "r1", "r2"})
         yield Env(pool, gw)
 
@@ -180,12 +184,26 @@ def test_a_drain_is_acted_on_at_once_not_on_the_next_refresh(env: Env) -> None:
         assert gw.health()["refreshes"] > refreshes
 
 
-def test_no_eligible_replica_is_a_503_with_retry_after(env: Env) -> None:
+def test_no_eligible_replica_waits_then_is_a_503_with_retry_after(env: Env) -> None:
     urls = env.pool.urls()
     write_replicas(env.gw.replicas_file, [{"name": n, "url": u, "draining": True} for n, u in urls.items()])
     try:
         env.gw.wait_eligible(set())
+        # A request sent now waits for a replica; one put back in routing meanwhile takes it.
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(httpx.post, env.gw.url + "/v1/sample", json=BODY, headers=AUTH, timeout=60)
+            env.gw.wait(lambda h: metric(env.gw.metrics(), "sampler_gateway_waiting_for_replica") == 1,
+                        "the request waiting")
+            write_replicas(env.gw.replicas_file, [{"name": n, "url": u, "draining": n != "r1"}
+                                                  for n, u in urls.items()])
+            r = waiting.result(60)
+        assert r.status_code == 200 and r.headers["x-sampler-replica"] == "r1", r.text
+        write_replicas(env.gw.replicas_file, [{"name": n, "url": u, "draining": True} for n, u in urls.items()])
+        env.gw.wait_eligible(set())
+        # None comes back within --no-replica-wait-s: a 503 naming why.
+        t0 = time.monotonic()
         r = httpx.post(env.gw.url + "/v1/sample", json=BODY, headers=AUTH)
+        assert time.monotonic() - t0 >= NO_REPLICA_WAIT_S
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         err: dict[str, Any] = r.json()["error"]
         assert err["category"] == "no_replica" and "r0: draining" in err["message"]
