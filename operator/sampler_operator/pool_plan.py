@@ -12,8 +12,8 @@ new spec (its own controller then loads the weights in place, or replaces the po
 change), and is put back in routing once it is Ready at the new spec and, with declared weights,
 reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
 ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
-An outdated replica that is not Ready (starting, or being replaced after an uncertain write) is out
-of service anyway: it gets the new spec at once, outside the batch budget (as a Deployment replaces
+An outdated replica that is out of service (starting, or being replaced after an uncertain write:
+OUT_OF_SERVICE) gets the new spec at once, outside the batch budget (as a Deployment replaces
 unavailable pods first), so its next pod starts at the target and is routed to only once verified.
 
 `rollout.mode` says how each replica's load treats its samples in flight: Drain waits for them,
@@ -50,7 +50,14 @@ from .api_keys import ReplicaKeys, effective_keys, generated_secret, generated_s
 from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value
 from .pool_conditions import Counts, pool_conditions
 from .spec import AdminSecretKeyRef, SecretKeyRef
-from .status import parse_iso
+from .status import (
+    PHASE_DEGRADED,
+    PHASE_PENDING,
+    PHASE_QUEUED,
+    PHASE_REPLACING,
+    PHASE_STARTING,
+    parse_iso,
+)
 from .weights_intent import INVALID
 
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
@@ -59,6 +66,10 @@ ANNOTATION_DRAINING_SINCE = "sampler.rl.dev/draining-since"
 # The gateway acts on a drain mark on its watch event (well under 1 s, docs/pool.md); the mark's time
 # has a resolution of 1 s. Before this, an idle replica may still be picked by a gateway that missed the mark.
 ROUTING_GRACE_S = 3.0
+# Replica phases that mean its pod serves nothing now and will not without a new start: such a
+# replica takes a rollout's new spec at once, outside the batch budget (plan). Not `Unhealthy`: a
+# replica whose probes go unanswered under load may still be serving through the gateway.
+OUT_OF_SERVICE = frozenset({PHASE_PENDING, PHASE_STARTING, PHASE_REPLACING, PHASE_QUEUED, PHASE_DEGRADED})
 # A SamplerReplica's spec.port when its template says none (the CRD's default).
 DEFAULT_PORT = 8000
 
@@ -272,12 +283,12 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     # Out of routing at a spec that changed again mid-rollout: the newest spec, at no extra cost.
     stale = [r.name for r in out if r.spec_hash != want_hash]
     outdated = [r for r in current if r.spec_hash != want_hash and not r.draining]
-    # Outdated and not Ready (starting, or being replaced after an uncertain write): out of service
-    # anyway, so it takes the new spec at no cost to the budget. Its next pod then starts at the target
+    # Outdated and out of service (starting, or being replaced after an uncertain write): it takes the
+    # new spec at no cost to the budget. Its next pod then starts at the target
     # weights, and it stays out of routing until it reports them: a replacement mid-rollout never
     # serves a request on the old weights, nor before it is verified.
-    down = [r.name for r in outdated if r.phase != "Ready"]
-    up = [r.name for r in outdated if r.phase == "Ready"]
+    down = [r.name for r in outdated if r.phase in OUT_OF_SERVICE]
+    up = [r.name for r in outdated if r.phase not in OUT_OF_SERVICE]
     # A replica refused the target: the rollout stops where it is (no batch is sent into the same refusal).
     update = [] if rejection(pool_uid, spec, existing) else stale + down + up[:budget]
     return Plan(create=create, retire=retire, delete=delete, update=update, undrain=undrain,

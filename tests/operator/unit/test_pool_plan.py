@@ -131,6 +131,8 @@ def test_an_outdated_replica_being_replaced_takes_the_target_at_once_outside_the
     # routing until verified; p-1, serving, still waits for the budget.
     replacing = [loading, at(old, "p-1"), at(old, "p-2", phase="Replacing")]
     assert plan("p", UID, new, replacing) == Plan(update=["p-2"])
+    # Unhealthy (probes unanswered under load) may still serve: it waits for the budget like any other.
+    assert plan("p", UID, new, [loading, at(old, "p-1"), at(old, "p-2", phase="Unhealthy")]) == Plan()
     # Verified at the target: back in routing like any batch.
     assert plan("p", UID, new, [loading, at(old, "p-1"), at(new, "p-2", draining=True)]) == Plan(undrain=["p-2"])
 
