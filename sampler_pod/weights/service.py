@@ -169,8 +169,9 @@ class WeightsService:
             m.weight_loads.labels(outcome=outcome).inc()
         done = time.monotonic()
         m.load_seconds.observe(done - t0)
-        log.info("loaded checkpoint %s (%s) as version %d (%d tensors)", req.version_label, validated.path,
-                 core.weights.version, n)
+        log.info("loaded checkpoint %s (%s) as version %d (%d tensors): validation %.2fs, drain %.2fs, write %.2fs",
+                 req.version_label, validated.path, core.weights.version, n, validation_s, drained - t0 - validation_s,
+                 done - drained)
         return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
                                       tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
                                       drain_wait_s=drained - t0 - validation_s, write_s=done - drained)

@@ -191,9 +191,13 @@ class Gateway:
     def diagnose(self) -> str:
         """What a failure message needs: the gateway's Deployment, pods and their logs."""
         k, ns, sel = self.api.cluster.kubectl, self.ns, "app.kubernetes.io/name=sampler-gateway"
-        out = [k("-n", ns, "get", "deploy,rs,pods", "-o", "wide", check=False),
+        out = [k("-n", ns, "get", "deploy,rs,pods,samplerreplicas", "-o", "wide", check=False),
                k("-n", ns, "describe", "pods", "-l", sel, check=False)[-3000:],
                k("-n", ns, "logs", "-l", sel, "--tail", "60", check=False)[-4000:]]
+        for pod in self.api.live_pods(ns):
+            if pod.metadata.name.startswith(f"{self.pool}-") and "gateway" not in pod.metadata.name:
+                out.append(f"--- {pod.metadata.name}\n" + k("-n", ns, "logs", pod.metadata.name, "--tail", "40",
+                                                            check=False)[-3000:])
         return "\n".join(out)
 
     def health(self) -> dict[str, Any]:
@@ -214,6 +218,17 @@ class Gateway:
             return ks.wait_for(check, timeout, 0.2, f"gateway: {what}")
         except TimeoutError as e:
             raise TimeoutError(f"{e}; last /health: {json.dumps(last)[:3000]}\n{self.diagnose()}") from None
+
+
+def load_log(api: Api, ns: str, pool: str) -> str:
+    """Each replica pod's last load, as its log tells it (validation, drain and write times)."""
+    out = []
+    for pod in api.live_pods(ns):
+        name = pod.metadata.name
+        if name.startswith(f"{pool}-") and "gateway" not in name:
+            lines = [ln for ln in api.pod_log(ns, name).splitlines() if "loaded checkpoint" in ln]
+            out.append(f"{name}: {lines[-1].split('loaded checkpoint', 1)[1].strip() if lines else '-'}")
+    return "; ".join(out)
 
 
 def eligible_at(h: dict[str, Any], names: set[str], label: str | None) -> bool:
@@ -268,6 +283,7 @@ def assert_clean(answers: list[Answer], what: str, gw: Gateway) -> None:
 
 
 # ------------------------------------------------------------------------------------------ tests
+@pytest.mark.timeout(1500)  # two vLLM starts (one a replacement) and four loads under load, on 2 cores
 def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns, operator, tiny_model, tmp_path):
     from tests.support.checkpoints import hf_prompt_logprobs
     model = Path(tiny_model)
@@ -290,7 +306,7 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
         t = time.monotonic()
         patch_pool(api, ns, "rl", {"weights": weights(step)})
         wait_pool(api, ns, "rl", 2, f"step-{step}", timeout=600)
-        _log(f"rollout to step-{step} under load: {time.monotonic() - t:.1f}s")
+        _log(f"rollout to step-{step} under load: {time.monotonic() - t:.1f}s; {load_log(api, ns, 'rl')}")
         loop.wait_for(16, 300, f"answers at step-{step}")
     answers = loop.stop()
     assert_clean(answers, "rollout under load", gw)
@@ -324,7 +340,10 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
         assert code == 500 and out["error"]["category"] == "weight_write_failed", out
         ks.wait_for(lambda: api.events(ns, "rl-1", "UncertainWeights"), 60, 0.25, "UncertainWeights on rl-1")
         t = time.monotonic()
-        st = wait_pool(api, ns, "rl", 2, "step-4", timeout=900)
+        try:
+            st = wait_pool(api, ns, "rl", 2, "step-4", timeout=420)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{gw.diagnose()}") from None
         _log(f"rl-1 uncertain -> pool 2/2 at step-4 in {time.monotonic() - t:.0f}s")
         loop.wait_for(16, 300, "answers at step-4")
     finally:
