@@ -291,6 +291,10 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
     _checkpoints(model, root, 1, 2, 3, 4)
     base, gw_port = free_ports(2), ks.free_port()
     template = _vllm_replica("t", base, model, root)["spec"]
+    # Two CPU engines share this node's cores (no exclusive CPUs): vLLM's default binding pins every
+    # engine's worker to the same core, and a replacement's engine start then stalls for minutes
+    # beside a busy engine (docs/pool.md, "CPU replicas sharing a node").
+    template["pod"]["env"] = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]
     t0 = time.monotonic()
     apply_pool(api, ns, pool_body("rl", 2, template, gw_port, weights=weights(1)))
     wait_pool(api, ns, "rl", 2, "step-1", timeout=900)
