@@ -44,7 +44,7 @@ def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: No
     assert got["spec"]["rollout"] == {"maxUnavailable": 1, "mode": "Drain", "drainTimeoutSeconds": 30}
     assert got["spec"]["routing"] == {"versionPolicy": "Latest",
                                       "affinity": {"header": "X-Sampler-Affinity", "replicaCapacity": 128}}
-    assert got["spec"]["gateway"] == {"replicas": 1, "port": 8080}
+    assert got["spec"]["gateway"] == {"replicas": 1, "port": 8080, "hostNetwork": False}
     header = k8s.kubectl("-n", ns, "get", "sp", "p1").splitlines()[0].split()
     assert header == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"]
     # The status a pool controller reports (the status subresource): one of two replicas updated.
