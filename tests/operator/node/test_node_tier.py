@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,20 +226,30 @@ def api(k8s_node) -> Api:
     return a
 
 
-@pytest.fixture(scope="module")
-def operator(k8s_node, api, tmp_path_factory):
-    """One operator for the module, watching the namespaces nt-*; the replicas here enable the sampler's test
-    seams (a write made to fail midway), so it allows them."""
+def operator_for_module(k8s_node, tmp_path_factory, env: dict[str, str] | None = None) -> Iterator[OperatorProcess]:
+    """One operator for a module, watching the namespaces nt-*; the replicas here enable the sampler's test
+    seams (a write made to fail midway), so it allows them. `env`: more of the operator's environment."""
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, env={"PYTHONPATH": SRC_PATH}, allow_test_seams=True).start()
+    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, env={"PYTHONPATH": SRC_PATH, **(env or {})},
+                         allow_test_seams=True).start()
     op.wait_live(timeout=120)
     yield op
     op.stop()
     _log(f"operator log: {log}")
 
 
+@pytest.fixture(scope="module")
+def operator(k8s_node, api, tmp_path_factory):
+    yield from operator_for_module(k8s_node, tmp_path_factory)
+
+
 @pytest.fixture
 def ns(api, operator):
+    yield from watched_namespace(api, operator)
+
+
+def watched_namespace(api: Api, operator: OperatorProcess) -> Iterator[str]:
+    """A fresh namespace the module's operator watches, deleted after the test."""
     from tests.support.operator_harness import ensure_watched
 
     name = new_namespace(api)

@@ -33,22 +33,20 @@ import httpx
 import pytest
 
 from tests.operator.node.test_node_tier import (
-    NS_PREFIX,
     PROMPT,
-    SRC_PATH,
     Api,
     _checkpoints,
     _close,
     _vllm_replica,
-    new_namespace,
+    operator_for_module,
     post,
     project_image,
     replica,
+    watched_namespace,
 )
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.closed_loop import Answer, ClosedLoop, older_after_newer
-from tests.support.operator_harness import OperatorProcess
 from tests.support.polling import Poller
 
 pytestmark = pytest.mark.node
@@ -77,28 +75,14 @@ def api(k8s_node) -> Api:
 
 @pytest.fixture(scope="module")
 def operator(k8s_node, api, tmp_path_factory):
-    """The operator as a process (as in test_node_tier.py); pools' gateways run the operator IMAGE, as
-    the chart configures it."""
-    log = tmp_path_factory.mktemp("pool-operator") / "operator.log"
-    op = OperatorProcess(k8s_node, [f"{NS_PREFIX}*"], log, allow_test_seams=True, env={
-        "PYTHONPATH": SRC_PATH, "SAMPLER_OPERATOR_GATEWAY_IMAGE": project_image("operator").tag}).start()
-    op.wait_live(timeout=120)
-    yield op
-    op.stop()
-    _log(f"operator log: {log}")
+    """As test_node_tier.py's; pools' gateways run the operator IMAGE, as the chart configures it."""
+    yield from operator_for_module(k8s_node, tmp_path_factory,
+                                   {"SAMPLER_OPERATOR_GATEWAY_IMAGE": project_image("operator").tag})
 
 
 @pytest.fixture
 def ns(api, operator):
-    from tests.support.operator_harness import ensure_watched
-
-    name = new_namespace(api)
-    ensure_watched(api, operator, name)
-    yield name
-    try:
-        api.core.delete_namespace(name)
-    except Exception:
-        pass
+    yield from watched_namespace(api, operator)
 
 
 # ------------------------------------------------------------------------------------------ helpers
