@@ -202,7 +202,8 @@ def test_no_eligible_replica_waits_then_is_a_503_with_retry_after(env: Env) -> N
         env.gw.wait_eligible(set())
         # None comes back within --no-replica-wait-s: a 503 naming why.
         t0 = time.monotonic()
-        r = httpx.post(env.gw.url + "/v1/sample", json=BODY, headers=AUTH)
+        # The client must outwait the gateway: httpx's default 5 s read timeout raced its 5 s wait.
+        r = httpx.post(env.gw.url + "/v1/sample", json=BODY, headers=AUTH, timeout=NO_REPLICA_WAIT_S + 30)
         assert time.monotonic() - t0 >= NO_REPLICA_WAIT_S
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         err: dict[str, Any] = r.json()["error"]
