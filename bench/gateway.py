@@ -218,7 +218,8 @@ async def rollouts(rounds: int, sizes: Sizes, rng: random.Random, engine: str) -
                     r = await asyncio.to_thread(rollout, gw, urls, names[step % 2], f"step-{step}", mu, tally)
                     results.append(r)
                     print(f"  rollout {r.total_s:.2f} s  loads {r.loads_s}  bound {r.bound_s:.2f} s  "
-                          f"503s {r.refused} failed {r.failed}", flush=True)
+                          f"503s {r.refused} failed {r.failed}  steps "
+                          + " ".join(f"{k}={v:.2f}" for k, v in r.steps_s.items()), flush=True)
         assert tally.ok > 0, "no request succeeded during the rollouts"
     return summary_lines(results, engine, sizes.rollout_clients)
 

@@ -6,9 +6,9 @@ the controller takes (pool_plan: per batch of at most maxUnavailable replicas, m
 verify the replica serves the target label -> back in routing) against the static gateway, whose
 replicas file plays the drain annotation. The controller's own API round trips are not in it; the
 gateway-side part (drain seen, back in routing on the new label) and the loads are. The verify step
-asks the replica's own /health, as the controller reads the label from the replica's status (written
-from that /health), not from the gateway. The gateway steps wait on the gateway's /health (its own
-view), never on time.
+reads the load's answer, as the controller does (weights_sync.py). The gateway steps wait on the
+gateway's /health (its own view), never on time. The clients sampling meanwhile run in their own
+process, as a trainer does: in this one they would starve the rollout's own steps of the GIL.
 
 The target of issue 12 ("≤ the slowest single load + 1 s") is for one batch; with several batches the
 loads add up, so the bound here is the sum over batches of each batch's slowest load, + 1 s.
@@ -16,6 +16,7 @@ loads add up, so the bound here is the sum over batches of each batch's slowest 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ import httpx
 from tests.support.gateway import RunningGateway, write_replicas
 
 ROLLOUT_BUDGET_S = 1.0
+STEPS = ("drain seen", "load", "back in routing")
 SHORT = {"prompts": [[1, 17, 42, 99]], "sampling_params": {"max_tokens": 8, "temperature": 1.0}}
 
 
@@ -42,6 +45,7 @@ class Rollout:
     loads_s: list[list[float]]          # per batch, per replica
     refused: int                        # 503s (no eligible replica) the client saw during it
     failed: int                         # anything else but 200
+    steps_s: dict[str, float] = field(default_factory=dict)   # per step, summed over batches
 
     @property
     def bound_s(self) -> float:
@@ -53,20 +57,33 @@ class Rollout:
         return self.total_s - sum(max(batch) for batch in self.loads_s)
 
 
-@dataclass
 class ClientTally:
-    ok: int = 0
-    refused: int = 0
-    failed: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
+    """Counts shared with the client process (a closed loop in the same process as the rollout
+    would starve it of the GIL: the controller and the trainer are separate processes too)."""
+
+    def __init__(self, ctx: BaseContext) -> None:
+        self._ok, self._refused, self._failed = (ctx.Value("q", 0) for _ in range(3))
+        self.stop = ctx.Event()
+
+    @property
+    def ok(self) -> int:
+        return int(self._ok.value)
+
+    @property
+    def refused(self) -> int:
+        return int(self._refused.value)
+
+    @property
+    def failed(self) -> int:
+        return int(self._failed.value)
+
+    def count(self, status: int) -> None:
+        counter = self._ok if status == 200 else self._refused if status == 503 else self._failed
+        with counter.get_lock():
+            counter.value += 1
 
 
-@contextmanager
-def closed_loop(url: str, concurrency: int) -> Iterator[ClientTally]:
-    """Clients sampling through the gateway while the rollout runs: loads then drain real work."""
-    tally = ClientTally()
-    lock = threading.Lock()
-
+def _clients(url: str, concurrency: int, tally: ClientTally) -> None:
     def client() -> None:
         with httpx.Client(base_url=url, timeout=120) as c:
             while not tally.stop.is_set():
@@ -74,25 +91,32 @@ def closed_loop(url: str, concurrency: int) -> Iterator[ClientTally]:
                     status = c.post("/v1/sample", json=SHORT).status_code
                 except httpx.HTTPError:
                     status = 0      # counted as a failure; the client goes on (a dead thread is lost load)
-                with lock:
-                    if status == 200:
-                        tally.ok += 1
-                    elif status == 503:
-                        tally.refused += 1
-                    else:
-                        tally.failed += 1
+                tally.count(status)
                 if status == 503:
                     time.sleep(0.02)   # no replica may take it (all draining): don't spin
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
         t.start()
+    for t in threads:
+        t.join()
+
+
+@contextmanager
+def closed_loop(url: str, concurrency: int) -> Iterator[ClientTally]:
+    """Clients sampling through the gateway while the rollout runs (in their own process): loads
+    then drain real work."""
+    ctx = multiprocessing.get_context("spawn")
+    tally = ClientTally(ctx)
+    proc = ctx.Process(target=_clients, args=(url, concurrency, tally), name="rollout-clients")
+    proc.start()
     try:
         yield tally
     finally:
         tally.stop.set()
-        for t in threads:
-            t.join(180)
+        proc.join(180)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _members(urls: dict[str, str], draining: set[str]) -> list[dict[str, object]]:
@@ -111,30 +135,35 @@ def rollout(gw: RunningGateway, urls: dict[str, str], checkpoint: str, label: st
     batches = [names[i:i + max_unavailable] for i in range(0, len(names), max_unavailable)]
     refused0, failed0 = tally.refused, tally.failed
     loads: list[list[float]] = []
+    steps = dict.fromkeys(STEPS, 0.0)
     t0 = time.perf_counter()
     for batch in batches:
         out = set(batch)
+        mark = time.perf_counter()
         write_replicas(gw.replicas_file, _members(urls, out))
         gw.wait(_each(out, lambda r: bool(r["draining"])), f"{out} draining")
+        steps["drain seen"] += time.perf_counter() - mark
 
         def load(name: str) -> float:
             t = time.perf_counter()
             r = httpx.post(urls[name] + "/v1/checkpoints/load", json={"path": checkpoint, "version_label": label},
                            timeout=600)
-            assert r.status_code == 200, r.text
+            # verify: the replica's answer names what it now serves, as the controller reads it
+            # (weights_sync.py records the load's answer; it asks no /health)
+            assert r.status_code == 200 and r.json()["weights_label"] == label, r.text
             return time.perf_counter() - t
 
+        mark = time.perf_counter()
         with ThreadPoolExecutor(len(batch)) as ex:
             loads.append(list(ex.map(load, batch)))
-        # verify: the replica serves the target label, asked as the controller asks it
-        for name in batch:
-            served = httpx.get(urls[name] + "/health", timeout=30).json().get("weights_label")
-            assert served == label, f"{name} serves {served!r} after loading {label!r}"
+        steps["load"] += time.perf_counter() - mark
+        mark = time.perf_counter()
         write_replicas(gw.replicas_file, _members(urls, set()))
         gw.wait(_each(out, lambda r: bool(r["eligible"]) and r["weights_label"] == label),
                 f"{out} back in routing on {label}")
+        steps["back in routing"] += time.perf_counter() - mark
     total = time.perf_counter() - t0
-    return Rollout(max_unavailable, total, loads, tally.refused - refused0, tally.failed - failed0)
+    return Rollout(max_unavailable, total, loads, tally.refused - refused0, tally.failed - failed0, steps)
 
 
 def checkpoints(model: Path, root: Path, engine: str) -> list[str]:
@@ -164,17 +193,20 @@ def summary_lines(results: list[Rollout], engine: str, concurrency: int) -> list
     med = statistics.median
     lines = [f"Pool rollout: 2 replicas ({engine} engine), static gateway (`--version-policy Latest`), "
              f"{concurrency} clients sampling through the gateway throughout. Per batch: drain mark "
-             "(replicas file) -> load (`POST /v1/checkpoints/load`) -> label verified at the replica's "
-             "`/health` -> back in routing on it (as the gateway sees it); the controller's own API calls are "
-             f"not in it. Bound: per batch the slowest load, summed, + {ROLLOUT_BUDGET_S:g} s.", "",
+             "(replicas file) -> load (`POST /v1/checkpoints/load`, its answer names the label, as the "
+             "controller reads it) -> back in routing on it (as the gateway sees it); the controller's own API "
+             f"calls are not in it. Bound: per batch the slowest load, summed, + {ROLLOUT_BUDGET_S:g} s. The "
+             "clients run in their own process.", "",
              "| maxUnavailable | rollouts | rollout (median) | loads (slowest per batch, summed; median) | "
-             "overhead beyond the loads (median, max) | within bound | 503s / other failures |",
-             "|---|---|---|---|---|---|---|"]
+             "overhead beyond the loads (median, max) | steps, all batches (median): "
+             + ", ".join(STEPS) + " | within bound | 503s / other failures |",
+             "|---|---|---|---|---|---|---|---|"]
     for mu in sorted({r.max_unavailable for r in results}):
         rs = [r for r in results if r.max_unavailable == mu]
         within = sum(r.total_s <= r.bound_s for r in rs)
         lines.append(f"| {mu} | {len(rs)} | {med(r.total_s for r in rs):.2f} s | "
                      f"{med(r.bound_s - ROLLOUT_BUDGET_S for r in rs):.2f} s | "
                      f"{med(r.overhead_s for r in rs):.2f} s, {max(r.overhead_s for r in rs):.2f} s | "
+                     + ", ".join(f"{med(r.steps_s[k] for r in rs):.2f}" for k in STEPS) + " s | "
                      f"{within}/{len(rs)} | {sum(r.refused for r in rs)} / {sum(r.failed for r in rs)} |")
     return lines

@@ -1,5 +1,5 @@
 """The refresh loop: the source's members, each one's `/health` (in parallel, each bounded by the
-health timeout), one `PoolView` published to the pool; every interval, and right after the source
+health timeout, each published to the pool as it lands); every interval, and right after the source
 says its membership changed.
 
 Two tasks share the work. `follow_changes` wakes on each change and publishes at once what the new
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import aiohttp
 
 from ..pool import Pool
+from ..replicas import Member, ReplicaView
 from .health import read_health
 from .merge import Reads, merge
 from .source import Source
@@ -32,13 +33,27 @@ async def refresh_once(source: Source, pool: Pool, session: aiohttp.ClientSessio
     ms = await source.membership()
     pool.update(merge(ms, pool.view), refreshed=False)
     against = pool.view
-    # "Serving": answered a request since one read-timeout before this refresh began.
-    views = await asyncio.gather(*(read_health(session, m, health_timeout_s, against.by_name.get(m.name),
-                                               failure_threshold, _serving(pool, m.name, started - health_timeout_s))
-                                   for m in ms.members))
-    # The membership again: what changed during the reads is not undone by them.
-    reads = Reads(dict(zip(ms.members, views, strict=True)), against, started)
-    pool.update(merge(await source.membership(), pool.view, reads))
+
+    async def read(m: Member) -> tuple[Member, ReplicaView]:
+        # "Serving": answered a request since one read-timeout before this refresh began.
+        return m, await read_health(session, m, health_timeout_s, against.by_name.get(m.name), failure_threshold,
+                                    _serving(pool, m.name, started - health_timeout_s))
+
+    # Each read is published as it lands: a replica slow to answer /health (busy serving the whole
+    # load while another loads weights) must not hold back the return of the one that just loaded.
+    # Until the last read lands the view keeps the previous refresh's start: a replica the gateway
+    # saw fail stays out until the refresh that read it ready is complete (pool.py).
+    tasks = [asyncio.create_task(read(m)) for m in ms.members]
+    try:
+        for landed in asyncio.as_completed(tasks):
+            member, view = await landed
+            # The membership again: what changed during the read is not undone by it.
+            pool.update(merge(await source.membership(), pool.view,
+                              Reads({member: view}, against, against.started_at)), refreshed=False)
+    finally:
+        for t in tasks:
+            t.cancel()  # a refresh cancelled (or failed) midway leaves no read behind
+    pool.update(merge(await source.membership(), pool.view, Reads({}, against, started)))
 
 
 def _serving(pool: Pool, name: str, since: float) -> Callable[[], bool]:

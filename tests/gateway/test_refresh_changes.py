@@ -96,6 +96,7 @@ class Replica:
     open: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: its /health answers once set
     held: int = 0       # reads waiting now
     reads: int = 0      # reads begun
+    label: str = "step-1"
 
     def __post_init__(self) -> None:
         self.open.set()
@@ -117,7 +118,7 @@ class Replicas:
             await r.open.wait()
         finally:
             r.held -= 1
-        return web.json_response({"status": "ok", "weights_label": "step-1", "weights_version": 1})
+        return web.json_response({"status": "ok", "weights_label": r.label, "weights_version": int(r.label[5:])})
 
     def member(self, name: str, draining: bool = False) -> Member:
         return Member(name, f"{self.base}/{name}", draining)
@@ -202,6 +203,25 @@ async def test_a_slow_health_read_delays_no_drain_nor_a_return(replicas: Replica
         assert eligible(pool) == {"b", "d"} and replicas.state["a"].held == 1
         assert {n: replicas.state[n].reads for n in "bd"} == reads
         replicas.release("a")
+
+
+async def test_each_read_is_published_as_it_lands(replicas: Replicas, tmp_path: Path) -> None:
+    """A rollout step: b has loaded step-2 and is unmarked while a, serving everything, answers its
+    /health late. b is read and routed on step-2 without waiting for a's read; so is a new replica."""
+    path = tmp_path / "replicas.json"
+    a, b, c = (replicas.member(n) for n in "abc")
+    write(path, [a, replicas.member("b", draining=True)])
+    async with refreshing(StaticDiscovery([], path)) as pool:
+        await until("a routed, b read", lambda: eligible(pool) == {"a"} and "b" in pool.view.by_name)
+        replicas.hold("a")
+        replicas.state["b"].label = "step-2"
+        write(path, [a, b, c])
+        await until("b back on step-2 and c read while a's read is held",
+                    lambda: pool.view.by_name["b"].weights_label == "step-2" and "c" in pool.view.by_name)
+        assert replicas.state["a"].held == 1 and pool.refreshes == 1  # the refresh is not complete
+        assert eligible(pool) == {"b"}  # Latest: a and c serve step-1, older than b's
+        replicas.release("a")
+        await until("the refresh complete", lambda: pool.refreshes == 2)
 
 
 class MemorySource:
