@@ -45,7 +45,7 @@ class Rollout:
     loads_s: list[list[float]]          # per batch, per replica
     refused: int                        # 503s (no eligible replica) the client saw during it
     failed: int                         # anything else but 200
-    steps_s: dict[str, float] = field(default_factory=dict)   # per step, summed over batches
+    steps_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEPS, 0.0))  # summed over batches
 
     @property
     def bound_s(self) -> float:

@@ -2,7 +2,7 @@
 own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline.
 
     python -m bench.sampling_concurrency [--rounds 3] [--concurrency 1 8 32 128] [--systems ...]
-                                         [--server-env K=V ...] [--no-write]
+                                         [--server-env K=V ...] [--variant NAME:K=V,...] [--no-write]
 
 Method (a noisy 2-core box; docs/benchmarks.md):
 - One engine alive at a time, systems in a shuffled order per round (bench/rounds.py).
@@ -13,6 +13,8 @@ Method (a noisy 2-core box; docs/benchmarks.md):
   ("no collapse": ≥ 0.8).
 - "serial" is this server with one request at a time (c=1): the strictly serial baseline.
 - Server CPU: the HTTP server process's own CPU-seconds per 1,000 tokens, engine processes excluded.
+- `--variant`: this server again with extra environment, as one more system in the same rounds (a
+  setting tried side by side with the default; such runs are printed, never written).
 - The load generator is aiohttp, with a keep-alive shorter than the servers' (no reuse races), and
   `got = await one(); total += got` (never `total += await ...`, which loses updates).
 """
@@ -167,7 +169,10 @@ async def vllm_system(model: Path, env: dict[str, str]) -> AsyncIterator[tuple[O
             yield one, proc.pid
 
 
-def systems(names: list[str], model: Path, env: dict[str, str]) -> dict[str, System]:
+def systems(names: list[str], model: Path, env: dict[str, str],
+            variants: dict[str, dict[str, str]] | None = None) -> dict[str, System]:
+    """`variants`: more runs of this server, each with its own extra environment (a setting tried
+    side by side with the default, in the same rounds)."""
     def one(name: str) -> System:
         if name == "direct":
             return lambda: direct_system(model)
@@ -175,7 +180,10 @@ def systems(names: list[str], model: Path, env: dict[str, str]) -> dict[str, Sys
             return lambda: native_system(model, env)
         return lambda: vllm_system(model, env)
 
-    return {name: one(name) for name in names}
+    out = {name: one(name) for name in names}
+    for name, extra in (variants or {}).items():
+        out[name] = lambda extra=extra: native_system(model, {**env, **extra})  # type: ignore[misc]
+    return out
 
 
 # ---------------------------------------------------------------------------- run
@@ -183,8 +191,8 @@ def systems(names: list[str], model: Path, env: dict[str, str]) -> dict[str, Sys
 
 def table(results: Results, rounds: int, concurrency: list[int], env: dict[str, str]) -> str:
     med = statistics.median
-    names = [s for s in SYSTEMS if s in results]
-    ours = [s for s in ("native",) if s in names]
+    names = [s for s in SYSTEMS if s in results] + [s for s in results if s not in SYSTEMS]
+    ours = [s for s in names if s not in ("direct", "vllm")]
     pairs = [(a, b) for a in ours for b in ("direct", "vllm") if b in names]
     lines = [
         f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, "
@@ -217,15 +225,19 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--server-env", nargs="*", default=[], metavar="K=V",
                    help="extra environment for the HTTP servers (to try a setting side by side)")
+    p.add_argument("--variant", nargs="*", default=[], metavar="NAME:K=V[,K=V]",
+                   help="another run of this server with extra environment, side by side (never written)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled order")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     env = dict(kv.split("=", 1) for kv in a.server_env)
-    results = asyncio.run(run_rounds(systems(a.systems, cached_tiny_model(), env), a.rounds, a.concurrency,
-                                     REQUESTS, MAX_TOKENS, a.seed))
+    variants = {name: dict(kv.split("=", 1) for kv in kvs.split(","))
+                for name, kvs in (v.split(":", 1) for v in a.variant)}
+    results = asyncio.run(run_rounds(systems(a.systems, cached_tiny_model(), env, variants), a.rounds,
+                                     a.concurrency, REQUESTS, MAX_TOKENS, a.seed))
     out = table(results, a.rounds, a.concurrency, env)
     print("\n" + out)
-    if not a.no_write:
+    if not a.no_write and not variants:
         names = {"direct": "direct AsyncLLM", "native": "this server (/v1/sample)", "vllm": "vLLM's OpenAI server"}
         series = {names[s]: {c: statistics.median(results[s][c].toks_per_s) for c in a.concurrency}
                   for s in SYSTEMS if s in results}
