@@ -136,32 +136,34 @@ def rollout(gw: RunningGateway, urls: dict[str, str], checkpoint: str, label: st
     refused0, failed0 = tally.refused, tally.failed
     loads: list[list[float]] = []
     steps = dict.fromkeys(STEPS, 0.0)
+
+    @contextmanager
+    def step(name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        yield
+        steps[name] += time.perf_counter() - t
+
+    def load(name: str) -> float:
+        t = time.perf_counter()
+        r = httpx.post(urls[name] + "/v1/checkpoints/load", json={"path": checkpoint, "version_label": label},
+                       timeout=600)
+        # verify: the replica's answer names what it now serves, as the controller reads it
+        # (weights_sync.py records the load's answer; it asks no /health)
+        assert r.status_code == 200 and r.json()["weights_label"] == label, r.text
+        return time.perf_counter() - t
+
     t0 = time.perf_counter()
     for batch in batches:
         out = set(batch)
-        mark = time.perf_counter()
-        write_replicas(gw.replicas_file, _members(urls, out))
-        gw.wait(_each(out, lambda r: bool(r["draining"])), f"{out} draining")
-        steps["drain seen"] += time.perf_counter() - mark
-
-        def load(name: str) -> float:
-            t = time.perf_counter()
-            r = httpx.post(urls[name] + "/v1/checkpoints/load", json={"path": checkpoint, "version_label": label},
-                           timeout=600)
-            # verify: the replica's answer names what it now serves, as the controller reads it
-            # (weights_sync.py records the load's answer; it asks no /health)
-            assert r.status_code == 200 and r.json()["weights_label"] == label, r.text
-            return time.perf_counter() - t
-
-        mark = time.perf_counter()
-        with ThreadPoolExecutor(len(batch)) as ex:
+        with step("drain seen"):
+            write_replicas(gw.replicas_file, _members(urls, out))
+            gw.wait(_each(out, lambda r: bool(r["draining"])), f"{out} draining")
+        with step("load"), ThreadPoolExecutor(len(batch)) as ex:
             loads.append(list(ex.map(load, batch)))
-        steps["load"] += time.perf_counter() - mark
-        mark = time.perf_counter()
-        write_replicas(gw.replicas_file, _members(urls, set()))
-        gw.wait(_each(out, lambda r: bool(r["eligible"]) and r["weights_label"] == label),
-                f"{out} back in routing on {label}")
-        steps["back in routing"] += time.perf_counter() - mark
+        with step("back in routing"):
+            write_replicas(gw.replicas_file, _members(urls, set()))
+            gw.wait(_each(out, lambda r: bool(r["eligible"]) and r["weights_label"] == label),
+                    f"{out} back in routing on {label}")
     total = time.perf_counter() - t0
     return Rollout(max_unavailable, total, loads, tally.refused - refused0, tally.failed - failed0, steps)
 

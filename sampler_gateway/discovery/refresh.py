@@ -53,6 +53,7 @@ async def refresh_once(source: Source, pool: Pool, session: aiohttp.ClientSessio
     finally:
         for t in tasks:
             t.cancel()  # a refresh cancelled (or failed) midway leaves no read behind
+    # Every read has landed: the view takes this refresh's start, and the refresh counts.
     pool.update(merge(await source.membership(), pool.view, Reads({}, against, started)))
 
 

@@ -169,12 +169,12 @@ class WeightsService:
             m.weight_loads.labels(outcome=outcome).inc()
         done = time.monotonic()
         m.load_seconds.observe(done - t0)
+        drain_s, write_s = drained - t0 - validation_s, done - drained
         log.info("loaded checkpoint %s (%s) as version %d (%d tensors): validation %.2fs, drain %.2fs, write %.2fs",
-                 req.version_label, validated.path, core.weights.version, n, validation_s, drained - t0 - validation_s,
-                 done - drained)
+                 req.version_label, validated.path, core.weights.version, n, validation_s, drain_s, write_s)
         return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
                                       tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
-                                      drain_wait_s=drained - t0 - validation_s, write_s=done - drained)
+                                      drain_wait_s=drain_s, write_s=write_s)
 
     async def _write(self, engine: Engine, validated: ValidatedCheckpoint, intended: IntendedWeights,
                      fail_after_tensors: int | None) -> int:

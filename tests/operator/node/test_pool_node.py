@@ -178,10 +178,8 @@ class Gateway:
         out = [k("-n", ns, "get", "deploy,rs,pods,samplerreplicas", "-o", "wide", check=False),
                k("-n", ns, "describe", "pods", "-l", sel, check=False)[-3000:],
                k("-n", ns, "logs", "-l", sel, "--tail", "60", check=False)[-4000:]]
-        for pod in self.api.live_pods(ns):
-            if pod.metadata.name.startswith(f"{self.pool}-") and "gateway" not in pod.metadata.name:
-                out.append(f"--- {pod.metadata.name}\n" + k("-n", ns, "logs", pod.metadata.name, "--tail", "40",
-                                                            check=False)[-3000:])
+        for name in replica_pods(self.api, ns, self.pool):
+            out.append(f"--- {name}\n" + k("-n", ns, "logs", name, "--tail", "40", check=False)[-3000:])
         return "\n".join(out)
 
     def health(self) -> dict[str, Any]:
@@ -204,14 +202,18 @@ class Gateway:
             raise TimeoutError(f"{e}; last /health: {json.dumps(last)[:3000]}\n{self.diagnose()}") from None
 
 
+def replica_pods(api: Api, ns: str, pool: str) -> list[str]:
+    """The names of the pool's replica pods (not its gateway's)."""
+    return [p.metadata.name for p in api.live_pods(ns)
+            if p.metadata.name.startswith(f"{pool}-") and "gateway" not in p.metadata.name]
+
+
 def load_log(api: Api, ns: str, pool: str) -> str:
     """Each replica pod's last load, as its log tells it (validation, drain and write times)."""
     out = []
-    for pod in api.live_pods(ns):
-        name = pod.metadata.name
-        if name.startswith(f"{pool}-") and "gateway" not in name:
-            lines = [ln for ln in api.pod_log(ns, name).splitlines() if "loaded checkpoint" in ln]
-            out.append(f"{name}: {lines[-1].split('loaded checkpoint', 1)[1].strip() if lines else '-'}")
+    for name in replica_pods(api, ns, pool):
+        lines = [ln for ln in api.pod_log(ns, name).splitlines() if "loaded checkpoint" in ln]
+        out.append(f"{name}: {lines[-1].split('loaded checkpoint', 1)[1].strip() if lines else '-'}")
     return "; ".join(out)
 
 
