@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from tests.support.bad_requests import BAD_REQUESTS, GOOD
+from tests.support.metrics import engine_steps_over, metric
 from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 
@@ -20,14 +20,9 @@ def body(max_tokens: int = 32, **sp: Any) -> dict[str, Any]:
     return {"prompts": [[1, 20, 30, 40]], "sampling_params": {"max_tokens": max_tokens, **sp}}
 
 
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
-
-
 def test_32_concurrent_requests_run_concurrently_in_the_engine(shared_server: RunningServer) -> None:
-    running_seen: list[float] = []
+    # One request (a 4-token prompt) computes at most 4 tokens in a step.
+    before = engine_steps_over(c_metrics(shared_server), 8)
     with shared_server.client() as c, ThreadPoolExecutor(32) as pool:
         # The engine is frozen until all 32 are inside it: "together" does not depend on how fast
         # this box dispatches 32 requests against how fast the engine finishes them.
@@ -37,13 +32,10 @@ def test_32_concurrent_requests_run_concurrently_in_the_engine(shared_server: Ru
             wait_until(lambda: metric(c_metrics(shared_server), "sampler_engine_requests_running") == 32,
                        "32 engine calls in flight together")
         # Thawed: vLLM schedules them as one batch (max_num_seqs 32), for 400 steps.
-        while not all(p.done() for p in pending):
-            running_seen.append(metric(c_metrics(shared_server), "vllm:num_requests_running"))
-            time.sleep(0.02)
         rs = [p.result() for p in pending]
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
     assert all(len(r.json()["results"][0]["sequences"][0]["tokens"]) == 400 for r in rs)
-    assert max(running_seen, default=0) > 1, "vLLM never had more than one request running"
+    assert engine_steps_over(c_metrics(shared_server), 8) > before, "vLLM never ran requests together in a step"
     assert metric(c_metrics(shared_server), "sampler_engine_requests_running") == 0
 
 

@@ -9,7 +9,6 @@ limit and an API key (both properties fit in one start).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,16 +19,11 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.support.metrics import metric
 from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 PROMPT = [1, 20, 30, 40, 50, 60]
 KEY = "tml-test-key"
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def native(server: RunningServer, **sp: Any) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,6 +14,7 @@ import pytest
 
 from tests.support import corrupt_checkpoints as cc
 from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, make_lora_adapter, perturbed_checkpoint
+from tests.support.metrics import metric
 from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
@@ -195,12 +195,6 @@ def lock_waits(c: httpx.Client) -> tuple[float, float]:
     """(count, sum) of `sampler_write_lock_wait_seconds`: sampling requests that waited on a write."""
     text = c.get("/metrics").text
     return metric(text, "sampler_write_lock_wait_seconds_count"), metric(text, "sampler_write_lock_wait_seconds_sum")
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def retrieve(c: httpx.Client, request_id: str) -> dict[str, Any]:

@@ -9,13 +9,13 @@ import base64
 import contextlib
 import json
 import shutil
-import threading
-import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from kubernetes import watch as kwatch
 
 from tests.support import corrupt_checkpoints as cc
 from tests.support import k8s as ks
@@ -40,6 +40,38 @@ def template(port: int, **extra: Any) -> dict[str, Any]:
 def replicas_of(api: Any, ns: str) -> dict[str, dict[str, Any]]:
     items = api.custom.list_namespaced_custom_object(G, V, ns, "samplerreplicas")["items"]
     return {o["metadata"]["name"]: o for o in items}
+
+
+def drains_replayed(api: Any, ns: str, before: dict[str, Any]) -> tuple[list[int], Counter[str]]:
+    """Every change of the replicas since the list `before`, replayed by the API server's watch:
+    how many were draining together after each change, and how often each replica began a drain.
+
+    A watch from `before`'s resourceVersion delivers each update in order, so a drain that lasted
+    a millisecond is seen; polling the replicas would miss it on a busy box.
+    """
+    draining = {o["metadata"]["name"]: is_draining(o) for o in before["items"]}
+    last = max(int(o["metadata"]["resourceVersion"]) for o in replicas_of(api, ns).values())
+    at_once: list[int] = []
+    drained: Counter[str] = Counter()
+    w = kwatch.Watch()
+    for ev in w.stream(api.custom.list_namespaced_custom_object, G, V, ns, "samplerreplicas",
+                       resource_version=before["metadata"]["resourceVersion"], timeout_seconds=60):
+        o = ev["object"]
+        name = o["metadata"]["name"]
+        if ev["type"] == "DELETED":
+            draining.pop(name, None)
+        else:
+            drained[name] += is_draining(o) and not draining.get(name, False)
+            draining[name] = is_draining(o)
+        at_once.append(sum(draining.values()))
+        if int(o["metadata"]["resourceVersion"]) >= last:
+            w.stop()
+    assert at_once and not any(draining.values()), (at_once, draining)  # all back in routing
+    return at_once, drained
+
+
+def is_draining(o: dict[str, Any]) -> bool:
+    return (o["metadata"].get("annotations") or {}).get(DRAINING) == "true"
 
 
 def _get(k8s: Any, ns: str, kind: str, name: str) -> dict[str, Any] | None:
@@ -143,17 +175,6 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
         (root / label).mkdir(parents=True)
         shutil.copy(tiny_model / "model.safetensors", root / label / "model.safetensors")
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
-    draining_at_once: list[int] = []
-    done = threading.Event()
-
-    def watch_drains() -> None:
-        while not done.is_set():
-            reps = replicas_of(api, ns)
-            draining_at_once.append(sum(1 for o in reps.values()
-                                        if (o["metadata"].get("annotations") or {}).get(DRAINING) == "true"))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch_drains, daemon=True)
     stack = contextlib.ExitStack()
     try:
         # No key Secret named: the pool generates one for all its replicas and the gateway.
@@ -170,7 +191,7 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
                                              env={**k8s.subprocess_env(), "SAMPLER_GATEWAY_API_KEY": key}))
         gw.wait(lambda h: h["target_label"] == "step-1" and sum(r["eligible"] for r in h["replicas"]) == 3,
                 "the pool at step-1", timeout=60)
-        watcher.start()
+        before_rollout = api.custom.list_namespaced_custom_object(G, V, ns, "samplerreplicas")
         api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", "w", {
             "spec": {"weights": {"checkpoint": str(root / "step-2"), "versionLabel": "step-2"}}})
         gw.wait(lambda h: h["target_label"] == "step-2", "the new target", timeout=60)
@@ -185,11 +206,11 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
         # The gateway checks the pool's key like a replica: another key is refused.
         assert httpx.post(gw.url + "/v1/sample", json={"prompts": [[1, 2]]},
                           headers={"X-API-Key": "tml-wrong"}).status_code == 401
-        done.set()
-        watcher.join(5)
         assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-2"] * 3
         # At most maxUnavailable replicas out of routing at any moment, and each one was.
-        assert max(draining_at_once) == 1, draining_at_once
+        at_once, drained = drains_replayed(api, ns, before_rollout)
+        assert max(at_once) == 1, at_once
+        assert set(drained) == set(replicas_of(api, ns)) and all(drained.values()), drained
         for o in replicas_of(api, ns).values():
             assert DRAINING not in (o["metadata"].get("annotations") or {})
             assert o["status"]["weights"]["label"] == "step-2"
@@ -225,6 +246,5 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
         assert {n: o["spec"]["weights"].get("inFlight") for n, o in replicas_of(api, ns).items()} == {
             "w-0": "Abort", "w-1": "Abort", "w-2": "Abort"}
     finally:
-        done.set()
         stack.close()
         kubelet.stop()
