@@ -10,7 +10,7 @@ with static discovery, the replicas real `python -m sampler_pod` processes):
   at p50 and p99, per round (paired), the median over rounds. Targets: ≤ 2 ms p50, ≤ 10 ms p99.
 - throughput: two real vLLM replicas (the tiny model, sized as bench/sampling_concurrency.py), closed
   loop at concurrency 32; "direct" spreads the requests over the two replicas itself (by seed). The
-  ratio gateway / direct per round, the median over rounds. Target ≥ 0.9.
+  ratio gateway / direct per round, the median over rounds (at least 7 rounds: Sizes). Target ≥ 0.9.
 - rollout: bench/gateway_rollout.py (what it measures and what it cannot).
 
 Method (docs/benchmarks.md): ≥ 3 rounds, systems in a shuffled order per round, a warm-up per system
@@ -52,12 +52,17 @@ CONCURRENCY = 32
 class Sizes:
     overhead_requests: int = 2000     # per system and round: enough for a p99 of 20 samples above it
     throughput_requests: int = REQUESTS[CONCURRENCY]
+    # At least this many throughput rounds, whatever --rounds says: two engines sharing two cores swing
+    # between rounds (direct alone ran at 1,075-1,889 tok/s in one run), and a median of three paired
+    # ratios moved from 0.81 to 1.56 between two runs of the same code.
+    throughput_rounds: int = 7
     rollouts: int = 3                 # per maxUnavailable and round
     rollout_clients: int = 8
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(overhead_requests=200, throughput_requests=64, rollouts=1, rollout_clients=2)
+        return cls(overhead_requests=200, throughput_requests=64, throughput_rounds=0, rollouts=1,
+                   rollout_clients=2)
 
 
 def _cell_header(name: str) -> float:
@@ -233,8 +238,9 @@ async def bench(parts: list[str], rounds: int, sizes: Sizes, seed: int, rollout_
         added, loads = await overhead(rounds, sizes, rng)
         sections.append("\n".join(overhead_lines(added, loads, rounds, sizes)))
     if "throughput" in parts:
-        ratios, cells = await throughput(rounds, sizes, rng)
-        sections.append("\n".join(throughput_lines(ratios, cells, rounds, sizes)))
+        t_rounds = max(rounds, sizes.throughput_rounds)
+        ratios, cells = await throughput(t_rounds, sizes, rng)
+        sections.append("\n".join(throughput_lines(ratios, cells, t_rounds, sizes)))
     if "rollout" in parts:
         sections.append("\n".join(await rollouts(rounds, sizes, rng, rollout_engine)))
     return "\n\n".join(sections) + "\n"

@@ -21,6 +21,23 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- vLLM
 
 
+def cpu_process_layout(tensor_parallel_size: int) -> dict[str, str]:
+    """The environment that gives vLLM's CPU backend the process layout it has on a GPU.
+
+    On a GPU, one device's model runs inside the engine-core process. The CPU backend runs it in a
+    third process (its `mp` executor) unless VLLM_ENABLE_V1_MULTIPROCESSING is 0, and each model
+    step then hands off HTTP -> engine core -> worker and back. On a small CPU node those hand-offs
+    wait on shared cores and throughput collapses in some runs to a fifth; with the model in the
+    engine core it does not (docs/benchmarks.md, "Sampling concurrency"). The variable changes
+    nothing else that `AsyncLLM` does: its engine core is a process either way.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and tensor_parallel_size == 1:
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {}
+
+
 @dataclass
 class VllmEngine:
     llm: Any  # vllm.v1.engine.async_llm.AsyncLLM
@@ -33,6 +50,8 @@ class VllmEngine:
         """Blocking: spawns the engine core and waits until it is ready (~15 s for the tiny model on CPU)."""
         # A per-process RPC dir: vLLM's IPC socket files otherwise pile up in /tmp.
         os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="sampler-vllm-rpc-"))
+        for key, value in cpu_process_layout(cfg.tensor_parallel_size).items():
+            os.environ.setdefault(key, value)  # a value the pod's own environment sets wins
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
