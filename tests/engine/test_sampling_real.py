@@ -43,6 +43,38 @@ def c_metrics(s: RunningServer) -> str:
     return httpx.get(s.url + "/metrics").text
 
 
+def test_the_cpu_engine_runs_the_model_in_its_engine_core(shared_server: RunningServer) -> None:
+    """Two processes per replica on the CPU backend, as on a GPU: no vLLM worker process to hand
+    each step to (sampler_pod/engine/vllm.py::cpu_process_layout; docs/benchmarks.md for why)."""
+    titles = [cmdline for pid, cmdline in descendants(shared_server.proc.pid)]
+    assert any(t.startswith("VLLM::EngineCore") for t in titles), titles
+    assert not any(t.startswith("VLLM::Worker") for t in titles), titles
+
+
+def descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `root`, from /proc (Linux, as the engine tier)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+    below, frontier = [], [root]
+    while frontier:
+        up = frontier.pop()
+        kids = [pid for pid, ppid in parent.items() if ppid == up]
+        below += kids
+        frontier += kids
+    out = []
+    for pid in below:
+        try:
+            out.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()))
+        except OSError:
+            continue
+    return out
+
+
 def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(shared_server: RunningServer) -> None:
     with shared_server.client() as c:
         def toks(**sp: Any) -> list[list[int]]:
