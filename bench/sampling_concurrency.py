@@ -71,23 +71,21 @@ async def direct_system(model: Path) -> AsyncIterator[tuple[OneRequest, int]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    from sampler_pod.engine.vllm import cpu_process_layout
+    from sampler_pod.engine.vllm import start_async_llm
 
     os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="bench-vllm-rpc-")
     args = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=512, max_num_seqs=MAX_NUM_SEQS,
                            kv_cache_memory_bytes=256 << 20, enforce_eager=True, seed=0, enable_log_requests=False)
-    # The engine as the server runs it (its process layout too), so direct / native is the HTTP path's
-    # cost alone; only while the engine starts: vLLM's own server, started later from this process,
-    # keeps vLLM's defaults.
-    layout = {k: v for k, v in cpu_process_layout(1).items() if k not in os.environ}
-    os.environ.update(layout)
+    # The engine as the server starts it (its process layout too), so direct / native is the HTTP
+    # path's cost alone. The layout's variable only while it starts: vLLM's own server, started
+    # later from this process, keeps vLLM's defaults.
+    had = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     try:
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        llm = await asyncio.to_thread(start_async_llm, args)
     finally:
-        for k in layout:
-            del os.environ[k]
+        if had is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
 
     async def one(seed: int) -> int:
         sp = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0, seed=seed,

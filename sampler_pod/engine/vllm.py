@@ -7,6 +7,7 @@ fake engine and the unit tests never pay for importing vLLM).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
@@ -21,21 +22,31 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- vLLM
 
 
-def cpu_process_layout(tensor_parallel_size: int) -> dict[str, str]:
-    """The environment that gives vLLM's CPU backend the process layout it has on a GPU.
+def start_async_llm(args: Any) -> Any:
+    """`AsyncLLM` from engine args; on the CPU backend, laid out as vLLM lays it out on a GPU.
 
     On a GPU, one device's model runs inside the engine-core process. The CPU backend runs it in a
     third process (its `mp` executor) unless VLLM_ENABLE_V1_MULTIPROCESSING is 0, and each model
     step then hands off HTTP -> engine core -> worker and back. On a small CPU node those hand-offs
-    wait on shared cores and throughput collapses in some runs to a fifth; with the model in the
-    engine core it does not (docs/benchmarks.md, "Sampling concurrency"). The variable changes
-    nothing else that `AsyncLLM` does: its engine core is a process either way.
+    wait on shared cores and throughput collapsed in some runs to a fifth; with the model in the
+    engine core it does not (docs/benchmarks.md, "Sampling concurrency"). `AsyncLLM`'s engine core
+    is a process either way. The model's OpenMP threads are bound exactly as vLLM binds its worker's
+    (`VLLM_CPU_OMP_THREADS_BIND`: auto, a core list, or nobind): unbound, every engine on a node
+    would run a thread per core of the node. A value of VLLM_ENABLE_V1_MULTIPROCESSING set in the
+    environment wins (1: vLLM's default layout).
     """
     from vllm.platforms import current_platform
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.engine.async_llm import AsyncLLM
 
-    if current_platform.is_cpu() and tensor_parallel_size == 1:
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return {}
+    if current_platform.is_cpu() and args.tensor_parallel_size == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    config = args.create_engine_config()
+    in_core = current_platform.is_cpu() and config.parallel_config.distributed_executor_backend == "uni"
+    # The engine core is spawned inside: it inherits the OpenMP environment its worker would have had.
+    with OMPProcessManager(config).configure_omp_envs(0, 0) if in_core else contextlib.nullcontext():
+        return AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
+                                         disable_log_stats=args.disable_log_stats)
 
 
 @dataclass
@@ -50,10 +61,7 @@ class VllmEngine:
         """Blocking: spawns the engine core and waits until it is ready (~15 s for the tiny model on CPU)."""
         # A per-process RPC dir: vLLM's IPC socket files otherwise pile up in /tmp.
         os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="sampler-vllm-rpc-"))
-        for key, value in cpu_process_layout(cfg.tensor_parallel_size).items():
-            os.environ.setdefault(key, value)  # a value the pod's own environment sets wins
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(
             model=model_dir,
@@ -71,7 +79,7 @@ class VllmEngine:
             worker_extension_cls="sampler_pod.engine.worker_extension.WeightLoaderExtension",
             enable_log_requests=False,
         )
-        llm = AsyncLLM.from_engine_args(args)
+        llm = start_async_llm(args)
         mc = llm.model_config
         # The tokenizer (and its chat template) is loaded here, once, never per request.
         tokenizer = llm.get_tokenizer()

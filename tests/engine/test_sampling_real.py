@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,10 +46,15 @@ def c_metrics(s: RunningServer) -> str:
 
 def test_the_cpu_engine_runs_the_model_in_its_engine_core(shared_server: RunningServer) -> None:
     """Two processes per replica on the CPU backend, as on a GPU: no vLLM worker process to hand
-    each step to (sampler_pod/engine/vllm.py::cpu_process_layout; docs/benchmarks.md for why)."""
-    titles = [cmdline for pid, cmdline in descendants(shared_server.proc.pid)]
-    assert any(t.startswith("VLLM::EngineCore") for t in titles), titles
-    assert not any(t.startswith("VLLM::Worker") for t in titles), titles
+    each step to, and the model's OpenMP threads bound as vLLM binds a worker's (here
+    VLLM_CPU_OMP_THREADS_BIND=auto): as many cores as threads (sampler_pod/engine/vllm.py::start_async_llm)."""
+    below = descendants(shared_server.proc.pid)
+    assert not any(t.startswith("VLLM::Worker") for _, t in below), below
+    cores = [pid for pid, t in below if t.startswith("VLLM::EngineCore")]
+    assert len(cores) == 1, below
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{cores[0]}/environ").read_text().split("\0") if "=" in kv)
+    assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", env
+    assert len(os.sched_getaffinity(cores[0])) == int(env["OMP_NUM_THREADS"]) < (os.cpu_count() or 1), env
 
 
 def descendants(root: int) -> list[tuple[int, str]]:
