@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.support.bad_requests import BAD_REQUESTS, GOOD
@@ -48,37 +49,14 @@ def test_the_cpu_engine_runs_the_model_in_its_engine_core(shared_server: Running
     """Two processes per replica on the CPU backend, as on a GPU: no vLLM worker process to hand
     each step to, and the model's OpenMP threads bound as vLLM binds a worker's (here
     VLLM_CPU_OMP_THREADS_BIND=auto): as many cores as threads (sampler_pod/engine/vllm.py::start_async_llm)."""
-    below = descendants(shared_server.proc.pid)
-    assert not any(t.startswith("VLLM::Worker") for _, t in below), below
-    cores = [pid for pid, t in below if t.startswith("VLLM::EngineCore")]
+    below = {p: " ".join(p.cmdline()) for p in psutil.Process(shared_server.proc.pid).children(recursive=True)}
+    assert not any(t.startswith("VLLM::Worker") for t in below.values()), below
+    cores = [p for p, t in below.items() if t.startswith("VLLM::EngineCore")]
     assert len(cores) == 1, below
-    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{cores[0]}/environ").read_text().split("\0") if "=" in kv)
+    # Read raw: vLLM retitles the process (setproctitle), which psutil.Process.environ() reads as {}.
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{cores[0].pid}/environ").read_text().split("\0") if "=" in kv)
     assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", env
-    assert len(os.sched_getaffinity(cores[0])) == int(env["OMP_NUM_THREADS"]) < (os.cpu_count() or 1), env
-
-
-def descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every process below `root`, from /proc (Linux, as the engine tier)."""
-    parent: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
-            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we looked
-    below, frontier = [], [root]
-    while frontier:
-        up = frontier.pop()
-        kids = [pid for pid, ppid in parent.items() if ppid == up]
-        below += kids
-        frontier += kids
-    out = []
-    for pid in below:
-        try:
-            out.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()))
-        except OSError:
-            continue
-    return out
+    assert len(cores[0].cpu_affinity()) == int(env["OMP_NUM_THREADS"]) < (os.cpu_count() or 1), env
 
 
 def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(shared_server: RunningServer) -> None:
