@@ -16,7 +16,6 @@ client-disconnect detection. Both need to own the ASGI `receive` channel, so the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -57,9 +56,15 @@ class ClientRequestMiddleware:
         await self._run_watched(scope, b"".join(chunks), receive, send)
 
     async def _run_watched(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        # The route runs in this task, and a watcher task cancels it if the client goes away: one
+        # task more per request, not two (a task for the route and a wait on both showed in the
+        # gateway's profile, where every request crosses this middleware twice).
+        route = asyncio.current_task()
+        assert route is not None
         gone = asyncio.Event()
         replayed = False
         response_complete = False
+        stopped_by_watcher = False
 
         async def app_receive() -> Message:
             nonlocal replayed
@@ -76,26 +81,28 @@ class ClientRequestMiddleware:
             await send(msg)
 
         async def watch() -> None:
+            nonlocal stopped_by_watcher
             # With the body read, the server's receive returns only `http.disconnect`: when the client
             # goes away, or (uvicorn) once the response is complete.
             while (await receive())["type"] != "http.disconnect":
                 pass
             gone.set()
+            if not response_complete:
+                # The client is gone: stop the route (a sync sample aborts its engine calls).
+                stopped_by_watcher = True
+                route.cancel()
 
-        app_task = asyncio.ensure_future(self.app(scope, app_receive, app_send))
         watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({app_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not app_task.done() and not response_complete:
-                # The client is gone: stop the route (a sync sample aborts its engine calls).
-                app_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await app_task
-                return
-            await app_task
+            await self.app(scope, app_receive, app_send)
         except asyncio.CancelledError:
-            # The server itself cancelled us (shutdown): the route goes too.
-            app_task.cancel()
+            # Ours (the client went away): the route has stopped and there is nobody to answer. Any
+            # other cancellation (the server shutting down) goes on up.
+            if stopped_by_watcher and route.uncancel() == 0:
+                return
             raise
+        else:
+            if stopped_by_watcher:
+                route.uncancel()  # the route swallowed our cancellation: none is left pending on this task
         finally:
             watcher.cancel()

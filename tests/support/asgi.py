@@ -71,7 +71,10 @@ async def call(app: Any, method: str, path: str, body: bytes | Any = b"", *, chu
             if not msg.get("more_body", False):
                 complete.set()
 
-    await app(scope, receive, send)
+    # In a task of its own, as uvicorn runs each request: the app may cancel its own task (the
+    # middleware does when the client goes away), and a caller looping over requests yields to the
+    # loop between them, as it would over a socket.
+    await asyncio.ensure_future(app(scope, receive, send))
     return reply
 
 
