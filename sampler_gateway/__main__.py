@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(cfg, source_for(cfg))
+    # No proxy-headers middleware: the gateway reads no client address, and it ran on every request.
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                timeout_graceful_shutdown=10, timeout_keep_alive=75)
+                timeout_graceful_shutdown=10, timeout_keep_alive=75, proxy_headers=False)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -37,13 +38,18 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # No total limit: the replicas' own admission (429) is the limit; the gateway only counts.
+        # No total limit: the replicas' own admission (429) is the limit; the gateway only counts. No
+        # cookie jar: a proxy that kept one replica's Set-Cookie would send it on every client's requests.
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                                        auto_decompress=False)
+                                        auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
         app.state.gateway = Gateway(cfg, pool, Upstream(session), metrics)
         # One refresh before serving: a gateway that starts answers from a known replica set.
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, session, min(cfg.health_timeout_s, cfg.refresh_interval_s))
+        # What startup built lives as long as the process: frozen, the collector stops re-scanning it
+        # on every full collection (as vLLM's API server does at startup).
+        gc.collect()
+        gc.freeze()
         refresher = asyncio.create_task(
             refresh_forever(source, pool, session, cfg.refresh_interval_s, cfg.health_timeout_s,
                             cfg.health_failure_threshold), name="refresh")

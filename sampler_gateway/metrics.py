@@ -34,6 +34,16 @@ class GatewayMetrics:
         self.gone = Counter("sampler_gateway_owner_gone", "Future/session requests whose owner is gone "
                             "(answered with the protocol's expired form)", registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
+        self._per_request: dict[tuple[str, str], tuple[Counter, Gauge]] = {}
+
+    def of(self, replica: str, kind: str) -> tuple[Counter, Gauge]:
+        """The two series every request touches (routed, in flight), looked up once per replica and
+        kind: `labels()` costs a lock and a tuple build, on the hot path twice a request."""
+        key = (replica, kind)
+        if (found := self._per_request.get(key)) is None:
+            found = self._per_request[key] = (self.routed.labels(replica=replica, kind=kind),
+                                              self.in_flight.labels(replica=replica))
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -140,13 +140,15 @@ class Pool:
         """A response on `label` is about to go back to a client: False if the version policy forbids
         it (stale), else record it (it may be the first of a newer label)."""
         self._answered_at[replica.name] = self.clock()
+        view, newest, known = self.view, self.order.newest_returned, len(self.order.ranks)
         self.order.see([(label, version)])
         self._observe(replica, label, version)
         if is_stale(label, self.cfg.version_policy, self.order, self.target):
             self.metrics.stale.labels(replica=replica.name).inc()
             return False
         self.order.note_returned(label, self.target)
-        self._notify()  # a newer label or a replica's new one: the eligible set may have changed
+        if self.view is not view or self.order.newest_returned != newest or len(self.order.ranks) != known:
+            self._notify()  # a new label, a newer one returned, a replica's new one: routing may change
         return True
 
     def answered_since(self, name: str, since: float) -> bool:
@@ -170,14 +172,15 @@ class Pool:
     def lease(self, replica: ReplicaView, kind: str) -> Iterator[None]:
         """Count a request as open to `replica` for as long as the block runs."""
         name = replica.name
-        self.metrics.routed.labels(replica=name, kind=kind).inc()
+        routed, gauge = self.metrics.of(name, kind)
+        routed.inc()
         self.in_flight[name] = self.in_flight.get(name, 0) + 1
-        self.metrics.in_flight.labels(replica=name).set(self.in_flight[name])
+        gauge.set(self.in_flight[name])
         try:
             yield
         finally:
             self.in_flight[name] -= 1
-            self.metrics.in_flight.labels(replica=name).set(self.in_flight[name])
+            gauge.set(self.in_flight[name])
 
     def why_none(self, exclude: frozenset[str] = frozenset(), label: str | None = None) -> str:
         if not self.view.replicas:

@@ -13,10 +13,12 @@ lets the gateway check their weights label before the client sees a byte.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
 from .replicas import ReplicaView
 
@@ -67,6 +69,19 @@ class Reply:
     def header(self, name: str) -> str | None:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), None)
+
+    @functools.cached_property
+    def json(self) -> dict[str, Any] | None:
+        """The answer as a JSON object, or None (protobuf, an empty body, not an object); parsed once,
+        however many of its fields the route reads (ids, the weights label and version). A route may
+        rewrite it (routed ids) just before passing it on."""
+        if "json" not in (self.header("content-type") or ""):
+            return None
+        try:
+            body = orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            return None
+        return body if isinstance(body, dict) else None
 
 
 def forwardable(headers: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:

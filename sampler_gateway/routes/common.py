@@ -26,8 +26,13 @@ def gateway_of(request: Request) -> Gateway:
 
 
 def outgoing(request: Request, body: bytes, timeout_s: float) -> Outgoing:
-    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    return Outgoing(request.method, path, body, forwardable(list(request.headers.items())), timeout_s)
+    # From the raw ASGI scope: Starlette's URL and Headers objects cost more than the copy they serve.
+    scope = request.scope
+    query = scope["query_string"].decode("latin-1")
+    raw = scope.get("raw_path") or scope["path"].encode()  # raw_path: the path exactly as the client sent it
+    path = raw.decode("latin-1").partition("?")[0] + (f"?{query}" if query else "")
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+    return Outgoing(scope["method"], path, body, forwardable(headers), timeout_s)
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -39,17 +44,6 @@ def json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", field="body")
     return body
-
-
-def reply_json(reply: Reply) -> dict[str, Any] | None:
-    """A replica's JSON object answer, or None (protobuf, an empty body, not an object)."""
-    if "json" not in (reply.header("content-type") or ""):
-        return None
-    try:
-        body = orjson.loads(reply.body)
-    except orjson.JSONDecodeError:
-        return None
-    return body if isinstance(body, dict) else None
 
 
 def ascii_header(value: str) -> str:

@@ -17,7 +17,7 @@ from ..errors import NotThroughGateway
 from ..forward import OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, reply_json, respond, timeout_of
+from .common import affinity_of, gateway_of, json_object, outgoing, respond, timeout_of
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -25,14 +25,14 @@ LONG_POLL_DEFAULT_S, LONG_POLL_MAX_S = 25.0, 30.0  # the replicas' RetrieveReque
 
 
 def _label(reply: Reply) -> str | None:
-    body = reply_json(reply)
+    body = reply.json
     label = body.get("weights_label") if body else None
     return label if isinstance(label, str) else None
 
 
 def _stamped(replica: ReplicaView, reply: Reply, routed_id: str | None) -> Response:
     """Pass the answer on, its `request_id` replaced by the routed one, its weights in headers."""
-    body = reply_json(reply)
+    body = reply.json
     if body is None:
         return respond(replica, reply)
     if routed_id is not None and "request_id" in body:
@@ -54,7 +54,7 @@ async def sample(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
     out = outgoing(request, raw, timeout_of(gw, json_object(raw).get("timeout_s")))
     replica, reply = await to_new(gw, out, affinity=affinity_of(request), label_of=_label)
-    inner = (reply_json(reply) or {}).get("request_id")
+    inner = (reply.json or {}).get("request_id")
     return _stamped(replica, reply, ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None)
 
 
@@ -64,7 +64,7 @@ async def submit(request: Request) -> Response:
     json_object(raw)
     out = outgoing(request, raw, gw.cfg.control_timeout_s)
     replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
-    inner = (reply_json(reply) or {}).get("request_id") if reply.status == 200 else None
+    inner = (reply.json or {}).get("request_id") if reply.status == 200 else None
     return _stamped(replica, reply, ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None)
 
 

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from .. import ids
 from ..forward import OwnerGone, to_new, to_owner
 from ..upstream import Reply
-from .common import LABEL_HEADER, affinity_of, gateway_of, json_object, outgoing, reply_json, respond
+from .common import LABEL_HEADER, affinity_of, gateway_of, json_object, outgoing, respond
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -43,7 +43,7 @@ async def asample(request: Request) -> Response:
     json_object(raw)
     out = outgoing(request, raw, gw.cfg.control_timeout_s)
     replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
-    body = reply_json(reply) if reply.status == 200 else None
+    body = reply.json if reply.status == 200 else None
     inner = body.get("request_id") if body else None
     if body is None or not isinstance(inner, str) or not inner:
         return respond(replica, reply)
@@ -74,7 +74,7 @@ async def retrieve_future(request: Request) -> Response:
     if label is not None and reply.status == 200 and not gw.pool.returned(replica, label):
         return _expired(f"future ran on weights {label!r}, older than {gw.pool.order.newest_returned!r} already "
                         "returned; resubmit")
-    answer = reply_json(reply)
+    answer = reply.json
     if answer is not None and answer.get("type") == "try_again":
         answer["request_id"] = routed
         return respond(replica, reply, orjson.dumps(answer))

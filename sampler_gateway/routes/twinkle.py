@@ -20,7 +20,7 @@ from sampler_pod.errors import NotFound
 from .. import ids
 from ..forward import OwnerGone, to_new, to_owner
 from ..upstream import Outgoing, Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, reply_json, respond, timeout_of
+from .common import affinity_of, gateway_of, json_object, outgoing, respond, timeout_of
 
 router = APIRouter(prefix="/api/v1", tags=["twinkle"])
 SESSION_HEADER = "X-Twinkle-Session-Id"
@@ -32,7 +32,7 @@ def _unknown(session_id: object, why: str) -> NotFound:
 
 
 def _label(reply: Reply) -> str | None:
-    body = reply_json(reply)
+    body = reply.json
     label = body.get("weights_label") if body else None
     return label if isinstance(label, str) else None
 
@@ -41,7 +41,7 @@ def _label(reply: Reply) -> str | None:
 async def create_session(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
     replica, reply = await to_new(gw, outgoing(request, raw, gw.cfg.control_timeout_s), resendable=True)
-    body = reply_json(reply) if reply.status == 200 else None
+    body = reply.json if reply.status == 200 else None
     inner = body.get("session_id") if body else None
     if body is None or not isinstance(inner, str) or not inner:
         return respond(replica, reply)
@@ -56,7 +56,7 @@ async def _session_owned(request: Request, rid: ids.RoutedId, out: Outgoing) -> 
                                         "session")
     except OwnerGone as e:
         raise _unknown(str(rid), e.message) from None
-    answer = reply_json(reply)
+    answer = reply.json
     if answer is not None and "session_id" in answer:
         answer["session_id"] = str(rid)
         return respond(replica, reply, orjson.dumps(answer))

@@ -9,6 +9,7 @@ kubelet restarts the container.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -46,6 +47,10 @@ def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineSta
                     cfg.startup_lock_path, cfg.startup_lock_timeout_s,
                     lambda: asyncio.to_thread(VllmEngine.create, model_dir, cfg))
             log.info("engine ready: model=%s", model_dir)
+            # What startup built (torch, vLLM, the engine client) lives as long as the process: frozen,
+            # full collections stop re-scanning it while requests run (vLLM's API server does the same).
+            gc.collect()
+            gc.freeze()
         except asyncio.CancelledError:
             raise
         except Exception as e:
