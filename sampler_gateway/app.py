@@ -24,10 +24,11 @@ from .config import GatewayConfig
 from .discovery.refresh import refresh_forever, refresh_once
 from .discovery.source import Source
 from .forward import Gateway
+from .http1 import Http1Client
 from .metrics import GatewayMetrics
 from .pool import Pool
 from .routes import health, native, tinker, twinkle
-from .upstream import Upstream
+from .upstream import CONNECT_TIMEOUT_S, Upstream
 
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
@@ -38,11 +39,11 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # No total limit: the replicas' own admission (429) is the limit; the gateway only counts. No
-        # cookie jar: a proxy that kept one replica's Set-Cookie would send it on every client's requests.
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                                        auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
-        app.state.gateway = Gateway(cfg, pool, Upstream(session), metrics)
+        # Requests go through the gateway's own HTTP/1.1 client (http1.py: why); discovery's /health
+        # reads, a few a second, through aiohttp.
+        client = Http1Client(CONNECT_TIMEOUT_S)
+        session = aiohttp.ClientSession(auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+        app.state.gateway = Gateway(cfg, pool, Upstream(client), metrics)
         # One refresh before serving: a gateway that starts answers from a known replica set.
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, session, min(cfg.health_timeout_s, cfg.refresh_interval_s))
@@ -60,6 +61,7 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await refresher
             await session.close()
+            client.close()
             source.close()
 
     app = FastAPI(title="sampler-gateway", version="0.1.0", lifespan=lifespan)

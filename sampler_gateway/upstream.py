@@ -13,13 +13,14 @@ lets the gateway check their weights label before the client sees a byte.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 
+from .http1 import ConnectFailed, ConnectionBroken, Http1Client
 from .replicas import ReplicaView
 
 # Connection-level headers are the two hops' own business; never copied across the gateway.
@@ -27,6 +28,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "trailers", "transfer-encoding", "upgrade", "host", "content-length", "content-encoding",
                         "accept-encoding", "date", "server"})
 CONNECT_TIMEOUT_S = 2.0
+IDENTITY = ("Accept-Encoding", "identity")
 
 
 class NotStarted(Exception):
@@ -99,23 +101,20 @@ class Sender(Protocol):
 
 
 class Upstream:
-    """The gateway's one HTTP client to its replicas (a pooled aiohttp session)."""
+    """The gateway's one HTTP client to its replicas (`http1.Http1Client`: keep-alive, pooled)."""
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
+    def __init__(self, client: Http1Client) -> None:
+        self.client = client
 
     async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
-        timeout = aiohttp.ClientTimeout(total=out.timeout_s, connect=CONNECT_TIMEOUT_S)
         try:
-            # Identity encoding: the gateway reads answers (ids, weights labels) before passing them on.
-            async with self.session.request(out.method, replica.url + out.path, data=out.body,
-                                            headers=[*out.headers, ("Accept-Encoding", "identity")],
-                                            timeout=timeout, allow_redirects=False) as r:
-                body = await r.read()
-                return Reply(r.status, forwardable(list(r.headers.items())), body)
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as e:
-            raise NotStarted(_describe(e)) from None
+            async with asyncio.timeout(out.timeout_s):
+                # Identity encoding: the gateway reads answers (ids, weights labels) before passing them on.
+                r = await self.client.request(replica.url, out.method, out.path, (*out.headers, IDENTITY), out.body)
+        except ConnectFailed as e:
+            raise NotStarted(str(e)) from None
         except TimeoutError:
             raise TimedOut(f"no answer within {out.timeout_s:g}s") from None
-        except (aiohttp.ClientError, OSError) as e:
+        except (ConnectionBroken, OSError) as e:
             raise Lost(_describe(e)) from None
+        return Reply(r.status, forwardable(r.headers), r.body)
