@@ -13,7 +13,6 @@ import contextlib
 import gc
 from collections.abc import AsyncIterator
 
-import aiohttp
 from fastapi import Depends, FastAPI
 
 from sampler_pod.http.auth import APIKeyAuth
@@ -39,20 +38,18 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Requests go through the gateway's own HTTP/1.1 client (http1.py: why); discovery's /health
-        # reads, a few a second, through aiohttp.
+        # One HTTP client to the replicas, for requests and /health reads alike (http1.py: why its own).
         client = Http1Client(CONNECT_TIMEOUT_S)
-        session = aiohttp.ClientSession(auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
         app.state.gateway = Gateway(cfg, pool, Upstream(client), metrics)
         # One refresh before serving: a gateway that starts answers from a known replica set.
         with contextlib.suppress(Exception):
-            await refresh_once(source, pool, session, min(cfg.health_timeout_s, cfg.refresh_interval_s))
+            await refresh_once(source, pool, client, min(cfg.health_timeout_s, cfg.refresh_interval_s))
         # What startup built lives as long as the process: frozen, the collector stops re-scanning it
         # on every full collection (as vLLM's API server does at startup).
         gc.collect()
         gc.freeze()
         refresher = asyncio.create_task(
-            refresh_forever(source, pool, session, cfg.refresh_interval_s, cfg.health_timeout_s,
+            refresh_forever(source, pool, client, cfg.refresh_interval_s, cfg.health_timeout_s,
                             cfg.health_failure_threshold), name="refresh")
         try:
             yield
@@ -60,7 +57,6 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
             refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await refresher
-            await session.close()
             client.close()
             source.close()
 

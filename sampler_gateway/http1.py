@@ -52,16 +52,20 @@ class Response:
 
 @dataclass(frozen=True)
 class Origin:
+    """Where a replica URL points: the connection's address, and the path every request's is
+    appended to (`http://host:port/prefix` serves `/prefix/v1/sample`; usually empty)."""
+
     host: str
     port: int
     host_header: bytes
+    prefix: str = ""
 
     @classmethod
     def of(cls, url: str) -> Origin:
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "http" or parts.hostname is None:
-            raise ValueError(f"replica URL {url!r}: the gateway reaches replicas over plain http://host:port")
-        return cls(parts.hostname, parts.port or 80, parts.netloc.encode("ascii"))
+        if parts.scheme != "http" or parts.hostname is None or parts.query or parts.fragment:
+            raise ValueError(f"replica URL {url!r}: the gateway reaches replicas over plain http://host:port[/path]")
+        return cls(parts.hostname, parts.port or 80, parts.netloc.encode("ascii"), parts.path.rstrip("/"))
 
 
 class _Connection(asyncio.Protocol):
@@ -171,17 +175,18 @@ class Http1Client:
         self._origins: dict[str, Origin] = {}
 
     def origin(self, url: str) -> Origin:
+        """`url` parsed once (Origin.of raises ValueError for what this client cannot reach)."""
         if (found := self._origins.get(url)) is None:
             found = self._origins[url] = Origin.of(url)
         return found
 
     async def request(self, url: str, method: str, path: str, headers: tuple[tuple[str, str], ...],
                       body: bytes) -> Response:
-        """One exchange with the replica at `url` (http://host:port). `headers` must not carry Host,
+        """One exchange with the replica at `url` (http://host:port[/prefix]). `headers` must not carry Host,
         Content-Length or Transfer-Encoding: this client writes its own."""
         origin = self.origin(url)
         conn = self._idle_connection(origin) or await self._connect(origin)
-        head = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), b"Host: ", origin.host_header,
+        head = [f"{method} {origin.prefix}{path} HTTP/1.1\r\n".encode("latin-1"), b"Host: ", origin.host_header,
                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         head += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers]
         head.append(b"\r\n")

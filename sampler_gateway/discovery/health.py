@@ -18,24 +18,27 @@ it, and the error that names a lost replica names its version.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
+import orjson
 
+from ..http1 import ConnectFailed, ConnectionBroken, Http1Client
 from ..replicas import Member, ReplicaView
 
 
-async def read_health(session: aiohttp.ClientSession, member: Member, timeout_s: float,
+async def read_health(client: Http1Client, member: Member, timeout_s: float,
                       last: ReplicaView | None = None, failure_threshold: int = 1,
                       serving: Callable[[], bool] = lambda: False) -> ReplicaView:
     """`serving()`, asked when a read times out: has the replica answered a request lately?"""
     label = last.weights_label if last is not None else None
     version = last.weights_version if last is not None else None
     try:
-        async with session.get(member.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            body: Any = await r.json(content_type=None)
-    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        async with asyncio.timeout(timeout_s):
+            r = await client.request(member.url, "GET", "/health", (), b"")
+        body: Any = orjson.loads(r.body)
+    except (TimeoutError, ConnectFailed, ConnectionBroken, OSError, ValueError) as e:
         if isinstance(e, TimeoutError) and last is not None and last.ready and serving():
             return last  # busy, not gone: this read says nothing new
         unanswered = (last.unanswered if last is not None else 0) + 1

@@ -16,8 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
-
+from ..http1 import Http1Client
 from ..pool import Pool
 from ..replicas import Member, ReplicaView
 from .health import read_health
@@ -27,7 +26,7 @@ from .source import Source
 log = logging.getLogger(__name__)
 
 
-async def refresh_once(source: Source, pool: Pool, session: aiohttp.ClientSession, health_timeout_s: float,
+async def refresh_once(source: Source, pool: Pool, client: Http1Client, health_timeout_s: float,
                        failure_threshold: int = 1) -> None:
     started = time.monotonic()
     ms = await source.membership()
@@ -36,7 +35,7 @@ async def refresh_once(source: Source, pool: Pool, session: aiohttp.ClientSessio
 
     async def read(m: Member) -> tuple[Member, ReplicaView]:
         # "Serving": answered a request since one read-timeout before this refresh began.
-        return m, await read_health(session, m, health_timeout_s, against.by_name.get(m.name), failure_threshold,
+        return m, await read_health(client, m, health_timeout_s, against.by_name.get(m.name), failure_threshold,
                                     _serving(pool, m.name, started - health_timeout_s))
 
     # Each read is published as it lands: a replica slow to answer /health (busy serving the whole
@@ -74,7 +73,7 @@ async def follow_changes(source: Source, pool: Pool, refresh_due: asyncio.Event)
         refresh_due.set()
 
 
-async def refresh_forever(source: Source, pool: Pool, session: aiohttp.ClientSession, interval_s: float,
+async def refresh_forever(source: Source, pool: Pool, client: Http1Client, interval_s: float,
                           health_timeout_s: float, failure_threshold: int) -> None:
     refresh_due = asyncio.Event()
     follower = asyncio.create_task(follow_changes(source, pool, refresh_due), name="follow-changes")
@@ -83,7 +82,7 @@ async def refresh_forever(source: Source, pool: Pool, session: aiohttp.ClientSes
             t0 = time.monotonic()
             try:
                 # A slow /health never stretches a refresh past the interval.
-                await refresh_once(source, pool, session, min(health_timeout_s, interval_s), failure_threshold)
+                await refresh_once(source, pool, client, min(health_timeout_s, interval_s), failure_threshold)
             except asyncio.CancelledError:
                 raise
             except Exception:  # one failed refresh is not the end: the next one may succeed

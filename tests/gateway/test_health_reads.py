@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from sampler_gateway.discovery.health import read_health
+from sampler_gateway.http1 import Http1Client
 from sampler_gateway.replicas import Member
 
 
@@ -32,7 +32,7 @@ class Replica:
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[tuple[Replica, Member, aiohttp.ClientSession]]:
+async def served() -> AsyncIterator[tuple[Replica, Member, Http1Client]]:
     replica = Replica()
     app = web.Application()
     app.router.add_get("/health", replica.health)
@@ -41,8 +41,9 @@ async def served() -> AsyncIterator[tuple[Replica, Member, aiohttp.ClientSession
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    async with aiohttp.ClientSession() as session:
-        yield replica, Member("r0", f"http://127.0.0.1:{port}"), session
+    client = Http1Client(connect_timeout_s=2)
+    yield replica, Member("r0", f"http://127.0.0.1:{port}"), client
+    client.close()
     replica.release.set()
     await runner.cleanup()
 

@@ -177,3 +177,13 @@ async def test_an_idle_connection_the_replica_closed_is_not_reused() -> None:
         assert (await client.request(srv.url, "GET", "/", (), b"")).status == 200
         client.close()
     assert srv.connections == 2
+
+
+async def test_a_replica_url_with_a_path_prefixes_every_request_and_only_http_is_spoken() -> None:
+    async with scripted(lambda req, w: answer(ok(b"{}"), w)) as srv:
+        client = Http1Client(connect_timeout_s=2)
+        await client.request(srv.url + "/r0/", "GET", "/health", (), b"")
+        client.close()
+    assert srv.requests[0].startswith(b"GET /r0/health HTTP/1.1\r\n")
+    with pytest.raises(ValueError, match="plain http"):
+        await Http1Client(connect_timeout_s=2).request("https://127.0.0.1:1", "GET", "/", (), b"")

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -27,6 +26,7 @@ from sampler_gateway.discovery.refresh import refresh_forever
 from sampler_gateway.discovery.signal import ChangeSignal
 from sampler_gateway.discovery.source import Membership, Source
 from sampler_gateway.discovery.static import StaticDiscovery
+from sampler_gateway.http1 import Http1Client
 from sampler_gateway.metrics import GatewayMetrics
 from sampler_gateway.pool import Pool
 from sampler_gateway.replicas import Member, PoolView, ReplicaView
@@ -149,14 +149,15 @@ async def replicas() -> AsyncIterator[Replicas]:
 @contextlib.asynccontextmanager
 async def refreshing(source: Source) -> AsyncIterator[Pool]:
     pool = Pool(GatewayConfig(pool="p", discovery="static", replicas=["x=http://x"]), GatewayMetrics())
-    async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(refresh_forever(source, pool, session, LONG_S, LONG_S, failure_threshold=3))
-        try:
-            yield pool
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    client = Http1Client(connect_timeout_s=2)
+    task = asyncio.create_task(refresh_forever(source, pool, client, LONG_S, LONG_S, failure_threshold=3))
+    try:
+        yield pool
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        client.close()
 
 
 async def until(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
