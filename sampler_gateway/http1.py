@@ -134,6 +134,8 @@ class _Connection(asyncio.Protocol):
 
     async def exchange(self, request: bytes) -> Response:
         assert self.transport is not None
+        if self.closed:  # closed between its connect and now: a write would go nowhere, silently
+            raise ConnectionBroken("connection closed before the request was sent")
         self._waiter = asyncio.get_running_loop().create_future()
         self._status, self._keep_alive = 0, False
         self.transport.write(request)
