@@ -57,3 +57,17 @@ def test_a_start_past_startup_timeout_exits_1_so_the_container_restarts(tiny_mod
     assert p.returncode == 1, p.stderr[-2000:]
     assert "startup did not finish within --startup-timeout-s=1s" in p.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_the_startup_deadline_counts_from_the_process_start_imports_included() -> None:
+    """A process slow to reach `import sampler_pod` (a busy node: the interpreter and its imports
+    have taken seconds) has that time counted against --startup-timeout-s: STARTED_AT is the
+    process's start, not the import's. The child spends 1 s before the import."""
+    code = ("import time; t = time.monotonic(); time.sleep(1.0)\n"
+            "import sampler_pod\n"
+            "print(t - sampler_pod.STARTED_AT, time.monotonic() - sampler_pod.STARTED_AT)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    before_first_line, age_at_import = (float(x) for x in p.stdout.split())
+    assert 0 <= before_first_line < 10      # the process started before its first line ran (ticks: 10 ms)
+    assert age_at_import >= 1.0             # the second before the import counts
