@@ -31,11 +31,19 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) clock ticks of the whole box, from /proc/stat's first line."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest and guest_nice are inside user/nice)
+    return ticks[7], sum(ticks[:8])
+
+
 @dataclass(frozen=True)
 class CellRun:
     toks_per_s: float
     cpu_per_1k: float  # CPU-seconds of the measured process per 1,000 tokens
     failed: int        # requests whose connection broke: counted and reported, never retried
+    steal: float       # share of the box's CPU time the hypervisor took during the cell (a slow host)
 
 
 async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pid: int,
@@ -58,15 +66,16 @@ async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pi
                 continue
             total += got
 
-    cpu0, t0 = proc_cpu_s(cpu_pid), time.perf_counter()
+    (steal0, ticks0), cpu0, t0 = cpu_times(), proc_cpu_s(cpu_pid), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
+    steal1, ticks1 = cpu_times()
     done = n - failed
     if tokens_per_request is None:
         assert total >= done, f"{done} requests generated only {total} tokens"
     else:
         assert total == done * tokens_per_request, f"expected {done * tokens_per_request} tokens, got {total}"
-    return CellRun(total / dt, cpu / max(total / 1000, 1e-9), failed)
+    return CellRun(total / dt, cpu / max(total / 1000, 1e-9), failed, (steal1 - steal0) / max(ticks1 - ticks0, 1))
 
 
 async def post_sample(http: aiohttp.ClientSession, url: str, seed: int, max_tokens: int) -> int:

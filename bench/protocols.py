@@ -24,7 +24,7 @@ import aiohttp
 
 from bench.load import PROMPT_LEN, OneRequest, prompt
 from bench.report import write_section
-from bench.rounds import Results, System, cpu_table, loadavg_range, run_rounds, throughput_table
+from bench.rounds import Results, System, cpu_table, loadavg_range, run_rounds, steal_range, throughput_table
 from bench.sampling_concurrency import MAX_NUM_SEQS, MAX_TOKENS, direct_system, our_server
 from sampler_pod.testing.tiny_model import cached_tiny_model
 
@@ -97,7 +97,8 @@ def table(results: Results, rounds: int) -> str:
         f"per request (Tinker `stop=[]`: no EOS stop; Twinkle may stop at EOS), {PROMPT_LEN}-token prompts, "
         f"temperature 1, seeded; {rounds} rounds, systems in a shuffled "
         "order per round, one engine alive at a time; aiohttp load generator on the same 2-core box. "
-        f"1-minute load average before the cells: {loadavg_range(results)}.",
+        f"1-minute load average before the cells: {loadavg_range(results)}; "
+        f"hypervisor steal during the cells: {steal_range(results)}.",
         "",
         "Median tok/s (and the lowest round / median round):",
         "",

@@ -5,7 +5,9 @@
   average of this 2-core box reached 22 and the figures were noise);
 - the paired ratio of a round compares two systems within that round; tables report the median
   of those ratios and the lowest round against the median round ("no collapse": >= 0.8);
-- the 1-minute load average is recorded before every cell and printed with the table.
+- the 1-minute load average is recorded before every cell and printed with the table, and so is
+  the hypervisor's steal during each cell: this box is a VM whose speed varies, and a round run
+  while the host was busy elsewhere should be told apart from a round where a system collapsed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Cell:
     cpu_per_1k: list[float] = field(default_factory=list)
     loadavg: list[float] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
+    steal: list[float] = field(default_factory=list)
 
 
 Results = dict[str, dict[int, Cell]]
@@ -57,8 +60,9 @@ async def run_rounds(systems: dict[str, System], rounds: int, concurrency: list[
                     cell.cpu_per_1k.append(run.cpu_per_1k)
                     cell.loadavg.append(load)
                     cell.failed.append(run.failed)
+                    cell.steal.append(run.steal)
                     print(f"  c={c:>3} {name:<8} {run.toks_per_s:8.0f} tok/s  server cpu {run.cpu_per_1k:.3f} s/1k tok"
-                          f"  load {load:.2f}  failed {run.failed}", flush=True)
+                          f"  load {load:.2f}  steal {run.steal:.1%}  failed {run.failed}", flush=True)
     return results
 
 
@@ -69,6 +73,11 @@ def ratios(results: Results, a: str, b: str, c: int) -> list[float]:
 def loadavg_range(results: Results) -> str:
     loads = [x for cells in results.values() for cell in cells.values() for x in cell.loadavg]
     return f"{min(loads):.2f}-{max(loads):.2f} (median {statistics.median(loads):.2f})"
+
+
+def steal_range(results: Results) -> str:
+    steal = [x for cells in results.values() for cell in cells.values() for x in cell.steal]
+    return f"{min(steal):.1%}-{max(steal):.1%} (median {statistics.median(steal):.1%})"
 
 
 def throughput_table(results: Results, systems: list[str], pairs: Sequence[tuple[str, str]],
@@ -90,6 +99,10 @@ def throughput_table(results: Results, systems: list[str], pairs: Sequence[tuple
         for c in concurrency:
             parts = [f"{a} / {b}: " + ", ".join(f"{r:.2f}" for r in ratios(results, a, b, c)) for a, b in pairs]
             lines.append(f"- c={c}: " + "; ".join(parts))
+    rounds = len(results[systems[0]][concurrency[0]].steal)
+    per_round = [statistics.median(results[s][c].steal[r] for s in systems for c in concurrency) for r in range(rounds)]
+    lines += ["", "Hypervisor steal per round (median over the round's cells): "
+              + ", ".join(f"{x:.1%}" for x in per_round)]
     failed = {f"{s} c={c}": sum(results[s][c].failed) for s in systems for c in concurrency}
     lines += ["", "Requests whose connection broke (counted, not retried): " + (
         ", ".join(f"{k}: {v}" for k, v in failed.items() if v) or "none")]

@@ -39,7 +39,7 @@ import httpx
 from bench.load import PROMPT_LEN, OneRequest, post_sample, prompt
 from bench.plots import DOCS, throughput_vs_concurrency
 from bench.report import write_section
-from bench.rounds import Results, System, cpu_table, loadavg_range, run_rounds, throughput_table
+from bench.rounds import Results, System, cpu_table, loadavg_range, run_rounds, steal_range, throughput_table
 from sampler_pod.testing.net import free_port
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.server import CPU_ENGINE_ARGS, run_server
@@ -208,7 +208,8 @@ def table(results: Results, rounds: int, concurrency: list[int], env: dict[str, 
         f"{MAX_TOKENS} tokens per request (ignore_eos), {PROMPT_LEN}-token prompts, temperature 1, seeded, "
         f"sampled-token logprobs; {rounds} rounds, systems in a shuffled order per round, one engine alive "
         "at a time; aiohttp load generator on the same 2-core box. "
-        f"1-minute load average before the cells: {loadavg_range(results)}."
+        f"1-minute load average before the cells: {loadavg_range(results)}; "
+        f"hypervisor steal during the cells: {steal_range(results)}."
         + (f" Server environment: `{env}`." if env else ""),
         "",
         "Median tok/s (and the lowest round / median round):",
