@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from tests.support.bad_requests import BAD_REQUESTS, GOOD
-from tests.support.metrics import engine_steps_over, metric
+from tests.support.metrics import engine_steps_over, metric, samples
 from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 
@@ -165,8 +165,7 @@ def test_client_disconnect_aborts_the_engine_request(shared_server: RunningServe
     """A sync client that hangs up: vLLM must stop generating for it and its slot must come back,
     long before the 400 tokens it asked for would have been generated."""
     with shared_server.client() as c:
-        before = metric(c.get("/metrics").text, 'sampler_requests_finished_total{outcome="cancelled"}') \
-            if 'outcome="cancelled"' in c.get("/metrics").text else 0.0
+        before = metric(c.get("/metrics").text, "sampler_requests_finished_total", 0.0, outcome="cancelled")
         long_body = {**body(400, temperature=1.0, ignore_eos=True), "num_samples": 4}
         # Frozen engine: nothing can come back within the client's 0.5 s, on any box.
         with engine_paused(shared_server):
@@ -175,7 +174,8 @@ def test_client_disconnect_aborts_the_engine_request(shared_server: RunningServe
             # The abort reaches the engine while it is frozen, and only then is the slot free.
             wait_until(lambda: c.get("/health").json()["in_flight"] == 0, "the slot of the client that left")
         # Thawed: nothing is left in the engine for it to generate.
-        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-            assert metric(c.get("/metrics").text, gauge) == 0, gauge
-        after = metric(c.get("/metrics").text, 'sampler_requests_finished_total{outcome="cancelled"}')
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):  # per engine (labelled)
+            per_engine = samples(c.get("/metrics").text, gauge)
+            assert per_engine and sum(per_engine.values()) == 0, (gauge, per_engine)
+        after = metric(c.get("/metrics").text, "sampler_requests_finished_total", outcome="cancelled")
     assert after == before + 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.support.metrics import samples
 from tests.support.server import run_server
 from tests.support.soak import HttpClient, Soak
 
@@ -27,19 +27,13 @@ TOTAL, WARMUP = 1_000, 200
 TTL_S = 30.0
 
 
-def _metric(text: str, name: str) -> dict[str, float]:
-    """{labels: value} of one metric family's samples."""
-    pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$"
-    return {labels: float(v) for labels, v in re.findall(pattern, text, re.M)}
-
-
 async def _quiet(c: httpx.AsyncClient, timeout: float = 3 * TTL_S) -> str:
     """Wait until nothing is in flight and the TTL sweep has emptied the futures store; the metrics then."""
     async with asyncio.timeout(timeout):
         while True:
             text = (await c.get("/metrics")).text
-            if sum(_metric(text, "sampler_requests_in_flight").values()) == 0 and \
-                    sum(_metric(text, "sampler_futures_held").values()) == 0:
+            if sum(samples(text, "sampler_requests_in_flight").values()) == 0 and \
+                    sum(samples(text, "sampler_futures_held").values()) == 0:
                 return text
             await asyncio.sleep(0.1)
 
@@ -72,9 +66,9 @@ def test_soak_1k_mixed_requests_real_engine(tiny_model: Path, capsys: pytest.Cap
         soak, metrics, busy, rss_warm, rss_end, health = asyncio.run(main())
     figures = soak.figures
     assert isinstance(soak.client, HttpClient)
-    by_outcome = {k.split('"')[1]: v for k, v in _metric(metrics, "sampler_requests_finished_total").items()}
-    admitted = sum(_metric(metrics, "sampler_requests_admitted_total").values())
-    rejected = sum(_metric(metrics, "sampler_requests_rejected_total").values())
+    by_outcome = {dict(k)["outcome"]: v for k, v in samples(metrics, "sampler_requests_finished_total").items()}
+    admitted = sum(samples(metrics, "sampler_requests_admitted_total").values())
+    rejected = sum(samples(metrics, "sampler_requests_rejected_total").values())
     ends = dict(sorted(by_outcome.items()))
     report.append(f"\nsoak (real engine, HTTP): {sum(figures.by_kind.values())} requests in {busy:.1f}s")
     report.append(figures.table())

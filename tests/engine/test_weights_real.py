@@ -174,7 +174,7 @@ def test_abort_mode_load_aborts_the_samples_in_flight_and_writes_at_once(tiny_mo
     for a in answers:
         assert a.status_code == 503 and a.json()["error"]["category"] == "aborted", a.text
     assert health["in_flight"] == 0 and health["weights_label"] == "abort-a" and health["status"] == "ok"
-    assert metric(metrics, 'sampler_requests_finished_total{outcome="aborted"}') == 8
+    assert metric(metrics, "sampler_requests_finished_total", outcome="aborted") == 8
     assert after.status_code == 200 and after.json()["weights_label"] == "abort-a", after.text
 
 
@@ -278,7 +278,7 @@ def test_injected_midwrite_failure_makes_weights_uncertain(tiny_model: Path, tmp
         assert again.status_code == 503 and again.json()["error"]["category"] == "uncertain_weights"
         metrics = c.get("/metrics").text
         assert metric(metrics, "sampler_weights_uncertain") == 1.0
-        assert metric(metrics, 'sampler_weight_loads_total{outcome="uncertain"}') == 1.0
+        assert metric(metrics, "sampler_weight_loads_total", outcome="uncertain") == 1.0
         assert c.get("/health").json()["status"] == "uncertain_weights"
 
 

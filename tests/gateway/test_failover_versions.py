@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.gateway import fake_replicas, metric, run_gateway
+from tests.support.gateway import fake_replicas, run_gateway
+from tests.support.metrics import metric
 
 BODY: dict[str, Any] = {"prompts": [[5, 6, 7]], "sampling_params": {"max_tokens": 40, "temperature": 1.0}}
 SHORT: dict[str, Any] = {"prompts": [[5, 6, 7]], "sampling_params": {"max_tokens": 8}}
@@ -60,7 +61,7 @@ async def test_kill_one_of_two_replicas_under_load() -> None:
             assert "replica f1 (weights 'base', version 0) was lost" in err["message"], err
         assert statuses[200] == total - len(failed) >= 0.99 * (total - len(failed))
         text = gw.metrics()
-        assert metric(text, "sampler_gateway_lost_total", replica="f1") == len(failed)
+        assert metric(text, "sampler_gateway_lost_total", 0.0, replica="f1") == len(failed)
         # After the kill the survivor takes everything, and the dead one leaves routing.
         # (Answers after the first `concurrency` completions past the kill: none were open on f1 then.)
         after = [rep for status, _, rep in results[kill_after + concurrency:] if status == 200]
@@ -119,6 +120,6 @@ def test_latest_never_answers_on_old_weights_after_new(tiny_model: Path, step1_r
         first_new = next(i for i, (lbl, _) in enumerate(labels) if lbl == "step-1")
         assert all(lbl == "step-1" for lbl, _ in labels[first_new:])
         text = gw.metrics()
-        assert metric(text, "sampler_gateway_stale_responses_total", replica=x) == 1
-        assert metric(text, "sampler_gateway_rejected_by_version_total", replica=x) >= 10
+        assert metric(text, "sampler_gateway_stale_responses_total", 0.0, replica=x) == 1
+        assert metric(text, "sampler_gateway_rejected_by_version_total", 0.0, replica=x) >= 10
         assert {r["name"] for r in gw.health()["replicas"] if r["eligible"]} == {y}

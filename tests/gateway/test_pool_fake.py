@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from sampler_gateway import ids
-from tests.support.gateway import Pool, RunningGateway, fake_replicas, metric, run_gateway, write_replicas
+from tests.support.gateway import Pool, RunningGateway, fake_replicas, run_gateway, write_replicas
+from tests.support.metrics import metric
 
 KEY = "tml-pool-key"
 AUTH = {"X-API-Key": KEY}
@@ -40,10 +41,10 @@ class Env:
     gw: RunningGateway
 
     def pod_metric(self, replica: str, name: str, **labels: str) -> float:
-        return metric(httpx.get(self.pool.servers[replica].url + "/metrics").text, name, **labels)
+        return metric(httpx.get(self.pool.servers[replica].url + "/metrics").text, name, 0.0, **labels)
 
     def gw_metric(self, name: str, **labels: str) -> float:
-        return metric(self.gw.metrics(), name, **labels)
+        return metric(self.gw.metrics(), name, 0.0, **labels)
 
 
 NO_REPLICA_WAIT_S = 5.0

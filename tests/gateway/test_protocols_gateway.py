@@ -15,7 +15,8 @@ import requests
 import tinker
 from tinker import types
 
-from tests.support.gateway import Pool, RunningGateway, fake_replicas, metric, run_gateway
+from tests.support.gateway import Pool, RunningGateway, fake_replicas, run_gateway
+from tests.support.metrics import metric
 from tests.support.twinkle import TwinkleClients, check_samples_and_bad_input
 
 KEY = "tml-gw-key"
@@ -38,7 +39,7 @@ def env(tiny_model: Path) -> Iterator[Env]:
 
 def owner_routed(env: Env) -> float:
     text = env.gw.metrics()
-    return sum(metric(text, "sampler_gateway_routed_total", replica=n, kind="owner") for n in env.pool.servers)
+    return sum(metric(text, "sampler_gateway_routed_total", 0.0, replica=n, kind="owner") for n in env.pool.servers)
 
 
 def test_tinker_sdk_through_the_gateway(env: Env) -> None:

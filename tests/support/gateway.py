@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -111,16 +110,3 @@ def fake_replicas(model: Path, names: list[str], *flags: str) -> Iterator[Pool]:
         for s in servers.values():
             wait_healthy(s.url, s.proc, s.log_path, timeout=120)
         yield Pool(servers)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample of a Prometheus text page; 0 when the series does not exist (yet)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = ",".join(sorted(p for p in (m.group(2) or "").split(",") if p))
-        if got == want:
-            return float(m.group(3))
-    return 0.0

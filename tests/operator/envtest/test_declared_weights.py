@@ -24,6 +24,7 @@ import urllib3
 from tests.operator.envtest.test_fast_tier import cond, cr_body, create, status
 from tests.support import corrupt_checkpoints as cc
 from tests.support import k8s as ks
+from tests.support.metrics import metric
 from tests.support.operator_harness import FakeKubelet, OperatorProcess, ProcessKubelet, ok, uncertain
 
 pytestmark = pytest.mark.envtest
@@ -50,12 +51,9 @@ def replica(name: str, port: int, w: dict[str, Any], **spec: Any) -> dict[str, A
     return body
 
 
-def pod_metric(w: dict[str, Any], pod: str, port: int, line: str) -> float:
+def pod_metric(w: dict[str, Any], pod: str, port: int, name: str, **labels: str) -> float:
     with urllib.request.urlopen(w["kubelet"].url(pod, port) + "/metrics", timeout=5) as r:
-        for text in r.read().decode().splitlines():
-            if text.startswith(line + " "):
-                return float(text.split()[-1])
-    return 0.0
+        return metric(r.read().decode(), name, 0.0, **labels)
 
 
 def wait_status(api, ns: str, name: str, pred, what: str, timeout: float = 60) -> dict[str, Any]:
@@ -94,10 +92,10 @@ def test_patching_spec_weights_loads_them_in_place_once_with_the_key(api, ns, wo
     pods = api.core.list_namespaced_pod(ns).items
     assert [(p.metadata.name, p.metadata.uid) for p in pods] == [("w1-0", uid)], "the pod was not recreated"
     # Exactly one load reached the pod (its own counter), and more probe periods add none.
-    assert pod_metric(world, "w1-0", port, 'sampler_weight_loads_total{outcome="ok"}') == 1
+    assert pod_metric(world, "w1-0", port, "sampler_weight_loads_total", outcome="ok") == 1
     ks.wait_for(lambda: status(api, ns, "w1").get("observedGeneration") == st.get("observedGeneration"), 5, 0.5,
                 "a few more loop periods")
-    assert pod_metric(world, "w1-0", port, 'sampler_weight_loads_total{outcome="ok"}') == 1
+    assert pod_metric(world, "w1-0", port, "sampler_weight_loads_total", outcome="ok") == 1
     events = [e for e in api.core.list_namespaced_event(ns).items if e.involved_object.name == "w1"]
     assert any(e.reason == "WeightsLoaded" and "step-1" in e.message for e in events)
 
@@ -119,7 +117,7 @@ def test_an_invalid_declared_checkpoint_keeps_the_replica_ready_on_its_weights(a
     assert st["phase"] == "Ready" and cond(st, "Ready")["status"] == "True"
     assert st["weights"]["label"] == "base" and st["weights"]["declaredResult"] == "InvalidCheckpoint"
     assert [p.metadata.name for p in api.core.list_namespaced_pod(ns).items] == ["w2-0"], "nothing replaced"
-    assert pod_metric(world, "w2-0", port, 'sampler_weight_loads_total{outcome="rejected"}') == 1
+    assert pod_metric(world, "w2-0", port, "sampler_weight_loads_total", outcome="rejected") == 1
 
 
 def test_declared_weights_with_in_flight_abort_abort_the_samples_in_flight(api, ns, world):
@@ -153,7 +151,7 @@ def test_declared_weights_with_in_flight_abort_abort_the_samples_in_flight(api, 
     for rid in rids:
         code, body = call("POST", "/v1/sample/retrieve", {"request_id": rid, "wait_s": 5})
         assert code == 503 and body["error"]["category"] == "aborted", body
-    assert pod_metric(world, "w4-0", port, 'sampler_requests_finished_total{outcome="aborted"}') == 2
+    assert pod_metric(world, "w4-0", port, "sampler_requests_finished_total", outcome="aborted") == 2
     assert call("POST", "/v1/test/engine/resume")[0] == 200
 
 

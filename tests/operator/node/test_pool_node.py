@@ -47,6 +47,7 @@ from tests.operator.node.test_node_tier import (
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.closed_loop import Answer, ClosedLoop, older_after_newer
+from tests.support.metrics import samples
 from tests.support.polling import Poller
 
 pytestmark = pytest.mark.node
@@ -254,8 +255,7 @@ class PodCounter(Poller):
         text = self._get("/metrics")
         admitted = None
         if text is not None:
-            admitted = int(sum(float(line.split()[-1]) for line in text.decode().splitlines()
-                               if line.startswith("sampler_requests_admitted_total")))
+            admitted = int(sum(samples(text.decode(), "sampler_requests_admitted_total").values()))
         raw = self._get("/health")
         h = json.loads(raw) if raw else {}
         self.seen.append((time.monotonic(), admitted, h.get("status"), h.get("weights_label")))
