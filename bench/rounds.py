@@ -85,7 +85,7 @@ def throughput_table(results: Results, systems: list[str], pairs: Sequence[tuple
     """Median tok/s per system (lowest round / median round), the median paired ratios, and the
     per-round ratios behind them."""
     med = statistics.median
-    lines = ["| concurrency | " + " | ".join(systems) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |",
+    lines = ["| " + " | ".join(["concurrency", *systems, *(f"{a} / {b}" for a, b in pairs)]) + " |",
              "|---|" + "---|" * (len(systems) + len(pairs))]
     for c in concurrency:
         cells = []

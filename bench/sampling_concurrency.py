@@ -11,6 +11,8 @@ Method (a noisy 2-core box; docs/benchmarks.md):
 - The paired ratio of a round is this server / direct (and / vLLM's server) within that round; the
   table reports the median of those ratios, and the lowest round against the median round
   ("no collapse": ≥ 0.8).
+- Each cell records the 1-minute load average before it and the hypervisor's steal during it
+  (/proc/stat): this box is a VM whose speed varies, and a slow host must not read as a collapse.
 - "serial" is this server with one request at a time (c=1): the strictly serial baseline.
 - Server CPU: the HTTP server process's own CPU-seconds per 1,000 tokens, engine processes excluded.
 - `--variant`: this server again with extra environment, as one more system in the same rounds (a
