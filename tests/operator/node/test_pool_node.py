@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -32,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sampler_pod.testing import net
 from tests.operator.node.test_node_tier import (
     PROMPT,
     Api,
@@ -87,27 +87,6 @@ def ns(api, operator):
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 (a hostNetwork pool's replicas)."""
-    for _ in range(200):
-        first = ks.free_port()
-        if first + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(first, first + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def weights(step: int) -> dict[str, str]:
     """The pool's weights: step-N of the checkpoints the replicas mount at /checkpoints."""
     return {"checkpoint": f"/checkpoints/step-{step}", "versionLabel": f"step-{step}"}
@@ -275,7 +254,7 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
     model = Path(tiny_model)
     root = tmp_path / "checkpoints"
     _checkpoints(model, root, 1, 2, 3, 4)
-    base, gw_port = free_ports(2), ks.free_port()
+    base, gw_port = net.free_ports(2), ks.free_port()
     template = _vllm_replica("t", base, model, root)["spec"]
     # Two CPU engines share this node's cores (no exclusive CPUs): vLLM's default binding pins every
     # engine's worker to the same core, and a replacement's engine start then stalls for minutes
@@ -366,7 +345,7 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
 
 def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api, ns, operator, tiny_model):
     model = Path(tiny_model)
-    base, gw_port = free_ports(3), ks.free_port()
+    base, gw_port = net.free_ports(3), ks.free_port()
     template = replica("t", base, model)["spec"]        # the fake engine: 1 ms per token
     apply_pool(api, ns, pool_body("dr", 3, template, gw_port))
     wait_pool(api, ns, "dr", 3, None, timeout=300)
