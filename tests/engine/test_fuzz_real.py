@@ -13,17 +13,12 @@ import httpx
 import pytest
 
 from tests.support.fuzz import fuzz
-from tests.support.metrics import samples
+from tests.support.metrics import total
 from tests.support.server import run_server
 
 # 12 operations take a body and 3 a path parameter; at 40 examples each, per mode, a run sends
 # about 1,200 requests (Hypothesis stops early on operations whose cases it has exhausted).
 EXAMPLES_PER_OPERATION = 40
-
-
-def _counter(metrics: str, name: str) -> float:
-    """A counter summed over its labels (finished: every outcome)."""
-    return sum(samples(metrics, name).values())
 
 
 def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(tiny_model: Path, tmp_path: Path,
@@ -45,14 +40,14 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(tiny_model: Pat
             while (h := c.get("/health").json())["in_flight"]:
                 assert time.monotonic() < deadline, h
                 time.sleep(0.1)
-            fuzz_admitted = _counter(c.get("/metrics").text, "sampler_requests_admitted_total")
+            fuzz_admitted = total(c.get("/metrics").text, "sampler_requests_admitted_total")
             health = c.get("/health")
             # The engine path still works after the fuzz (schema-valid fuzz cases rarely pass the
             # server's own checks, so this request, not the fuzz, is what proves it).
             sample = c.post("/v1/sample", json={"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4}})
             metrics = c.get("/metrics").text
-        admitted = _counter(metrics, "sampler_requests_admitted_total")
-        finished = _counter(metrics, "sampler_requests_finished_total")
+        admitted = total(metrics, "sampler_requests_admitted_total")
+        finished = total(metrics, "sampler_requests_finished_total")
         report.append(f"after: health {health.json()['status']}, in flight 0, admitted by the fuzz "
                       f"{fuzz_admitted:.0f}, admitted {admitted:.0f} = finished {finished:.0f} with the check sample, "
                       f"server log lines with Traceback: {server.log().count('Traceback')}")

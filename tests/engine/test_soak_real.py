@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support.metrics import samples
+from tests.support.metrics import samples, total
 from tests.support.server import run_server
 from tests.support.soak import HttpClient, Soak
 
@@ -32,8 +32,8 @@ async def _quiet(c: httpx.AsyncClient, timeout: float = 3 * TTL_S) -> str:
     async with asyncio.timeout(timeout):
         while True:
             text = (await c.get("/metrics")).text
-            if sum(samples(text, "sampler_requests_in_flight").values()) == 0 and \
-                    sum(samples(text, "sampler_futures_held").values()) == 0:
+            if total(text, "sampler_requests_in_flight") == 0 and \
+                    total(text, "sampler_futures_held") == 0:
                 return text
             await asyncio.sleep(0.1)
 
@@ -67,8 +67,8 @@ def test_soak_1k_mixed_requests_real_engine(tiny_model: Path, capsys: pytest.Cap
     figures = soak.figures
     assert isinstance(soak.client, HttpClient)
     by_outcome = {dict(k)["outcome"]: v for k, v in samples(metrics, "sampler_requests_finished_total").items()}
-    admitted = sum(samples(metrics, "sampler_requests_admitted_total").values())
-    rejected = sum(samples(metrics, "sampler_requests_rejected_total").values())
+    admitted = total(metrics, "sampler_requests_admitted_total")
+    rejected = total(metrics, "sampler_requests_rejected_total")
     ends = dict(sorted(by_outcome.items()))
     report.append(f"\nsoak (real engine, HTTP): {sum(figures.by_kind.values())} requests in {busy:.1f}s")
     report.append(figures.table())

@@ -21,6 +21,12 @@ def samples(text: str, name: str) -> dict[Labels, float]:
             for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
 
 
+def total(text: str, name: str) -> float:
+    """`name` summed over all its labels (a counter's every outcome, a gauge's every engine); 0 when
+    the page has no such sample."""
+    return sum(samples(text, name).values())
+
+
 def metric(text: str, name: str, default: float | None = None, **labels: str) -> float:
     """The sample `name` with exactly `labels`. A missing sample fails the test, unless a `default`
     is given: a labelled counter has no sample until it is first counted."""
@@ -35,7 +41,7 @@ def engine_steps_over(text: str, tokens: int) -> float:
     `tokens` must be a bucket edge of vLLM's `vllm:iteration_tokens_total` histogram (1, 8, 16, 32,
     64, 128, ...): the page only says how many steps fell at or below each edge.
     """
-    count = sum(samples(text, "vllm:iteration_tokens_total_count").values())
+    count = total(text, "vllm:iteration_tokens_total_count")
     at_or_below = [v for labels, v in samples(text, "vllm:iteration_tokens_total_bucket").items()
                    if dict(labels)["le"] == f"{tokens}.0"]
     assert at_or_below, f"no le={tokens} bucket in vllm:iteration_tokens_total"

@@ -47,7 +47,7 @@ from tests.operator.node.test_node_tier import (
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.closed_loop import Answer, ClosedLoop, older_after_newer
-from tests.support.metrics import samples
+from tests.support.metrics import total
 from tests.support.polling import Poller
 
 pytestmark = pytest.mark.node
@@ -234,7 +234,7 @@ class PodCounter(Poller):
         text = self._get("/metrics")
         admitted = None
         if text is not None:
-            admitted = int(sum(samples(text.decode(), "sampler_requests_admitted_total").values()))
+            admitted = int(total(text.decode(), "sampler_requests_admitted_total"))
         raw = self._get("/health")
         h = json.loads(raw) if raw else {}
         self.seen.append((time.monotonic(), admitted, h.get("status"), h.get("weights_label")))
