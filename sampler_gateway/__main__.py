@@ -11,6 +11,7 @@ from .app import create_app
 from .config import GatewayConfig, parse_config
 from .discovery.source import Source
 from .discovery.static import StaticDiscovery
+from .pool_object import PoolObject
 
 
 def source_for(cfg: GatewayConfig) -> Source:
@@ -21,10 +22,19 @@ def source_for(cfg: GatewayConfig) -> Source:
     return KubeDiscovery(cfg.pool, cfg.namespace)
 
 
+def pool_object_for(cfg: GatewayConfig) -> PoolObject | None:
+    """The SamplerPool the admin routes write: with kube discovery only (static has no pool object)."""
+    if cfg.discovery == "static":
+        return None
+    from .pool_object import KubePoolObject
+
+    return KubePoolObject(cfg.pool, cfg.namespace)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(cfg, source_for(cfg))
+    app = create_app(cfg, source_for(cfg), pool_object_for(cfg))
     # No proxy-headers middleware: the gateway reads no client address, and it ran on every request.
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                 timeout_graceful_shutdown=10, timeout_keep_alive=75, proxy_headers=False)

@@ -26,13 +26,16 @@ from .forward import Gateway
 from .http1 import Http1Client
 from .metrics import GatewayMetrics
 from .pool import Pool
+from .pool_object import PoolObject
 from .routes import health, native, tinker, twinkle
+from .routes import pool as pool_routes
 from .upstream import CONNECT_TIMEOUT_S, Upstream
 
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
-def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
+def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | None = None) -> FastAPI:
+    """`pool_object`: the SamplerPool the admin routes write (kube discovery); None: they answer 404."""
     metrics = GatewayMetrics()
     pool = Pool(cfg, metrics)
 
@@ -63,8 +66,11 @@ def create_app(cfg: GatewayConfig, source: Source) -> FastAPI:
     app = FastAPI(title="sampler-gateway", version="0.1.0", lifespan=lifespan)
     app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)
     install_error_handlers(app)
+    app.state.pool_object = pool_object
     app.include_router(health.router)
-    auth = [Depends(APIKeyAuth(cfg.api_key).sampling)]
+    app.include_router(pool_routes.router,
+                       dependencies=[Depends(pool_routes.PoolAdminAuth(cfg.api_key, cfg.admin_api_key))])
+    auth = [Depends(APIKeyAuth(cfg.api_key, cfg.admin_api_key).sampling)]
     for router in (native.router, tinker.router, twinkle.router):
         app.include_router(router, dependencies=auth)
     # Last: whatever else is under /api/v1 goes to any replica unchanged.

@@ -61,6 +61,9 @@ class GatewayConfig(BaseModel):
 
     # Requests.
     api_key: str | None = Field(None, description="API key required on every route but the probes (forwarded as is)")
+    admin_api_key: str | None = Field(
+        None, description="the pool's admin key: required by /v1/pool/* (push weights, read the rollout); also "
+                          "accepted wherever --api-key is (the replicas accept it too)")
     request_timeout_s: float = Field(
         300.0, gt=0, description="a request's timeout when it names none (the replicas' --request-timeout-s)")
     max_request_timeout_s: float = Field(3600.0, gt=0, description="largest timeout_s honoured")

@@ -103,10 +103,14 @@ class ServerConfig(BaseModel):
         None, description='sha256 manifest of --initial-checkpoint, a JSON object {"file": "hex", ...}')
     initial_adapters: Annotated[list[InitialAdapter] | None, BeforeValidator(_json_if_str)] = Field(
         None, description='LoRA adapters to load at startup, a JSON list [{"name": ..., "path": ...}, ...]')
-    weights_state_path: Path = Field(
-        Path("/var/run/sampler/weights.json"),
+    # No default path: a fixed one is one file per machine, and two samplers on one host (or one
+    # started by hand after another) would restore each other's weights. The operator always sets
+    # it, on the pod's emptyDir (desired_pod.py).
+    weights_state_path: Path | None = Field(
+        None,
         description="where the replica records the weights it must serve (survives a container restart, "
-                    "on the pod's emptyDir); read at startup, it wins over the --initial-* flags")
+                    "on the pod's emptyDir); read at startup, it wins over the --initial-* flags. "
+                    "Unset: no state file (a restart comes back at the --initial-* flags)")
 
     api_key: str | None = Field(None, description="API key required on every route but the probes")
     admin_api_key: str | None = Field(

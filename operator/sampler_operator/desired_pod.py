@@ -32,6 +32,10 @@ PORT_NAME = "http"
 LOCK_VOLUME = "startup-lock"
 LOCK_DIR = "/var/run/sampler"
 LOCK_PATH = f"{LOCK_DIR}/engine-startup.lock"
+# The replica's intended weights (docs/contract.md), on the same emptyDir: it survives a container
+# restart, not a pod replacement. Always passed: the sampler has no default (one file per machine
+# would mix up two samplers on one host).
+STATE_PATH = f"{LOCK_DIR}/weights.json"
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
         "--request-timeout-s", str(spec.request_timeout_seconds),
         "--max-request-timeout-s", str(spec.max_request_timeout_seconds),
         "--startup-lock-path", LOCK_PATH,
+        "--weights-state-path", STATE_PATH,
         "--startup-lock-timeout-s", str(spec.health.startup_timeout_seconds),
         # The sampler bounds its own start (exit 1 -> the kubelet restarts it at once); the startup
         # probe below is the second line.

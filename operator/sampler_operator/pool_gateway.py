@@ -1,6 +1,8 @@
 """The pool's gateway as Kubernetes objects (pure): a Deployment running `python -m sampler_gateway`,
 a Service in front of it (the pool's single address), and the ServiceAccount, Role and RoleBinding
-its discovery needs (get/list/watch of the namespace's SamplerReplicas, SamplerPools and pods).
+its discovery needs (get/list/watch of the namespace's SamplerReplicas, SamplerPools and pods), plus
+`patch` on its own SamplerPool only (`resourceNames`): a trainer pushes weights through the gateway's
+admin route (`POST /v1/pool/weights`, sampler_gateway/pool_admin.py), which writes `spec.weights`.
 
 Every object is owned by the pool (garbage-collected with it). The gateway's flags carry what the
 pool's spec says about routing; the pool's target label is NOT a flag: the gateway reads it from
@@ -21,6 +23,7 @@ LABEL_GATEWAY = "sampler.rl.dev/gateway"
 # spec.gateway.resources when unset (docs/pool.md).
 DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 STARTUP_PROBE_FAILURES = 60  # x 2 s
+_KEY_ENV = frozenset({"SAMPLER_GATEWAY_API_KEY", "SAMPLER_GATEWAY_ADMIN_API_KEY"})
 
 
 def gateway_name(pool: str) -> str:
@@ -35,9 +38,10 @@ def _meta(pool: str, namespace: str, uid: str, name: str) -> dict[str, Any]:
 
 
 def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
-                    api_key: KeyRef) -> list[dict[str, Any]]:
+                    api_key: KeyRef, admin_key: KeyRef | None = None) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding, Deployment, Service: in the order they must exist.
-    `api_key`: the replicas' shared key (pool_plan.pool_keys), which the gateway checks.
+    `api_key`: the replicas' shared key (pool_plan.pool_keys), which the gateway checks; `admin_key`:
+    the replicas' shared admin key, which the gateway's pool routes require (none: they refuse, 403).
 
     The image: spec.gateway.image, else the operator's configured gateway image (settings.gateway_image():
     the operator's own). Never spec.template.image: no sampler image
@@ -58,9 +62,12 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     # The replicas' own key: the gateway checks it and forwards it as sent. Never an open gateway.
     env: list[dict[str, Any]] = [{"name": "SAMPLER_GATEWAY_API_KEY",
                                   "valueFrom": {"secretKeyRef": api_key.as_dict()}}]
-    # The user's extras come after ours; one named like the key is dropped: the gateway must check
-    # exactly the key its replicas check.
-    env += [dict(v) for v in gw.get("env") or [] if v.get("name") != "SAMPLER_GATEWAY_API_KEY"]
+    # The admin key of the replicas: who may load weights on a replica may set the pool's.
+    if admin_key is not None:
+        env.append({"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": admin_key.as_dict()}})
+    # The user's extras come after ours; one named like a key is dropped: the gateway must check
+    # exactly the keys its replicas check.
+    env += [dict(v) for v in gw.get("env") or [] if v.get("name") not in _KEY_ENV]
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
     # A gateway starting on a node whose engines are starting too may take a minute to listen
     # (seen: ~55 s beside two vLLM engine starts on 2 cores): the startup probe gives it 2 minutes
@@ -86,7 +93,11 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
         pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     rules = [{"apiGroups": ["sampler.rl.dev"], "resources": ["samplerreplicas", "samplerpools"],
               "verbs": ["get", "list", "watch"]},
-             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+             # A weights push writes this pool's spec.weights; no other pool, nor its status. (The
+             # operator holds patch on samplerpools itself: granting it is no escalation.)
+             {"apiGroups": ["sampler.rl.dev"], "resources": ["samplerpools"], "resourceNames": [pool],
+              "verbs": ["patch"]}]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, namespace, uid, name)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, namespace, uid, name),

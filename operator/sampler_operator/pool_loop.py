@@ -107,7 +107,8 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     if not mem.keys_ensured or todo.create:
         await ensure_keys(kube, name, namespace, uid, spec, emit)
         mem.keys_ensured = True
-    gateway = gateway_objects(name, namespace, uid, raw_spec, pool_keys(name, spec).api)
+    keys = pool_keys(name, spec)
+    gateway = gateway_objects(name, namespace, uid, raw_spec, keys.api, keys.admin)
     if objects_hash(gateway) != mem.gateway_hash:
         for obj in gateway:
             await kube.apply(namespace, obj)

@@ -9,6 +9,10 @@ flags cannot know of yet, so at startup the file wins over the flags.
 Written atomically (a temporary file in the same directory, fsync, `os.replace`): a crash
 leaves the old file or the new one, never half of one. A file that does not parse is not
 trusted: startup logs a warning and falls back to the flags (it never crashes on it).
+
+There is no default path: without `--weights-state-path` nothing is recorded or read. A default
+would be one file per machine, not per sampler, and two samplers on one host would restore each
+other's weights (issue #23). The operator always passes a path on the pod's own emptyDir.
 """
 
 from __future__ import annotations
@@ -57,8 +61,11 @@ class PersistedWeights(BaseModel):
         return self.checkpoint is None and not self.adapters
 
 
-def read_state(path: Path) -> PersistedWeights | None:
-    """The recorded state; None if there is none, or if it is unreadable (with a warning)."""
+def read_state(path: Path | None) -> PersistedWeights | None:
+    """The recorded state; None if there is none (no file, or no `--weights-state-path`), or if it is
+    unreadable (with a warning)."""
+    if path is None:
+        return None
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -74,8 +81,11 @@ def read_state(path: Path) -> PersistedWeights | None:
         return None
 
 
-def write_state(path: Path, state: PersistedWeights) -> None:
-    """Replace the recorded state atomically. Raises `StatePersistFailed` (and leaves the old file)."""
+def write_state(path: Path | None, state: PersistedWeights) -> None:
+    """Replace the recorded state atomically. Raises `StatePersistFailed` (and leaves the old file).
+    No path (`--weights-state-path` unset): nothing is recorded, by choice."""
+    if path is None:
+        return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,10 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeou
 
 @contextlib.contextmanager
 def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[str, str] | None = None,
-               wait: bool = True, engine_args: list[str] | None = None) -> Iterator[RunningServer]:
-    """`engine_args` replaces CPU_ENGINE_ARGS for a vLLM server (benchmarks size the engine themselves)."""
+               wait: bool = True, engine_args: list[str] | None = None,
+               state_file: bool = True) -> Iterator[RunningServer]:
+    """`engine_args` replaces CPU_ENGINE_ARGS for a vLLM server (benchmarks size the engine themselves).
+    `state_file=False`: no `--weights-state-path`, as a sampler started by hand."""
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="sampler-test-"))
     log_path = workdir / "server.log"
@@ -61,7 +63,7 @@ def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[s
             "--startup-lock-path", str(workdir / "lock" / "engine-startup.lock"),
             # Never the default /var/run/sampler/weights.json: one test's loads must not become the
             # next test server's startup weights. A test that restarts a server passes its own (last wins).
-            "--weights-state-path", str(workdir / "lock" / "weights.json"), *extra]
+            *(["--weights-state-path", str(workdir / "lock" / "weights.json")] if state_file else []), *extra]
     if engine == "vllm":
         args += CPU_ENGINE_ARGS if engine_args is None else engine_args
     full_env = {**os.environ, "VLLM_RPC_BASE_PATH": str(workdir / "rpc"), **(env or {})}

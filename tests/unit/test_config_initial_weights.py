@@ -30,7 +30,7 @@ def test_initial_weights_from_flags_and_from_env() -> None:
         assert cfg.initial_adapters == [InitialAdapter(name="policy", path="lora-a")]
     defaults = parse_config(["--model", "m"], environ={})
     assert defaults.initial_checkpoint is None and defaults.initial_adapters is None
-    assert str(defaults.weights_state_path) == "/var/run/sampler/weights.json"
+    assert defaults.weights_state_path is None  # no state file unless asked for (issue #23)
     assert defaults.write_timeout_s == 600 and not defaults.test_hang_startup
 
 

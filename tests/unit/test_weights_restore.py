@@ -141,6 +141,29 @@ def test_http_load_is_recorded_and_a_restart_comes_back_at_it(ck: Ckpts, referen
                 assert json.loads(state.read_text())["version_label"] == "step-1"
 
 
+def test_two_samplers_by_hand_without_a_state_path_never_restore_each_others_weights(
+        ck: Ckpts, reference: dict[str, list[int]]) -> None:
+    """Issue #23: with the old default (/var/run/sampler/weights.json, one per machine) the second
+    sampler came up at the first one's checkpoint. Without `--weights-state-path` nothing is shared."""
+    def by_hand() -> Any:
+        return run_server(ck.model, "--checkpoint-root", str(ck.root), engine="fake", state_file=False)
+
+    with by_hand() as a, a.client() as ca:
+        assert load(ca, "step-1", "step-1").status_code == 200
+        assert health(a)["weights_label"] == "step-1"
+        # Started after `a` loaded, while `a` still runs: the base model, nothing intended.
+        with by_hand() as b, b.client() as cb:
+            h = health(b)
+            assert h["status"] == "ok" and h["weights_label"] == "base" and h["intended"] is None, h
+            assert greedy(cb) == reference["base"]
+            assert load(cb, "step-2", "step-2").status_code == 200
+    # Both gone; a third started by hand comes up at neither's weights.
+    with by_hand() as c, c.client() as cc_:
+        h = health(c)
+        assert h["weights_label"] == "base" and h["intended"] is None, h
+        assert greedy(cc_) == reference["base"]
+
+
 def test_corrupt_state_file_falls_back_to_the_flags(ck: Ckpts, reference: dict[str, list[int]],
                                                     tmp_path: Path) -> None:
     state = tmp_path / "weights.json"

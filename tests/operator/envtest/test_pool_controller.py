@@ -134,7 +134,9 @@ def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any
         assert c["command"] == ["python", "-m", "sampler_gateway"] and c["args"][:6] == [
             "--pool", "p", "--namespace", ns, "--discovery", "kube"]
         assert c["env"] == [{"name": "SAMPLER_GATEWAY_API_KEY",
-                             "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "api-key"}}}]
+                             "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "api-key"}}},
+                            {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY",
+                             "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}}]
         for kind in ("deployment", "service", "serviceaccount", "role", "rolebinding"):
             obj = ks.wait_for(lambda kind=kind: _get(k8s, ns, kind, "p-gateway"), 30, 0.2, f"gateway {kind}")
             assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid], kind

@@ -10,6 +10,7 @@ from sampler_operator.desired_pod import (
     LABEL_REPLICA,
     LOCK_DIR,
     LOCK_PATH,
+    STATE_PATH,
     Owner,
     desired_pod,
     label_value,
@@ -65,6 +66,9 @@ def test_startup_lock_dir_is_a_pod_local_empty_dir():
     assert {"name": "startup-lock", "mountPath": LOCK_DIR} in container(pod)["volumeMounts"]
     args = container(pod)["args"]
     assert args[args.index("--startup-lock-path") + 1] == LOCK_PATH
+    # The state file too: the sampler has no default path (issue #23), the pod's emptyDir is its home.
+    assert args[args.index("--weights-state-path") + 1] == STATE_PATH
+    assert STATE_PATH.startswith(LOCK_DIR + "/")
 
 
 def test_resources_pass_through_including_gpus():

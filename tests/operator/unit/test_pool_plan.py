@@ -178,7 +178,7 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
                  "routing": {"versionPolicy": "MinVersion", "affinity": {"header": "X-Group", "replicaCapacity": 8}},
                  "gateway": {"replicas": 2, "port": 9090}, "weights": {"checkpoint": "/ckpt/s", "versionLabel": "s"}}
     keys = pool_keys("p", PoolSpec.model_validate(pool_spec))
-    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api)}
+    objs = {o["kind"]: o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api, keys.admin)}
     assert list(objs) == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
     assert all(o["metadata"]["ownerReferences"][0]["uid"] == UID and o["metadata"]["name"] == "p-gateway"
                for o in objs.values())
@@ -194,12 +194,17 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     # The target label is read from the pool by the gateway, never a flag (no restart per rollout).
     assert "--target-label" not in c["args"]
     assert c["env"] == [{"name": "SAMPLER_GATEWAY_API_KEY",
-                         "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
+                         "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}},
+                        {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY",
+                         "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}}]
     assert dep["template"]["spec"]["serviceAccountName"] == "p-gateway"
     pod_labels = dep["template"]["metadata"]["labels"]
     assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
-    granted = {(r, v) for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    assert granted == {(r, v) for r in ("samplerreplicas", "samplerpools", "pods") for v in ("get", "list", "watch")}
+    granted = {(r, v, tuple(rule.get("resourceNames", ())))
+               for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    # Reads for discovery; patch on its own pool only (a weights push), never on another pool.
+    assert granted == {(r, v, ()) for r in ("samplerreplicas", "samplerpools", "pods")
+                       for v in ("get", "list", "watch")} | {("samplerpools", "patch", ("p",))}
     assert "hostNetwork" not in dep["template"]["spec"]
     # Never BestEffort; a slow start is not a dead gateway.
     assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}}
@@ -210,18 +215,20 @@ def test_gateway_on_the_node_network_with_extra_env_and_volumes_keeps_its_key() 
     from sampler_operator.pool_gateway import gateway_objects
 
     extra = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-             {"name": "SAMPLER_GATEWAY_API_KEY", "value": "tml-not-the-pools"}]
+             {"name": "SAMPLER_GATEWAY_API_KEY", "value": "tml-not-the-pools"},
+             {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "value": "tml-not-the-pools-either"}]
     token = {"name": "sa-token", "secret": {"secretName": "p-gateway-token"}}
     mount = {"name": "sa-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
     pool_spec = {"template": TEMPLATE, "gateway": {"hostNetwork": True, "env": extra, "volumes": [token],
                                                    "volumeMounts": [mount]}}
     keys = pool_keys("p", PoolSpec.model_validate(pool_spec))
-    [dep] = [o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api) if o["kind"] == "Deployment"]
+    [dep] = [o for o in gateway_objects("p", "ns", UID, pool_spec, keys.api, keys.admin) if o["kind"] == "Deployment"]
     pod = dep["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
-    # The pool's key stays the only one: an extra named like it is dropped.
+    # The pool's keys stay the only ones: an extra named like one is dropped.
     assert pod["containers"][0]["env"] == [
-        {"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": keys.api.as_dict()}}, extra[0]]
+        {"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": keys.api.as_dict()}},
+        {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": keys.admin.as_dict()}}, extra[0]]
     assert pod["volumes"] == [token] and pod["containers"][0]["volumeMounts"] == [mount]
 
 

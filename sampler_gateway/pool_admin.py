@@ -1,0 +1,127 @@
+"""The trainer's side of a pool, decided here (pure): what a weights push may write to the SamplerPool,
+and how far the rollout it starts has come.
+
+A trainer has the gateway's address and the pool's admin key, rarely Kubernetes credentials; the pool
+controller already rolls `spec.weights` out batch by batch (operator/sampler_operator/pool_plan.py). So
+a push is one write of `spec.weights` through the gateway, checked first where the gateway can check it
+(the fields, the template's `checkpoints.allowedRoots`): a push the pool would only refuse later never
+becomes the pool's target. What the gateway cannot see (the checkpoint's files, which live on the
+replicas' volume) the first replica validates before writing anything, and a refusal stops the
+rollout with the pool still serving the old weights (`Progressing=False/RolloutStopped`).
+
+A push during a rollout supersedes it, as a `kubectl patch` of `spec.weights` does: the replicas still
+out of routing are given the newest weights at once, and the batches go on towards them.
+
+The rollout's state is read from the pool object alone: `Pending` until the operator has observed
+this spec (`status.observedGeneration` and `status.targetLabel` behind `spec`), then the
+`Progressing` condition: `RollingOut`, `Complete` (once every replica is also back in routing), or
+`Stopped` naming the replica that refused.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sampler_pod.errors import InvalidRequest, validation_error
+
+# The trainer's step, kept on the pool for whoever reads the rollout: an annotation, because the
+# pool's `spec.weights` is copied into every replica's spec and a step is not part of what it serves.
+STEP_ANNOTATION = "sampler.rl.dev/weights-step"
+PROGRESSING = "Progressing"
+RolloutState = Literal["Pending", "RollingOut", "Complete", "Stopped"]
+_STATES: dict[str, RolloutState] = {"RollingOut": "RollingOut", "RolloutComplete": "Complete",
+                                    "RolloutStopped": "Stopped"}
+
+
+class WeightsPush(BaseModel):
+    """`POST /v1/pool/weights`: the pool's new weights, in the sampler API's snake_case."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: str = Field(min_length=1, description="checkpoint directory inside the replicas' pods")
+    version_label: str = Field(min_length=1, max_length=200, description="label every sample on these weights carries")
+    step: int | None = Field(None, ge=0, description="the trainer's step, reported back by GET /v1/pool/rollout")
+    sha256_manifest: dict[str, str] | None = Field(None, description="file -> sha256 each replica verifies")
+
+
+def parse_push(body: Any) -> WeightsPush:
+    try:
+        return WeightsPush.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _inside(path: str, root: str) -> bool:
+    root = posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_checkpoint(checkpoint: str, allowed_roots: list[str]) -> None:
+    """The pod's own path rule (sampler_pod/weights/validation.py::resolve_confined), as far as a path
+    can be judged without its files: absolute, no `..`, under an allowed root; no roots, nothing."""
+    if not checkpoint.startswith("/"):
+        raise InvalidRequest(f"checkpoint {checkpoint!r}: must be an absolute path inside the replicas' pods",
+                             field="checkpoint")
+    if ".." in checkpoint.split("/"):
+        raise InvalidRequest(f"checkpoint {checkpoint!r}: '..' is not allowed", field="checkpoint")
+    if not allowed_roots:
+        raise InvalidRequest("checkpoint: the pool's template names no checkpoints.allowedRoots, so its replicas "
+                             "load no checkpoint", field="checkpoint")
+    normal = posixpath.normpath(checkpoint)
+    if not any(_inside(normal, root) for root in allowed_roots):
+        raise InvalidRequest(f"checkpoint {checkpoint!r} is outside the pool's checkpoints.allowedRoots "
+                             f"{allowed_roots}", field="checkpoint")
+
+
+def allowed_roots(pool: dict[str, Any]) -> list[str]:
+    checkpoints = ((pool.get("spec") or {}).get("template") or {}).get("checkpoints") or {}
+    roots = checkpoints.get("allowedRoots") or []
+    return [r for r in roots if isinstance(r, str)]
+
+
+def weights_patch(pool: dict[str, Any], push: WeightsPush) -> dict[str, Any]:
+    """The merge patch a valid push writes: the whole of `spec.weights` (a manifest not pushed is
+    removed, not kept from the last push) and the step annotation. It carries the resourceVersion the
+    checks read, so a pool changed in between (its allowed roots, say) refuses the write (409)."""
+    check_checkpoint(push.checkpoint, allowed_roots(pool))
+    meta = pool.get("metadata") or {}
+    return {
+        "metadata": {"resourceVersion": meta.get("resourceVersion"),
+                     "annotations": {STEP_ANNOTATION: None if push.step is None else str(push.step)}},
+        "spec": {"weights": {"checkpoint": push.checkpoint, "versionLabel": push.version_label,
+                             "sha256Manifest": push.sha256_manifest}},
+    }
+
+
+def rollout_of(pool: dict[str, Any]) -> dict[str, Any]:
+    """`GET /v1/pool/rollout`: the pool's rollout as the API server holds it."""
+    meta, spec, status = pool.get("metadata") or {}, pool.get("spec") or {}, pool.get("status") or {}
+    weights = spec.get("weights") or {}
+    label = weights.get("versionLabel")
+    cond: dict[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == PROGRESSING), {})
+    generation, observed = meta.get("generation"), status.get("observedGeneration")
+    seen = (isinstance(generation, int) and isinstance(observed, int) and observed >= generation
+            and status.get("targetLabel") == label)
+    state: RolloutState = _STATES.get(str(cond.get("reason")), "Pending") if seen else "Pending"
+    replicas = [{"name": r.get("name"), "phase": r.get("phase"), "weights_label": r.get("weightsLabel"),
+                 "draining": bool(r.get("draining")), "state": r.get("state")}
+                for r in status.get("replicaStatus") or []]
+    if state == "Complete" and any(r["state"] not in ("Updated", "Leaving") for r in replicas):
+        # The condition counts a replica verified at the label while its drain mark is still on
+        # (state Draining): the last batch is not back in routing yet, so the trainer's next samples
+        # would see a smaller pool. Complete is the moment every replica serves the label.
+        state = "RollingOut"
+    stopped = next((r["name"] for r in replicas if r["state"] == "Rejected"), None) if state == "Stopped" else None
+    step = (meta.get("annotations") or {}).get(STEP_ANNOTATION)
+    return {
+        "pool": meta.get("name"), "generation": generation, "observed_generation": observed,
+        "target_label": label, "checkpoint": weights.get("checkpoint"),
+        "step": int(step) if isinstance(step, str) and step.isdigit() else None,
+        "state": state, "reason": cond.get("reason") if seen else None,
+        "message": cond.get("message") if seen else None,
+        "stopped_replica": stopped, "desired": spec.get("replicas"),
+        "updated": status.get("updatedReplicas", 0), "ready": status.get("readyReplicas", 0), "replicas": replicas,
+    }

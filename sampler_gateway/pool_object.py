@@ -1,0 +1,79 @@
+"""The SamplerPool object the admin routes read and write, behind a two-method port.
+
+`kube` discovery has a pool object on the API server (`KubePoolObject`); `static` discovery has none
+(`None`: the admin routes answer 404 saying so). Reads go to the API server, not to the discovery's
+watch cache: a push is checked against the object it then writes (its resourceVersion), and a
+rollout read just after a push must see that push. Both are rare (a trainer's step), so the extra
+round trip costs nothing that matters. The blocking kubernetes client runs in a thread.
+
+RBAC: get (the discovery's Role has it) and patch on this one pool only (`resourceNames`,
+operator/sampler_operator/pool_gateway.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Protocol
+
+from sampler_pod.errors import Conflict, InvalidRequest, NotFound, SamplerError
+
+GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerpools"
+
+
+class PoolApiError(SamplerError):
+    """The API server refused the gateway's read or write for another reason (its RBAC, say)."""
+
+    status_code = 502
+    category = "pool_api"
+
+
+class PoolObject(Protocol):
+    async def read(self) -> dict[str, Any]: ...
+
+    async def patch(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def _api_error(pool: str, namespace: str, status: int, reason: str, body: str | None) -> SamplerError:
+    """An API server refusal as the gateway's answer: its own message, with the status it maps to."""
+    try:
+        message = str(json.loads(body or "{}").get("message") or reason)
+    except (ValueError, AttributeError):
+        message = reason
+    if status == 404:
+        return NotFound(f"SamplerPool {pool} not found in namespace {namespace}", field="pool")
+    if status == 409:
+        return Conflict(f"SamplerPool {pool} changed while this push was checked; push again: {message}",
+                        field="pool")
+    if status == 422:
+        return InvalidRequest(f"the API server refused the pool's new weights: {message}", field="body")
+    return PoolApiError(f"the API server answered {status} for SamplerPool {pool}: {message}", field="pool")
+
+
+class KubePoolObject:
+    def __init__(self, pool: str, namespace: str) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        self.pool, self.namespace = pool, namespace
+        self._api = client.CustomObjectsApi()
+
+    async def read(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self._call, self._api.get_namespaced_custom_object)
+
+    async def patch(self, body: dict[str, Any]) -> dict[str, Any]:
+        # A merge patch: `null` removes a field (a manifest or step the new push does not have).
+        return await asyncio.to_thread(self._call, self._api.patch_namespaced_custom_object, body,
+                                       _content_type="application/merge-patch+json")
+
+    def _call(self, fn: Any, *body: dict[str, Any], **options: Any) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            out: dict[str, Any] = fn(GROUP, VERSION, self.namespace, PLURAL, self.pool, *body, **options)
+        except ApiException as e:
+            raise _api_error(self.pool, self.namespace, int(e.status or 0), str(e.reason), e.body) from None
+        return out

@@ -1,0 +1,55 @@
+"""The pool's admin routes (admin key only): `POST /v1/pool/weights` sets the SamplerPool's
+`spec.weights` (the operator rolls them out), `GET /v1/pool/rollout` tells how far that went.
+The decisions are `pool_admin.py`'s; the object is `pool_object.py`'s."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from sampler_pod.errors import Forbidden, NotFound
+from sampler_pod.http.auth import APIKeyAuth
+
+from ..pool_admin import parse_push, rollout_of, weights_patch
+from ..pool_object import PoolObject
+from .common import json_object
+
+router = APIRouter(prefix="/v1/pool", tags=["pool"])
+
+
+class PoolAdminAuth:
+    """The admin key, and only it. Unlike a replica's routes, never the sampling key in its place
+    when no admin key is configured: anyone who may sample would then choose the pool's weights.
+    (No key at all: open, as the rest of the gateway; local runs and tests only.)"""
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None) -> None:
+        self._auth = APIKeyAuth(api_key, admin_api_key)
+        self._no_admin = admin_api_key is None and api_key is not None
+
+    async def __call__(self, request: Request) -> None:
+        if self._no_admin:
+            await self._auth.sampling(request)  # a wrong key is still a 401
+            raise Forbidden("this gateway has no admin key (SAMPLER_GATEWAY_ADMIN_API_KEY), so the pool's weights "
+                            "cannot be changed or read through it")
+        await self._auth.admin(request)
+
+
+def _pool_object(request: Request) -> PoolObject:
+    obj: PoolObject | None = request.app.state.pool_object
+    if obj is None:
+        raise NotFound("this gateway runs with --discovery static: there is no SamplerPool object to set weights "
+                       "on or read a rollout from (run it with --discovery kube, as the operator does)", field="path")
+    return obj
+
+
+@router.post("/weights")
+async def push_weights(request: Request) -> Response:
+    obj = _pool_object(request)
+    push = parse_push(json_object(await request.body()))
+    written = await obj.patch(weights_patch(await obj.read(), push))
+    return JSONResponse(rollout_of(written))
+
+
+@router.get("/rollout")
+async def rollout(request: Request) -> Response:
+    return JSONResponse(rollout_of(await _pool_object(request).read()))

@@ -1,0 +1,165 @@
+"""The gateway's pool admin routes (`POST /v1/pool/weights`, `GET /v1/pool/rollout`): the pure checks
+and report (sampler_gateway/pool_admin.py), then the routes in process over an in-memory pool object
+that keeps every write, so "the pool unchanged" is the list of writes being empty. The same routes on a
+real API server with a real operator: tests/operator/envtest/test_pool_push.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from sampler_gateway.app import create_app
+from sampler_gateway.config import GatewayConfig
+from sampler_gateway.discovery.static import StaticDiscovery
+from sampler_gateway.pool_admin import STEP_ANNOTATION, WeightsPush, rollout_of, weights_patch
+from sampler_pod.errors import InvalidRequest
+from tests.support.asgi import call
+
+KEY, ADMIN = "tml-sample", "tml-admin"
+
+
+def pool_obj(**status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "w", "generation": 3, "resourceVersion": "41", "annotations": {}},
+            "spec": {"replicas": 2, "template": {"checkpoints": {"allowedRoots": ["/ckpt", "/more/"]}},
+                     "weights": {"checkpoint": "/ckpt/step-1", "versionLabel": "step-1"}},
+            "status": status}
+
+
+def progressing(reason: str, message: str) -> dict[str, Any]:
+    return {"type": "Progressing", "status": "True" if reason == "RollingOut" else "False", "reason": reason,
+            "message": message}
+
+
+# ---------------------------------------------------------------------------- pure
+
+
+@pytest.mark.parametrize("checkpoint", ["/ckpt/step-2", "/ckpt", "/more/a/b", "/ckpt/./step-2"])
+def test_a_checkpoint_under_an_allowed_root_is_written_whole(checkpoint: str) -> None:
+    patch = weights_patch(pool_obj(), WeightsPush(checkpoint=checkpoint, version_label="step-2", step=7))
+    assert patch == {"metadata": {"resourceVersion": "41", "annotations": {STEP_ANNOTATION: "7"}},
+                     "spec": {"weights": {"checkpoint": checkpoint, "versionLabel": "step-2", "sha256Manifest": None}}}
+
+
+@pytest.mark.parametrize(("checkpoint", "why"), [
+    ("/ckptx/step-2", "outside the pool's checkpoints.allowedRoots"),  # a prefix of a root is not under it
+    ("/etc", "outside the pool's checkpoints.allowedRoots"),
+    ("/ckpt/../etc", "'..' is not allowed"),
+    ("ckpt/step-2", "must be an absolute path"),
+])
+def test_a_checkpoint_the_replicas_would_refuse_by_its_path_is_a_400_naming_it(checkpoint: str, why: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        weights_patch(pool_obj(), WeightsPush(checkpoint=checkpoint, version_label="s"))
+    assert e.value.field == "checkpoint" and why in e.value.message
+
+
+def test_a_pool_without_allowed_roots_takes_no_checkpoint() -> None:
+    obj = pool_obj()
+    obj["spec"]["template"] = {}
+    with pytest.raises(InvalidRequest, match="names no checkpoints.allowedRoots"):
+        weights_patch(obj, WeightsPush(checkpoint="/ckpt/a", version_label="s"))
+
+
+def test_the_rollout_is_pending_until_the_operator_observed_the_push() -> None:
+    done = [progressing("RolloutComplete", "2/2 updated to step-1")]
+    # The status still tells of the previous generation's complete rollout: not this push's.
+    assert rollout_of(pool_obj(observedGeneration=2, targetLabel="step-1", conditions=done))["state"] == "Pending"
+    assert rollout_of(pool_obj(observedGeneration=3, targetLabel="step-0", conditions=done))["state"] == "Pending"
+    r = rollout_of(pool_obj(observedGeneration=3, targetLabel="step-1", conditions=done, updatedReplicas=2,
+                            replicaStatus=[{"name": "w-0", "phase": "Ready", "weightsLabel": "step-1",
+                                            "state": "Updated", "draining": False}]))
+    assert (r["state"], r["reason"], r["updated"], r["desired"], r["stopped_replica"]) == (
+        "Complete", "RolloutComplete", 2, 2, None)
+    assert r["replicas"] == [{"name": "w-0", "phase": "Ready", "weights_label": "step-1", "draining": False,
+                              "state": "Updated"}]
+    # Verified at the label but its drain mark still on: the condition says complete, the pool is not yet.
+    draining = {"name": "w-1", "phase": "Ready", "weightsLabel": "step-1", "state": "Draining", "draining": True}
+    r = rollout_of(pool_obj(observedGeneration=3, targetLabel="step-1", conditions=done, updatedReplicas=2,
+                            replicaStatus=[{**draining, "name": "w-0", "state": "Updated", "draining": False},
+                                           draining]))
+    assert (r["state"], r["reason"]) == ("RollingOut", "RolloutComplete")
+
+
+def test_a_stopped_rollout_names_the_replica_and_its_reason() -> None:
+    obj = pool_obj(observedGeneration=3, targetLabel="step-1", conditions=[progressing(
+        "RolloutStopped", "replica w-0 rejected step-1: model.safetensors: tensor 'x' ...; change spec.weights")],
+        replicaStatus=[{"name": "w-0", "state": "Rejected"}, {"name": "w-1", "state": "Outdated"}])
+    obj["metadata"]["annotations"][STEP_ANNOTATION] = "12"
+    r = rollout_of(obj)
+    assert (r["state"], r["stopped_replica"], r["step"]) == ("Stopped", "w-0", 12)
+    assert "model.safetensors: tensor 'x'" in r["message"]
+
+
+# ---------------------------------------------------------------------------- routes, in process
+
+
+class MemoryPool:
+    """The pool object as the API server would keep it: a merge patch applied, generation bumped."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.obj, self.writes = obj, []  # type: ignore[var-annotated]
+
+    async def read(self) -> dict[str, Any]:
+        return copy.deepcopy(self.obj)
+
+    async def patch(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.writes.append(body)
+        self.obj["spec"]["weights"] = {k: v for k, v in body["spec"]["weights"].items() if v is not None}
+        self.obj["metadata"]["generation"] += 1
+        return await self.read()
+
+
+def app(pool: MemoryPool | None, *, admin: str | None = ADMIN) -> Any:
+    cfg = GatewayConfig(pool="w", discovery="static", replicas=["r0=http://127.0.0.1:9"], api_key=KEY,
+                        admin_api_key=admin)
+    return create_app(cfg, StaticDiscovery(cfg.static_members(), None), pool)
+
+
+async def test_a_push_with_the_admin_key_writes_spec_weights() -> None:
+    pool = MemoryPool(pool_obj(observedGeneration=3, targetLabel="step-1"))
+    r = await call(app(pool), "POST", "/v1/pool/weights", {"checkpoint": "/ckpt/step-2", "version_label": "step-2",
+                                                            "step": 2}, headers=[("X-API-Key", ADMIN)])
+    assert r.status == 200, r.body
+    assert (r.json()["generation"], r.json()["target_label"], r.json()["state"]) == (4, "step-2", "Pending")
+    assert pool.obj["spec"]["weights"] == {"checkpoint": "/ckpt/step-2", "versionLabel": "step-2"}
+    r = await call(app(pool), "GET", "/v1/pool/rollout", headers=[("Authorization", f"Bearer {ADMIN}")])
+    assert r.status == 200 and r.json()["target_label"] == "step-2"
+
+
+@pytest.mark.parametrize(("body", "status", "field"), [
+    ({"checkpoint": "/elsewhere/s", "version_label": "s"}, 400, "checkpoint"),
+    ({"version_label": "s"}, 400, "checkpoint"),                          # the checkpoint missing
+    ({"checkpoint": "/ckpt/s"}, 400, "version_label"),
+    ({"checkpoint": "/ckpt/s", "version_label": "x" * 201}, 400, "version_label"),
+    ({"checkpoint": "/ckpt/s", "version_label": "s", "step": -1}, 400, "step"),
+    ({"checkpoint": "/ckpt/s", "version_label": "s", "versionLabel": "t"}, 400, "versionLabel"),  # a typo
+    ([1, 2], 400, "body"),
+])
+async def test_bad_input_is_a_4xx_naming_the_field_and_the_pool_is_unchanged(body: Any, status: int,
+                                                                              field: str) -> None:
+    pool = MemoryPool(pool_obj())
+    r = await call(app(pool), "POST", "/v1/pool/weights", body, headers=[("X-API-Key", ADMIN)])
+    assert (r.status, r.json()["error"]["field"]) == (status, field), r.body
+    assert pool.writes == []
+
+
+async def test_the_sampling_key_is_403_a_wrong_key_401_on_both_routes() -> None:
+    pool = MemoryPool(pool_obj())
+    push = {"checkpoint": "/ckpt/step-2", "version_label": "step-2"}
+    for method, path, body in (("POST", "/v1/pool/weights", push), ("GET", "/v1/pool/rollout", b"")):
+        r = await call(app(pool), method, path, body, headers=[("X-API-Key", KEY)])
+        assert (r.status, r.json()["error"]["category"]) == (403, "forbidden"), r.body
+        assert (await call(app(pool), method, path, body, headers=[("X-API-Key", "tml-no")])).status == 401
+        assert (await call(app(pool), method, path, body)).status == 401
+        # A gateway given no admin key never lets the sampling key stand in for it.
+        r = await call(app(pool, admin=None), method, path, body, headers=[("X-API-Key", KEY)])
+        assert r.status == 403 and "no admin key" in r.json()["error"]["message"]
+    assert pool.writes == []
+
+
+async def test_static_discovery_has_no_pool_object_404_naming_why() -> None:
+    for method, path in (("POST", "/v1/pool/weights"), ("GET", "/v1/pool/rollout")):
+        r = await call(app(None), method, path, {"checkpoint": "/ckpt/s", "version_label": "s"},
+                       headers=[("X-API-Key", ADMIN)])
+        assert r.status == 404 and "--discovery static" in r.json()["error"]["message"], r.body
