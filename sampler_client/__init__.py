@@ -1,0 +1,30 @@
+"""The trainer's side of a sampler pool: push new weights through the pool's gateway and wait for them.
+
+A training job has the gateway's address and the pool's admin key, not Kubernetes credentials. This
+package is what it needs besides its sampling SDK (Tinker, Twinkle or the native routes): a push of
+`spec.weights` (`POST /v1/pool/weights`), the rollout's progress (`GET /v1/pool/rollout`), and a clear
+exception when the rollout stops. The Python standard library only: importable in any trainer's
+environment, without vLLM, kopf or the Kubernetes client (tests/unit/test_sampler_client.py checks).
+
+    from sampler_client import Pool
+    pool = Pool("http://policy-gateway:8080", admin_key)
+    pool.push("/checkpoints/step-120", "step-120", step=120)   # returns once every replica serves it
+
+Or `python -m sampler_client push URL --checkpoint ... --label ... --wait`.
+"""
+
+from .pool import (
+    Pool,
+    PoolError,
+    ReplicaRollout,
+    RequestRefused,
+    Rollout,
+    RolloutStopped,
+    RolloutSuperseded,
+    RolloutTimeout,
+    progress_lines,
+)
+
+__all__ = ["Pool", "PoolError", "ReplicaRollout", "RequestRefused", "Rollout", "RolloutStopped",
+           "RolloutSuperseded", "RolloutTimeout", "progress_lines"]
+__version__ = "0.1.0"

@@ -1,0 +1,246 @@
+"""`Pool`: one SamplerPool seen through its gateway's admin routes (docs/pool.md, "Pushing weights").
+
+The rollout's decisions are the operator's; this side only writes the pool's target and reads back
+how far it got. A push returns the pool object's generation; waiting means reading the rollout until
+the operator has observed that generation and its `Progressing` condition says complete (every
+replica serves the label) or stopped (a replica refused the checkpoint: `RolloutStopped`, with the
+replica's own validation error, which names the file and tensor). A later push of other weights
+supersedes this one (`RolloutSuperseded`): the pool rolls towards the newest.
+
+Waiting polls `GET /v1/pool/rollout` (a cheap read of one object): a gateway that restarts meanwhile
+is read again until the deadline, as a trainer would want, since the rollout goes on without it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 600.0
+POLL_INTERVAL_S = 0.5
+
+# Where progress goes: a callable given each line, True (a tqdm bar on a terminal when tqdm is
+# installed, else lines on stderr) or False (nothing).
+Progress = bool | Callable[[str], None]
+
+
+class PoolError(Exception):
+    """Anything this client could not do; subclasses say what."""
+
+
+class RequestRefused(PoolError):
+    """The gateway answered an error: `status`, and the error's `category`, `field` and `message`."""
+
+    def __init__(self, status: int, category: str, message: str, field: str | None) -> None:
+        super().__init__(f"{status} {category}" + (f" ({field})" if field else "") + f": {message}")
+        self.status, self.category, self.message, self.field = status, category, message, field
+
+
+@dataclass(frozen=True)
+class ReplicaRollout:
+    name: str
+    phase: str | None
+    weights_label: str | None
+    state: str | None  # Updated, Updating, Outdated, Draining, Leaving, Rejected
+    draining: bool
+
+    def line(self) -> str:
+        return f"{self.name}: {self.state} (phase {self.phase}, serving {self.weights_label})"
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """`GET /v1/pool/rollout`, typed. `state`: Pending (the operator has not observed this spec
+    yet), RollingOut, Complete, Stopped."""
+
+    pool: str
+    generation: int | None
+    observed_generation: int | None
+    target_label: str | None
+    checkpoint: str | None
+    step: int | None
+    state: str
+    reason: str | None
+    message: str | None
+    stopped_replica: str | None
+    desired: int | None
+    updated: int
+    ready: int
+    replicas: tuple[ReplicaRollout, ...]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Rollout:
+        reps = tuple(ReplicaRollout(str(r.get("name")), r.get("phase"), r.get("weights_label"), r.get("state"),
+                                    bool(r.get("draining"))) for r in d.get("replicas") or [])
+        return cls(pool=str(d.get("pool")), generation=d.get("generation"),
+                   observed_generation=d.get("observed_generation"), target_label=d.get("target_label"),
+                   checkpoint=d.get("checkpoint"), step=d.get("step"), state=str(d.get("state")),
+                   reason=d.get("reason"), message=d.get("message"), stopped_replica=d.get("stopped_replica"),
+                   desired=d.get("desired"), updated=int(d.get("updated") or 0), ready=int(d.get("ready") or 0),
+                   replicas=reps)
+
+    def observed(self, generation: int | None) -> bool:
+        """The operator has acted on the spec of `generation` (or a later one)."""
+        return generation is None or (self.observed_generation is not None and self.observed_generation >= generation)
+
+
+class RolloutStopped(PoolError):
+    """A replica refused the pushed weights; the pool goes on serving what it served before."""
+
+    def __init__(self, label: str, rollout: Rollout) -> None:
+        self.label, self.rollout = label, rollout
+        self.replica = rollout.stopped_replica
+        self.reason = rollout.message or rollout.reason or "stopped"
+        super().__init__(f"the rollout of {label!r} stopped at replica {self.replica}: {self.reason}")
+
+
+class RolloutSuperseded(PoolError):
+    """The pool's target changed to other weights while this push was waited for."""
+
+    def __init__(self, label: str, rollout: Rollout) -> None:
+        self.label, self.rollout = label, rollout
+        super().__init__(f"the rollout of {label!r} was superseded: the pool's target is now "
+                         f"{rollout.target_label!r} (another push)")
+
+
+class RolloutTimeout(PoolError):
+    def __init__(self, label: str, timeout_s: float, rollout: Rollout | None) -> None:
+        self.label, self.rollout = label, rollout
+        where = (f"{rollout.updated}/{rollout.desired} replicas updated, state {rollout.state}"
+                 + "".join(f"; {r.line()}" for r in rollout.replicas)) if rollout else "no answer from the gateway"
+        super().__init__(f"the rollout of {label!r} did not complete within {timeout_s:g} s: {where}")
+
+
+def progress_lines(old: Rollout | None, new: Rollout) -> list[str]:
+    """Pure: one line per replica whose state, phase or weights changed since `old`, and one when
+    the rollout's own state changed."""
+    before = {r.name: r for r in old.replicas} if old else {}
+    lines = [r.line() for r in new.replicas if before.get(r.name) != r]
+    if old is None or (old.state, old.message) != (new.state, new.message):
+        lines.append(f"rollout {new.state}: {new.updated}/{new.desired} updated to {new.target_label}"
+                     + (f" ({new.message})" if new.message and new.state == "Stopped" else ""))
+    return lines
+
+
+class Pool:
+    def __init__(self, url: str, admin_key: str | None, *, request_timeout_s: float = 30.0,
+                 poll_interval_s: float = POLL_INTERVAL_S) -> None:
+        self.url = url.rstrip("/")
+        self.admin_key = admin_key
+        self.request_timeout_s = request_timeout_s
+        self.poll_interval_s = poll_interval_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.admin_key:
+            headers["X-API-Key"] = self.admin_key
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
+                out: dict[str, Any] = json.loads(resp.read())
+                return out
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                err = json.loads(raw).get("error") or {}
+            except (ValueError, AttributeError):
+                err = {}
+            raise RequestRefused(e.code, str(err.get("category") or e.reason),
+                                 str(err.get("message") or raw.decode(errors="replace")), err.get("field")) from None
+        except (urllib.error.URLError, OSError) as e:
+            raise PoolError(f"cannot reach the gateway at {self.url}: {e}") from None
+
+    def status(self) -> Rollout:
+        """The pool's rollout now: its target, its state, and every replica's."""
+        return Rollout.from_json(self._call("GET", "/v1/pool/rollout"))
+
+    def push(self, checkpoint: str, label: str, step: int | None = None, *, wait: bool = True,
+             timeout: float = DEFAULT_TIMEOUT_S, sha256_manifest: dict[str, str] | None = None,
+             progress: Progress = True) -> Rollout:
+        """Make `checkpoint` the pool's weights, labelled `label`. With `wait`, return once every
+        replica serves it; raise `RolloutStopped` (a replica refused it), `RolloutSuperseded` (another
+        push), `RolloutTimeout`. A refused push (`RequestRefused`, a 4xx naming the field) leaves the
+        pool unchanged."""
+        body: dict[str, Any] = {"checkpoint": checkpoint, "version_label": label}
+        if step is not None:
+            body["step"] = step
+        if sha256_manifest is not None:
+            body["sha256_manifest"] = sha256_manifest
+        pushed = Rollout.from_json(self._call("POST", "/v1/pool/weights", body))
+        if not wait:
+            return pushed
+        return self.wait(label, pushed.generation, timeout=timeout, progress=progress)
+
+    def wait(self, label: str, generation: int | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
+             progress: Progress = True) -> Rollout:
+        """Wait for the rollout of `label` (pushed at pool `generation`) to complete."""
+        deadline = time.monotonic() + timeout
+        last: Rollout | None = None
+        with _reporter(progress) as report:
+            while True:
+                try:
+                    now = self.status()
+                except PoolError as e:
+                    if isinstance(e, RequestRefused) and e.status < 500:
+                        raise
+                    report(f"gateway unavailable, reading again: {e}", last)
+                else:
+                    if now.target_label != label:
+                        raise RolloutSuperseded(label, now)
+                    for line in progress_lines(last, now):
+                        report(line, now)
+                    last = now
+                    if now.observed(generation) and now.state == "Complete":
+                        return now
+                    if now.observed(generation) and now.state == "Stopped":
+                        raise RolloutStopped(label, now)
+                if time.monotonic() >= deadline:
+                    raise RolloutTimeout(label, timeout, last)
+                time.sleep(self.poll_interval_s)
+
+
+Report = Callable[[str, Rollout | None], None]
+
+
+@contextmanager
+def _reporter(progress: Progress) -> Iterator[Report]:
+    if progress is False:
+        yield lambda line, rollout: None
+        return
+    if callable(progress):
+        sink = progress
+        yield lambda line, rollout: sink(line)
+        return
+    bar = _tqdm_bar()
+    if bar is None:
+        yield lambda line, rollout: print(line, file=sys.stderr, flush=True)
+        return
+    try:
+        def report(line: str, rollout: Rollout | None) -> None:
+            if rollout is not None and rollout.desired:
+                bar.total = rollout.desired
+                bar.n = rollout.updated
+            bar.set_description_str(line[:80])
+            bar.refresh()
+        yield report
+    finally:
+        bar.close()
+
+
+def _tqdm_bar() -> Any:
+    """A tqdm bar when a person watches (stderr is a terminal) and tqdm is installed; else None."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=1, unit="replica", file=sys.stderr)

@@ -1,0 +1,176 @@
+"""`sampler_client`, the trainer's side: importable with vLLM, kopf and the Kubernetes client blocked (a
+subprocess), and its push/wait against a scripted gateway on 127.0.0.1 whose rollout moves one step per
+read (so the client's waiting is driven by what it reads, never by time): progress lines per replica
+change, complete, stopped (the replica and its reason in the exception), superseded, refused (4xx
+naming the field). Against the real gateway, operator and API server: tests/operator/envtest/test_pool_push.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from sampler_client import Pool, RequestRefused, Rollout, RolloutStopped, RolloutSuperseded, progress_lines
+from sampler_client.__main__ import main as cli
+from tests.support import REPO_ROOT
+
+ADMIN = "tml-admin"
+
+
+def test_importable_without_vllm_kopf_or_the_kubernetes_client() -> None:
+    blocked = ["vllm", "torch", "kopf", "kubernetes", "sampler_pod", "sampler_gateway", "sampler_operator",
+               "fastapi", "pydantic", "httpx", "aiohttp"]
+    code = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {blocked!r}:
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+import sampler_client, sampler_client.__main__
+from sampler_client import Pool
+assert not {{m.split('.')[0] for m in sys.modules}} & set({blocked!r})
+print('ok')
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def replica(name: str, state: str, label: str, phase: str = "Ready") -> dict[str, Any]:
+    return {"name": name, "phase": phase, "weights_label": label, "state": state, "draining": state == "Draining"}
+
+
+def rollout(state: str, label: str, replicas: list[dict[str, Any]], *, observed: int = 5, updated: int = 0,
+            message: str | None = None, stopped: str | None = None) -> dict[str, Any]:
+    return {"pool": "w", "generation": 5, "observed_generation": observed, "target_label": label,
+            "checkpoint": f"/ckpt/{label}", "step": None, "state": state, "reason": None, "message": message,
+            "stopped_replica": stopped, "desired": 2, "updated": updated, "ready": 2, "replicas": replicas}
+
+
+class Scripted:
+    """A gateway's pool routes: the push answers `pushed` (or an error), each rollout read the next
+    of `reads` (the last one repeats)."""
+
+    def __init__(self, reads: list[dict[str, Any]], push_error: tuple[int, dict[str, Any]] | None = None) -> None:
+        self.reads, self.push_error = reads, push_error
+        self.pushes: list[tuple[str | None, dict[str, Any]]] = []
+        self.gets = 0
+
+
+@contextlib.contextmanager
+def gateway(script: Scripted) -> Iterator[str]:
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            script.pushes.append((self.headers.get("X-API-Key"), body))
+            if script.push_error is not None:
+                self._answer(*script.push_error)
+            else:
+                self._answer(200, {**script.reads[0], "state": "Pending", "observed_generation": 4})
+
+        def do_GET(self) -> None:  # noqa: N802
+            read = script.reads[min(script.gets, len(script.reads) - 1)]
+            script.gets += 1
+            self._answer(200, read)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_push_waits_for_the_rollout_and_tells_each_replica_change() -> None:
+    script = Scripted([
+        rollout("Pending", "step-2", [replica("w-0", "Updated", "step-1"), replica("w-1", "Updated", "step-1")],
+                observed=4),
+        rollout("RollingOut", "step-2", [replica("w-0", "Updating", "step-1"), replica("w-1", "Outdated", "step-1")]),
+        rollout("RollingOut", "step-2", [replica("w-0", "Updating", "step-1"), replica("w-1", "Outdated", "step-1")]),
+        rollout("RollingOut", "step-2", [replica("w-0", "Updated", "step-2"), replica("w-1", "Updating", "step-1")],
+                updated=1),
+        rollout("Complete", "step-2", [replica("w-0", "Updated", "step-2"), replica("w-1", "Updated", "step-2")],
+                updated=2),
+    ])
+    lines: list[str] = []
+    with gateway(script) as url:
+        done = Pool(url, ADMIN, poll_interval_s=0).push("/ckpt/step-2", "step-2", step=2, progress=lines.append)
+    assert script.pushes == [(ADMIN, {"checkpoint": "/ckpt/step-2", "version_label": "step-2", "step": 2})]
+    assert done.state == "Complete" and {r.weights_label for r in done.replicas} == {"step-2"}
+    assert lines == [
+        "w-0: Updated (phase Ready, serving step-1)", "w-1: Updated (phase Ready, serving step-1)",
+        "rollout Pending: 0/2 updated to step-2",
+        "w-0: Updating (phase Ready, serving step-1)", "w-1: Outdated (phase Ready, serving step-1)",
+        "rollout RollingOut: 0/2 updated to step-2",
+        # the repeated read told nothing new
+        "w-0: Updated (phase Ready, serving step-2)", "w-1: Updating (phase Ready, serving step-1)",
+        "w-1: Updated (phase Ready, serving step-2)", "rollout Complete: 2/2 updated to step-2",
+    ]
+
+
+def test_a_stopped_rollout_raises_naming_the_replica_and_its_reason() -> None:
+    why = ("replica w-0 rejected step-bad: checkpoint: model.safetensors: tensor 'lm_head.weight' has shape "
+           "[3, 4], expected [8, 4]; change spec.weights to go on")
+    script = Scripted([rollout("Stopped", "step-bad", [replica("w-0", "Rejected", "step-1"),
+                                                       replica("w-1", "Outdated", "step-1")],
+                               message=why, stopped="w-0")])
+    with gateway(script) as url, pytest.raises(RolloutStopped) as e:
+        Pool(url, ADMIN, poll_interval_s=0).push("/ckpt/bad", "step-bad", progress=False)
+    assert e.value.replica == "w-0" and e.value.reason == why
+    assert "replica w-0" in str(e.value) and "model.safetensors" in str(e.value) and "lm_head.weight" in str(e.value)
+
+
+def test_another_push_supersedes_the_wait() -> None:
+    script = Scripted([rollout("RollingOut", "step-2", []), rollout("RollingOut", "step-3", [])])
+    with gateway(script) as url, pytest.raises(RolloutSuperseded, match="now 'step-3'"):
+        Pool(url, ADMIN, poll_interval_s=0).push("/ckpt/step-2", "step-2", progress=False)
+
+
+def test_a_refused_push_raises_with_the_field_and_the_cli_exits_2() -> None:
+    err = (400, {"error": {"category": "invalid_request", "field": "checkpoint",
+                           "message": "checkpoint '/etc' is outside the pool's checkpoints.allowedRoots"}})
+    script = Scripted([rollout("Complete", "step-1", [])], push_error=err)
+    with gateway(script) as url:
+        with pytest.raises(RequestRefused) as e:
+            Pool(url, ADMIN).push("/etc", "x", progress=False)
+        assert (e.value.status, e.value.field) == (400, "checkpoint") and "allowedRoots" in str(e.value)
+        assert cli(["push", url, "--checkpoint", "/etc", "--label", "x", "--admin-key", ADMIN]) == 2
+    assert script.gets == 0  # nothing waited for
+
+
+def test_cli_push_wait_and_status(capsys: pytest.CaptureFixture[str]) -> None:
+    script = Scripted([rollout("Complete", "step-2", [replica("w-0", "Updated", "step-2")], updated=2)])
+    with gateway(script) as url:
+        assert cli(["push", url, "--checkpoint", "/ckpt/step-2", "--label", "step-2", "--step", "2", "--wait",
+                    "--admin-key", ADMIN]) == 0
+        assert json.loads(capsys.readouterr().out)["state"] == "Complete"
+        assert cli(["status", url, "--admin-key", ADMIN]) == 0
+        assert json.loads(capsys.readouterr().out)["target_label"] == "step-2"
+    assert script.pushes[0][1]["step"] == 2
+
+
+def test_progress_lines_are_pure() -> None:
+    a = Rollout.from_json(rollout("RollingOut", "s", [replica("w-0", "Updating", "o")]))
+    assert progress_lines(a, a) == []
+    b = Rollout.from_json(rollout("RollingOut", "s", [replica("w-0", "Updated", "s")], updated=1))
+    assert progress_lines(a, b) == ["w-0: Updated (phase Ready, serving s)"]
