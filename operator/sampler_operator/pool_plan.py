@@ -325,6 +325,9 @@ def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[Replica
         "readyReplicas": ready,
         "updatedReplicas": sum(1 for r in ours if _verified(r, want_hash, target)),
         "targetLabel": target,
+        # The scale subresource's labelSelectorPath: an HPA finds the pool's sampler pods (their
+        # metrics) by it; every pool replica's pod carries the label (desired_pod.py).
+        "selector": f"{LABEL_POOL}={label_value(pool)}",
         "conditions": pool_conditions(Counts(spec.replicas, ready, updated, target), stop, old_conditions, now),
         **key_status(pool_keys(pool, spec)),
         "replicaStatus": [{"name": r.name, "phase": r.phase, "weightsLabel": r.label, "draining": r.draining,
