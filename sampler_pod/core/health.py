@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -33,6 +33,9 @@ class AdapterEntry(BaseModel):
     path: str  # resolved, like IntendedWeights.checkpoint
 
 
+LABELS_KEPT = 1024
+
+
 def utc_now_iso() -> str:
     """ISO-8601 UTC with a `Z`, the form Kubernetes uses for its own timestamps."""
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -54,12 +57,20 @@ class WeightsState:
     intended: IntendedWeights | None = None
     uncertain_reason: str | None = None
     failed_write: FailedWrite | None = None
+    # The label of each recent version, for answers whose tokens span several (keep-mode loads).
+    labels: dict[int, str] = field(default_factory=lambda: {0: "base"})
 
     def bump(self, label: str, checkpoint: str | None = None) -> None:
         self.version += 1
         self.label = label
         self.checkpoint = checkpoint
         self.loaded_at = utc_now_iso()
+        self.labels[self.version] = label
+        # A sequence outlives a few loads at most; a replica may see thousands.
+        self.labels.pop(self.version - LABELS_KEPT, None)
+
+    def label_of(self, version: int) -> str:
+        return self.labels.get(version, f"<version {version}>")
 
     def mark_uncertain(self, failed: FailedWrite) -> None:
         self.uncertain_reason = failed.reason
@@ -79,6 +90,24 @@ class HealthReport(BaseModel):
     in_flight: int
     limit: int
     model: str
+
+
+# The start of `/health`'s reason while a replica waits for weights it can load (docs/contract.md):
+# the operator matches on it (`CheckpointMissing`).
+INTENDED_UNAVAILABLE = "intended checkpoint unavailable"
+
+
+def intended_unavailable_reason(path: str, why: str) -> str:
+    """`intended checkpoint unavailable: PATH (why)`: what `/health` says while the intended
+    checkpoint could not be loaded at startup and no later load has replaced it."""
+    return f"{INTENDED_UNAVAILABLE}: {path} ({why})"
+
+
+def startup_finished(status: Status, reason: str | None) -> bool:
+    """The start-up is over: the replica serves, or it is waiting for a checkpoint it can load
+    (a restart would only find the same missing files), or it is past saving. The kubelet's
+    startup probe (`/startedz`) reads this, so a missing checkpoint never becomes a restart loop."""
+    return status != "starting" or (reason or "").startswith(INTENDED_UNAVAILABLE + ":")
 
 
 def health_status(engine_ready: bool, startup_error: str | None, engine_dead_reason: str | None,

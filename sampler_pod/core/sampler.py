@@ -4,7 +4,8 @@ A request's life:
     check (4xx) -> admit (429) -> [task] read-lock (waits during a weight write)
     -> engine calls with a deadline -> abort + wait on timeout or cancel -> release slot.
 A weights load in abort mode aborts the engine calls of the requests inside (`core/aborts.py`);
-they end `aborted` once the engine has let go.
+they end `aborted` once the engine has let go. A load in keep mode takes no lock against samples at
+all: it only excludes other weight mutations (`mutations`), and the engine pauses them in place.
 Exactly one terminal state per admitted request: ok | timeout | aborted | error | cancelled. It is
 recorded (and the slot freed) by `_end`, called from the task's own `finally` or, for a task
 cancelled before its first step (whose `finally` never runs), from the task's done-callback.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ServerConfig
-from ..engine.base import AdapterRef, Engine, EngineDead, EngineRejected, GenerationOutput
+from ..engine.base import AdapterRef, Engine, EngineDead, EngineRejected, GenerationOutput, SequenceOutput
 from ..errors import (
     Aborted,
     EngineFailure,
@@ -42,7 +43,7 @@ from .health import AdapterEntry, HealthReport, WeightsState, health_status
 from .metrics import Metrics
 from .request_checks import ModelLimits, check_sample_request, effective_timeout, generation_spec
 from .rwlock import RWLock
-from .schemas import PromptResult, SampleRequest, SampleResponse, Sequence
+from .schemas import PromptResult, SampleRequest, SampleResponse, Sequence, WeightsSpan
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,17 @@ class SamplerCore:
     weights: WeightsState = field(default_factory=WeightsState)
     adapters: dict[str, AdapterRef] = field(default_factory=dict)
     lock: RWLock = field(default_factory=RWLock)
+    # Every weight mutation holds this (drain, abort and keep loads, adapter changes): one at a time.
+    # Drain and abort loads then also take `lock`'s write side; a keep-mode load takes only this.
+    mutations: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     model_dir: str | None = None
     # Set while a started engine still has to load the weights this replica must serve (startup):
     # the reason `/health` gives for `starting`. Samples are refused until it is cleared.
     restoring: str | None = None
+    # Set when the intended checkpoint could not be loaded at startup (`weights/startup.py`): the
+    # reason `/health` gives for `starting` until a later load succeeds. Samples are refused, loads not.
+    awaiting_weights: str | None = None
 
     def set_model_dir(self, model_dir: str) -> None:
         self.model_dir = model_dir
@@ -98,7 +105,8 @@ class SamplerCore:
     def health(self) -> HealthReport:
         dead = self.engine.dead_reason if self.engine is not None else None
         w = self.weights
-        status, reason = health_status(self.engine is not None, self.startup_error, dead, w, self.restoring)
+        status, reason = health_status(self.engine is not None, self.startup_error, dead, w,
+                                       self.restoring or self.awaiting_weights)
         return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
                             weights_checkpoint=w.checkpoint, weights_loaded_at=w.loaded_at, intended=w.intended,
                             failed_write=w.failed_write,
@@ -125,6 +133,8 @@ class SamplerCore:
             # Never serve (or let a client rewrite) the weights a restarted replica had before it
             # loaded the ones it must serve.
             raise EngineUnavailable(f"replica is starting: {self.restoring}", headers={"Retry-After": "5"})
+        if self.awaiting_weights is not None:
+            raise EngineUnavailable(f"replica is starting: {self.awaiting_weights}", headers={"Retry-After": "5"})
         return engine
 
     def limits(self, engine: Engine) -> ModelLimits:
@@ -132,18 +142,36 @@ class SamplerCore:
                            max_num_samples=self.cfg.max_num_samples)
 
     @contextlib.asynccontextmanager
-    async def write_locked(self, timeout: float, what: str, field: str | None = None) -> AsyncIterator[None]:
-        """The weights' write lock for a mutation. A lock that cannot be had in time is a 504
-        `load_timeout` naming what waited (nothing was changed), never a bare TimeoutError."""
-        try:
-            await self.lock.acquire_write(timeout)
-        except TimeoutError:
-            raise LoadTimedOut(f"{what}: in-flight samples did not drain within {timeout:g}s; nothing was changed",
-                               field=field) from None
+    async def mutating(self, timeout: float) -> AsyncIterator[None]:
+        """The right to change the weights, alone; TimeoutError when it cannot be had in `timeout`."""
+        await asyncio.wait_for(self.mutations.acquire(), timeout)
         try:
             yield
         finally:
-            await self.lock.release_write()
+            self.mutations.release()
+
+    @contextlib.asynccontextmanager
+    async def write_locked(self, timeout: float, what: str, field: str | None = None) -> AsyncIterator[None]:
+        """The weights' write lock for a mutation. A lock that cannot be had in time is a 504
+        `load_timeout` naming what waited (nothing was changed), never a bare TimeoutError."""
+        deadline = time.monotonic() + timeout
+        timed_out = LoadTimedOut(f"{what}: in-flight samples did not drain within {timeout:g}s; nothing was changed",
+                                 field=field)
+        try:
+            await asyncio.wait_for(self.mutations.acquire(), timeout)
+        except TimeoutError:
+            raise timed_out from None
+        try:
+            try:
+                await self.lock.acquire_write(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise timed_out from None
+            try:
+                yield
+            finally:
+                await self.lock.release_write()
+        finally:
+            self.mutations.release()
 
     @contextlib.asynccontextmanager
     async def load_locked(self, engine: Engine, timeout: float, abort_why: str | None) -> AsyncIterator[None]:
@@ -154,20 +182,33 @@ class SamplerCore:
         between when the lock's mutex is free, so requests arriving from then on queue behind the
         load as in a drain); the engine aborts run meanwhile, and the lock comes once the engine
         has let go of every aborted call."""
-        if abort_why is None:
-            await self.lock.acquire_write(timeout)
-        else:
-            ids = self.aborts.begin(abort_why)
-            aborting = asyncio.ensure_future(self._abort_engine_ids(engine, ids))
+        deadline = time.monotonic() + timeout
+        async with self.mutating(timeout):
+            left = max(0.0, deadline - time.monotonic())
+            if abort_why is None:
+                await self.lock.acquire_write(left)
+            else:
+                ids = self.aborts.begin(abort_why)
+                aborting = asyncio.ensure_future(self._abort_engine_ids(engine, ids))
+                try:
+                    await self.lock.acquire_write(left)
+                finally:
+                    self.aborts.end(abort_why)
+                    await aborting
             try:
-                await self.lock.acquire_write(timeout)
+                yield
             finally:
-                self.aborts.end(abort_why)
-                await aborting
+                await self.lock.release_write()
+
+    async def abort_in_flight(self, engine: Engine, why: str) -> None:
+        """End every sample inside the read side as `aborted` (resubmit): a keep-mode write failed
+        under them. Their engine calls are aborted (a dead engine ends them anyway) and each request
+        then ends once, through its own path, with its slot freed."""
+        ids = self.aborts.begin(why)
         try:
-            yield
+            await self._abort_engine_ids(engine, ids)
         finally:
-            await self.lock.release_write()
+            self.aborts.end(why)
 
     async def _abort_engine_ids(self, engine: Engine, ids: list[str]) -> None:
         for rid in ids:
@@ -277,8 +318,6 @@ class SamplerCore:
                 if adapter is not None and self.adapters.get(adapter.name) != adapter:
                     raise InvalidRequest(f"adapter {adapter.name!r} was removed or replaced while queued",
                                          field="adapter")
-                # Readers exclude writers, so this version holds for every token of every sequence.
-                version, label = self.weights.version, self.weights.label
                 outputs = await self._generate_all(engine, reading, request_id, req, deadline, adapter)
         finally:
             await self.lock.release_read()
@@ -287,15 +326,23 @@ class SamplerCore:
             raise Aborted(f"request {request_id} was aborted by {reading.aborted_by}; resubmit it (it will run on "
                           "the new weights)")
         results = [
-            PromptResult(
-                sequences=[Sequence(tokens=s.tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-                                    stop_reason=s.finish_reason, weights_version=version) for s in o.sequences],
-                prompt_logprobs=o.prompt_logprobs, topk_prompt_logprobs=o.topk_prompt_logprobs)
+            PromptResult(sequences=[self._sequence(s) for s in o.sequences],
+                         prompt_logprobs=o.prompt_logprobs, topk_prompt_logprobs=o.topk_prompt_logprobs)
             for o in outputs
         ]
         self.metrics.tokens.inc(sum(len(s.tokens) for o in outputs for s in o.sequences))
-        return SampleResponse(request_id=request_id, weights_version=version, weights_label=label,
+        # An answer is as new as its newest last token (the gateway's version policy reads this).
+        version = max(s.weights_version for r in results for s in r.sequences)
+        return SampleResponse(request_id=request_id, weights_version=version,
+                              weights_label=self.weights.label_of(version),
                               adapter=adapter.name if adapter else None, results=results)
+
+    def _sequence(self, s: SequenceOutput) -> Sequence:
+        label_of = self.weights.label_of
+        spans = [WeightsSpan(label=label_of(sp.version), version=sp.version, start=sp.start, end=sp.end)
+                 for sp in s.spans]
+        return Sequence(tokens=s.tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                        stop_reason=s.finish_reason, weights_version=spans[-1].version, weights_spans=spans)
 
     async def _generate_all(self, engine: Engine, reading: Reading, request_id: str, req: SampleRequest,
                             deadline: float, adapter: AdapterRef | None) -> list[GenerationOutput]:
@@ -315,6 +362,9 @@ class SamplerCore:
         if failed:
             error = failed[0].exception()
             assert error is not None
+            if reading.aborted_by is not None and isinstance(error, EngineDead):
+                # A keep-mode write failed under this request and took the engine with it.
+                raise Aborted(f"request {request_id} was aborted by {reading.aborted_by}; resubmit it")
             raise _map_engine_error(error)
         if pending:
             raise RequestTimedOut(f"request {request_id} timed out and was aborted", field="timeout_s")

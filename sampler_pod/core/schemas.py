@@ -68,6 +68,15 @@ class SampleRequest(BaseModel):
 StopReason = Literal["stop", "length", "abort"]
 
 
+class WeightsSpan(BaseModel):
+    """Tokens `[start, end)` of a sequence were sampled by these weights."""
+
+    label: str
+    version: int
+    start: int
+    end: int
+
+
 class Sequence(BaseModel):
     tokens: list[int]
     # logprob of each sampled token, same length as tokens.
@@ -75,7 +84,11 @@ class Sequence(BaseModel):
     # Optional alternatives per position: [{token_id: logprob}, ...].
     top_logprobs: list[dict[int, float]] | None = None
     stop_reason: StopReason
+    # The weights of the sequence's last token (of its first, for an empty sequence).
     weights_version: int
+    # Which weights produced which tokens: ranges covering `tokens` exactly, oldest first. One span,
+    # unless a keep-mode load (`in_flight: "keep"`) changed the weights while the sequence was generated.
+    weights_spans: list[WeightsSpan]
 
 
 class PromptResult(BaseModel):
@@ -87,6 +100,7 @@ class PromptResult(BaseModel):
 
 class SampleResponse(BaseModel):
     request_id: str
+    # The newest weights any sequence's last token came from (per sequence: `weights_spans`).
     weights_version: int
     weights_label: str
     adapter: str | None = None

@@ -8,10 +8,12 @@ the client-facing errors of `sampler_pod.errors`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
+# What a keep-mode load does with the KV cache its kept requests computed under the old weights.
+KvMode = Literal["keep", "recompute"]
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,25 @@ class AdapterRef:
     path: str
 
 
+@dataclass(frozen=True)
+class VersionSpan:
+    """Tokens `[start, end)` of a sequence were sampled by the weights of this `version` (the
+    server's weights version counter, which the engine is told at every write)."""
+
+    version: int
+    start: int
+    end: int
+
+
 @dataclass
 class SequenceOutput:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     top_logprobs: list[dict[int, float]] | None = None
+    # Which weights produced which tokens, covering `tokens` exactly, oldest first (an empty sequence:
+    # one empty span). One span unless a keep-mode load changed the weights under the sequence.
+    spans: list[VersionSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +65,21 @@ class GenerationOutput:
     sequences: list[SequenceOutput]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(frozen=True)
+class StagedCheckpoint:
+    """A checkpoint read into host memory by `Engine.stage_checkpoint`, waiting for its write."""
+
+    key: str
+    tensors: int
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class InFlightWrite:
+    tensors: int
+    paused_s: float  # how long the engine was paused: the write, plus the pause's own round trips
 
 
 class EngineDead(RuntimeError):
@@ -69,7 +99,25 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int: ...
+    # A write with nothing in flight (drain and abort loads, the startup restore): the weights are
+    # replaced and every token sampled from then on is tagged `version`. Returns the tensors written.
+    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None, version: int) -> int: ...
+
+    # Keep-mode loads: why this engine cannot do them (None: it can).
+    @property
+    def keep_unsupported(self) -> str | None: ...
+
+    # Read a checkpoint into host memory while sampling goes on, so that the pause of a keep-mode
+    # write covers only the copy into the engine. The handle is used once, or discarded.
+    async def stage_checkpoint(self, files: list[str]) -> StagedCheckpoint: ...
+
+    async def discard_staged(self, staged: StagedCheckpoint) -> None: ...
+
+    # The keep-mode write: pause with every request kept, write the staged tensors, tag tokens from
+    # here on `version`, resume. Requests in flight continue on the new weights. On failure the
+    # engine is left paused and unusable (its weights half-written): the caller ends what it holds.
+    async def load_in_flight(self, staged: StagedCheckpoint, version: int, kv: KvMode,
+                             fail_after_tensors: int | None) -> InFlightWrite: ...
 
     async def add_adapter(self, ref: AdapterRef) -> None: ...
 
@@ -85,6 +133,10 @@ class Engine(Protocol):
     # How many requests the engine holds right now (registered in it, queued or running). Test seams
     # only: a test that aborts requests must know they reached the engine, not just our call to it.
     def held_requests(self) -> int: ...
+
+    # Tokens generated so far by each request the engine holds (engine request id -> tokens, all its
+    # sequences together). Test seams only: proves samples are mid-generation at a load, and where.
+    def progress(self) -> dict[str, int]: ...
 
     @property
     def dead_reason(self) -> str | None: ...

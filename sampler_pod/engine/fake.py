@@ -14,7 +14,17 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import AdapterRef, FinishReason, GenerationOutput, GenerationSpec, SequenceOutput
+from .base import (
+    AdapterRef,
+    FinishReason,
+    GenerationOutput,
+    GenerationSpec,
+    InFlightWrite,
+    KvMode,
+    SequenceOutput,
+    StagedCheckpoint,
+    VersionSpan,
+)
 
 
 class FakeWriteFailure(RuntimeError):
@@ -30,6 +40,19 @@ def _digest(files: list[str]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def _spans(versions: list[int], current: int) -> list[VersionSpan]:
+    """The runs of equal versions in a per-token list, as spans (an empty sequence: one empty span)."""
+    if not versions:
+        return [VersionSpan(version=current, start=0, end=0)]
+    spans: list[VersionSpan] = []
+    start = 0
+    for i in range(1, len(versions) + 1):
+        if i == len(versions) or versions[i] != versions[start]:
+            spans.append(VersionSpan(version=versions[start], start=start, end=i))
+            start = i
+    return spans
+
+
 @dataclass
 class FakeEngine:
     vocab_size: int = 512
@@ -39,6 +62,12 @@ class FakeEngine:
     running: set[str] = field(default_factory=set)
     max_running: int = 0
     weights_salt: int = 0
+    # The weights version every token is tagged with (the server's counter, as vLLM's weight_version).
+    version: int = 0
+    # Test hook: why keep-mode loads are refused (None: they are supported, as on vLLM).
+    keep_unsupported_reason: str | None = None
+    _staged: dict[str, int] = field(default_factory=dict)
+    _progress: dict[str, int] = field(default_factory=dict)
     adapters: dict[str, AdapterRef] = field(default_factory=dict)
     _aborted: set[str] = field(default_factory=set)
     _dead: str | None = None
@@ -84,6 +113,7 @@ class FakeEngine:
             seed = spec.seed if spec.seed is not None else id(object())
             for j in range(spec.n):
                 toks: list[int] = []
+                versions: list[int] = []
                 reason: FinishReason = "length"
                 for i in range(spec.max_tokens):
                     await asyncio.sleep(self.token_delay_s)
@@ -94,16 +124,19 @@ class FakeEngine:
                     key = (prompt, i, self.weights_salt, adapter.name if adapter else None)
                     t = self._token(*key) if spec.temperature == 0 else self._token(*key, seed, j)
                     toks.append(t)
+                    versions.append(self.version)
+                    self._progress[request_id] = self._progress.get(request_id, 0) + 1
                     if t in spec.stop_token_ids:
                         reason = "stop"
                         break
                 seqs.append(SequenceOutput(tokens=toks, logprobs=[-math.log(self.vocab_size)] * len(toks),
-                                           finish_reason=reason))
+                                           finish_reason=reason, spans=_spans(versions, self.version)))
             plp = [None] + [-math.log(self.vocab_size)] * (len(prompt) - 1) if spec.prompt_logprobs else None
             return GenerationOutput(sequences=seqs, prompt_logprobs=plp)
         finally:
             self.running.discard(request_id)
             self._aborted.discard(request_id)
+            self._progress.pop(request_id, None)
 
     def _abort_pending(self, request_id: str) -> bool:
         return request_id in self._aborted and self.stuck_marker not in request_id
@@ -121,7 +154,34 @@ class FakeEngine:
             self._aborted.add(request_id)
             self._wake()
 
-    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int:
+    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None, version: int) -> int:
+        n = await self._write(await asyncio.to_thread(_digest, files), len(files), fail_after_tensors)
+        self.version = version
+        return n
+
+    @property
+    def keep_unsupported(self) -> str | None:
+        return self.keep_unsupported_reason
+
+    async def stage_checkpoint(self, files: list[str]) -> StagedCheckpoint:
+        key = f"stage-{len(self._staged)}-{id(files)}"
+        self._staged[key] = await asyncio.to_thread(_digest, files)
+        return StagedCheckpoint(key=key, tensors=len(files), files=tuple(files))
+
+    async def discard_staged(self, staged: StagedCheckpoint) -> None:
+        self._staged.pop(staged.key, None)
+
+    async def load_in_flight(self, staged: StagedCheckpoint, version: int, kv: KvMode,
+                             fail_after_tensors: int | None) -> InFlightWrite:
+        # The fake has no KV cache: `kv` changes nothing here.
+        t0 = asyncio.get_running_loop().time()
+        self._unpaused.clear()
+        n = await self._write(self._staged.pop(staged.key), staged.tensors, fail_after_tensors)
+        self.version = version
+        await self.resume()  # as on vLLM, also an engine a test seam had paused
+        return InFlightWrite(tensors=n, paused_s=asyncio.get_running_loop().time() - t0)
+
+    async def _write(self, salt: int, tensors: int, fail_after_tensors: int | None) -> int:
         self.write_started.set()
         if self.write_gate is not None:
             await self.write_gate.wait()
@@ -132,8 +192,8 @@ class FakeEngine:
             raise FakeWriteFailure(f"test seam: failing after {fail_after_tensors or 0} tensors were written")
         # Outputs are a function of the checkpoint's bytes, as a real engine's are of its weights:
         # any two fake engines that loaded the same checkpoint answer alike, whatever came before.
-        self.weights_salt = await asyncio.to_thread(_digest, files)
-        return len(files)
+        self.weights_salt = salt
+        return tensors
 
     async def pause(self) -> None:
         self._unpaused.clear()
@@ -144,6 +204,9 @@ class FakeEngine:
 
     def held_requests(self) -> int:
         return len(self.running)
+
+    def progress(self) -> dict[str, int]:
+        return {rid: self._progress.get(rid, 0) for rid in self.running}
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         self.adapters[ref.name] = ref

@@ -11,11 +11,25 @@ import contextlib
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, replace
-from typing import Any
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, get_args
 
 from ..config import ServerConfig
-from .base import AdapterRef, EngineDead, EngineRejected, FinishReason, GenerationOutput, GenerationSpec, SequenceOutput
+from .base import (
+    AdapterRef,
+    EngineDead,
+    EngineRejected,
+    FinishReason,
+    GenerationOutput,
+    GenerationSpec,
+    InFlightWrite,
+    KvMode,
+    SequenceOutput,
+    StagedCheckpoint,
+    VersionSpan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +63,41 @@ def start_async_llm(args: Any) -> Any:
                                          disable_log_stats=args.disable_log_stats)
 
 
+def _open_gate() -> asyncio.Event:
+    gate = asyncio.Event()
+    gate.set()
+    return gate
+
+
+# How often a keep-mode load checks whether the worker has finished reading its checkpoint.
+STAGE_POLL_S = 0.01
+
+
 @dataclass
 class VllmEngine:
+    """Weights versions: vLLM tags every engine step's tokens with the engine core's weight version
+    (`set_weight_version`, changed only while generation is paused) and reports, per finished
+    sequence, the spans of tokens each version produced. This server sets it to its own weights
+    version counter at every write, so spans come from the engine, exact, at no cost per request.
+
+    Prefix cache: every request carries `cache_salt` = the weights version it was sent under, so a
+    prompt never reuses blocks computed under other weights. `reset_prefix_cache` alone is not
+    enough: it refuses (returns False) while requests hold blocks, which is exactly the state of a
+    keep-mode load. The salt must match the weights the request's prefill runs under, so a keep-mode
+    write closes a gate first: requests not yet sent wait for the new salt, and the pause is sent
+    only after every request that passed the gate has reached the engine (zmq keeps their order).
+    """
+
     llm: Any  # vllm.v1.engine.async_llm.AsyncLLM
     vocab_size: int
     max_model_len: int
     tokenizer: Any
+    version: int = 0
+    _gate: asyncio.Event = field(default_factory=_open_gate)
+    _sending: int = 0
+    _sent: asyncio.Event = field(default_factory=_open_gate)
+    # Set when a keep-mode write failed: the engine is paused on half-written weights for good.
+    _broken: str | None = None
 
     @classmethod
     def create(cls, model_dir: str, cfg: ServerConfig) -> VllmEngine:
@@ -112,23 +155,51 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
+        from vllm.outputs import STREAM_FINISHED
         from vllm.v1.engine.exceptions import EngineDeadError
 
         lora = LoRARequest(adapter.name, adapter.lora_id, adapter.path) if adapter else None
         # vLLM refuses n > 1 with greedy sampling; greedy samples are identical by
         # definition, so compute one and hand out n copies.
         copies, run_spec = (spec.n, replace(spec, n=1)) if spec.temperature == 0 and spec.n > 1 else (1, spec)
+        if not self._gate.is_set():
+            await self._gate.wait()
+        if self._broken is not None:
+            raise EngineDead(self._broken)
+        # `AsyncLLM.generate` less its generator: the same calls, but this side knows when the
+        # request has been sent (the keep-mode gate above needs it).
         final = None
+        self._sending += 1
+        self._sent.clear()
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt),
-                                               self._sampling_params(run_spec), request_id, lora_request=lora):
-                final = out
+            q = await self.llm.add_request(
+                request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=f"w{self.version}"),
+                self._sampling_params(run_spec), lora_request=lora)
         except EngineDeadError as e:
             raise EngineDead(str(e) or "engine core died") from e
         except VLLMClientError as e:  # vLLM's own request validation: the client's fault
             raise EngineRejected(str(e)) from e
+        finally:
+            self._sending -= 1
+            if not self._sending:
+                self._sent.set()
+        try:
+            while True:
+                # Drain without an await when an output is already there, as vLLM's generate does.
+                out = q.get_nowait() or await q.get()
+                if out is not STREAM_FINISHED:
+                    final = out
+                if out.finished:
+                    break
+        except asyncio.CancelledError:
+            await self.llm.abort(q.request_id, internal=True)
+            raise
+        except EngineDeadError as e:
+            raise EngineDead(str(e) or "engine core died") from e
+        except VLLMClientError as e:
+            raise EngineRejected(str(e)) from e
         assert final is not None
-        result = _convert(prompt, run_spec, final)
+        result = _convert(prompt, run_spec, final, self.version)
         if copies > 1:
             result.sequences = [replace(result.sequences[0]) for _ in range(copies)]
         return result
@@ -136,23 +207,96 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
-    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None) -> int:
+    async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None, version: int) -> int:
         counts = await self.llm.collective_rpc(
             "sampler_load_checkpoint", kwargs={"files": files, "fail_after_tensors": fail_after_tensors}
         )
-        # Cached prefixes were computed with the old weights.
+        await self._set_version(version)
+        # Cached prefixes were computed with the old weights (the salt already keeps them apart;
+        # nothing is in flight here, so this frees their blocks too).
         await self.llm.reset_prefix_cache()
         return int(counts[0])
 
+    async def _set_version(self, version: int) -> None:
+        await self.llm.engine_core.set_weight_version_async(str(version))
+        self.version = version
+
+    @property
+    def keep_unsupported(self) -> str | None:
+        from vllm.v1.engine import PauseMode
+
+        if "keep" not in get_args(PauseMode):
+            return "this vLLM build has no keep-mode pause (pause_generation(mode='keep'))"
+        if not hasattr(self.llm.engine_core, "set_weight_version_async"):
+            return "this vLLM build cannot tag tokens with a weights version (set_weight_version)"
+        return None
+
+    async def stage_checkpoint(self, files: list[str]) -> StagedCheckpoint:
+        key = uuid.uuid4().hex
+        await self.llm.collective_rpc("sampler_stage_begin", kwargs={"key": key, "files": files})
+        try:
+            # The worker reads in a thread; each check is one short RPC between engine steps.
+            while True:
+                states = await self.llm.collective_rpc("sampler_stage_done", kwargs={"key": key})
+                if all(done for done, _, _ in states):
+                    break
+                await asyncio.sleep(STAGE_POLL_S)
+            errors = [err for _, _, err in states if err]
+            if errors:
+                raise RuntimeError(f"could not read the checkpoint: {errors[0]}")
+        except BaseException:
+            await self.discard_staged(StagedCheckpoint(key=key, tensors=0, files=tuple(files)))
+            raise
+        return StagedCheckpoint(key=key, tensors=int(states[0][1]), files=tuple(files))
+
+    async def discard_staged(self, staged: StagedCheckpoint) -> None:
+        with contextlib.suppress(Exception):  # a dead engine holds nothing to free
+            await self.llm.collective_rpc("sampler_stage_discard", kwargs={"key": staged.key})
+
+    async def load_in_flight(self, staged: StagedCheckpoint, version: int, kv: KvMode,
+                             fail_after_tensors: int | None) -> InFlightWrite:
+        self._gate.clear()
+        try:
+            await self._sent.wait()  # every request that passed the gate reached the engine
+            t0 = time.monotonic()
+            # recompute: vLLM resets the caches with the running requests (they are preempted and
+            # recompute their KV, prompt and tokens so far, on the new weights when resumed).
+            # (AsyncLLM.pause_generation adds a 20 ms sleep for tidier logs: not in the pause.)
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=kv == "recompute")
+            try:
+                counts = await self.llm.collective_rpc(
+                    "sampler_load_staged", kwargs={"key": staged.key, "fail_after_tensors": fail_after_tensors})
+                await self._set_version(version)
+            except BaseException as e:
+                self._broken = f"weights half-written by a failed in-flight load: {type(e).__name__}: {e}"
+                raise
+            await self.llm.resume_generation()
+            return InFlightWrite(tensors=int(counts[0]), paused_s=time.monotonic() - t0)
+        finally:
+            self._gate.set()
+
     async def pause(self) -> None:
         # "keep": frozen requests stay queued and resume where they were (vLLM's RL pause).
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        # The engine's last outputs came before the pause's reply, but are processed by another task:
+        # once its queue is empty, `progress()` counts every token generated before the pause.
+        while not self.llm.engine_core.outputs_queue.empty():
+            await asyncio.sleep(0)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
 
     def held_requests(self) -> int:
         return int(self.llm.get_num_unfinished_requests())
+
+    def progress(self) -> dict[str, int]:
+        # The output processor's view: tokens it has received from the engine core per request.
+        # (n > 1: each sequence is a child request under the same external id.)
+        counts: dict[str, int] = {}
+        for state in self.llm.output_processor.request_states.values():
+            rid = state.external_req_id
+            counts[rid] = counts.get(rid, 0) + (state.detokenizer.num_output_tokens() if state.detokenizer else 0)
+        return counts
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         from vllm.lora.request import LoRARequest
@@ -167,13 +311,21 @@ class VllmEngine:
     def dead_reason(self) -> str | None:
         if self.llm.errored:
             return f"engine core is dead: {self.llm.dead_error!r}"
-        return None
+        return self._broken
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
 
 
-def _convert(prompt: list[int], spec: GenerationSpec, out: Any) -> GenerationOutput:
+def _spans(c: Any, ntokens: int, current: int) -> list[VersionSpan]:
+    """vLLM's weight-version spans of one sequence, as this server's version numbers. An empty
+    sequence has no span in vLLM: it gets one empty span at the engine's current version."""
+    spans = [VersionSpan(version=int(w.version) if w.version != "default" else 0, start=w.start, end=w.end)
+             for w in c.weight_versions or ()]
+    return spans or [VersionSpan(version=current, start=0, end=ntokens)]
+
+
+def _convert(prompt: list[int], spec: GenerationSpec, out: Any, current_version: int) -> GenerationOutput:
     seqs = []
     for c in out.outputs:
         tokens = list(c.token_ids)
@@ -187,7 +339,8 @@ def _convert(prompt: list[int], spec: GenerationSpec, out: Any) -> GenerationOut
                     {int(k): float(v.logprob) for k, v in d.items() if v.rank is not None and v.rank <= spec.logprobs}
                 )
         reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-        seqs.append(SequenceOutput(tokens=tokens, logprobs=lps, finish_reason=reason, top_logprobs=tops))
+        seqs.append(SequenceOutput(tokens=tokens, logprobs=lps, finish_reason=reason, top_logprobs=tops,
+                                   spans=_spans(c, len(tokens), current_version)))
     plp: list[float | None] | None = None
     topk: list[dict[int, float] | None] | None = None
     if spec.prompt_logprobs and out.prompt_logprobs is not None:

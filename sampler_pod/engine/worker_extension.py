@@ -4,6 +4,11 @@ Loaded by vLLM via `worker_extension_cls="sampler_pod.engine.worker_extension.We
 its methods are called with `AsyncLLM.collective_rpc(name, kwargs=...)`. Tensors do not
 survive that RPC, so the worker reads the (already validated) files itself.
 
+Keep-mode loads stage first (`sampler_stage_begin`): a thread of the worker reads the checkpoint into
+host memory while the engine keeps stepping (the RPC returns at once; the server polls
+`sampler_stage_done`), so that the pause of the write (`sampler_load_staged`) covers only the copy
+into the model.
+
 Why not `model.load_weights()`: on CPU the linear weights are repacked after load, so
 only `reload_weights` (which restores checkpoint layout, loads, and re-runs weight
 post-processing) works. A failure inside it leaves parameters half-written: that is
@@ -12,7 +17,9 @@ exactly the "uncertain weights" state the server reports.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,10 +43,71 @@ def _stream_tensors(files: list[str], fail_after_tensors: int | None) -> Iterato
                 written += 1
 
 
+def _read_all(files: list[str]) -> list[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    out: list[tuple[str, torch.Tensor]] = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            out.extend((name, f.get_tensor(name)) for name in f.keys())
+    return out
+
+
+@dataclass
+class _Stage:
+    """A checkpoint being read (or read) into host memory by a worker thread."""
+
+    thread: threading.Thread
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    error: str | None = None
+
+
+def _failing_after(items: list[tuple[str, torch.Tensor]],
+                   fail_after_tensors: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for written, item in enumerate(items):
+        if fail_after_tensors is not None and written >= fail_after_tensors:
+            raise InjectedWriteFailure(f"test seam: failing after {written} tensors were written")
+        yield item
+
+
 class WeightLoaderExtension:
     # `self` is the vLLM worker; these are its attributes.
     reload_weights: Any
     model_runner: Any
+    _sampler_stages: dict[str, _Stage]
+
+    def sampler_stage_begin(self, key: str, files: list[str]) -> None:
+        if not hasattr(self, "_sampler_stages"):
+            self._sampler_stages = {}
+        stage = _Stage(thread=threading.Thread(target=lambda: None))
+
+        def read() -> None:
+            try:
+                stage.tensors = _read_all(files)
+            except Exception as e:  # reported by sampler_stage_done; nothing was written
+                stage.error = f"{type(e).__name__}: {e}"
+
+        stage.thread = threading.Thread(target=read, name=f"sampler-stage-{key}", daemon=True)
+        self._sampler_stages[key] = stage
+        stage.thread.start()
+
+    def sampler_stage_done(self, key: str) -> tuple[bool, int, str | None]:
+        """(finished, tensors read, error). Never blocks: it runs between engine steps."""
+        stage = self._sampler_stages[key]
+        if stage.thread.is_alive():
+            return False, 0, None
+        return True, len(stage.tensors), stage.error
+
+    def sampler_stage_discard(self, key: str) -> None:
+        getattr(self, "_sampler_stages", {}).pop(key, None)
+
+    def sampler_load_staged(self, key: str, fail_after_tensors: int | None = None) -> int:
+        stage = self._sampler_stages.pop(key)
+        stage.thread.join()
+        if stage.error is not None:
+            raise RuntimeError(f"staging failed: {stage.error}")
+        self.reload_weights(weights_iterator=_failing_after(stage.tensors, fail_after_tensors))
+        return len(stage.tensors)
 
     def sampler_load_checkpoint(self, files: list[str], fail_after_tensors: int | None = None) -> int:
         count = 0

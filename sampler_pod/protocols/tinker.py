@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -366,9 +367,13 @@ def _failed(e: SamplerError) -> Response:
 
 
 def _sample_reply(result: CoreSampleResponse, shape: ResponseShape, accept: str) -> Response:
-    # Not silent about which weights answered (base_model follows the loaded policy); ASCII-safe header.
+    # Not silent about which weights answered (base_model follows the loaded policy); ASCII-safe headers.
+    # Tinker's wire has no place for per-token weights (its protobuf and its SDK's models are closed),
+    # so each sequence's `weights_spans` travel in a header, a JSON list in sequence order.
+    spans = [[sp.model_dump() for sp in s.weights_spans] for s in result.results[0].sequences]
     headers = {"X-Sampler-Weights-Version": str(result.weights_version),
-               "X-Sampler-Weights-Label": result.weights_label.encode("ascii", "backslashreplace").decode()}
+               "X-Sampler-Weights-Label": result.weights_label.encode("ascii", "backslashreplace").decode(),
+               "X-Sampler-Weights-Spans": json.dumps(spans, separators=(",", ":"))}
     if shape.pinned_label is not None and result.weights_label != shape.pinned_label:
         # The pinned checkpoint was replaced while this request waited: never return other weights' tokens.
         return _json({"error": f"model_path pinned weights {shape.pinned_label!r} but they were replaced by "

@@ -473,9 +473,10 @@ def shape_response(resp: CoreSampleResponse, prompts: list[Prompt], plan: Plan, 
     for pr, prompt in zip(resp.results, prompts, strict=True):
         seqs: list[dict[str, Any]] = []
         for s in pr.sequences:
+            spans = [sp.model_dump() for sp in s.weights_spans]
             if plan.logprobs_only:
                 seqs.append({"stop_reason": s.stop_reason, "tokens": [], "logprobs": None, "decoded": None,
-                             "new_input_feature": copy.deepcopy(prompt.feature)})
+                             "new_input_feature": copy.deepcopy(prompt.feature), "weights_spans": spans})
                 continue
             text = decode_text(s.tokens) if decode_text else None
             seqs.append({
@@ -483,6 +484,8 @@ def shape_response(resp: CoreSampleResponse, prompts: list[Prompt], plan: Plan, 
                 "logprobs": sequence_logprobs(s.tokens, s.logprobs, s.top_logprobs, plan.logprobs),
                 "decoded": decode(s.tokens) if decode else None,
                 "new_input_feature": concat_input_feature(prompt.feature, s.tokens, tpl, text),
+                # Which weights produced which tokens (keep-mode loads); extra keys are ignored by the client.
+                "weights_spans": spans,
             })
         k = plan.prompt_logprobs
         samples.append({

@@ -9,6 +9,17 @@ aborts them (each ends once, `aborted`: 503, resubmit) and takes the lock as soo
 let go of them (`SamplerCore.load_locked`, `core/aborts.py`). Only after validation passed: a
 checkpoint that is refused never costs anyone their sample.
 
+`in_flight: "keep"` never stops sampling: after validation the checkpoint is staged (read into the
+engine's host memory while sampling goes on), then the engine pauses with every request kept, the
+staged tensors are written, and it resumes: the samples in flight continue on the new weights, and
+each answer's `weights_spans` says which tokens came from which weights. It takes no lock against
+samples, only the right to mutate (`SamplerCore.mutations`). `kv` says what the kept requests do
+with the KV cache they computed under the old weights: `keep` it (no extra cost; their next tokens
+attend to old-weights KV), or `recompute` it on the new weights when they resume (a prefill of
+prompt + tokens so far each; their continuation is then exactly what the new weights produce from
+that prefix). A failure during a keep-mode write is the uncertain path, and every sample in flight
+ends `aborted` (resubmit).
+
 Timeouts: the load's `timeout_s` (default `--load-timeout-s`) bounds validation and the
 drain only. Past it the load is an ordinary 504 `load_timeout`: nothing was written, the
 replica stays `ok`. Once the write has started it runs to the end, bounded only by
@@ -27,6 +38,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.health import FailedWrite, IntendedWeights
 from ..core.sampler import SamplerCore
-from ..engine.base import AdapterRef, Engine
+from ..engine.base import AdapterRef, Engine, InFlightWrite, KvMode, StagedCheckpoint
 from ..errors import Conflict, EngineFailure, EngineUnavailable, InvalidRequest, LoadTimedOut, NotFound, SamplerError
 from .state_file import PersistedAdapter, PersistedWeights, StatePersistFailed, write_state
 from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
@@ -54,10 +66,15 @@ class LoadCheckpointRequest(BaseModel):
     version_label: str = Field(..., min_length=1, max_length=200)
     sha256_manifest: dict[str, str] | None = None
     timeout_s: float | None = Field(None, gt=0)
-    in_flight: Literal["drain", "abort"] = Field(
+    in_flight: Literal["drain", "abort", "keep"] = Field(
         "drain", description="What happens to the samples in flight once the checkpoint passed validation: "
                              "`drain` waits for them to finish; `abort` aborts them (each answers 503 `aborted`, "
-                             "resubmit) so the write starts as soon as the engine lets go of them.")
+                             "resubmit) so the write starts as soon as the engine lets go of them; `keep` pauses "
+                             "them in the engine for the write only and continues them on the new weights (their "
+                             "`weights_spans` show where the weights changed).")
+    kv: KvMode | None = Field(
+        None, description="`in_flight: keep` only: the kept requests `keep` (default) the KV cache computed under "
+                          "the old weights, or `recompute` it under the new ones when they resume.")
     # TEST SEAM (documented in docs/sampler.md): only honoured with --enable-test-seams.
     # The worker raises after writing this many tensors: a real mid-write failure.
     test_fail_after_tensors: int | None = Field(None, ge=0)
@@ -69,8 +86,13 @@ class LoadCheckpointResponse(BaseModel):
     tensors: int
     total_bytes: int
     validation_s: float
+    # keep: reading the checkpoint into host memory while sampling went on (0 for drain and abort).
+    stage_s: float
     drain_wait_s: float
     write_s: float
+    # How long sampling stood still for this load: keep, the engine's pause (the write); drain and
+    # abort, the write lock's hold (the write), after `drain_wait_s`.
+    paused_s: float
 
 
 class AddAdapterRequest(BaseModel):
@@ -125,8 +147,19 @@ class WeightsService:
         if req.test_fail_after_tensors is not None and not core.cfg.enable_test_seams:
             raise InvalidRequest("test_fail_after_tensors needs a server started with --enable-test-seams",
                                  field="test_fail_after_tensors")
-        require = core.require_engine if restoring else core.require_serving
+        # A replica waiting for loadable weights (its intended checkpoint was unavailable at
+        # startup) takes loads: a load is how it recovers (`weights/startup.py`).
+        if req.kv is not None and req.in_flight != "keep":
+            raise InvalidRequest(f"kv applies to in_flight=keep only (this load is in_flight={req.in_flight})",
+                                 field="kv")
+        require = core.require_engine if restoring or core.awaiting_weights is not None else core.require_serving
         engine = require()
+        if req.in_flight == "keep" and engine.keep_unsupported is not None:
+            # Never a silent fallback to drain: the caller chose keep for what it costs.
+            raise InvalidRequest(f"in_flight=keep is not possible on this server: {engine.keep_unsupported}",
+                                 field="in_flight")
+        if req.in_flight == "keep" and not restoring:
+            return await self._load_keep(req, engine, require)
         t0 = time.monotonic()
         budget = req.timeout_s or core.cfg.load_timeout_s
         deadline = t0 + budget
@@ -161,6 +194,7 @@ class WeightsService:
                     outcome = "uncertain"  # from here on the engine's weights are being overwritten
                     n = await self._write(engine, validated, intended, req.test_fail_after_tensors)
                     outcome = "ok"
+                    core.awaiting_weights = None  # it serves the weights it was just told to
             except TimeoutError:
                 ended = "end after their abort" if req.in_flight == "abort" else "drain"
                 raise LoadTimedOut(f"in-flight samples did not {ended} within timeout_s={budget:g}s; nothing was "
@@ -174,30 +208,120 @@ class WeightsService:
                  req.version_label, validated.path, core.weights.version, n, validation_s, drain_s, write_s)
         return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
                                       tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
-                                      drain_wait_s=drain_s, write_s=write_s)
+                                      stage_s=0.0, drain_wait_s=drain_s, write_s=write_s, paused_s=write_s)
+
+    async def _load_keep(self, req: LoadCheckpointRequest, engine: Engine,
+                         require: Callable[[], Engine]) -> LoadCheckpointResponse:
+        """Validate -> stage (sampling goes on) -> the right to mutate -> record the intent -> pause,
+        write, resume (the samples in flight are kept and continue) -> bump the version."""
+        core, m = self.core, self.core.metrics
+        t0 = time.monotonic()
+        budget = req.timeout_s or core.cfg.load_timeout_s
+        deadline = t0 + budget
+        outcome = "rejected"
+        staged: StagedCheckpoint | None = None
+        try:
+            try:
+                validated = await asyncio.wait_for(
+                    asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
+                                      sha256_manifest=req.sha256_manifest),
+                    timeout=budget)
+                validation_s = time.monotonic() - t0
+                m.validation_seconds.observe(validation_s)
+                staged = await asyncio.wait_for(engine.stage_checkpoint([str(s.path) for s in validated.shards]),
+                                                timeout=max(0.0, deadline - time.monotonic()))
+                stage_s = time.monotonic() - t0 - validation_s
+            except TimeoutError:
+                raise LoadTimedOut(f"validating and staging the checkpoint did not finish within timeout_s={budget:g}s;"
+                                   " nothing was written", field="timeout_s") from None
+            except SamplerError:
+                raise
+            except Exception as e:  # the engine could not read it: nothing was written
+                raise EngineFailure(f"could not stage checkpoint {req.version_label!r}: {e}; nothing was written",
+                                    field="path") from e
+            try:
+                async with core.mutating(max(0.0, deadline - time.monotonic())):
+                    engine = require()
+                    got_lock = time.monotonic()
+                    validated.assert_unchanged()  # the files may have changed while we staged
+                    intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
+                                               sha256_manifest=req.sha256_manifest)
+                    self._persist(intended)
+                    core.weights.intended = intended
+                    outcome = "uncertain"  # from here on the engine's weights are being overwritten
+                    write = await self._write_in_flight(engine, staged, intended, req.kv or "keep",
+                                                        req.test_fail_after_tensors)
+                    staged = None
+                    outcome = "ok"
+            except TimeoutError:
+                raise LoadTimedOut(f"another weights change did not finish within timeout_s={budget:g}s; nothing "
+                                   "was written", field="timeout_s") from None
+        finally:
+            m.weight_loads.labels(outcome=outcome).inc()
+            if staged is not None and outcome == "rejected":
+                await engine.discard_staged(staged)
+        done = time.monotonic()
+        m.load_seconds.observe(done - t0)
+        wait_s, write_s = got_lock - t0 - validation_s - stage_s, done - got_lock
+        log.info("loaded checkpoint %s (%s) as version %d in flight (%d tensors, kv=%s): validation %.2fs, stage %.2fs,"
+                 " engine paused %.3fs", req.version_label, validated.path, core.weights.version, write.tensors,
+                 req.kv or "keep", validation_s, stage_s, write.paused_s)
+        return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
+                                      tensors=write.tensors, total_bytes=validated.total_bytes,
+                                      validation_s=validation_s, stage_s=stage_s, drain_wait_s=wait_s,
+                                      write_s=write_s, paused_s=write.paused_s)
+
+    async def _write_in_flight(self, engine: Engine, staged: StagedCheckpoint, intended: IntendedWeights, kv: KvMode,
+                               fail_after_tensors: int | None) -> InFlightWrite:
+        """The keep-mode write. A failure leaves the weights uncertain, and the samples the engine
+        holds end `aborted` (resubmit) instead of waiting on a paused, half-written engine."""
+        core = self.core
+        limit = core.cfg.write_timeout_s
+        version = core.weights.version + 1
+        try:
+            write = await asyncio.wait_for(engine.load_in_flight(staged, version, kv, fail_after_tensors),
+                                           timeout=limit)
+        except BaseException as e:
+            reason = self._uncertain(intended, e, limit)
+            await core.abort_in_flight(engine, f"the failed write of {intended.version_label!r}")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise WeightWriteFailed(reason + "; weights are uncertain, the replica must be replaced") from e
+        self._bumped(intended)
+        return write
 
     async def _write(self, engine: Engine, validated: ValidatedCheckpoint, intended: IntendedWeights,
                      fail_after_tensors: int | None) -> int:
         """The write itself, under the write lock. Any failure here leaves the weights uncertain."""
-        core, m = self.core, self.core.metrics
+        core = self.core
         limit = core.cfg.write_timeout_s
         try:
             n = await asyncio.wait_for(
-                engine.load_checkpoint([str(s.path) for s in validated.shards], fail_after_tensors), timeout=limit)
+                engine.load_checkpoint([str(s.path) for s in validated.shards], fail_after_tensors,
+                                       core.weights.version + 1), timeout=limit)
         except BaseException as e:
-            why = f"did not finish within --write-timeout-s={limit:g}s" if isinstance(e, TimeoutError) else (
-                f"{type(e).__name__}: {e}")
-            reason = f"write of checkpoint {intended.version_label!r} failed midway: {why}"
-            core.weights.mark_uncertain(FailedWrite(checkpoint=intended.checkpoint,
-                                                    version_label=intended.version_label, reason=reason))
-            m.weights_uncertain.set(1)
-            log.error("%s; weights are now UNCERTAIN and this replica must be replaced", reason)
+            reason = self._uncertain(intended, e, limit)
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise WeightWriteFailed(reason + "; weights are uncertain, the replica must be replaced") from e
-        core.weights.bump(intended.version_label, intended.checkpoint)
-        m.set_weights(core.weights.version, core.weights.label)
+        self._bumped(intended)
         return n
+
+    def _uncertain(self, intended: IntendedWeights, e: BaseException, limit: float) -> str:
+        """Record a write that failed midway: the weights are uncertain for good. Returns why."""
+        why = f"did not finish within --write-timeout-s={limit:g}s" if isinstance(e, TimeoutError) else (
+            f"{type(e).__name__}: {e}")
+        reason = f"write of checkpoint {intended.version_label!r} failed midway: {why}"
+        self.core.weights.mark_uncertain(FailedWrite(checkpoint=intended.checkpoint,
+                                                     version_label=intended.version_label, reason=reason))
+        self.core.metrics.weights_uncertain.set(1)
+        log.error("%s; weights are now UNCERTAIN and this replica must be replaced", reason)
+        return reason
+
+    def _bumped(self, intended: IntendedWeights) -> None:
+        core = self.core
+        core.weights.bump(intended.version_label, intended.checkpoint)
+        core.metrics.set_weights(core.weights.version, core.weights.label)
 
     # ------------------------------------------------------------ the state file
 

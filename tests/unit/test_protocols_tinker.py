@@ -199,11 +199,12 @@ async def test_model_path_selects_adapter_or_label_and_refuses_unknown() -> None
 
 
 async def test_pinned_label_replaced_while_queued_is_refused() -> None:
-    core, _ = fake_core()
+    core, engine = fake_core()
     async with fake_client(core) as c:
         async with core.lock.write():  # a weight load in progress: the sample waits behind it
             r = await c.post("/api/v1/asample", json=sample_body(model_path="tinker://run/base"))
             core.weights.bump("step-1")
+            engine.version = 1  # what the write tells the engine: its tokens are version 1's
         got = await c.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}, headers=PB)
         assert got.status_code == 200 and got.json()["category"] == "user" and "replaced" in got.json()["error"]
 

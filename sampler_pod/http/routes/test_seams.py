@@ -5,7 +5,9 @@
 long as a scenario needs (a load arriving during 32 in-flight samples), instead of racing the
 engine with their own requests. `GET /v1/test/engine/held` says how many requests the engine itself
 holds: an abort can only reach a request vLLM has registered, which happens a moment after the
-server hands it over.
+server hands it over. `GET /v1/test/engine/progress` says how many tokens each of them has produced
+so far (engine request ids: `<request_id>-<prompt index>`): with the engine paused, that is where a
+keep-mode load will change the weights under each of them.
 """
 
 from __future__ import annotations
@@ -41,3 +43,12 @@ class EngineHeld(BaseModel):
 @router.get("/engine/held", response_model=EngineHeld)
 async def engine_held(request: Request) -> EngineHeld:
     return EngineHeld(held=core_of(request).require_engine().held_requests())
+
+
+class EngineProgress(BaseModel):
+    tokens: dict[str, int]
+
+
+@router.get("/engine/progress", response_model=EngineProgress)
+async def engine_progress(request: Request) -> EngineProgress:
+    return EngineProgress(tokens=core_of(request).require_engine().progress())
