@@ -59,9 +59,10 @@ def _progressing(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 def rollout_events(old: Mapping[str, Any] | None, new: Mapping[str, Any],
-                   batch: Sequence[str]) -> list[tuple[str, str, str]]:
+                   batch: Sequence[str], in_place: Sequence[str] = ()) -> list[tuple[str, str, str]]:
     """(type, reason, message) to post: `old` is the status last written, `batch` the replicas
-    this step takes out of routing onto the new spec."""
+    this step takes out of routing onto the new spec, `in_place` those it gives the new spec in
+    routing (rollout mode Keep)."""
     was, now = _progressing(old), _progressing(new)
     out: list[tuple[str, str, str]] = []
     if now.get("reason") == ROLLING_OUT and was.get("reason") != ROLLING_OUT:
@@ -69,6 +70,9 @@ def rollout_events(old: Mapping[str, Any] | None, new: Mapping[str, Any],
     if batch:
         out.append(("Normal", "BatchUpdating", f"{', '.join(batch)} out of routing, onto "
                                                f"{new.get('targetLabel') or 'the new spec'}"))
+    if in_place:
+        out.append(("Normal", "BatchUpdating", f"{', '.join(in_place)} loading "
+                                               f"{new.get('targetLabel') or 'the new spec'} in place, in routing"))
     if now.get("reason") == COMPLETE and was.get("reason") == ROLLING_OUT:
         out.append(("Normal", "RolloutComplete", str(now.get("message"))))
     if now.get("reason") == STOPPED and was.get("message") != now.get("message"):

@@ -134,7 +134,8 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
         mem.retired.pop(replica, None)
     desired = desired_replica_spec(name, spec)
     batch = [r for r in todo.update if mem.given.get(r) != spec_hash(desired)]
-    mem.given.update((r, spec_hash(desired)) for r in todo.update)
+    in_place = [r for r in todo.update_in_place if mem.given.get(r) != spec_hash(desired)]
+    mem.given.update((r, spec_hash(desired)) for r in todo.update + todo.update_in_place)
     for replica in todo.update:
         # Out of routing and onto the new spec in one write: never one without the other.
         await kube.json_patch_replica(namespace, replica, [
@@ -142,6 +143,12 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
             {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
             {"op": "add", "path": _DRAIN_PATH, "value": "true"},
         ])
+    # Keep mode: the new spec only; the replica keeps serving through its load. Concurrently: the
+    # pool's update should cost one replica's load, not one API round trip per replica in turn.
+    await asyncio.gather(*(kube.json_patch_replica(namespace, replica, [
+        {"op": "replace", "path": "/spec", "value": replica_spec(name, spec, replica_index(name, replica))},
+        {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
+    ]) for replica in todo.update_in_place))
     # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
     old = mem.status if mem.status is not None else last_status
     status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"))
@@ -149,7 +156,7 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status
     # After the write: an Event never tells of a status the API server does not have.
-    for type_, reason, message in rollout_events(old, status, batch):
+    for type_, reason, message in rollout_events(old, status, batch, in_place):
         emit(type_, reason, message)
     busy = not todo.empty() or status["updatedReplicas"] != spec.replicas
     return BUSY_S if busy else IDLE_S

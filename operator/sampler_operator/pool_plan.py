@@ -21,6 +21,16 @@ Abort has the pod abort them (each answered "resubmit"; the gateway has already 
 the replica) so its write starts at once. It reaches the replica as `spec.weights.inFlight` and is
 left out of the spec hash: changing the mode alone rolls nothing.
 
+Keep is not a batch at all. A keep-mode load costs its replica one short engine pause (the write),
+not a generation and not its place in routing, so there is no capacity to protect by batching: every
+serving replica gets the new spec at once and stays in routing (`update_in_place`), and the pool's
+update takes about one replica's stage + write, whatever the generation length and the pool size.
+What a canary would protect against is covered per replica: each pod validates the checkpoint before
+writing anything (a refusal stops the rollout, as in the other modes, with nothing written), and a
+write that fails midway costs only that replica, which is replaced at the target weights. The
+gateway's `Latest` policy keeps the order while the replicas switch (an answer is as new as its last
+token). An out-of-service replica takes the new spec drained, as in every mode.
+
 A replica that refuses the target weights (its load failed validation: `status.weights.declaredResult`
 InvalidCheckpoint for the pool's `spec.weights`) stops the rollout: no further batch is updated, and
 the replica stays out of routing on the weights it had. Changing `spec.weights` again resumes.
@@ -80,7 +90,8 @@ class _Model(BaseModel):
 
 class Rollout(_Model):
     max_unavailable: int = Field(1, alias="maxUnavailable", ge=1)
-    mode: Literal["Drain", "Abort"] = "Drain"
+    mode: Literal["Drain", "Abort", "Keep"] = "Drain"
+    kv: Literal["Keep", "Recompute"] = "Keep"
     drain_timeout_seconds: int = Field(30, alias="drainTimeoutSeconds", ge=0)
 
 
@@ -134,8 +145,10 @@ def desired_replica_spec(pool: str, spec: PoolSpec) -> dict[str, Any]:
     out = {**spec.template, "pool": label_value(pool), **key_status(pool_keys(pool, spec))}
     if spec.weights is not None:
         out["weights"] = dict(spec.weights)
-        if spec.rollout.mode == "Abort":
-            out["weights"]["inFlight"] = "Abort"
+        if spec.rollout.mode != "Drain":
+            out["weights"]["inFlight"] = spec.rollout.mode
+        if spec.rollout.mode == "Keep":
+            out["weights"]["kv"] = spec.rollout.kv
     return out
 
 
@@ -151,14 +164,14 @@ def replica_spec(pool: str, spec: PoolSpec, index: int) -> dict[str, Any]:
 
 
 def spec_hash(replica_spec: dict[str, Any]) -> str:
-    """The hash of what a replica is given, without `weights.inFlight`: that says how a load treats
-    the samples in flight, not what the replica serves, so a change of `rollout.mode` alone rolls no
-    replica (nothing would be loaded). Every weights change writes the whole spec, so the next load
-    of each replica goes the new way; a replica already given the current weights keeps the mode
-    its load was given."""
+    """The hash of what a replica is given, without `weights.inFlight` and `weights.kv`: they say how
+    a load treats the samples in flight, not what the replica serves, so a change of `rollout.mode`
+    alone rolls no replica (nothing would be loaded). Every weights change writes the whole spec, so
+    the next load of each replica goes the new way; a replica already given the current weights keeps
+    the mode its load was given."""
     weights = replica_spec.get("weights")
-    if isinstance(weights, dict) and "inFlight" in weights:
-        replica_spec = {**replica_spec, "weights": {k: v for k, v in weights.items() if k != "inFlight"}}
+    if isinstance(weights, dict) and ("inFlight" in weights or "kv" in weights):
+        replica_spec = {**replica_spec, "weights": {k: v for k, v in weights.items() if k not in ("inFlight", "kv")}}
     canonical = json.dumps(replica_spec, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -227,11 +240,13 @@ class Plan:
     retire: list[str] = field(default_factory=list)  # beyond spec.replicas: mark draining since now
     delete: list[str] = field(default_factory=list)  # beyond spec.replicas and drained (highest index first)
     update: list[str] = field(default_factory=list)  # give the new spec, and mark draining
+    update_in_place: list[str] = field(default_factory=list)  # Keep: give the new spec, stay in routing
     undrain: list[str] = field(default_factory=list)  # verified at the new spec, or wanted again: back in routing
     leaving: list[str] = field(default_factory=list)  # draining to be deleted, still waited for
 
     def empty(self) -> bool:
-        return not (self.create or self.retire or self.delete or self.update or self.undrain or self.leaving)
+        return not (self.create or self.retire or self.delete or self.update or self.update_in_place
+                    or self.undrain or self.leaving)
 
 
 def _verified(r: ReplicaState, want_hash: str, target: str | None) -> bool:
@@ -290,9 +305,13 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     down = [r.name for r in outdated if r.phase in OUT_OF_SERVICE]
     up = [r.name for r in outdated if r.phase not in OUT_OF_SERVICE]
     # A replica refused the target: the rollout stops where it is (no batch is sent into the same refusal).
-    update = [] if rejection(pool_uid, spec, existing) else stale + down + up[:budget]
-    return Plan(create=create, retire=retire, delete=delete, update=update, undrain=undrain,
-                leaving=[r.name for r in gone if r.name not in delete])
+    stopped = rejection(pool_uid, spec, existing) is not None
+    keep = spec.rollout.mode == "Keep"
+    update = [] if stopped else stale + down + ([] if keep else up[:budget])
+    # Keep: every serving replica at once, in routing (the module docstring says why).
+    in_place = [] if stopped or not keep else up
+    return Plan(create=create, retire=retire, delete=delete, update=update, update_in_place=in_place,
+                undrain=undrain, leaving=[r.name for r in gone if r.name not in delete])
 
 
 def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],

@@ -62,11 +62,14 @@ class DeclaredWeights(_Model):
     """Weights a replica must serve: a checkpoint directory inside the pod (under one of
     `checkpoints.allowedRoots`), the label samples are stamped with, and optional file digests.
     `inFlight` is how the in-place load treats the samples in flight (Drain: waits for them; Abort:
-    aborts them, each answered "resubmit"): how to load, not what, so changing it alone loads nothing."""
+    aborts them, each answered "resubmit"; Keep: continues them on the new weights, the engine paused
+    for the write only) and `kv` what kept samples do with their old-weights KV cache: how to load,
+    not what, so changing them alone loads nothing."""
     checkpoint: str = Field(min_length=1)
     version_label: str = Field(alias="versionLabel", min_length=1, max_length=200)
     sha256_manifest: dict[str, str] | None = Field(None, alias="sha256Manifest")
-    in_flight: Literal["Drain", "Abort"] = Field("Drain", alias="inFlight")
+    in_flight: Literal["Drain", "Abort", "Keep"] = Field("Drain", alias="inFlight")
+    kv: Literal["Keep", "Recompute"] = "Keep"
 
 
 class DeclaredAdapter(_Model):

@@ -20,6 +20,13 @@ Three views of a replica's weights, all kept in `status.weights`:
 | load refused by validation | declared = spec, result InvalidCheckpoint | False, InvalidCheckpoint (file, tensor) |
 | write failed midway | failedWrite {checkpoint, pods} | False, Uncertain (pod replaced at intended) |
 | a trainer loaded step-N on the pod | intended = step-N (from /health) | True |
+| the pod cannot load its intended checkpoint (gone, invalid) at startup | -- | False, CheckpointMissing |
+
+A pod whose intended checkpoint was unavailable at startup waits, unready, for a load (its
+/health: `starting`, reason `intended checkpoint unavailable: PATH (why)`). It recovers through
+spec.weights: the operator loads it into the waiting pod unless its last load of that same
+declaration was refused (then only a new spec.weights is tried). A pool's replica has the pool's
+target as its spec.weights, so it recovers by itself when that target exists.
 """
 from __future__ import annotations
 
@@ -33,6 +40,9 @@ from .spec import SamplerReplicaSpec
 LOADED = "Loaded"
 INVALID = "InvalidCheckpoint"
 WRITE_FAILED = "WriteFailed"
+CHECKPOINT_MISSING = "CheckpointMissing"
+# The sampler's `/health` reason while it waits for weights it can load (docs/contract.md).
+UNAVAILABLE_PREFIX = "intended checkpoint unavailable:"
 # A checkpoint whose write failed midway on this many pods is not tried again on the next one.
 MAX_WRITE_ATTEMPTS = 2
 
@@ -77,12 +87,16 @@ def declared_ref(spec: SamplerReplicaSpec) -> WeightsRef | None:
 
 def declared_load_request(spec: SamplerReplicaSpec) -> dict[str, Any]:
     """The pod's `POST /v1/checkpoints/load` body for spec.weights. `in_flight` is sent only for
-    Abort: a Drain load is the same request as before the field existed, which any pod accepts."""
+    Abort and Keep (and `kv` only for Keep): a Drain load is the same request as before the field
+    existed, which any pod accepts."""
     ref = declared_ref(spec)
     assert ref is not None and spec.weights is not None
     body = ref.to_load_request()
     if spec.weights.in_flight == "Abort":
         body["in_flight"] = "abort"
+    elif spec.weights.in_flight == "Keep":
+        body["in_flight"] = "keep"
+        body["kv"] = spec.weights.kv.lower()
     return body
 
 
@@ -184,6 +198,24 @@ class Synced:
     message: str
 
 
+def checkpoint_missing(obs: HealthObservation | None) -> str | None:
+    """The pod's reason when it waits, unready, because its intended checkpoint could not be loaded."""
+    if obs is None or obs.state is not HealthState.STARTING or not obs.reason:
+        return None
+    return obs.reason if obs.reason.startswith(UNAVAILABLE_PREFIX) else None
+
+
+def load_while_waiting(spec: SamplerReplicaSpec, weights: Mapping[str, Any]) -> bool:
+    """Load spec.weights into a pod waiting for a loadable checkpoint? Yes, unless the last load of
+    this same declaration was refused: then it would be refused again, and only a new spec.weights is
+    tried (at most one refused load per declaration, no hammering)."""
+    ref = declared_ref(spec)
+    if ref is None:
+        return False
+    refused = weights.get("declaredResult") == INVALID and (weights.get("declared") or None) == ref.to_status()
+    return not refused
+
+
 def weights_synced(spec: SamplerReplicaSpec, weights: Mapping[str, Any], obs: HealthObservation | None,
                    loading: str | None = None) -> Synced | None:
     """The WeightsSynced condition; None when there is nothing new to say (keep the last one)."""
@@ -191,6 +223,12 @@ def weights_synced(spec: SamplerReplicaSpec, weights: Mapping[str, Any], obs: He
         return Synced(False, "Loading", f"loading {loading}")
     if obs is not None and obs.state is HealthState.UNCERTAIN_WEIGHTS:
         return Synced(False, "Uncertain", obs.reason or "a weight write failed midway")
+    missing = checkpoint_missing(obs)
+    if missing is not None:
+        ref = declared_ref(spec)
+        how = (f"loading spec.weights {ref.version_label!r}" if ref is not None and load_while_waiting(spec, weights)
+               else "waiting for spec.weights to name a checkpoint that exists")
+        return Synced(False, CHECKPOINT_MISSING, f"{missing}; {how}")
     declared = declared_ref(spec)
     if (declared is not None and weights.get("declaredResult") == INVALID
             and (weights.get("declared") or {}).get("versionLabel") == declared.version_label):

@@ -368,8 +368,9 @@ def _failed(e: SamplerError) -> Response:
 
 def _sample_reply(result: CoreSampleResponse, shape: ResponseShape, accept: str) -> Response:
     # Not silent about which weights answered (base_model follows the loaded policy); ASCII-safe headers.
-    # Tinker's wire has no place for per-token weights (its protobuf and its SDK's models are closed),
-    # so each sequence's `weights_spans` travel in a header, a JSON list in sequence order.
+    # Tinker's wire has no place for per-token weights (no protobuf field; the SDK builds each sequence
+    # as a frozen dataclass of the wire's fields), so each sequence's `weights_spans` travel in a
+    # header, a JSON list in sequence order.
     spans = [[sp.model_dump() for sp in s.weights_spans] for s in result.results[0].sequences]
     headers = {"X-Sampler-Weights-Version": str(result.weights_version),
                "X-Sampler-Weights-Label": result.weights_label.encode("ascii", "backslashreplace").decode(),

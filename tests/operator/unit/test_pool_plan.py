@@ -153,6 +153,41 @@ def test_abort_mode_reaches_each_replica_load_and_a_mode_change_alone_rolls_noth
                                                            "inFlight": "Abort"}
 
 
+def test_keep_mode_updates_every_serving_replica_at_once_in_routing() -> None:
+    """Keep costs each replica one engine pause, not its place in routing: no batches, no drain marks
+    (maxUnavailable does not apply), every replica's load at once; a replica out of service still
+    takes the target drained (its new pod starts there), and a refusal stops the rollout."""
+    old, new = spec(replicas=4, label="step-1", mode="Keep"), spec(replicas=4, label="step-2", mode="Keep")
+    serving = [at(old, f"p-{i}") for i in range(4)]
+    assert plan("p", UID, new, serving) == Plan(update_in_place=["p-0", "p-1", "p-2", "p-3"])
+    weights = desired_replica_spec("p", new)["weights"]
+    assert weights["inFlight"] == "Keep" and weights["kv"] == "Keep"
+    assert parse_spec(replica_body("p", "ns", UID, new, 0)["spec"]).weights.in_flight == "Keep"
+    # Given the spec, each loads in place: nothing more to do until they report the label, and they
+    # were never out of routing, so there is nothing to undrain either.
+    loading = [at(new, f"p-{i}", label="step-1") for i in range(4)]
+    assert plan("p", UID, new, loading).empty()
+    assert pool_status("p", UID, new, loading, 1)["readyReplicas"] == 4
+    assert plan("p", UID, new, [at(new, f"p-{i}") for i in range(4)]).empty()
+    # Being replaced (a write failed midway): drained onto the target, outside any budget.
+    assert plan("p", UID, new, [*serving[:3], at(old, "p-3", phase="Replacing")]) == Plan(
+        update=["p-3"], update_in_place=["p-0", "p-1", "p-2"])
+    # A replica refused the checkpoint: no other replica is sent into the same refusal.
+    assert plan("p", UID, new, [*serving[:3], rejected(new, "p-3", "bad tensor")]).update_in_place == []
+    # kv is how, not what: like the mode, it rolls nothing alone.
+    recompute = PoolSpec.model_validate({**new.model_dump(by_alias=True),
+                                         "rollout": {"mode": "Keep", "kv": "Recompute"}})
+    assert desired_replica_spec("p", recompute)["weights"]["kv"] == "Recompute"
+    assert spec_hash(desired_replica_spec("p", recompute)) == spec_hash(desired_replica_spec("p", new))
+
+
+def test_keep_mode_events_say_in_place() -> None:
+    rolling = {"targetLabel": "step-2", "conditions": [{"type": "Progressing", "status": "True",
+                                                        "reason": "RollingOut", "message": "0/2 updated"}]}
+    events = rollout_events(rolling, rolling, [], ["p-0", "p-1"])
+    assert events == [("Normal", "BatchUpdating", "p-0, p-1 loading step-2 in place, in routing")]
+
+
 def test_status_counts_ready_and_updated() -> None:
     old, new = spec(label="step-1"), spec(label="step-2")
     replicas = [at(new, "p-0"), at(new, "p-1", label="step-1", draining=True), at(old, "p-2"),
