@@ -118,10 +118,12 @@ def _probes(spec: SamplerReplicaSpec) -> dict[str, Any]:
         # restart would race it) and fails for a dead engine, which a restart does fix.
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, **base,
                           "failureThreshold": h.failure_threshold},
-        # Startup = engine start + loading the intended weights. It must end in `ok` within
+        # Startup = engine start + loading the intended weights. It must end within
         # startupTimeoutSeconds, or the kubelet restarts the container: a hung engine start is
-        # bounded (docs/operator.md). Liveness only begins after it.
-        "startupProbe": {"httpGet": {"path": "/readyz", "port": PORT_NAME}, **base,
+        # bounded (docs/operator.md). Liveness only begins after it. `/startedz`, not `/readyz`: a
+        # pod whose intended checkpoint is gone has finished starting (it waits, unready, for a
+        # load); restarting it would find the same missing files again, a restart loop.
+        "startupProbe": {"httpGet": {"path": "/startedz", "port": PORT_NAME}, **base,
                          "failureThreshold": max(1, math.ceil(h.startup_timeout_seconds / h.period_seconds))},
     }
 

@@ -37,7 +37,14 @@ from .pod_view import PodView
 from .replacement_policy import Action, Decision, decide, queue_for_fleet_cap
 from .spec import InvalidSpec, SamplerReplicaSpec, parse_spec
 from .status import DEGRADED, changed, iso, parse_iso, runtime_status
-from .weights_intent import observed_weights, startup_adapters, startup_weights, weights_synced
+from .weights_intent import (
+    CHECKPOINT_MISSING,
+    checkpoint_missing,
+    observed_weights,
+    startup_adapters,
+    startup_weights,
+    weights_synced,
+)
 from .weights_sync import sync_weights
 
 REASON_UNCERTAIN = "UncertainWeights"
@@ -278,7 +285,7 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
                                 failure_threshold=spec.health.failure_threshold, decision=decision,
                                 replacing=decision.action is Action.REPLACE, old_status=status,
                                 generation=cr["metadata"].get("generation"), now=now,
-                                weights_synced=weights_synced(spec, weights, obs))
+                                weights_synced=(synced := weights_synced(spec, weights, obs)))
     new_status["weights"] = weights
     if status.get("replacing") and not ctx.slots.holds(owner_key(cr)):
         new_status["replacing"] = False  # the new pod is ok (or the replica gave up): slot freed
@@ -291,6 +298,10 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
         mem.newest_body = await ctx.kube.patch_replica_status(cr["metadata"]["namespace"], cr["metadata"]["name"], diff)
         if entering.get(decision.action):
             ctx.emit(event_target(cr), "Warning", decision.reason, decision.message)
+        if (synced is not None and synced.reason == CHECKPOINT_MISSING
+                and _condition_reason(status, "WeightsSynced") != CHECKPOINT_MISSING):
+            ctx.emit(event_target(cr), "Warning", CHECKPOINT_MISSING, f"pod {pod.name if pod else '?'}: "
+                     f"{synced.message}"[:1000])
     return decision
 
 
@@ -339,13 +350,21 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
         await converge(ctx, namespace, name, spec, mem, replace=decision)
         return min(1.0, period)
     obs = mem.last_observation
-    if obs is not None and obs.state is HealthState.OK:
+    # A pod waiting for a loadable checkpoint is synced too: a load is how it recovers.
+    if obs is not None and (obs.state is HealthState.OK or checkpoint_missing(obs) is not None):
         pod = pick_current([p for p in pods if not p.deleting], cr.get("status") or {})
         if pod is not None and pod.pod_ip and await sync_weights(ctx, newest(cr, mem), spec, pod.pod_ip, obs, mem):
             return min(1.0, period)  # a load changed the pod: look at it again soon
     if decision is not None and decision.retry_after is not None:
         return max(0.1, min(period, decision.retry_after))
     return period
+
+
+def _condition_reason(status: Mapping[str, Any], type_: str) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == type_:
+            return str(c.get("reason"))
+    return None
 
 
 def _condition_status(status: Mapping[str, Any], type_: str) -> str | None:

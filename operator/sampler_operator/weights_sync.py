@@ -10,6 +10,10 @@ restarted operator neither repeats a finished load nor forgets an unfinished one
      for. A checkpoint the pod refuses leaves the pod serving its current, certain weights.
      Busy/unreachable/timed out: nothing is recorded and the next loop tries again.
   2. spec.adapters: add the missing ones, remove those the spec dropped.
+A pod waiting for a loadable checkpoint (its intended one was gone at startup: `starting`, reason
+`intended checkpoint unavailable: ...`) gets step 1 only, with spec.weights even when it was loaded
+before (weights_intent.load_while_waiting): that load is how it recovers. Its adapters follow once it
+serves.
 The pod stays the same pod: weights are not part of the pod template.
 """
 from __future__ import annotations
@@ -29,10 +33,12 @@ from .weights_intent import (
     WRITE_FAILED,
     Synced,
     adapter_changes,
+    checkpoint_missing,
     declared_adapters,
     declared_load_request,
     declared_outcome,
     declared_ref,
+    load_while_waiting,
     needs_declared_load,
 )
 
@@ -46,6 +52,8 @@ async def sync_weights(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplica
                        obs: HealthObservation, mem: ReplicaMemory) -> bool:
     """One sync step; True when it changed something on the pod (look at it again soon)."""
     weights = (cr.get("status") or {}).get("weights") or {}
+    if checkpoint_missing(obs) is not None:
+        return load_while_waiting(spec, weights) and await _load_declared(ctx, cr, spec, pod_ip, obs, mem)
     if needs_declared_load(spec, weights):
         return await _load_declared(ctx, cr, spec, pod_ip, obs, mem)
     add, remove = adapter_changes(spec, weights, obs.adapters)

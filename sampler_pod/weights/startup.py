@@ -8,8 +8,15 @@ the same validation and write path as `POST /v1/checkpoints/load`
 samples get 503: the replica never serves the base model when it was told otherwise.
 
 Outcomes:
-- an initial checkpoint or adapter that fails validation (or any other failure before a write)
-  is a startup error: `engine_dead` naming the file or tensor, and the server stops (exit 1);
+- an initial checkpoint that cannot be loaded (gone, refused by validation, its validation timed
+  out) leaves the replica up and unready: `starting`, reason `intended checkpoint unavailable: PATH
+  (why)`, samples 503, the base model never served. It does NOT exit: on a pod the state file
+  lives on the emptyDir and a replacement pod gets the same path from the operator, so an exit
+  would only come back to the same missing files (a crash loop, issue #23). The start-up counts as
+  finished (`/startedz`, `--startup-timeout-s`), and a later validated `POST /v1/checkpoints/load`
+  (the operator sends spec.weights, or a pool's target) loads other weights and makes it ready;
+- an initial adapter that fails validation (or any other failure before a write) is a startup
+  error: `engine_dead` naming the file or tensor, and the server stops (exit 1);
 - a write that fails midway is the ordinary uncertain path (`uncertain_weights`, the process
   stays up for the operator to read `failed_write` and replace the pod).
 
@@ -25,11 +32,13 @@ import logging
 from collections.abc import Callable
 
 from ..config import ServerConfig
+from ..core.health import intended_unavailable_reason
 from ..core.sampler import SamplerCore
 from ..core.startup import EngineStarter
-from ..errors import SamplerError
+from ..errors import LoadTimedOut, SamplerError
 from .service import AddAdapterRequest, LoadCheckpointRequest, WeightsService, WeightWriteFailed
 from .state_file import PersistedAdapter, PersistedWeights, read_state
+from .validation import CheckpointInvalid
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +62,27 @@ def _what(target: PersistedWeights) -> str:
     return f"initial weights {target.version_label}" if target.version_label else "initial adapters"
 
 
+class CheckpointUnavailable(Exception):
+    """The intended checkpoint could not be loaded before any weight was written."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 async def restore(service: WeightsService, target: PersistedWeights) -> None:
-    """Load `target` into a started engine (the core is `restoring`), then record it in the state file."""
+    """Load `target` into a started engine (the core is `restoring`), then record it in the state file.
+    Raises `CheckpointUnavailable` when the checkpoint cannot be loaded (nothing was written)."""
     core = service.core
     if target.checkpoint is not None and target.version_label is not None:
         core.restoring = f"loading initial weights {target.version_label}"
-        await service.load_checkpoint(
-            LoadCheckpointRequest(path=target.checkpoint, version_label=target.version_label,
-                                  sha256_manifest=target.sha256_manifest), restoring=True)
+        try:
+            await service.load_checkpoint(
+                LoadCheckpointRequest(path=target.checkpoint, version_label=target.version_label,
+                                      sha256_manifest=target.sha256_manifest), restoring=True)
+        except (CheckpointInvalid, LoadTimedOut) as e:
+            # Only what says "these files cannot be loaded": an engine failure stays fatal below.
+            raise CheckpointUnavailable(intended_unavailable_reason(target.checkpoint, e.message)) from e
     for a in target.adapters:
         core.restoring = f"loading initial adapter {a.name}"
         await service.add_adapter(AddAdapterRequest(name=a.name, path=a.path), restoring=True)
@@ -87,6 +109,12 @@ def with_initial_weights(cfg: ServerConfig, service: WeightsService, start_engin
             log.info("restored %s", _what(target))
         except asyncio.CancelledError:
             raise
+        except CheckpointUnavailable as e:
+            # Up and unready, never the base model, no exit (see the module docstring). The adapters
+            # wait too: they are loaded over a base checkpoint this replica does not have.
+            core.awaiting_weights = e.reason
+            log.error("%s; waiting for a checkpoint load (the operator sends spec.weights or the pool's target)",
+                      e.reason)
         except WeightWriteFailed:
             # `_write` recorded `uncertain_weights` and `failed_write`; the process stays up so the
             # operator reads them and replaces the pod.

@@ -20,7 +20,7 @@ TWINKLE = "/api/v1/sampler/fake/twinkle"
 ADMIN_ROUTES = {("POST", "/v1/checkpoints/load"), ("POST", "/v1/adapters"), ("DELETE", "/v1/adapters/{name}"),
                 ("POST", "/api/v1/sampler/{model_id:path}/twinkle/add_adapter_to_sampler")}
 # Open: the kubelet and the operator probe them without a key.
-PROBES = {"/healthz", "/readyz", "/health", "/metrics", "/api/v1/healthz", "/api/v1/twinkle/healthz"}
+PROBES = {"/healthz", "/readyz", "/startedz", "/health", "/metrics", "/api/v1/healthz", "/api/v1/twinkle/healthz"}
 
 # (method, path, body) of each admin route, with a body that passes auth and then fails validation
 # (a missing checkpoint, an unknown adapter): what matters here is whether auth let it through.

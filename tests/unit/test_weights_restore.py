@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,11 +24,10 @@ from sampler_pod.core.sampler import SamplerCore
 from sampler_pod.engine.fake import FakeEngine
 from sampler_pod.weights.service import WeightsService
 from sampler_pod.weights.startup import with_initial_weights
-from tests.support import REPO_ROOT
 from tests.support import corrupt_checkpoints as cc
 from tests.support.checkpoints import make_lora_adapter
 from tests.support.inproc import fake_client, fake_core
-from tests.support.server import RunningServer, free_port, run_server, wait_healthy
+from tests.support.server import RunningServer, run_server, wait_healthy, wait_until
 
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
 
@@ -82,9 +79,9 @@ def load(c: httpx.Client, path: str, label: str, **kw: Any) -> httpx.Response:
     return c.post("/v1/checkpoints/load", json={"path": path, "version_label": label, **kw})
 
 
-def fake_server(ck: Ckpts, state: Path, *flags: str) -> Any:
+def fake_server(ck: Ckpts, state: Path, *flags: str, wait: bool = True) -> Any:
     return run_server(ck.model, "--checkpoint-root", str(ck.root), "--enable-lora", "--weights-state-path", str(state),
-                      *flags, engine="fake")
+                      *flags, engine="fake", wait=wait)
 
 
 @pytest.fixture(scope="module")
@@ -179,20 +176,77 @@ def test_corrupt_state_file_falls_back_to_the_flags(ck: Ckpts, reference: dict[s
             assert json.loads(state.read_text())["version_label"] == "step-2"
 
 
-def test_invalid_initial_checkpoint_stops_the_server_naming_file_and_tensor(ck: Ckpts, tmp_path: Path) -> None:
+def gave_up(s: RunningServer) -> bool:
+    assert s.proc.poll() is None, s.log()  # never an exit: on a pod that is a crash loop
+    return "intended checkpoint unavailable" in (health(s)["reason"] or "")
+
+
+def unavailable(s: RunningServer) -> dict[str, Any]:
+    """The replica is up and waiting for weights it can load: `/health` says why, the start-up is over
+    for the kubelet (`/startedz`), it is not ready, alive, and serves nothing."""
+    with s.client() as c:
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "starting", h.text
+        assert h.json()["reason"].startswith("intended checkpoint unavailable: "), h.text
+        assert h.json()["weights_label"] == "base" and h.json()["weights_version"] == 0
+        assert c.get("/startedz").status_code == 200 and c.get("/readyz").status_code == 503
+        assert c.get("/healthz").status_code == 200
+        r = c.post("/v1/sample", json=greedy_body())
+        assert r.status_code == 503 and "intended checkpoint unavailable" in r.text, r.text
+    assert s.proc.poll() is None, s.log()
+    body: dict[str, Any] = h.json()
+    return body
+
+
+def test_a_deleted_intended_checkpoint_leaves_the_replica_up_unready_until_a_load(
+        ck: Ckpts, reference: dict[str, list[int]], tmp_path: Path) -> None:
+    """Issue #23: the state file names a checkpoint that was deleted since (trainers keep the last k).
+    The restarted sampler neither exits (a crash loop on a pod) nor serves the base model; a later
+    validated load makes it ready, and that load is what the next restart comes back at."""
+    own = tmp_path / "run"
+    gone = variant(ck.model, own / "step-9", seed=9)
+    state = tmp_path / "weights.json"
+    with fake_server(ck, state, "--checkpoint-root", str(own)) as s, s.client() as c:
+        assert load(c, str(gone), "step-9").status_code == 200
+    for f in gone.iterdir():
+        f.unlink()
+    gone.rmdir()
+    with fake_server(ck, state, "--checkpoint-root", str(own), wait=False) as s:
+        wait_healthy(s.url, s.proc, s.log_path, timeout=120, want="starting")
+        wait_until(lambda: gave_up(s), "the restore to give up on the intended checkpoint")
+        h = unavailable(s)
+        assert h["reason"] == (f"intended checkpoint unavailable: {os.path.realpath(own)}/step-9 "
+                               "(checkpoint directory does not exist)"), h["reason"]
+        assert h["intended"] is None
+        # Adapters and client-side mutations other than a load still wait.
+        with s.client() as c:
+            assert c.post("/v1/adapters", json={"name": "policy", "path": "lora-a"}).status_code == 503
+            # A load of a checkpoint that is no better is refused and changes nothing.
+            assert load(c, "bad-shape", "bad").status_code == 400
+            unavailable(s)
+            r = load(c, "step-2", "step-2")
+            assert r.status_code == 200, r.text
+            h = c.get("/health").json()
+            assert h["status"] == "ok" and h["weights_label"] == "step-2" and h["reason"] is None, h
+            assert greedy(c) == reference["step-2"]
+            assert c.get("/startedz").status_code == 200 and c.get("/readyz").status_code == 200
+    assert json.loads(state.read_text())["version_label"] == "step-2"
+    with fake_server(ck, state, "--checkpoint-root", str(own)) as s, s.client() as c:
+        assert health(s)["weights_label"] == "step-2" and greedy(c) == reference["step-2"]
+
+
+def test_an_invalid_initial_checkpoint_is_unavailable_naming_file_and_tensor(ck: Ckpts, tmp_path: Path) -> None:
     bad = ck.root / "bad-shape"
     _, tensors = cc.read_raw(bad / "model.safetensors")
     tensor = sorted(t.name for t in tensors if t.data)[0]  # the one cc's wrong_shape case reshaped
-    p = subprocess.run([sys.executable, "-m", "sampler_pod", "--model", str(ck.model), "--engine", "fake",
-                        "--host", "127.0.0.1", "--port", str(free_port()),
-                        "--startup-lock-path", str(tmp_path / "lock"), "--weights-state-path", str(tmp_path / "w.json"),
-                        "--checkpoint-root", str(ck.root),
-                        "--initial-checkpoint", "bad-shape", "--initial-version-label", "step-bad"],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1, p.stderr[-3000:]
-    assert "initial weights step-bad could not be loaded" in p.stderr
-    assert "model.safetensors" in p.stderr and tensor in p.stderr
-    assert not (tmp_path / "w.json").exists()
+    with run_server(ck.model, "--checkpoint-root", str(ck.root), "--startup-timeout-s", "600",
+                    "--initial-checkpoint", "bad-shape", "--initial-version-label", "step-bad",
+                    engine="fake", wait=False) as s:
+        wait_healthy(s.url, s.proc, s.log_path, timeout=120, want="starting")
+        wait_until(lambda: gave_up(s), "the restore to give up on the intended checkpoint")
+        reason = unavailable(s)["reason"]
+        assert reason.startswith("intended checkpoint unavailable: bad-shape (") and reason.endswith(")")
+        assert "model.safetensors" in reason and tensor in reason, reason
 
 
 def test_hang_seam_keeps_the_server_starting(ck: Ckpts) -> None:

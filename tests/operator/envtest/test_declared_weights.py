@@ -268,3 +268,36 @@ def test_a_replacement_starts_at_the_weights_the_pod_was_loading_not_the_base(ap
     assert env["SAMPLER_INITIAL_VERSION_LABEL"] == "step-2"
     assert cond(st, "WeightsSynced")["status"] == "True"
     assert st["lastReplacement"]["reason"] == "UncertainWeights"
+
+
+def test_a_missing_checkpoint_is_checkpoint_missing_until_spec_weights_names_one_that_exists(api, ns, world):
+    """Issue #23: a pod whose start-up checkpoint does not exist stays up and unready (no crash, never the
+    base model), the replica shows WeightsSynced=False/CheckpointMissing and an Event; a spec.weights that
+    exists is loaded into the same pod and makes it Ready."""
+    port = ks.free_port()
+    gone = str(world["root"] / "step-gone")
+    create(api, ns, replica("w5", port, world, weights={"checkpoint": gone, "versionLabel": "step-gone"}))
+    st = wait_status(api, ns, "w5", lambda s: cond(s, "WeightsSynced").get("reason") == "CheckpointMissing"
+                     and (s.get("weights") or {}).get("declaredResult") == "InvalidCheckpoint",
+                     "WeightsSynced=False/CheckpointMissing, after one refused load of the same declaration")
+    synced = cond(st, "WeightsSynced")
+    assert synced["status"] == "False"
+    assert synced["message"].startswith(f"intended checkpoint unavailable: {gone} (checkpoint directory does not "
+                                        "exist); waiting for spec.weights to name a checkpoint that exists"), synced
+    assert st["phase"] != "Ready" and cond(st, "Ready")["status"] == "False"
+    events = [e for e in api.core.list_namespaced_event(ns).items if e.involved_object.name == "w5"]
+    assert any(e.reason == "CheckpointMissing" and gone in e.message and e.type == "Warning" for e in events)
+    proc = world["kubelet"].procs[world["kubelet"].uids["w5-0"]]
+    assert proc.poll() is None, "the sampler never exits for a missing checkpoint"
+
+    checkpoint = str(world["root"] / "step-1")
+    api.custom.patch_namespaced_custom_object(G, V, ns, P, "w5", {"spec": {"weights": {
+        "checkpoint": checkpoint, "versionLabel": "step-1"}}})
+    st = wait_status(api, ns, "w5", lambda s: s.get("phase") == "Ready" and (s.get("weights") or {}).get("label")
+                     == "step-1" and cond(s, "WeightsSynced").get("status") == "True", "w5 Ready at step-1")
+    assert st["podName"] == "w5-0" and proc.poll() is None, "the same pod, the same process"
+    assert [p.metadata.name for p in api.core.list_namespaced_pod(ns).items] == ["w5-0"]
+    # Refused twice in all: the start-up restore, then the operator's one load of that declaration, never
+    # again in the loop periods until the new one loaded.
+    assert pod_metric(world, "w5-0", port, "sampler_weight_loads_total", outcome="rejected") == 2
+    assert pod_metric(world, "w5-0", port, "sampler_weight_loads_total", outcome="ok") == 1

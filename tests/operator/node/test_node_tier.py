@@ -282,7 +282,7 @@ def test_apply_creates_one_running_pod_and_ready_status(api, ns, operator, tiny_
     assert (ref.kind, ref.name, ref.uid, ref.controller) == ("SamplerReplica", "r1", cr["metadata"]["uid"], True)
     c = pod.spec.containers[0]
     assert c.readiness_probe.http_get.path == "/readyz" and c.liveness_probe.http_get.path == "/healthz"
-    assert c.startup_probe.http_get.path == "/readyz" and c.readiness_probe.period_seconds == PERIOD
+    assert c.startup_probe.http_get.path == "/startedz" and c.readiness_probe.period_seconds == PERIOD
     lock = next(v for v in pod.spec.volumes if v.name == "startup-lock")
     assert lock.empty_dir is not None
     assert any(m.name == "startup-lock" and m.mount_path == "/var/run/sampler" for m in c.volume_mounts)

@@ -12,12 +12,15 @@ from sampler_operator.pod_client import Outcome, outcome_of
 from sampler_operator.replacement_policy import Action, Decision, fleet_cap, queue_for_fleet_cap
 from sampler_operator.spec import InvalidSpec, parse_spec
 from sampler_operator.weights_intent import (
+    CHECKPOINT_MISSING,
     INVALID,
     LOADED,
     WeightsRef,
     adapter_changes,
+    checkpoint_missing,
     declared_load_request,
     declared_outcome,
+    load_while_waiting,
     needs_declared_load,
     observed_weights,
     startup_weights,
@@ -70,10 +73,11 @@ def test_weights_are_not_part_of_the_pod_template() -> None:
     assert not any(e["name"].startswith("SAMPLER_INITIAL_") for e in a["spec"]["containers"][0]["env"])
 
 
-def test_startup_probe_bounds_the_whole_start_on_readyz() -> None:
+def test_startup_probe_bounds_the_whole_start_on_startedz() -> None:
+    # /startedz, not /readyz: a pod waiting for a checkpoint it can load has finished starting (issue #23).
     probe = desired_pod(Owner("r", "ns", "u"), spec(health={"periodSeconds": 5, "startupTimeoutSeconds": 60}), 0)
     startup = probe["spec"]["containers"][0]["startupProbe"]
-    assert startup["httpGet"]["path"] == "/readyz" and startup["failureThreshold"] * startup["periodSeconds"] == 60
+    assert startup["httpGet"]["path"] == "/startedz" and startup["failureThreshold"] * startup["periodSeconds"] == 60
 
 
 # ------------------------------------------------------------------------------- intended weights
@@ -149,6 +153,33 @@ def test_weights_synced_condition() -> None:
     assert "model.safetensors" in synced.message and "tensor 'x'" in synced.message
     synced = weights_synced(s, w, health("uncertain_weights", reason="write failed"))
     assert synced is not None and (synced.status, synced.reason) == (False, "Uncertain")
+
+
+def test_a_pod_waiting_for_a_loadable_checkpoint_is_checkpoint_missing_and_gets_spec_weights_once() -> None:
+    why = "intended checkpoint unavailable: /ckpt/step-2 (checkpoint directory does not exist)"
+    waiting = health("starting", reason=why)
+    assert checkpoint_missing(waiting) == why
+    assert checkpoint_missing(health("starting", reason="loading initial weights step-2")) is None
+    assert checkpoint_missing(health("ok")) is None and checkpoint_missing(None) is None
+    # No spec.weights: nothing to load; the condition says what would help.
+    assert not load_while_waiting(spec(), {})
+    synced = weights_synced(spec(), {}, waiting)
+    assert synced is not None and (synced.status, synced.reason) == (False, CHECKPOINT_MISSING)
+    assert synced.message.startswith(why) and "spec.weights to name a checkpoint that exists" in synced.message
+    # spec.weights loaded before (a trainer then loaded step-2 onto the pod, since deleted): loaded again,
+    # the pool's case (its target is every replica's spec.weights).
+    s1 = spec(weights=step(1))
+    loaded = declared_outcome(s1, LOADED, "ok")
+    assert load_while_waiting(s1, loaded) and load_while_waiting(s1, {})
+    synced = weights_synced(s1, loaded, waiting)
+    assert synced is not None and synced.reason == CHECKPOINT_MISSING
+    assert "loading spec.weights 'step-1'" in synced.message
+    # Refused for this same declaration: not again (CheckpointMissing wins over InvalidCheckpoint), until a new one.
+    refused = declared_outcome(s1, INVALID, "file 'x': checkpoint directory does not exist")
+    assert not load_while_waiting(s1, refused)
+    synced = weights_synced(s1, refused, waiting)
+    assert synced is not None and synced.reason == CHECKPOINT_MISSING
+    assert load_while_waiting(spec(weights=step(3)), refused)
 
 
 def test_adapter_changes_touch_only_declared_adapters() -> None:
