@@ -90,6 +90,11 @@ class EngineRejected(ValueError):
     """The engine refused a request as invalid: the client's fault, not the engine's."""
 
 
+class NothingWritten(RuntimeError):
+    """A keep-mode write failed before any tensor was written (the engine could not pause): the
+    weights are the old ones, certain, and the engine runs again."""
+
+
 class Engine(Protocol):
     vocab_size: int
     max_model_len: int

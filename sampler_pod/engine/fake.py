@@ -21,6 +21,7 @@ from .base import (
     GenerationSpec,
     InFlightWrite,
     KvMode,
+    NothingWritten,
     SequenceOutput,
     StagedCheckpoint,
     VersionSpan,
@@ -66,6 +67,8 @@ class FakeEngine:
     version: int = 0
     # Test hook: why keep-mode loads are refused (None: they are supported, as on vLLM).
     keep_unsupported_reason: str | None = None
+    # Test hook: a keep-mode write's pause fails (nothing written), as vLLM's cache reset can.
+    fail_keep_pause: bool = False
     _staged: dict[str, int] = field(default_factory=dict)
     _progress: dict[str, int] = field(default_factory=dict)
     adapters: dict[str, AdapterRef] = field(default_factory=dict)
@@ -174,6 +177,8 @@ class FakeEngine:
     async def load_in_flight(self, staged: StagedCheckpoint, version: int, kv: KvMode,
                              fail_after_tensors: int | None) -> InFlightWrite:
         # The fake has no KV cache: `kv` changes nothing here.
+        if self.fail_keep_pause:
+            raise NothingWritten("test hook: the engine could not pause")
         t0 = asyncio.get_running_loop().time()
         self._unpaused.clear()
         n = await self._write(self._staged.pop(staged.key), staged.tensors, fail_after_tensors)

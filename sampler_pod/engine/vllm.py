@@ -26,6 +26,7 @@ from .base import (
     GenerationSpec,
     InFlightWrite,
     KvMode,
+    NothingWritten,
     SequenceOutput,
     StagedCheckpoint,
     VersionSpan,
@@ -262,7 +263,12 @@ class VllmEngine:
             # recompute: vLLM resets the caches with the running requests (they are preempted and
             # recompute their KV, prompt and tokens so far, on the new weights when resumed).
             # (AsyncLLM.pause_generation adds a 20 ms sleep for tidier logs: not in the pause.)
-            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=kv == "recompute")
+            try:
+                await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=kv == "recompute")
+            except Exception as e:  # e.g. the cache reset of `recompute` refused: nothing written yet
+                with contextlib.suppress(Exception):
+                    await self.llm.resume_generation()
+                raise NothingWritten(f"the engine could not pause for the write: {type(e).__name__}: {e}") from e
             try:
                 counts = await self.llm.collective_rpc(
                     "sampler_load_staged", kwargs={"key": staged.key, "fail_after_tensors": fail_after_tensors})

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.health import FailedWrite, IntendedWeights
 from ..core.sampler import SamplerCore
-from ..engine.base import AdapterRef, Engine, InFlightWrite, KvMode, StagedCheckpoint
+from ..engine.base import AdapterRef, Engine, InFlightWrite, KvMode, NothingWritten, StagedCheckpoint
 from ..errors import Conflict, EngineFailure, EngineUnavailable, InvalidRequest, LoadTimedOut, NotFound, SamplerError
 from .state_file import PersistedAdapter, PersistedWeights, StatePersistFailed, write_state
 from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
@@ -246,11 +246,20 @@ class WeightsService:
                     validated.assert_unchanged()  # the files may have changed while we staged
                     intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
                                                sha256_manifest=req.sha256_manifest)
+                    previous = core.weights.intended
                     self._persist(intended)
                     core.weights.intended = intended
                     outcome = "uncertain"  # from here on the engine's weights are being overwritten
-                    write = await self._write_in_flight(engine, staged, intended, req.kv or "keep",
-                                                        req.test_fail_after_tensors)
+                    try:
+                        write = await self._write_in_flight(engine, staged, intended, req.kv or "keep",
+                                                            req.test_fail_after_tensors)
+                    except NothingWritten as e:
+                        # The engine never paused: the old weights serve on, and stay the intended ones.
+                        outcome = "rejected"
+                        core.weights.intended = previous
+                        self._persist()
+                        raise EngineFailure(f"load of {req.version_label!r} not done, nothing was written: {e}",
+                                            field="in_flight") from e
                     staged = None
                     outcome = "ok"
             except TimeoutError:
@@ -281,6 +290,8 @@ class WeightsService:
         try:
             write = await asyncio.wait_for(engine.load_in_flight(staged, version, kv, fail_after_tensors),
                                            timeout=limit)
+        except NothingWritten:
+            raise
         except BaseException as e:
             reason = self._uncertain(intended, e, limit)
             await core.abort_in_flight(engine, f"the failed write of {intended.version_label!r}")

@@ -194,3 +194,17 @@ async def test_a_keep_load_waits_for_a_drain_load_and_never_overlaps_it(ck: Ckpt
         assert (await kept).json()["weights_version"] == 2
         h: httpx.Response = await c.get("/health")
         assert h.json()["weights_label"] == "step-2"
+
+
+async def test_a_keep_load_whose_pause_fails_writes_nothing_and_keeps_the_old_intent(ck: Ckpts,
+                                                                                    tmp_path: Path) -> None:
+    core, engine = inproc(ck, tmp_path)
+    engine.fail_keep_pause = True
+    async with fake_client(core) as c:
+        r = await c.post("/v1/checkpoints/load", json=keep("step-1", "step-1"))
+        assert r.status_code == 500 and r.json()["error"]["field"] == "in_flight", r.text
+        assert "nothing was written" in r.json()["error"]["message"]
+        h = (await c.get("/health")).json()
+        assert h["status"] == "ok" and h["weights_version"] == 0 and h["intended"] is None, h
+        assert engine._staged == {}  # the staged copy was let go
+        assert (await c.post("/v1/sample", json={**LONG, "sampling_params": {"max_tokens": 2}})).status_code == 200
