@@ -57,8 +57,11 @@ class Pool:
             if r is None or (r.ready and view.started_at > at):
                 del self._lost[name]
         self.view = view
-        self.order.see((r.weights_label, r.weights_version) for r in view.replicas
-                       if r.ready and r.weights_label is not None)
+        self.order.set_history(dict(view.history))
+        self.order.see(((r.weights_label, r.weights_version) for r in view.replicas
+                        if r.ready and r.weights_label is not None),
+                       {r.weights_label: r.weights_step for r in view.replicas
+                        if r.weights_label is not None and r.weights_step is not None})
         if refreshed:
             self.refreshes += 1
         states = {"ready": 0, "draining": 0, "not_ready": 0}
@@ -136,12 +139,13 @@ class Pool:
     def mark_lost(self, replica: ReplicaView, why: str) -> None:
         self._lost[replica.name] = (self.clock(), why)
 
-    def returned(self, replica: ReplicaView, label: str, version: int | None = None) -> bool:
-        """A response on `label` is about to go back to a client: False if the version policy forbids
-        it (stale), else record it (it may be the first of a newer label)."""
+    def returned(self, replica: ReplicaView, label: str, version: int | None = None, step: int | None = None) -> bool:
+        """A response on `label` (at training `step`, when the answer says) is about to go back to a
+        client: False if the version policy forbids it (stale), else record it (it may be the first
+        of a newer label)."""
         self._answered_at[replica.name] = self.clock()
         view, newest, known = self.view, self.order.newest_returned, len(self.order.ranks)
-        self.order.see([(label, version)])
+        self.order.see([(label, version)], {label: step} if step is not None else None)
         self._observe(replica, label, version)
         if is_stale(label, self.cfg.version_policy, self.order, self.target):
             self.metrics.stale.labels(replica=replica.name).inc()

@@ -31,6 +31,8 @@ class ReplicaView:
     reason: str | None = None
     # /health reads in a row that got no answer (discovery/health.py).
     unanswered: int = 0
+    # The training step of its weights, when its load named one (`weights_step` of /health).
+    weights_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class PoolView:
     # When this refresh started (time.monotonic): a replica marked lost after it stays out.
     started_at: float = 0.0
     by_name: dict[str, ReplicaView] = field(default_factory=dict, compare=False, repr=False)
+    # The pool's weights history (label, generation), when discovery reads a SamplerPool.
+    history: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_name", {r.name: r for r in self.replicas})

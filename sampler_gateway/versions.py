@@ -5,9 +5,15 @@ THAT replica, so versions of two replicas are not comparable (a replacement that
 step-120 reports version 1); the label is the identity, and "newer" is an order on labels:
 
 - the pool's target label (declared on the SamplerPool, or `--target-label`) is newest of all;
-- otherwise labels rank by when the gateway first saw them (from `/health` or in a response): a
-  trainer pushing step-121 makes it appear after step-120. Labels first seen in the same refresh
-  (a gateway starting in the middle of a rollout) rank by the replica's version, then by name.
+- then the labels of the pool's weights history (`status.weightsHistory` of the SamplerPool,
+  written by the pool controller), by their generation: a fact in the API server, so every gateway
+  of the pool, started at any moment, ranks them alike;
+- then labels whose replica reported a training `step` (`weights_step`), by step: a fact the
+  replicas carry (static discovery, replicas grouped without a pool);
+- last, labels known by neither, by when the gateway first saw them (from `/health` or in a
+  response): a trainer pushing step-121 makes it appear after step-120. Labels first seen in the
+  same refresh (a gateway starting in the middle of a rollout) rank by the replica's version, then
+  by name. Only this last tier is a memory of one process (docs/pool.md says when it holds).
 
 Policies:
 - `Any`: every ready, non-draining replica.
@@ -27,11 +33,15 @@ from dataclasses import dataclass, field
 from .config import VersionPolicy
 from .replicas import ReplicaView
 
-NEWEST = 1 << 62  # the target's rank: above every label seen
-UNKNOWN = -1
+# A label's rank: (tier, value), compared as tuples. Tiers, lowest first: first seen by this
+# process, by step, by the pool's history; the target above all.
+Rank = tuple[int, int]
+SEEN, STEP, HISTORY = 0, 1, 2
+NEWEST: Rank = (3, 0)  # the target's rank: above every label seen
+UNKNOWN: Rank = (-1, 0)
 
 
-def rank(order: Mapping[str, int], label: str | None, target: str | None) -> int:
+def rank(order: Mapping[str, Rank], label: str | None, target: str | None) -> Rank:
     if label is None:
         return UNKNOWN
     if label == target:
@@ -41,18 +51,46 @@ def rank(order: Mapping[str, int], label: str | None, target: str | None) -> int
 
 @dataclass
 class LabelOrder:
-    """The labels in the order first seen, and the newest one returned to a client. The gateway's
-    only routing memory; a restarted gateway rebuilds it from the replicas (see docs/pool.md)."""
+    """The labels' order and the newest one returned to a client. `history` (label -> the pool's
+    generation) and `steps` (label -> training step) are facts read from outside and shared by every
+    gateway; `seen` (label -> first-seen index) is this process's memory, used only for labels
+    neither fact covers. `ranks` is their combination, rebuilt on each change (read per request)."""
 
-    ranks: dict[str, int] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
+    history: dict[str, int] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    ranks: dict[str, Rank] = field(default_factory=dict)
     newest_returned: str | None = None
 
-    def see(self, labels: Iterable[tuple[str, int | None]]) -> None:
-        """(label, replica version) pairs of one refresh or one response."""
-        new = sorted({(v if v is not None else -1, lbl) for lbl, v in labels if lbl not in self.ranks})
+    def see(self, labels: Iterable[tuple[str, int | None]], steps: Mapping[str, int] | None = None) -> None:
+        """(label, replica version) pairs of one refresh or one response, and the steps reported."""
+        changed = False
+        for lbl, step in (steps or {}).items():
+            if self.steps.get(lbl) != step:
+                self.steps[lbl] = step
+                changed = True
+        new = sorted({(v if v is not None else -1, lbl) for lbl, v in labels if lbl not in self.seen})
         for _, lbl in new:
-            if lbl not in self.ranks:
-                self.ranks[lbl] = len(self.ranks)
+            if lbl not in self.seen:
+                self.seen[lbl] = len(self.seen)
+                changed = True
+        if changed:
+            self._rebuild()
+
+    def set_history(self, generations: Mapping[str, int]) -> None:
+        """The pool's weights history as the API server has it now (label -> generation). Merged,
+        never forgotten: generations only grow, so a label the bounded history dropped, or a relist
+        that briefly shows no pool object, must not fall back to this process's memory."""
+        merged = {**self.history, **generations}
+        if merged != self.history:
+            self.history = merged
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        ranks: dict[str, Rank] = {lbl: (SEEN, i) for lbl, i in self.seen.items()}
+        ranks.update((lbl, (STEP, s)) for lbl, s in self.steps.items())
+        ranks.update((lbl, (HISTORY, g)) for lbl, g in self.history.items())
+        self.ranks = ranks
 
     def note_returned(self, label: str, target: str | None) -> None:
         """A response on `label` went back to a client."""

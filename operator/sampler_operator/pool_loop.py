@@ -151,7 +151,8 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     ]) for replica in todo.update_in_place))
     # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
     old = mem.status if mem.status is not None else last_status
-    status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"))
+    status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"),
+                         (old or {}).get("weightsHistory"))
     if status != mem.status:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status

@@ -41,6 +41,13 @@ started (`sampler.rl.dev/draining-since`), and deleted once its pod reports no r
 (ROUTING_GRACE_S), or once `rollout.drainTimeoutSeconds` have passed, whichever comes first. The time
 and the in-flight counts are arguments: the plan stays pure.
 
+The weights history (`status.weightsHistory`, `weights_history`) makes the order of labels a fact
+in the API server instead of each gateway's memory: every label the pool declared, with a generation
+that grows by one per declaration, its checkpoint, its step and when it was first rolled out. Each
+gateway of the pool ranks labels by it (sampler_gateway/versions.py), so two gateways, or one
+restarted mid-rollout, agree on which label is newer. It is derived from the last written status
+and the spec only (pure), so an operator restart continues it. Bounded at HISTORY_LIMIT entries.
+
 Keys: the gateway forwards a client's API key to whichever replica serves it, so every replica of a
 pool must accept the same keys. Where the template names no key Secret, the pool has one generated,
 `<pool>-sampler-keys` (api_keys.py, the same shape as a replica's), and every replica's spec names
@@ -66,6 +73,7 @@ from .status import (
     PHASE_QUEUED,
     PHASE_REPLACING,
     PHASE_STARTING,
+    iso,
     parse_iso,
 )
 from .weights_intent import INVALID
@@ -82,6 +90,11 @@ ROUTING_GRACE_S = 3.0
 OUT_OF_SERVICE = frozenset({PHASE_PENDING, PHASE_STARTING, PHASE_REPLACING, PHASE_QUEUED, PHASE_DEGRADED})
 # A SamplerReplica's spec.port when its template says none (the CRD's default).
 DEFAULT_PORT = 8000
+# Entries of status.weightsHistory kept (the oldest go first). A label older than the 64 last
+# rollouts is served by no replica of a pool that finished any of them; a gateway that learned it
+# keeps its generation anyway (versions.LabelOrder.set_history), and one started later ranks it
+# below every label still in the history, which is its place.
+HISTORY_LIMIT = 64
 
 
 class _Model(BaseModel):
@@ -105,6 +118,11 @@ class PoolSpec(_Model):
     def target_label(self) -> str | None:
         label = (self.weights or {}).get("versionLabel")
         return label if isinstance(label, str) else None
+
+    @property
+    def target_step(self) -> int | None:
+        step = (self.weights or {}).get("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def replica_name(pool: str, index: int) -> str:
@@ -314,11 +332,36 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
                 undrain=undrain, leaving=[r.name for r in gone if r.name not in delete])
 
 
+def weights_history(old: list[Any] | None, spec: PoolSpec, now: float) -> list[dict[str, Any]]:
+    """The pool's weights history after this step: `old` (the last written status's), plus the
+    target label when it is not already the newest entry. Its generation is the newest + 1: a label
+    declared again after a newer one (a rollback) moves to the end, since it is what the pool now
+    routes to; it keeps `firstRolledOut`. At most HISTORY_LIMIT entries, oldest dropped. Entries
+    that are not well formed (edited by hand) are dropped rather than guessed at."""
+    entries = [dict(e) for e in old or [] if isinstance(e, dict) and isinstance(e.get("label"), str)
+               and isinstance(e.get("generation"), int) and not isinstance(e.get("generation"), bool)]
+    entries.sort(key=lambda e: int(e["generation"]))
+    target = spec.target_label
+    if target is None or (entries and entries[-1]["label"] == target):
+        return entries[-HISTORY_LIMIT:]
+    before = next((e for e in entries if e["label"] == target), None)
+    entry: dict[str, Any] = {
+        "label": target, "generation": (int(entries[-1]["generation"]) if entries else 0) + 1,
+        "checkpoint": (spec.weights or {}).get("checkpoint"),
+        "firstRolledOut": before.get("firstRolledOut", iso(now)) if before is not None else iso(now),
+    }
+    if spec.target_step is not None:
+        entry["step"] = spec.target_step
+    return ([e for e in entries if e["label"] != target] + [entry])[-HISTORY_LIMIT:]
+
+
 def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
                 generation: int | None, now: float = 0.0,
-                old_conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target), and
-    the conditions Available and Progressing (pool_conditions.py)."""
+                old_conditions: list[dict[str, Any]] | None = None,
+                old_history: list[Any] | None = None) -> dict[str, Any]:
+    """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target), the
+    conditions Available and Progressing (pool_conditions.py), and the weights history (continued
+    from `old_history`, the last written status's)."""
     ours = sorted((r for r in existing if r.owner_uid == pool_uid), key=lambda r: replica_index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))
     target = spec.target_label
@@ -351,4 +394,5 @@ def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[Replica
         **key_status(pool_keys(pool, spec)),
         "replicaStatus": [{"name": r.name, "phase": r.phase, "weightsLabel": r.label, "draining": r.draining,
                            "state": state(r)} for r in ours],
+        "weightsHistory": weights_history(old_history, spec, now),
     }

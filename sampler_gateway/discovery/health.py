@@ -34,6 +34,7 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
     """`serving()`, asked when a read times out: has the replica answered a request lately?"""
     label = last.weights_label if last is not None else None
     version = last.weights_version if last is not None else None
+    step = last.weights_step if last is not None else None
     try:
         async with asyncio.timeout(timeout_s):
             r = await client.request(member.url, "GET", "/health", (), b"")
@@ -44,15 +45,20 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
         unanswered = (last.unanswered if last is not None else 0) + 1
         if last is not None and last.ready and unanswered < failure_threshold:
             return ReplicaView(member.name, member.url, ready=True, draining=member.draining, weights_label=label,
-                               weights_version=version, unanswered=unanswered)
+                               weights_version=version, unanswered=unanswered, weights_step=step)
         return ReplicaView(member.name, member.url, ready=False, draining=member.draining, weights_label=label,
                            weights_version=version, reason=f"/health unreachable ({unanswered} in a row): "
-                                                           f"{type(e).__name__}: {e}"[:300], unanswered=unanswered)
+                                                           f"{type(e).__name__}: {e}"[:300], unanswered=unanswered,
+                           weights_step=step)
     if not isinstance(body, dict):
-        return ReplicaView(member.name, member.url, False, member.draining, label, version, "/health: not an object")
+        return ReplicaView(member.name, member.url, False, member.draining, label, version, "/health: not an object",
+                           weights_step=step)
     status = body.get("status")
-    lbl, ver = body.get("weights_label"), body.get("weights_version")
+    lbl, ver, stp = body.get("weights_label"), body.get("weights_version"), body.get("weights_step")
     return ReplicaView(member.name, member.url, ready=status == "ok", draining=member.draining,
                        weights_label=lbl if isinstance(lbl, str) else label,
                        weights_version=ver if isinstance(ver, int) else version,
+                       # A label read afresh without a step has none (never the last label's step).
+                       weights_step=stp if isinstance(stp, int) and not isinstance(stp, bool) else
+                       (step if not isinstance(lbl, str) else None),
                        reason=None if status == "ok" else f"{status}: {body.get('reason')}")

@@ -11,6 +11,8 @@ is never used: the API server knows a new pod's address the moment it has one.
 
 The pool's target weights label is the SamplerPool's `spec.weights.versionLabel`, read from the
 SamplerPool object (when there is one), so a rollout moves the gateway's target without a restart.
+Its `status.weightsHistory` (each label's generation, written by the pool controller) is the
+order of labels every gateway of the pool shares (versions.LabelOrder), whenever it started.
 
 Three list+watch loops (SamplerReplicas, pods, the SamplerPool) run in threads with the blocking
 kubernetes client and keep the latest objects in memory; `membership()` reads that memory. Every
@@ -115,6 +117,18 @@ def target_of(pools: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def history_of(pools: list[dict[str, Any]]) -> tuple[tuple[str, int], ...]:
+    """Pure: (label, generation) of the pool's weights history, from its SamplerPool's status
+    (entries that are not well formed are left out: an order is never guessed)."""
+    out = []
+    for p in pools:
+        for e in (p.get("status") or {}).get("weightsHistory") or []:
+            label, gen = (e or {}).get("label"), (e or {}).get("generation")
+            if isinstance(label, str) and label and isinstance(gen, int) and not isinstance(gen, bool):
+                out.append((label, gen))
+    return tuple(out)
+
+
 def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[Member, ...]:
     """Pure: the pool's members from the namespace's SamplerReplicas and the pool's pods (a replica
     without a pod IP is not a member: nothing can reach it, and its futures went with its last pod)."""
@@ -159,8 +173,9 @@ class KubeDiscovery:
             w.start()
 
     async def membership(self) -> Membership:
+        pools = self._pool.snapshot()
         return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()),
-                          target_label=target_of(self._pool.snapshot()))
+                          target_label=target_of(pools), history=history_of(pools))
 
     async def changed(self) -> None:
         await self._changes.wait()

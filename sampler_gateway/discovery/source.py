@@ -15,6 +15,8 @@ class Membership:
     members: tuple[Member, ...]
     target_label: str | None = None
     min_label: str | None = None
+    # The SamplerPool's `status.weightsHistory` as (label, generation): the order every gateway shares.
+    history: tuple[tuple[str, int], ...] = ()
 
 
 class Source(Protocol):
