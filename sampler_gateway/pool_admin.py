@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sampler_pod.errors import InvalidRequest, validation_error
 
-# The trainer's step, kept on the pool for whoever reads the rollout: an annotation, because the
-# pool's `spec.weights` is copied into every replica's spec and a step is not part of what it serves.
+# Where pushes before `spec.weights.step` existed kept the trainer's step: read still, removed on the
+# next push (the step is now part of the weights: the replicas report it and gateways order by it).
 STEP_ANNOTATION = "sampler.rl.dev/weights-step"
 PROGRESSING = "Progressing"
 RolloutState = Literal["Pending", "RollingOut", "Complete", "Stopped"]
@@ -43,7 +43,8 @@ class WeightsPush(BaseModel):
 
     checkpoint: str = Field(min_length=1, description="checkpoint directory inside the replicas' pods")
     version_label: str = Field(min_length=1, max_length=200, description="label every sample on these weights carries")
-    step: int | None = Field(None, ge=0, description="the trainer's step, reported back by GET /v1/pool/rollout")
+    step: int | None = Field(None, ge=0, description="the trainer's training step: spec.weights.step (every replica "
+                                                     "reports it; reported back by GET /v1/pool/rollout)")
     sha256_manifest: dict[str, str] | None = Field(None, description="file -> sha256 each replica verifies")
 
 
@@ -83,16 +84,16 @@ def allowed_roots(pool: dict[str, Any]) -> list[str]:
 
 
 def weights_patch(pool: dict[str, Any], push: WeightsPush) -> dict[str, Any]:
-    """The merge patch a valid push writes: the whole of `spec.weights` (a manifest not pushed is
-    removed, not kept from the last push) and the step annotation. It carries the resourceVersion the
-    checks read, so a pool changed in between (its allowed roots, say) refuses the write (409)."""
+    """The merge patch a valid push writes: the whole of `spec.weights` (a manifest or step not
+    pushed is removed, not kept from the last push), and the old step annotation removed. It carries
+    the resourceVersion the checks read, so a pool changed in between (its allowed roots, say)
+    refuses the write (409)."""
     check_checkpoint(push.checkpoint, allowed_roots(pool))
     meta = pool.get("metadata") or {}
     return {
-        "metadata": {"resourceVersion": meta.get("resourceVersion"),
-                     "annotations": {STEP_ANNOTATION: None if push.step is None else str(push.step)}},
+        "metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": {STEP_ANNOTATION: None}},
         "spec": {"weights": {"checkpoint": push.checkpoint, "versionLabel": push.version_label,
-                             "sha256Manifest": push.sha256_manifest}},
+                             "sha256Manifest": push.sha256_manifest, "step": push.step}},
     }
 
 
@@ -115,11 +116,13 @@ def rollout_of(pool: dict[str, Any]) -> dict[str, Any]:
         # would see a smaller pool. Complete is the moment every replica serves the label.
         state = "RollingOut"
     stopped = next((r["name"] for r in replicas if r["state"] == "Rejected"), None) if state == "Stopped" else None
-    step = (meta.get("annotations") or {}).get(STEP_ANNOTATION)
+    step = weights.get("step")
+    legacy = (meta.get("annotations") or {}).get(STEP_ANNOTATION)
+    if not isinstance(step, int) or isinstance(step, bool):
+        step = int(legacy) if isinstance(legacy, str) and legacy.isdigit() else None
     return {
         "pool": meta.get("name"), "generation": generation, "observed_generation": observed,
-        "target_label": label, "checkpoint": weights.get("checkpoint"),
-        "step": int(step) if isinstance(step, str) and step.isdigit() else None,
+        "target_label": label, "checkpoint": weights.get("checkpoint"), "step": step,
         "state": state, "reason": cond.get("reason") if seen else None,
         "message": cond.get("message") if seen else None,
         "stopped_replica": stopped, "desired": spec.get("replicas"),

@@ -99,6 +99,8 @@ class ServerConfig(BaseModel):
         description="checkpoint to load at startup, before /readyz is ok (needs --initial-version-label)")
     initial_version_label: str | None = Field(
         None, min_length=1, max_length=200, description="version label of --initial-checkpoint")
+    initial_step: int | None = Field(
+        None, ge=0, description="the trainer's training step of --initial-checkpoint (reported as weights_step)")
     initial_sha256_manifest: Annotated[dict[str, str] | None, BeforeValidator(_json_if_str)] = Field(
         None, description='sha256 manifest of --initial-checkpoint, a JSON object {"file": "hex", ...}')
     initial_adapters: Annotated[list[InitialAdapter] | None, BeforeValidator(_json_if_str)] = Field(
@@ -134,6 +136,8 @@ class ServerConfig(BaseModel):
                              "(env SAMPLER_INITIAL_CHECKPOINT, SAMPLER_INITIAL_VERSION_LABEL)")
         if self.initial_sha256_manifest is not None and self.initial_checkpoint is None:
             raise ValueError("--initial-sha256-manifest needs --initial-checkpoint")
+        if self.initial_step is not None and self.initial_checkpoint is None:
+            raise ValueError("--initial-step needs --initial-checkpoint (env SAMPLER_INITIAL_STEP)")
         if self.initial_checkpoint is not None and not self.checkpoint_roots:
             raise ValueError("--initial-checkpoint needs a --checkpoint-root (env SAMPLER_CHECKPOINT_ROOTS)")
         if self.initial_adapters and not self.enable_lora:

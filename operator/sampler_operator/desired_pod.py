@@ -197,6 +197,8 @@ def startup_weights_env(weights: WeightsRef | None, adapters: list[dict[str, str
         if weights.sha256_manifest:
             env.append({"name": "SAMPLER_INITIAL_SHA256_MANIFEST",
                         "value": json.dumps(dict(weights.sha256_manifest), sort_keys=True)})
+        if weights.step is not None:
+            env.append({"name": "SAMPLER_INITIAL_STEP", "value": str(weights.step)})
     if adapters:
         env.append({"name": "SAMPLER_INITIAL_ADAPTERS", "value": json.dumps(adapters, sort_keys=True)})
     return env

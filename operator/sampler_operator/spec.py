@@ -68,6 +68,8 @@ class DeclaredWeights(_Model):
     checkpoint: str = Field(min_length=1)
     version_label: str = Field(alias="versionLabel", min_length=1, max_length=200)
     sha256_manifest: dict[str, str] | None = Field(None, alias="sha256Manifest")
+    # The trainer's training step: passed to the pod's load and start (`--initial-step`).
+    step: int | None = Field(None, ge=0)
     in_flight: Literal["Drain", "Abort", "Keep"] = Field("Drain", alias="inFlight")
     kv: Literal["Keep", "Recompute"] = "Keep"
 

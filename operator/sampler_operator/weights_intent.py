@@ -53,36 +53,49 @@ class WeightsRef:
     checkpoint: str
     version_label: str
     sha256_manifest: Mapping[str, str] | None = None
+    # The trainer's training step (spec.weights.step); sent only when set, so a pod whose image
+    # predates `step` still takes the loads that do not name one.
+    step: int | None = None
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"checkpoint": self.checkpoint, "versionLabel": self.version_label}
         if self.sha256_manifest:
             out["sha256Manifest"] = dict(self.sha256_manifest)
+        if self.step is not None:
+            out["step"] = self.step
         return out
 
     def to_load_request(self) -> dict[str, Any]:
         body: dict[str, Any] = {"path": self.checkpoint, "version_label": self.version_label}
         if self.sha256_manifest:
             body["sha256_manifest"] = dict(self.sha256_manifest)
+        if self.step is not None:
+            body["step"] = self.step
         return body
 
     @classmethod
     def from_status(cls, doc: Mapping[str, Any] | None) -> WeightsRef | None:
         if not doc or not doc.get("checkpoint") or not doc.get("versionLabel"):
             return None
-        return cls(str(doc["checkpoint"]), str(doc["versionLabel"]), doc.get("sha256Manifest") or None)
+        return cls(str(doc["checkpoint"]), str(doc["versionLabel"]), doc.get("sha256Manifest") or None,
+                   _step(doc.get("step")))
 
     @classmethod
     def from_health(cls, doc: Mapping[str, Any] | None) -> WeightsRef | None:
         """From the pod's /health (snake_case keys)."""
         if not doc or not doc.get("checkpoint") or not doc.get("version_label"):
             return None
-        return cls(str(doc["checkpoint"]), str(doc["version_label"]), doc.get("sha256_manifest") or None)
+        return cls(str(doc["checkpoint"]), str(doc["version_label"]), doc.get("sha256_manifest") or None,
+                   _step(doc.get("step")))
+
+
+def _step(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def declared_ref(spec: SamplerReplicaSpec) -> WeightsRef | None:
     w = spec.weights
-    return None if w is None else WeightsRef(w.checkpoint, w.version_label, w.sha256_manifest)
+    return None if w is None else WeightsRef(w.checkpoint, w.version_label, w.sha256_manifest, w.step)
 
 
 def declared_load_request(spec: SamplerReplicaSpec) -> dict[str, Any]:

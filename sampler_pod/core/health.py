@@ -18,6 +18,8 @@ class IntendedWeights(BaseModel):
     checkpoint: str  # the checkpoint directory, resolved (absolute, symlinks followed)
     version_label: str
     sha256_manifest: dict[str, str] | None = None
+    # The trainer's training step of these weights, when the load named one: gateways order labels by it.
+    step: int | None = None
 
 
 class FailedWrite(BaseModel):
@@ -59,18 +61,28 @@ class WeightsState:
     failed_write: FailedWrite | None = None
     # The label of each recent version, for answers whose tokens span several (keep-mode loads).
     labels: dict[int, str] = field(default_factory=lambda: {0: "base"})
+    # The training step of the serving weights and of each recent version, where a load named one.
+    step: int | None = None
+    steps: dict[int, int] = field(default_factory=dict)
 
-    def bump(self, label: str, checkpoint: str | None = None) -> None:
+    def bump(self, label: str, checkpoint: str | None = None, step: int | None = None) -> None:
         self.version += 1
         self.label = label
         self.checkpoint = checkpoint
         self.loaded_at = utc_now_iso()
         self.labels[self.version] = label
+        self.step = step
+        if step is not None:
+            self.steps[self.version] = step
         # A sequence outlives a few loads at most; a replica may see thousands.
         self.labels.pop(self.version - LABELS_KEPT, None)
+        self.steps.pop(self.version - LABELS_KEPT, None)
 
     def label_of(self, version: int) -> str:
         return self.labels.get(version, f"<version {version}>")
+
+    def step_of(self, version: int) -> int | None:
+        return self.steps.get(version)
 
     def mark_uncertain(self, failed: FailedWrite) -> None:
         self.uncertain_reason = failed.reason
@@ -82,6 +94,8 @@ class HealthReport(BaseModel):
     reason: str | None = None
     weights_version: int
     weights_label: str
+    # The training step of the serving weights, when their load named one (gateways order labels by it).
+    weights_step: int | None = None
     weights_checkpoint: str | None = None
     weights_loaded_at: str | None = None
     intended: IntendedWeights | None = None

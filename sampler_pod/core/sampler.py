@@ -109,7 +109,7 @@ class SamplerCore:
                                        self.restoring or self.awaiting_weights)
         return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
                             weights_checkpoint=w.checkpoint, weights_loaded_at=w.loaded_at, intended=w.intended,
-                            failed_write=w.failed_write,
+                            failed_write=w.failed_write, weights_step=w.step,
                             adapters=[AdapterEntry(name=n, path=self.adapters[n].path) for n in sorted(self.adapters)],
                             in_flight=self.admission.in_flight, limit=self.admission.limit, model=self.cfg.model)
 
@@ -335,6 +335,7 @@ class SamplerCore:
         version = max(s.weights_version for r in results for s in r.sequences)
         return SampleResponse(request_id=request_id, weights_version=version,
                               weights_label=self.weights.label_of(version),
+                              weights_step=self.weights.step_of(version),
                               adapter=adapter.name if adapter else None, results=results)
 
     def _sequence(self, s: SequenceOutput) -> Sequence:

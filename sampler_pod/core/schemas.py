@@ -103,6 +103,8 @@ class SampleResponse(BaseModel):
     # The newest weights any sequence's last token came from (per sequence: `weights_spans`).
     weights_version: int
     weights_label: str
+    # The training step of those weights, when their load named one.
+    weights_step: int | None = None
     adapter: str | None = None
     results: list[PromptResult]
 

@@ -65,6 +65,10 @@ class LoadCheckpointRequest(BaseModel):
     path: str = Field(..., min_length=1)
     version_label: str = Field(..., min_length=1, max_length=200)
     sha256_manifest: dict[str, str] | None = None
+    step: int | None = Field(
+        None, ge=0, description="The trainer's training step of these weights: reported as `weights_step` by "
+                                "/health and every answer, kept across a restart, and what gateways order "
+                                "labels by when no pool history does (docs/pool.md).")
     timeout_s: float | None = Field(None, gt=0)
     in_flight: Literal["drain", "abort", "keep"] = Field(
         "drain", description="What happens to the samples in flight once the checkpoint passed validation: "
@@ -83,6 +87,7 @@ class LoadCheckpointRequest(BaseModel):
 class LoadCheckpointResponse(BaseModel):
     weights_version: int
     weights_label: str
+    weights_step: int | None = None
     tensors: int
     total_bytes: int
     validation_s: float
@@ -185,7 +190,7 @@ class WeightsService:
                     engine = require()
                     validated.assert_unchanged()  # the files may have changed while we drained
                     intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
-                                               sha256_manifest=req.sha256_manifest)
+                                               sha256_manifest=req.sha256_manifest, step=req.step)
                     # Recorded at the point of no return, not before the drain: a load that then
                     # times out (504, nothing written) must leave the replica's intent unchanged.
                     if not restoring:
@@ -207,6 +212,7 @@ class WeightsService:
         log.info("loaded checkpoint %s (%s) as version %d (%d tensors): validation %.2fs, drain %.2fs, write %.2fs",
                  req.version_label, validated.path, core.weights.version, n, validation_s, drain_s, write_s)
         return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
+                                      weights_step=core.weights.step,
                                       tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
                                       stage_s=0.0, drain_wait_s=drain_s, write_s=write_s, paused_s=write_s)
 
@@ -245,7 +251,7 @@ class WeightsService:
                     got_lock = time.monotonic()
                     validated.assert_unchanged()  # the files may have changed while we staged
                     intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
-                                               sha256_manifest=req.sha256_manifest)
+                                               sha256_manifest=req.sha256_manifest, step=req.step)
                     previous = core.weights.intended
                     self._persist(intended)
                     core.weights.intended = intended
@@ -276,6 +282,7 @@ class WeightsService:
                  " engine paused %.3fs", req.version_label, validated.path, core.weights.version, write.tensors,
                  req.kv or "keep", validation_s, stage_s, write.paused_s)
         return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
+                                      weights_step=core.weights.step,
                                       tensors=write.tensors, total_bytes=validated.total_bytes,
                                       validation_s=validation_s, stage_s=stage_s, drain_wait_s=wait_s,
                                       write_s=write_s, paused_s=write.paused_s)
@@ -331,7 +338,7 @@ class WeightsService:
 
     def _bumped(self, intended: IntendedWeights) -> None:
         core = self.core
-        core.weights.bump(intended.version_label, intended.checkpoint)
+        core.weights.bump(intended.version_label, intended.checkpoint, intended.step)
         core.metrics.set_weights(core.weights.version, core.weights.label)
 
     # ------------------------------------------------------------ the state file
@@ -345,6 +352,7 @@ class WeightsService:
             checkpoint=intended.checkpoint if intended else None,
             version_label=intended.version_label if intended else None,
             sha256_manifest=intended.sha256_manifest if intended else None,
+            step=intended.step if intended else None,
             adapters=[PersistedAdapter(name=n, path=adapters[n].path) for n in sorted(adapters)])
 
     def _persist(self, intended: IntendedWeights | None = None, adapters: dict[str, AdapterRef] | None = None) -> None:

@@ -54,7 +54,7 @@ def intended_at_startup(cfg: ServerConfig) -> PersistedWeights | None:
     if cfg.initial_checkpoint is None and not cfg.initial_adapters:
         return None
     return PersistedWeights(checkpoint=cfg.initial_checkpoint, version_label=cfg.initial_version_label,
-                            sha256_manifest=cfg.initial_sha256_manifest,
+                            sha256_manifest=cfg.initial_sha256_manifest, step=cfg.initial_step,
                             adapters=[PersistedAdapter(name=a.name, path=a.path) for a in cfg.initial_adapters or []])
 
 
@@ -79,7 +79,7 @@ async def restore(service: WeightsService, target: PersistedWeights) -> None:
         try:
             await service.load_checkpoint(
                 LoadCheckpointRequest(path=target.checkpoint, version_label=target.version_label,
-                                      sha256_manifest=target.sha256_manifest), restoring=True)
+                                      sha256_manifest=target.sha256_manifest, step=target.step), restoring=True)
         except (CheckpointInvalid, LoadTimedOut) as e:
             # Only what says "these files cannot be loaded": an engine failure stays fatal below.
             raise CheckpointUnavailable(intended_unavailable_reason(target.checkpoint, e.message)) from e

@@ -43,11 +43,13 @@ class PersistedAdapter(BaseModel):
 
 
 class PersistedWeights(BaseModel):
-    """`{"checkpoint", "version_label", "sha256_manifest", "adapters": [{"name", "path"}]}`."""
+    """`{"checkpoint", "version_label", "sha256_manifest", "step", "adapters": [{"name", "path"}]}`."""
 
     checkpoint: str | None = Field(None, min_length=1)
     version_label: str | None = Field(None, min_length=1)
     sha256_manifest: dict[str, str] | None = None
+    # The training step of the checkpoint: a restart reports it again (absent in older files).
+    step: int | None = Field(None, ge=0)
     adapters: list[PersistedAdapter] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -38,8 +38,10 @@ def progressing(reason: str, message: str) -> dict[str, Any]:
 @pytest.mark.parametrize("checkpoint", ["/ckpt/step-2", "/ckpt", "/more/a/b", "/ckpt/./step-2"])
 def test_a_checkpoint_under_an_allowed_root_is_written_whole(checkpoint: str) -> None:
     patch = weights_patch(pool_obj(), WeightsPush(checkpoint=checkpoint, version_label="step-2", step=7))
-    assert patch == {"metadata": {"resourceVersion": "41", "annotations": {STEP_ANNOTATION: "7"}},
-                     "spec": {"weights": {"checkpoint": checkpoint, "versionLabel": "step-2", "sha256Manifest": None}}}
+    # The step is part of the weights (#24); the annotation older pushes wrote is removed.
+    assert patch == {"metadata": {"resourceVersion": "41", "annotations": {STEP_ANNOTATION: None}},
+                     "spec": {"weights": {"checkpoint": checkpoint, "versionLabel": "step-2", "sha256Manifest": None,
+                                          "step": 7}}}
 
 
 @pytest.mark.parametrize(("checkpoint", "why"), [
@@ -85,9 +87,11 @@ def test_a_stopped_rollout_names_the_replica_and_its_reason() -> None:
     obj = pool_obj(observedGeneration=3, targetLabel="step-1", conditions=[progressing(
         "RolloutStopped", "replica w-0 rejected step-1: model.safetensors: tensor 'x' ...; change spec.weights")],
         replicaStatus=[{"name": "w-0", "state": "Rejected"}, {"name": "w-1", "state": "Outdated"}])
-    obj["metadata"]["annotations"][STEP_ANNOTATION] = "12"
+    obj["metadata"]["annotations"][STEP_ANNOTATION] = "12"  # a pool pushed before spec.weights.step
     r = rollout_of(obj)
     assert (r["state"], r["stopped_replica"], r["step"]) == ("Stopped", "w-0", 12)
+    obj["spec"]["weights"]["step"] = 13  # the spec wins
+    assert rollout_of(obj)["step"] == 13
     assert "model.safetensors: tensor 'x'" in r["message"]
 
 
@@ -122,9 +126,9 @@ async def test_a_push_with_the_admin_key_writes_spec_weights() -> None:
                                                             "step": 2}, headers=[("X-API-Key", ADMIN)])
     assert r.status == 200, r.body
     assert (r.json()["generation"], r.json()["target_label"], r.json()["state"]) == (4, "step-2", "Pending")
-    assert pool.obj["spec"]["weights"] == {"checkpoint": "/ckpt/step-2", "versionLabel": "step-2"}
+    assert pool.obj["spec"]["weights"] == {"checkpoint": "/ckpt/step-2", "versionLabel": "step-2", "step": 2}
     r = await call(app(pool), "GET", "/v1/pool/rollout", headers=[("Authorization", f"Bearer {ADMIN}")])
-    assert r.status == 200 and r.json()["target_label"] == "step-2"
+    assert r.status == 200 and (r.json()["target_label"], r.json()["step"]) == ("step-2", 2)
 
 
 @pytest.mark.parametrize(("body", "status", "field"), [

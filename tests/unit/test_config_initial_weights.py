@@ -28,6 +28,9 @@ def test_initial_weights_from_flags_and_from_env() -> None:
         assert cfg.initial_checkpoint == "step-2" and cfg.initial_version_label == "step-2"
         assert cfg.initial_sha256_manifest == {"model.safetensors": "ab"}
         assert cfg.initial_adapters == [InitialAdapter(name="policy", path="lora-a")]
+    step = parse_config(["--model", "m", "--checkpoint-root", "/ck", "--initial-checkpoint", "s",
+                         "--initial-version-label", "s"], environ={"SAMPLER_INITIAL_STEP": "7"})
+    assert step.initial_step == 7  # #24: a replacement pod's step, as the operator passes it
     defaults = parse_config(["--model", "m"], environ={})
     assert defaults.initial_checkpoint is None and defaults.initial_adapters is None
     assert defaults.weights_state_path is None  # no state file unless asked for (issue #23)
@@ -44,6 +47,9 @@ def test_initial_weights_from_flags_and_from_env() -> None:
     (["--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a", "path": "p"}]'], "--enable-lora"),
     (["--enable-lora", "--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a"}]'], "--initial-adapters"),
     (["--test-hang-startup"], "--test-hang-startup needs --enable-test-seams"),
+    (["--initial-step", "3"], "--initial-step needs --initial-checkpoint"),
+    (["--checkpoint-root", "/ck", "--initial-checkpoint", "s", "--initial-version-label", "s",
+      "--initial-step", "-1"], "initial-step"),
 ])
 def test_bad_combinations_are_refused_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                       message: str) -> None:

@@ -209,6 +209,9 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
         assert httpx.post(gw.url + "/v1/sample", json={"prompts": [[1, 2]]},
                           headers={"X-API-Key": "tml-wrong"}).status_code == 401
         assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-2"] * 3
+        # The weights history (#24): what every gateway of the pool orders labels by.
+        assert [(e["label"], e["generation"]) for e in st["weightsHistory"]] == [("step-1", 1), ("step-2", 2)]
+        assert h["labels"][-2:] == ["step-1", "step-2"]
         # At most maxUnavailable replicas out of routing at any moment, and each one was.
         at_once, drained = drains_replayed(api, ns, before_rollout)
         assert max(at_once) == 1, at_once
@@ -247,6 +250,8 @@ def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, ope
         assert conditions(api, ns, "w")["Progressing"][:2] == ("False", "RolloutComplete")
         assert {n: o["spec"]["weights"].get("inFlight") for n, o in replicas_of(api, ns).items()} == {
             "w-0": "Abort", "w-1": "Abort", "w-2": "Abort"}
+        assert [e["label"] for e in pool_status(api, ns, "w")["weightsHistory"]] == [
+            "step-1", "step-2", "step-bad", "step-1b"]
     finally:
         stack.close()
         kubelet.stop()
