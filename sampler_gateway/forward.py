@@ -4,9 +4,14 @@
   when none may take it now, the request waits for one up to `--no-replica-wait-s` (a rollout step),
   then 503.
   A replica lost before it got the request is left out and the request goes once more, to another
-  replica at the same weights label. A replica lost while running it: a 502 naming the replica and
-  its weights, unless the request is `resendable` (a submit: its id never reached the client, so
-  sending it again cannot duplicate anything the client saw). Under `Latest`, an answer on weights
+  replica at the same weights label. A replica lost while running it: the request goes once more
+  when it is `resendable` (a submit: its id never reached the client, so sending it again cannot
+  duplicate anything the client saw) or a sync sample that may be re-run (`rerun`, issue #23: RL
+  samples are exchangeable, any replica at the same weights label makes an equally valid one, and
+  the client never saw the lost one). Else, or with no replica at that label: a 502 naming the
+  replica and its weights. A request sent again after a loss answers with `X-Sampler-Retried:
+  <the lost replica>`; a client that needs the exact sampler opts out (`X-Sampler-No-Retry: 1`,
+  routes/common.py). Futures are owned work: their owner's loss stays a 410. Under `Latest`, an answer on weights
   older than one already returned is not returned: the request goes once more, to the newest.
 - **Owned work** (`to_owner`): a future or session id names its replica; the request goes there,
   whatever its state. If the replica is gone, lost, or no longer knows the id (it restarted), the
@@ -18,6 +23,7 @@ long-poll) plus a grace, so nothing hangs on a stuck replica.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +37,19 @@ from .upstream import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
 
 # A reply's weights label, when it carries one (a successful sample); None otherwise.
 LabelOf = Callable[[Reply], str | None]
+# On an answer to a request sent again after its first replica was lost: that replica's name.
+RETRIED_HEADER = "X-Sampler-Retried"
+
+
+def resend_after_loss(attempt: int, resendable: bool, rerun: bool, label: str | None) -> bool:
+    """A request whose replica was lost while running it goes once more: a submit (`resendable`), or
+    a sync sample that may be re-run, on the lost replica's weights label (none known: not re-run,
+    it could land on other weights)."""
+    return attempt == 1 and (resendable or (rerun and label is not None))
+
+
+def with_retried(reply: Reply, lost: str | None) -> Reply:
+    return reply if lost is None else dataclasses.replace(reply, headers=(*reply.headers, (RETRIED_HEADER, lost)))
 
 
 class OwnerGone(Exception):
@@ -54,12 +73,23 @@ def weights_of(r: ReplicaView) -> str:
 
 
 async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, prefer: str | None = None,
-                 resendable: bool = False, label_of: LabelOf | None = None) -> tuple[ReplicaView, Reply]:
+                 resendable: bool = False, rerun: bool = False,
+                 label_of: LabelOf | None = None) -> tuple[ReplicaView, Reply]:
+    """`rerun`: a sync sample, re-run once elsewhere if its replica is lost while running it."""
     tried: set[str] = set()
     label: str | None = None  # a retry stays on the weights the first attempt was routed to
+    lost: str | None = None   # the replica lost while running the request, when it is re-run
     for attempt in (1, 2):
-        replica = await gw.pool.choose_within(gw.cfg.no_replica_wait_s, affinity, exclude=frozenset(tried),
-                                              label=label, prefer=prefer)
+        try:
+            replica = await gw.pool.choose_within(gw.cfg.no_replica_wait_s, affinity, exclude=frozenset(tried),
+                                                  label=label, prefer=prefer)
+        except NoReplica as e:
+            if lost is None or resendable:
+                raise
+            # A re-run that found no replica at that label: the loss is the answer, as without re-runs.
+            gw.metrics.lost.labels(replica=lost).inc()
+            raise ReplicaLost(f"replica {lost} was lost while running the request, and no other replica at its "
+                              f"weights {label!r} could run it again: {e.message}") from None
         tried.add(replica.name)
         try:
             with gw.pool.lease(replica, "new"):
@@ -74,9 +104,9 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
                               f"first replica tried: {e}") from None
         except Lost as e:
             gw.pool.mark_lost(replica, str(e))
-            if resendable and attempt == 1:
-                gw.metrics.retried.labels(replica=replica.name).inc()
-                label = replica.weights_label
+            if resend_after_loss(attempt, resendable, rerun, replica.weights_label):
+                (gw.metrics.retried if resendable else gw.metrics.rerun).labels(replica=replica.name).inc()
+                label, lost = replica.weights_label, replica.name
                 continue
             gw.metrics.lost.labels(replica=replica.name).inc()
             raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) was lost while running the "
@@ -90,7 +120,7 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
                 continue
             raise NoReplica(f"replica {replica.name} answered on weights {got!r}, older than "
                             f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
-        return replica, reply
+        return replica, with_retried(reply, lost)
     raise AssertionError("unreachable: the second attempt returns or raises")
 
 

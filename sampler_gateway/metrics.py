@@ -20,6 +20,8 @@ class GatewayMetrics:
                               "(new: picked; owner: a future or session it owns)", ["replica", "kind"], registry=r)
         self.retried = Counter("sampler_gateway_retried", "Requests retried elsewhere after the replica was lost "
                                "before starting them", ["replica"], registry=r)
+        self.rerun = Counter("sampler_gateway_rerun", "Sync samples re-run on another replica at the same weights "
+                             "label after the replica was lost while running them", ["replica"], registry=r)
         self.lost = Counter("sampler_gateway_lost", "Requests that failed because the replica was lost while "
                             "running them", ["replica"], registry=r)
         self.rejected_by_version = Counter(

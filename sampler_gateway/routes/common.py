@@ -64,6 +64,24 @@ def respond(replica: ReplicaView, reply: Reply, body: bytes | None = None, *, la
                     media_type=reply.header("content-type"))
 
 
+# A sync sample whose replica is lost while running it is re-run once elsewhere (forward.py); this
+# request header turns that off, for a client that needs the exact sampler (it then gets the 502).
+NO_RETRY_HEADER = "X-Sampler-No-Retry"
+_NO_RETRY = {"1": True, "true": True, "0": False, "false": False}
+
+
+def rerun_allowed(request: Request) -> bool:
+    """False when the client opted out of re-runs (`X-Sampler-No-Retry: 1` or `true`)."""
+    value = request.headers.get(NO_RETRY_HEADER)
+    if value is None:
+        return True
+    opted_out = _NO_RETRY.get(value.strip().lower())
+    if opted_out is None:
+        raise InvalidRequest(f"{NO_RETRY_HEADER} must be 1, true, 0 or false, got {ascii_header(value)[:40]!r}",
+                             field=NO_RETRY_HEADER)
+    return not opted_out
+
+
 def affinity_of(request: Request) -> str | None:
     return request.headers.get(gateway_of(request).cfg.affinity_header) or None
 

@@ -17,7 +17,7 @@ from ..errors import NotThroughGateway
 from ..forward import OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, respond, timeout_of
+from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, timeout_of
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -53,7 +53,8 @@ def _routed(field_value: Any) -> ids.RoutedId:
 async def sample(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
     out = outgoing(request, raw, timeout_of(gw, json_object(raw).get("timeout_s")))
-    replica, reply = await to_new(gw, out, affinity=affinity_of(request), label_of=_label)
+    replica, reply = await to_new(gw, out, affinity=affinity_of(request), rerun=rerun_allowed(request),
+                                  label_of=_label)
     inner = (reply.json or {}).get("request_id")
     return _stamped(replica, reply, ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None)
 

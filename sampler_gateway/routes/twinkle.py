@@ -20,7 +20,7 @@ from sampler_pod.errors import NotFound
 from .. import ids
 from ..forward import OwnerGone, to_new, to_owner
 from ..upstream import Outgoing, Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, respond, timeout_of
+from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, timeout_of
 
 router = APIRouter(prefix="/api/v1", tags=["twinkle"])
 SESSION_HEADER = "X-Twinkle-Session-Id"
@@ -97,6 +97,7 @@ async def sampler_call(model_id: str, op: str, request: Request) -> Response:
         out = out.with_header(SESSION_HEADER, rid.inner)
     replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
                                   prefer=rid.replica if rid else None,
+                                  rerun=op == "sample" and rerun_allowed(request),
                                   label_of=_label if op == "sample" else None)
     label = _label(reply) if op == "sample" else None
     return respond(replica, reply, label=label)

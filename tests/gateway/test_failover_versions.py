@@ -22,8 +22,9 @@ SHORT: dict[str, Any] = {"prompts": [[5, 6, 7]], "sampling_params": {"max_tokens
 
 
 async def test_kill_one_of_two_replicas_under_load() -> None:
-    """Requests open on the killed replica fail with a 502 naming it and its weights; every other
-    request succeeds (a refused connection is retried on the survivor); none hangs."""
+    """With re-runs turned off (`X-Sampler-No-Retry`, issue #23): requests open on the killed replica
+    fail with a 502 naming it and its weights; every other request succeeds (a refused connection is
+    retried on the survivor); none hangs. (With re-runs: test_lost_replica_rerun.py.)"""
     from sampler_pod.testing.tiny_model import cached_tiny_model
 
     total, concurrency, kill_after = 400, 16, 100
@@ -34,7 +35,7 @@ async def test_kill_one_of_two_replicas_under_load() -> None:
         killed = asyncio.Event()
         results: list[tuple[int, dict[str, Any], str | None]] = []
         sem = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient(base_url=gw.url, timeout=60,
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60, headers={"X-Sampler-No-Retry": "1"},
                                      limits=httpx.Limits(max_connections=concurrency)) as c:
             async def one(i: int) -> None:
                 nonlocal done

@@ -11,7 +11,7 @@ import pytest
 
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.errors import NoReplica, ReplicaLost, ReplicaTimeout
-from sampler_gateway.forward import Gateway, OwnerGone, to_new, to_owner
+from sampler_gateway.forward import RETRIED_HEADER, Gateway, OwnerGone, resend_after_loss, to_new, to_owner
 from sampler_gateway.ids import RoutedId
 from sampler_gateway.metrics import GatewayMetrics
 from sampler_gateway.pool import Pool
@@ -96,6 +96,33 @@ async def test_lost_mid_request_is_a_clear_502_unless_resendable() -> None:
     gw, up = gateway(raise_for({"a": Lost("reset")}), [rv("a"), rv("b")])
     replica, _ = await to_new(gw, OUT, resendable=True)
     assert replica.name == "b" and up.calls == ["a", "b"]
+
+
+async def test_a_sync_sample_lost_mid_request_is_rerun_once_at_the_same_label() -> None:
+    """Issue #23: `rerun` (a sync sample the client did not opt out of) goes once more, to another replica
+    at the lost one's weights label, and says so (X-Sampler-Retried); a second loss is the 502."""
+    gw, up = gateway(raise_for({"a": Lost("reset")}), [rv("a"), rv("b", "step-0"), rv("c")])
+    replica, reply = await to_new(gw, OUT, rerun=True)
+    assert up.calls == ["a", "c"] and replica.name == "c"  # b serves other weights: never the re-run
+    assert reply.header(RETRIED_HEADER) == "a"
+    assert counter(gw, "sampler_gateway_rerun_total", "a") == 1 and counter(gw, "sampler_gateway_lost_total", "a") == 0
+    gw, up = gateway(raise_for({"a": Lost("reset"), "b": Lost("reset")}), [rv("a"), rv("b")])
+    with pytest.raises(ReplicaLost, match="replica b .*was lost while running the request"):
+        await to_new(gw, OUT, rerun=True)
+    assert up.calls == ["a", "b"]
+    # No other replica at that label: the loss is the answer (a 502, not a 503), counted as lost.
+    gw, up = gateway(raise_for({"a": Lost("reset")}), [rv("a"), rv("b", "step-0")])
+    with pytest.raises(ReplicaLost, match="no other replica at its weights 'step-1'") as e:
+        await to_new(gw, OUT, rerun=True)
+    assert e.value.status_code == 502 and up.calls == ["a"] and counter(gw, "sampler_gateway_lost_total", "a") == 1
+
+
+def test_resend_after_loss() -> None:
+    assert resend_after_loss(1, resendable=True, rerun=False, label=None)
+    assert resend_after_loss(1, resendable=False, rerun=True, label="step-1")
+    assert not resend_after_loss(1, resendable=False, rerun=True, label=None)  # could land on other weights
+    assert not resend_after_loss(1, resendable=False, rerun=False, label="step-1")  # opted out
+    assert not resend_after_loss(2, resendable=True, rerun=True, label="step-1")  # once
 
 
 async def test_timeout_is_a_504_naming_the_replica() -> None:

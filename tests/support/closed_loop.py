@@ -27,6 +27,7 @@ class Answer:
     replica: str | None         # X-Sampler-Replica: which replica the gateway used
     body: dict[str, Any]
     error: str | None = None
+    retried: str | None = None  # X-Sampler-Retried: the replica lost while running it, when re-run
 
     @property
     def stamped(self) -> bool:
@@ -73,7 +74,7 @@ class ClosedLoop:
                     ok = r.status_code == 200
                     a = Answer(sent, time.monotonic(), r.status_code, body.get("weights_label") if ok else None,
                                body.get("weights_version") if ok else None, r.headers.get("x-sampler-replica"),
-                               body, None if ok else r.text[:500])
+                               body, None if ok else r.text[:500], r.headers.get("x-sampler-retried"))
                 except httpx.HTTPError as e:
                     a = Answer(sent, time.monotonic(), 0, None, None, None, {}, f"{type(e).__name__}: {e}")
                 with self._lock:
