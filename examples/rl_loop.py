@@ -1,0 +1,310 @@
+"""A real RL loop against a sampler pool: what a trainer using this project does, small enough for a CPU.
+
+Each step samples groups through the pool's gateway with the real Tinker SDK, scores them with a toy
+reward (the share of completion tokens whose id is in a target range), takes a policy-gradient step
+on the model with torch (REINFORCE with group-normalized advantages, as GRPO, and Adam), writes the new weights as
+safetensors to the checkpoints volume and pushes them with `sampler_client`, which returns once every
+replica serves them. The next step's samples must all come from those weights: the loop reads each
+sequence's weights spans (the `X-Sampler-Weights-Spans` header of Tinker's answers: the SDK's
+dataclasses have no field for them) and fails if any token of step t came from other weights than
+step t's label. It also fails unless the reward rose. On the tiny random model (512 token ids, the
+target range 64 of them, so ~1/8 at first) three updates take it from ~0.14 to 0.5-0.9: the output
+layer learns at 5e-2, the rest at 1e-3 (Adam moves every weight by about its lr at first, and 5e-2 on
+the whole of a model initialized at std 0.02 scrambles it before the reward can rise).
+
+    python examples/rl_loop.py --gateway http://policy-gateway:8080 --api-key "$KEY" \\
+        --admin-key "$ADMIN" --model /models/tiny --checkpoints /mnt/ckpt --pod-checkpoints /checkpoints
+
+`--checkpoints` is the volume as this process sees it, `--pod-checkpoints` as the replicas see it
+(the path pushed). Without a SamplerPool (a gateway with static discovery, which has no pool object
+to push to), `--replica URL` (repeated) loads each replica directly through its admin route and waits
+until the gateway routes to all of them at the label. `--summary PATH` writes what was seen as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tinker
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tinker import types
+from transformers import AutoModelForCausalLM
+
+from sampler_client import Pool
+
+SPANS_HEADER = "x-sampler-weights-spans"
+
+
+class SpanRecorder:
+    """Reads the weights spans of every Tinker answer off the wire, keyed by sequence id.
+
+    The SDK hides response headers, so this wraps httpx's `AsyncClient.send` (the SDK's transport,
+    whichever backend sits below it) while the loop runs. An `asample` answer names the future and
+    its sequence ids; the `retrieve_future` answer that completes it carries one spans list per
+    sequence, in order. A resubmitted sample is a new future with new ids: the SDK attaches the ids of
+    the attempt that produced its result, so the result's ids find exactly their own spans.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sequence_ids: dict[str, list[str]] = {}
+        self.spans: dict[str, list[dict[str, Any]]] = {}
+        self._original: Callable[..., Awaitable[httpx.Response]] | None = None
+
+    def __enter__(self) -> SpanRecorder:
+        original = httpx.AsyncClient.send
+        self._original = original
+        recorder = self
+
+        async def send(client: httpx.AsyncClient, request: httpx.Request, **kw: Any) -> httpx.Response:
+            response = await original(client, request, **kw)
+            await recorder._see(request, response)
+            return response
+
+        setattr(httpx.AsyncClient, "send", send)  # noqa: B010 (a method swapped for the run, typed apart)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._original is not None
+        setattr(httpx.AsyncClient, "send", self._original)  # noqa: B010
+
+    async def _see(self, request: httpx.Request, response: httpx.Response) -> None:
+        path = request.url.path
+        if response.status_code != 200:
+            return
+        if path.endswith("/asample"):
+            await response.aread()  # cached: the SDK reads the same bytes afterwards
+            body = json.loads(response.content)
+            with self._lock:
+                self._sequence_ids[body["request_id"]] = list(body["sample_sequence_ids"])
+        elif path.endswith("/retrieve_future") and SPANS_HEADER in response.headers:
+            request_id = json.loads(request.content)["request_id"]
+            spans = json.loads(response.headers[SPANS_HEADER])
+            with self._lock:
+                for sequence_id, sequence_spans in zip(self._sequence_ids.get(request_id, []), spans, strict=False):
+                    self.spans[sequence_id] = sequence_spans
+
+    def labels_of(self, sequence_id: str) -> set[str]:
+        with self._lock:
+            if sequence_id not in self.spans:
+                raise AssertionError(f"no weights spans were seen for sequence {sequence_id}")
+            return {s["label"] for s in self.spans[sequence_id]}
+
+
+@dataclass
+class StepRecord:
+    step: int
+    label: str
+    reward: float
+    batch_labels: list[list[str]] = field(default_factory=list)  # per batch (one prompt's group): its labels
+    push_s: float | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--gateway", required=True, help="the pool's gateway, e.g. http://policy-gateway:8080")
+    p.add_argument("--api-key", required=True, help="the pool's sampling key")
+    p.add_argument("--admin-key", required=True, help="the pool's admin key (pushes weights)")
+    p.add_argument("--model", type=Path, required=True, help="the base model's directory, as this process sees it")
+    p.add_argument("--base-model", help="the model name the replicas serve (default: the gateway's first)")
+    p.add_argument("--checkpoints", type=Path, required=True, help="the checkpoints volume, as this process sees it")
+    p.add_argument("--pod-checkpoints", help="the same volume as the replicas see it (default: --checkpoints)")
+    p.add_argument("--replica", action="append", default=[],
+                   help="static pool: load this replica directly (repeat per replica) instead of pushing")
+    p.add_argument("--run", default=f"rl{int(time.time())}", help="prefix of the weights labels (<run>-step-<t>)")
+    p.add_argument("--steps", type=int, default=3, help="policy updates (the loop samples steps + 1 times)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step; each is one batch")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--target", default="64:128", help="target token ids LO:HI; reward = their share of a completion")
+    p.add_argument("--lr", type=float, default=5e-2, help="the output layer's learning rate")
+    p.add_argument("--body-lr", type=float, default=1e-3, help="every other weight's learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-rise", type=float, default=0.1, help="the last step's reward must beat the first's by this")
+    p.add_argument("--push-timeout", type=float, default=600.0)
+    p.add_argument("--summary", type=Path, help="write the steps seen (rewards, labels) here as JSON")
+    return p.parse_args(argv)
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+Tensors = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
+
+
+def base_tensors(model_dir: Path) -> Tensors:
+    out: Tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sl = st.get_slice(k)
+                out[k] = (tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+    return out
+
+
+def save_checkpoint(model: Any, base: Tensors, out: Path) -> None:
+    """Write the weights as the replicas expect them (the base's names, shapes and dtypes: a replica
+    refuses anything else), whole or not at all: into a sibling directory first, renamed into place,
+    so a replica never reads half a file."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    got: Tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()}
+    if got != base:
+        diff = sorted(set(got.items()) ^ set(base.items()))[:4]
+        raise SystemExit(f"the trainer's tensors differ from the base model's: {diff}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # The replicas read the volume as another user: readable by all, whatever this process's umask.
+    tmp.chmod(0o755)
+    (tmp / "model.safetensors").chmod(0o644)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+class Pusher:
+    """The pool's side of a step: push through the gateway (a SamplerPool), or load each replica of a
+    static pool directly and wait until the gateway routes to all of them at the label."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.pool = Pool(args.gateway, args.admin_key)
+
+    def push(self, pod_path: str, label: str, step: int) -> None:
+        if not self.args.replica:
+            done = self.pool.push(pod_path, label, step=step, timeout=self.args.push_timeout)
+            log(f"  pushed {label}: rollout {done.state}, {done.updated}/{done.desired} replicas at it")
+            return
+        for url in self.args.replica:
+            r = httpx.post(url.rstrip("/") + "/v1/checkpoints/load", json={"path": pod_path, "version_label": label},
+                           headers={"X-API-Key": self.args.admin_key}, timeout=self.args.push_timeout)
+            if r.status_code != 200:
+                raise SystemExit(f"{url} refused {label}: {r.status_code} {r.text}")
+        deadline = time.monotonic() + self.args.push_timeout
+        want = len(self.args.replica)
+        while True:
+            # The gateway reads each replica's /health on its own schedule: wait for its view, not ours.
+            h = httpx.get(self.args.gateway + "/health", timeout=10).json()
+            if sum(r["eligible"] and r["weights_label"] == label for r in h["replicas"]) == want:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the gateway never routed to {want} replicas at {label}: {h}")
+            time.sleep(0.1)
+        log(f"  loaded {label} on {want} replicas")
+
+
+def reward_of(tokens: list[int], lo: int, hi: int) -> float:
+    return sum(lo <= t < hi for t in tokens) / max(len(tokens), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    lo, hi = (int(x) for x in args.target.split(":"))
+    torch.manual_seed(args.seed)
+    pod_root = (args.pod_checkpoints or str(args.checkpoints)).rstrip("/")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    base = base_tensors(args.model)
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    opt = torch.optim.Adam([{"params": [p for p in model.parameters() if id(p) in head], "lr": args.lr},
+                            {"params": [p for p in model.parameters() if id(p) not in head], "lr": args.body_lr}])
+    prompts = [[1, 10 + i, 20 + i, 30 + i] for i in range(args.prompts)]  # equal lengths: one batched forward
+    pusher = Pusher(args)
+    records: list[StepRecord] = []
+
+    def label_of(step: int) -> str:
+        return f"{args.run}-step-{step}"
+
+    def save_and_push(step: int) -> float:
+        save_checkpoint(model, base, args.checkpoints / label_of(step))
+        t0 = time.monotonic()
+        pusher.push(f"{pod_root}/{label_of(step)}", label_of(step), step)
+        return time.monotonic() - t0
+
+    log(f"run {args.run}: {args.steps} updates, {args.prompts} prompts x {args.group_size} samples, "
+        f"reward = share of token ids {lo}..{hi - 1}")
+    # Step 0's weights are the base model's, pushed under the run's own label so that every step,
+    # the first included, is checked against a label that names exactly one set of weights.
+    first_push = save_and_push(0)
+    sc = tinker.ServiceClient(base_url=args.gateway, api_key=args.api_key)
+    try:
+        with SpanRecorder() as spans:
+            if args.base_model is None:
+                rest = tinker.RestClient(base_url=args.gateway, api_key=args.api_key)
+                args.base_model = rest.get_server_capabilities().result().supported_models[0].model_name
+            base_model = args.base_model
+            client = sc.create_sampling_client(base_model=base_model).result()
+            for step in range(args.steps + 1):
+                label = label_of(step)
+                # stop=[]: every completion is max_tokens long (one batched forward to train on).
+                futures = [client.sample(types.ModelInput.from_ints(p), args.group_size,
+                                         types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[],
+                                                              seed=args.seed * 100_000 + step * 100 + i))
+                           for i, p in enumerate(prompts)]
+                results = [f.result(timeout=600) for f in futures]
+                rec = StepRecord(step, label, 0.0, push_s=first_push if step == 0 else records[-1].push_s)
+                seqs: list[tuple[list[int], list[int]]] = []
+                rewards: list[float] = []
+                for p, res in zip(prompts, results, strict=True):
+                    batch = sorted(set().union(*(spans.labels_of(s.sequence_id) for s in res.sequences)))
+                    rec.batch_labels.append(batch)
+                    if batch != [label]:
+                        raise AssertionError(f"step {step}: a batch was sampled at {batch}, not {label}")
+                    for s in res.sequences:
+                        if len(s.tokens) != args.max_tokens:
+                            raise AssertionError(f"step {step}: {len(s.tokens)} tokens, not {args.max_tokens}")
+                        seqs.append((p, list(s.tokens)))
+                        rewards.append(reward_of(list(s.tokens), lo, hi))
+                rec.reward = sum(rewards) / len(rewards)
+                records.append(rec)
+                batches = " ".join(",".join(b) for b in rec.batch_labels)
+                log(f"step {step}: reward {rec.reward:.3f}, batches at {batches}")
+                if step == args.steps:
+                    break
+                train_step(model, opt, seqs, rewards, args.group_size)
+                rec_push = save_and_push(step + 1)
+                records[-1].push_s = rec_push
+    finally:
+        sc.close("success").result()
+    rise = records[-1].reward - records[0].reward
+    if args.summary:
+        args.summary.write_text(json.dumps({"run": args.run, "steps": [asdict(r) for r in records], "rise": rise}))
+    log(f"reward {records[0].reward:.3f} -> {records[-1].reward:.3f} ({rise:+.3f}); every batch at its step's label")
+    if rise < args.min_rise:
+        raise AssertionError(f"the reward rose by {rise:.3f} only (wanted at least {args.min_rise})")
+    return 0
+
+
+def train_step(model: Any, opt: torch.optim.Optimizer, seqs: list[tuple[list[int], list[int]]],
+               rewards: list[float], group: int) -> None:
+    """One REINFORCE step: each completion's log-likelihood weighted by its advantage, its reward
+    against its group's (minus the group's mean, so a group whose samples all scored alike teaches
+    nothing; over the group's spread, so every prompt's group weighs alike whatever its scale)."""
+    r = torch.tensor(rewards).view(-1, group)
+    advantage = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)).view(-1)
+    plen = len(seqs[0][0])
+    ids = torch.tensor([p + t for p, t in seqs])
+    completions = ids[:, plen:]
+    logits = model(ids).logits[:, plen - 1:-1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    loss = -(advantage.unsqueeze(1) * logprobs).sum() / completions.numel()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

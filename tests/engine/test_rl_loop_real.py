@@ -1,0 +1,65 @@
+"""examples/rl_loop.py end to end on 127.0.0.1 (issue #25): two REAL vLLM sampler processes behind a
+REAL gateway process (static discovery), the example run as a trainer would run it (a subprocess,
+the real Tinker SDK through the gateway, torch on the tiny model, safetensors on a shared directory).
+A static pool has no SamplerPool to push to, so the example loads each replica itself (`--replica`);
+the push through `sampler_client` runs on the node tier (tests/operator/node/test_pool_rl_node.py).
+
+What must hold is what the example asserts, read back from its summary so that a loop that stopped
+asserting would fail here too: every batch of step t was sampled at step t's label (from the weights
+spans of each sequence), the reward rose, every step completed, and both replicas served samples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.gateway import Pool, RunningGateway, run_gateway
+from tests.support.metrics import samples
+from tests.support.server import run_server, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY, ADMIN = "tml-rl-key", "rl-admin-key"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, RunningGateway, Path]]:
+    ckpt = tmp_path_factory.mktemp("checkpoints")
+    flags = ("--api-key", KEY, "--admin-api-key", ADMIN, "--checkpoint-root", str(ckpt))
+    with run_server(tiny_model, *flags, wait=False) as r0, run_server(tiny_model, *flags, wait=False) as r1:
+        for s in (r0, r1):
+            wait_healthy(s.url, s.proc, s.log_path)
+        pool = Pool({"r0": r0, "r1": r1})
+        with run_gateway(pool.urls(), "--api-key", KEY) as gw:
+            gw.wait_eligible({"r0", "r1"})
+            yield pool, gw, ckpt
+
+
+def test_the_rl_loop_example_trains_through_a_static_pool(stack: tuple[Pool, RunningGateway, Path],
+                                                          tiny_model: Path, tmp_path: Path) -> None:
+    pool, gw, ckpt = stack
+    summary = tmp_path / "summary.json"
+    argv = [sys.executable, str(ROOT / "examples" / "rl_loop.py"), "--gateway", gw.url, "--api-key", KEY,
+            "--admin-key", ADMIN, "--model", str(tiny_model), "--checkpoints", str(ckpt), "--run", "t",
+            "--steps", str(STEPS), "--summary", str(summary)]
+    for s in pool.servers.values():
+        argv += ["--replica", s.url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    got = json.loads(summary.read_text())
+    steps = got["steps"]
+    assert [s["step"] for s in steps] == list(range(STEPS + 1))
+    for s in steps:
+        assert s["label"] == f"t-step-{s['step']}" and s["batch_labels"] == [[s["label"]]] * 4, s
+    assert steps[-1]["reward"] - steps[0]["reward"] >= 0.1, [s["reward"] for s in steps]
+    for s in steps:
+        assert f"step {s['step']}: reward {s['reward']:.3f}" in out.stdout, out.stdout
+    # The pool, not one replica, did the sampling (the gateway spread the batches).
+    routed = samples(gw.metrics(), "sampler_gateway_routed_total")
+    for name in pool.servers:
+        assert sum(v for labels, v in routed.items() if ("replica", name) in labels) > 0, (name, routed)
