@@ -386,3 +386,66 @@ def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api
     assert not late, f"{len(late)} requests sent > 1 s after the drain mark reached dr-2"
     assert any(a.replica == "dr-2" for a in answers), "dr-2 took no load before the mark: nothing was tested"
     # dr-2 was deleted only after its requests ended: none of them failed (assert_clean above).
+
+
+@pytest.mark.timeout(1500)  # two vLLM starts and a rollout under load, on 2 cores
+def test_keep_rollout_under_load_on_real_vllm_continues_the_samples_in_flight(api, ns, operator, tiny_model, tmp_path):
+    """Issue #22 acceptance 4: `rollout.mode: Keep` on a pool of 2 REAL vLLM replicas under a closed loop
+    through the gateway pod: every replica loads in place (none drained, none replaced); 0 failed, 0
+    samples lost (each has all its tokens); samples in flight continue onto the new weights (two spans,
+    old then new); by the spans' last token no answer is older than one received before it was sent
+    (Latest); the pool reports RolloutComplete."""
+    from tests.support.spans import by_last_token, crossed, span_problems
+    model = Path(tiny_model)
+    root = tmp_path / "checkpoints"
+    _checkpoints(model, root, 1, 2)
+    base, gw_port = net.free_ports(2), ks.free_port()
+    template = _vllm_replica("t", base, model, root)["spec"]
+    template["pod"]["env"] = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]  # as the test above
+    body = pool_body("kp", 2, template, gw_port, weights=weights(1))
+    body["spec"]["rollout"] = {"mode": "Keep"}
+    t0 = time.monotonic()
+    apply_pool(api, ns, body)
+    wait_pool(api, ns, "kp", 2, "step-1", timeout=900)
+    _log(f"pool kp: 2 vLLM replicas at step-1 in {time.monotonic() - t0:.0f}s")
+    gw = Gateway(api, ns, "kp", gw_port)
+    gw.wait(lambda h: eligible_at(h, {"kp-0", "kp-1"}, "step-1"), "both replicas eligible at step-1", 300)
+    key = pool_key(api, ns, "kp")
+    pods = {n: api.status(ns, n)["podName"] for n in ("kp-0", "kp-1")}
+    max_tokens = 48
+
+    def sample(n: int) -> dict[str, Any]:
+        return {"prompts": [[1, 17, 42, 3 + n % 200]], "sampling_params": {
+            "max_tokens": max_tokens, "temperature": 1.0, "seed": n, "ignore_eos": True}}
+
+    loop = ClosedLoop(gw.url + "/v1/sample", sample, 8, key).start()
+    try:
+        loop.wait_for(16, 300, "load through the gateway at step-1")
+        t = time.monotonic()
+        patch_pool(api, ns, "kp", {"weights": weights(2)})
+        st = wait_pool(api, ns, "kp", 2, "step-2", timeout=600)
+        _log(f"keep rollout to step-2 under load: {time.monotonic() - t:.1f}s; {load_log(api, ns, 'kp')}")
+        ks.wait_for(lambda: any(c["type"] == "Progressing" and c["reason"] == "RolloutComplete"
+                                for c in pool_status(api, ns, "kp").get("conditions") or []), 60, 0.5,
+                    "RolloutComplete")
+        loop.wait_for(16, 300, "answers at step-2")
+    finally:
+        answers = loop.stop()
+    order = ["step-1", "step-2"]
+    assert_clean(answers, "keep rollout under load", gw)
+    lost = [(a.replica, p) for a in answers if (p := span_problems(a, order, max_tokens))]
+    assert not lost, f"{len(lost)} answers not whole: {lost[:5]}"
+    labelled = by_last_token(answers, order)
+    assert [a.label for a in labelled] == [a.body["weights_label"] for a in labelled], \
+        "an answer's weights_label is not its last token's"
+    assert older_after_newer(labelled, order) == []
+    assert {a.label for a in labelled} == set(order)
+    continued = [a for a in answers if crossed(a)]
+    _log(f"keep rollout: {len(answers)} answers, {len(continued)} continued across the load")
+    assert continued, "no sample lived through a keep load: nothing was tested"
+    # In place: the same pods (none replaced), each load told Keep.
+    assert {n: api.status(ns, n)["podName"] for n in pods} == pods
+    for n in pods:
+        w = api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", n)["spec"]["weights"]
+        assert (w["inFlight"], w.get("kv")) == ("Keep", "Keep"), w
+    assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-2", "step-2"], st
