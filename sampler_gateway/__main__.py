@@ -12,6 +12,7 @@ from .config import GatewayConfig, parse_config
 from .discovery.source import Source
 from .discovery.static import StaticDiscovery
 from .pool_object import PoolObject
+from .routing import RoutingLease
 
 
 def source_for(cfg: GatewayConfig) -> Source:
@@ -31,10 +32,26 @@ def pool_object_for(cfg: GatewayConfig) -> PoolObject | None:
     return KubePoolObject(cfg.pool, cfg.namespace)
 
 
+def routing_lease_for(cfg: GatewayConfig) -> RoutingLease | None:
+    """The pool's routing switch: with kube discovery only (a static pool has no SamplerPool)."""
+    if cfg.discovery == "static":
+        return None
+    import os
+    import socket
+
+    from .routing import KubeRoutingLease
+
+    # Unique per process when no pod name is given: two gateways sharing one Lease would each
+    # overwrite the other's acknowledgement.
+    holder = cfg.pod_name or f"{socket.gethostname()}-{os.getpid()}"[-200:]
+    return lambda switch, on_change: KubeRoutingLease(cfg.pool, cfg.namespace, holder, cfg.routing_lease_s,
+                                                      cfg.routing_renew_s, switch, on_change)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(cfg, source_for(cfg), pool_object_for(cfg))
+    app = create_app(cfg, source_for(cfg), pool_object_for(cfg), routing_lease_for(cfg))
     # No proxy-headers middleware: the gateway reads no client address, and it ran on every request.
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                 timeout_graceful_shutdown=10, timeout_keep_alive=75, proxy_headers=False)

@@ -29,15 +29,23 @@ from .pool import Pool
 from .pool_object import PoolObject
 from .routes import health, native, tinker, twinkle
 from .routes import pool as pool_routes
+from .routing import RoutingLease, Switch
 from .upstream import CONNECT_TIMEOUT_S, Upstream
 
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
-def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | None = None) -> FastAPI:
-    """`pool_object`: the SamplerPool the admin routes write (kube discovery); None: they answer 404."""
+def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | None = None,
+               routing_lease: RoutingLease | None = None) -> FastAPI:
+    """`pool_object`: the SamplerPool the admin routes write (kube discovery); None: they answer 404.
+    `routing_lease`: makes this gateway's routing Lease from the pool's switch and what to call when it
+    moves (kube discovery, routing.py); None: no switch."""
     metrics = GatewayMetrics()
     pool = Pool(cfg, metrics)
+    lease = None
+    if routing_lease is not None:
+        pool.switch = Switch()
+        lease = routing_lease(pool.switch, pool.switched)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -47,6 +55,14 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
         # One refresh before serving: a gateway that starts answers from a known replica set.
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, client, min(cfg.health_timeout_s, cfg.refresh_interval_s))
+        # The pool's routing before serving: a gateway started mid-switch enforces it from its first
+        # answer (until a renewal succeeds it returns none: routing.py).
+        renewer = None
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                if await lease.renew():
+                    await lease.renew()  # the acknowledgement of what it now enforces, before serving
+            renewer = asyncio.create_task(lease.run_forever(), name="routing-lease")
         # What startup built lives as long as the process: frozen, the collector stops re-scanning it
         # on every full collection (as vLLM's API server does at startup).
         gc.collect()
@@ -57,9 +73,11 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
         try:
             yield
         finally:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+            for task in (refresher, renewer):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             client.close()
             source.close()
 

@@ -44,6 +44,17 @@ class GatewayConfig(BaseModel):
         3, ge=1, description="consecutive unanswered /health reads before a ready replica leaves routing "
                              "(a busy replica answers late; an answer that is not ok counts at once)")
 
+    # The pool's routing switch (kube discovery: routing.py).
+    pod_name: str | None = Field(
+        None, min_length=1, description="this gateway's pod, the holder of its routing Lease (kube discovery; "
+                                        "the operator sets it from the pod's name; default: HOSTNAME-PID)")
+    routing_lease_s: int = Field(
+        10, ge=2, le=300, description="the routing Lease's duration: a gateway that has not renewed it (and read "
+                                      "the pool) for this long returns no answer, and the pool's switch stops "
+                                      "waiting for it")
+    routing_renew_s: float = Field(
+        1.0, gt=0, description="how often the routing Lease is renewed and the pool's routing read")
+
     # Routing.
     version_policy: VersionPolicy = Field(
         "Latest", description="Latest: only the newest weights label; MinVersion: labels at or after --min-label; "
@@ -83,6 +94,9 @@ class GatewayConfig(BaseModel):
     def _check(self) -> GatewayConfig:
         if self.discovery == "static" and not self.replicas and self.replicas_file is None:
             raise ValueError("--discovery static needs --replica NAME=URL or --replicas-file")
+        if self.routing_renew_s * 2 > self.routing_lease_s:
+            raise ValueError("--routing-renew-s must be at most half of --routing-lease-s (one failed renewal "
+                             "must not fence the gateway)")
         for r in self.replicas:
             name, sep, url = r.partition("=")
             if not sep or not name or not url.startswith(("http://", "https://")):

@@ -19,6 +19,7 @@ from .errors import NoReplica
 from .metrics import GatewayMetrics
 from .picker import pick
 from .replicas import PoolView, ReplicaView
+from .routing import Switch
 from .versions import LabelOrder, is_stale, rank, version_filter
 
 
@@ -38,6 +39,9 @@ class Pool:
         # does not count against it, discovery/health.py).
         self._answered_at: dict[str, float] = {}
         self.refreshes = 0
+        # The pool's routing switch (routing.py), with kube discovery: which labels may be returned
+        # and routed to now. None: no switch (static discovery).
+        self.switch: Switch | None = None
 
     # ---------------------------------------------------------------- what the policy reads
 
@@ -75,8 +79,15 @@ class Pool:
         return r.ready and not r.draining and r.name not in self._lost
 
     def candidates(self) -> list[ReplicaView]:
-        """Ready, not draining, not seen failing: before the version policy."""
-        return [r for r in self.view.replicas if self._usable(r)]
+        """Ready, not draining, not seen failing, at a label the pool's switch permits: before the
+        version policy."""
+        permitted = self.switch.permitted() if self.switch is not None else None
+        return [r for r in self.view.replicas if self._usable(r)
+                and (permitted is None or r.weights_label in permitted)]
+
+    def switched(self) -> None:
+        """The pool's routing switch moved (routing.py): requests waiting for a replica look again."""
+        self._notify()
 
     def eligible(self) -> list[ReplicaView]:
         return version_filter(self.candidates(), self.cfg.version_policy, self.order, self.target, self.min_label)[0]
@@ -147,6 +158,12 @@ class Pool:
         view, newest, known = self.view, self.order.newest_returned, len(self.order.ranks)
         self.order.see([(label, version)], {label: step} if step is not None else None)
         self._observe(replica, label, version)
+        permitted = self.switch.permitted() if self.switch is not None else None
+        if permitted is not None and label not in permitted:
+            # The pool's switch forbids it now (a fence, or another label open): not returned; the
+            # caller runs it again on a permitted label, or answers "resubmit" (forward.py).
+            self.metrics.stale.labels(replica=replica.name).inc()
+            return False
         if is_stale(label, self.cfg.version_policy, self.order, self.target):
             self.metrics.stale.labels(replica=replica.name).inc()
             return False
@@ -189,6 +206,12 @@ class Pool:
     def why_none(self, exclude: frozenset[str] = frozenset(), label: str | None = None) -> str:
         if not self.view.replicas:
             return f"pool {self.cfg.pool!r} has no replicas (yet)"
+        if self.switch is not None and self.switch.permitted() == frozenset():
+            routing = self.switch.routing
+            return (f"pool {self.cfg.pool!r} is switching its routing (generation {routing.generation}: fence "
+                    f"before {routing.label!r})" if routing is not None and routing.phase == "Fence" and
+                    self.switch.clock() <= self.switch.valid_until else
+                    "this gateway has not renewed its routing Lease within its duration: it returns no answer")
         parts = []
         for r in self.view.replicas:
             if r.name in exclude:

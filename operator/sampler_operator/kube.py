@@ -59,6 +59,7 @@ class Kube:
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
         self.apps = kubernetes.client.AppsV1Api(api_client)
         self.rbac = kubernetes.client.RbacAuthorizationV1Api(api_client)
+        self.coordination = kubernetes.client.CoordinationV1Api(api_client)
 
     async def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
@@ -66,6 +67,22 @@ class Kube:
                                        label_selector=label_selector, _preload_content=False)
         items: list[dict[str, Any]] = _json(resp)["items"]
         return items
+
+    async def list_leases(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        """The pool's gateways' Leases (their acknowledgements of the routing, pool_routing.py)."""
+        label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
+        resp = await asyncio.to_thread(self.coordination.list_namespaced_lease, namespace,
+                                       label_selector=label_selector, _preload_content=False)
+        items: list[dict[str, Any]] = _json(resp)["items"]
+        return items
+
+    async def delete_lease(self, namespace: str, name: str) -> None:
+        try:
+            await asyncio.to_thread(self.coordination.delete_namespaced_lease, name, namespace,
+                                    _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await _read(self.core.read_namespaced_pod, name, namespace)

@@ -1,7 +1,8 @@
 """The pool's gateway as Kubernetes objects (pure): a Deployment running `python -m sampler_gateway`,
 a Service in front of it (the pool's single address), and the ServiceAccount, Role and RoleBinding
 its discovery needs (get/list/watch of the namespace's SamplerReplicas, SamplerPools and pods), plus
-`patch` on its own SamplerPool only (`resourceNames`): a trainer pushes weights through the gateway's
+`patch` on its own SamplerPool only (`resourceNames`), and get/create/update of Leases (its
+acknowledgement of the pool's routing switch, pool_routing.py): a trainer pushes weights through the gateway's
 admin route (`POST /v1/pool/weights`, sampler_gateway/pool_admin.py), which writes `spec.weights`.
 
 Every object is owned by the pool (garbage-collected with it). The gateway's flags carry what the
@@ -67,6 +68,8 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
         env.append({"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": admin_key.as_dict()}})
     # The user's extras come after ours; one named like a key is dropped: the gateway must check
     # exactly the keys its replicas check.
+    # The pod's name: its routing Lease's holder (sampler_gateway/routing.py, pool_routing.py).
+    env.append({"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     env += [dict(v) for v in gw.get("env") or [] if v.get("name") not in _KEY_ENV]
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
     # A gateway starting on a node whose engines are starting too may take a minute to listen
@@ -97,7 +100,11 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
              # A weights push writes this pool's spec.weights; no other pool, nor its status. (The
              # operator holds patch on samplerpools itself: granting it is no escalation.)
              {"apiGroups": ["sampler.rl.dev"], "resources": ["samplerpools"], "resourceNames": [pool],
-              "verbs": ["patch"]}]
+              "verbs": ["patch"]},
+             # Its routing Lease: the acknowledgement of the pool's routing switch (pool_routing.py).
+             # Names are not known before the pod exists, so not by resourceNames; no list, watch
+             # or delete: a gateway reads and writes its own Lease only.
+             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, namespace, uid, name)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, namespace, uid, name),

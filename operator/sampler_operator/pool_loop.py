@@ -13,10 +13,11 @@ from typing import Any
 import aiohttp
 
 from .api_keys import fresh_values, missing_keys, read_command
+from .desired_pod import label_value
 from .health_probe import HealthState, probe
 from .kube import Kube
 from .pool_conditions import rollout_events
-from .pool_gateway import gateway_objects, objects_hash
+from .pool_gateway import LABEL_GATEWAY, gateway_objects, objects_hash
 from .pool_plan import (
     ANNOTATION_DRAINING,
     ANNOTATION_DRAINING_SINCE,
@@ -34,6 +35,7 @@ from .pool_plan import (
     replica_spec,
     spec_hash,
 )
+from .pool_routing import FENCE, GatewayAck, Routing, next_routing, waiting_for
 from .status import iso
 
 # JSON-pointer escapes of the annotation keys ('/' is '~1').
@@ -41,6 +43,8 @@ _HASH_PATH = "/metadata/annotations/" + ANNOTATION_SPEC_HASH.replace("/", "~1")
 _DRAIN_PATH = "/metadata/annotations/" + ANNOTATION_DRAINING.replace("/", "~1")
 # How soon to look again: while work is under way, soon; at rest, events wake the loop.
 BUSY_S, IDLE_S = 1.0, 60.0
+# While a routing fence waits for the gateways' acknowledgements: the pool serves nothing new then.
+FENCE_POLL_S = 0.2
 PROBE_TIMEOUT_S = 2.0
 INDEX_LAG_S = 10.0  # far more than kopf's index takes to see our own write
 
@@ -89,6 +93,37 @@ async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> in
     if obs.state == HealthState.UNREACHABLE:
         return 0
     return obs.in_flight if isinstance(obs.in_flight, int) else None
+
+
+async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec,
+                       existing: list[ReplicaState], old_status: dict[str, Any] | None,
+                       now: float) -> tuple[dict[str, Any] | None, list[tuple[str, str, str]]]:
+    """The pool's routing switch after this step (pool_routing.py) as its status field, and the Events
+    telling of a move (posted after the status is written); deletes the Leases of gateway pods long
+    gone."""
+    leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
+    acks = [GatewayAck.from_lease(lease) for lease in leases]
+    for lease, ack in zip(leases, acks, strict=True):
+        if ack.stale(now):
+            await kube.delete_lease(namespace, lease["metadata"]["name"])
+    current = Routing.from_status(old_status)
+    serving = [r.label for r in existing if r.owner_uid == uid and r.phase == "Ready" and not r.draining
+               and r.label is not None]
+    acknowledged = current is None or not waiting_for(acks, current.generation, now)
+    routing = next_routing(current, spec.target_label, serving, acknowledged)
+    if routing is None:
+        return None, []
+    events = []
+    if routing != current and routing.phase == FENCE:
+        events.append(("Normal", "RoutingFence", f"routing generation {routing.generation}: every gateway stops "
+                                                 f"returning answers before any returns {routing.label!r}"))
+    elif routing != current:
+        unheard = sorted(a.name for a in acks if not a.live(now) and not a.stale(now)
+                         and (a.generation or 0) < routing.generation - 1)
+        note = f" (not waited for, Lease expired: {', '.join(unheard)})" if unheard else ""
+        events.append(("Normal", "RoutingOpen",
+                       f"routing generation {routing.generation}: gateways return answers on {routing.label!r}{note}"))
+    return routing.as_status(waiting_for(acks, routing.generation, now)), events
 
 
 async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace: str, uid: str,
@@ -153,11 +188,16 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     old = mem.status if mem.status is not None else last_status
     status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"),
                          (old or {}).get("weightsHistory"))
+    routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now)
+    if routing is not None:
+        status["routing"] = routing
     if status != mem.status:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status
     # After the write: an Event never tells of a status the API server does not have.
-    for type_, reason, message in rollout_events(old, status, batch, in_place):
+    for type_, reason, message in [*rollout_events(old, status, batch, in_place), *routing_events]:
         emit(type_, reason, message)
+    if routing is not None and (routing["phase"] == FENCE or routing["label"] != spec.target_label):
+        return FENCE_POLL_S if routing["phase"] == FENCE else BUSY_S
     busy = not todo.empty() or status["updatedReplicas"] != spec.replicas
     return BUSY_S if busy else IDLE_S

@@ -82,6 +82,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [services, serviceaccounts]
   verbs: [get, create, patch]
+# the pool's gateways acknowledge its routing switch in Leases: `list` to read them, `delete` for
+# those of gateway pods long gone; get/create/update because the gateway's Role grants them
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, list, create, update, delete]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, create, patch]

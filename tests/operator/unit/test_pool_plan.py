@@ -231,15 +231,18 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     assert c["env"] == [{"name": "SAMPLER_GATEWAY_API_KEY",
                          "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}},
                         {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY",
-                         "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}}]
+                         "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}},
+                        {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     assert dep["template"]["spec"]["serviceAccountName"] == "p-gateway"
     pod_labels = dep["template"]["metadata"]["labels"]
     assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
     granted = {(r, v, tuple(rule.get("resourceNames", ())))
                for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    # Reads for discovery; patch on its own pool only (a weights push), never on another pool.
+    # Reads for discovery; patch on its own pool only (a weights push), never on another pool; its
+    # own routing Lease (no list, watch or delete: it never reads another gateway's).
     assert granted == {(r, v, ()) for r in ("samplerreplicas", "samplerpools", "pods")
-                       for v in ("get", "list", "watch")} | {("samplerpools", "patch", ("p",))}
+                       for v in ("get", "list", "watch")} | {("samplerpools", "patch", ("p",))} | {
+                           ("leases", v, ()) for v in ("get", "create", "update")}
     assert "hostNetwork" not in dep["template"]["spec"]
     # Never BestEffort; a slow start is not a dead gateway.
     assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}}
@@ -263,7 +266,8 @@ def test_gateway_on_the_node_network_with_extra_env_and_volumes_keeps_its_key() 
     # The pool's keys stay the only ones: an extra named like one is dropped.
     assert pod["containers"][0]["env"] == [
         {"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": keys.api.as_dict()}},
-        {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": keys.admin.as_dict()}}, extra[0]]
+        {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": keys.admin.as_dict()}},
+        {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, extra[0]]
     assert pod["volumes"] == [token] and pod["containers"][0]["volumeMounts"] == [mount]
 
 

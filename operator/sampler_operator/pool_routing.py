@@ -1,0 +1,142 @@
+"""One switch of routing for all the gateways of a pool (pure): `status.routing` and its phases.
+
+Each gateway keeps `Latest`'s promise for its own clients, but a client that spreads its requests
+over two gateways could get the new label from one before the other, one watch event behind, has
+stopped returning the old one. The switch from label X to a newer label Y is therefore a fact in the
+API server, `status.routing: {generation, label, phase}`, that every gateway enforces and
+acknowledges, and the pool controller moves it on only on those acknowledgements:
+
+    Open(X, g)  --a replica in routing serves the target Y-->  Fence(Y, g+1)
+    Fence(Y, g+1)  --every live gateway acknowledged g+1-->  Open(Y, g+2)
+
+- `Open(L)`: a gateway returns answers on L only, and routes new work to replicas serving L.
+- `Fence`: a gateway returns no answer at all and routes nothing new. An answer that comes back
+  then is not returned: the gateway runs the request again once it enforces `Open(Y)` (a sync
+  sample), or answers "resubmit" (an owned future). None is lost; the cost is the acknowledgement
+  round trip, as a capacity dip.
+
+So once a gateway returns Y (it enforces g+2), every gateway of the pool enforces g+1 or later and
+returns no X any more: no client gets X after Y, whichever gateways it talks to.
+
+Acknowledgements are coordination.k8s.io Leases, one per gateway pod (labelled with the pool, holder
+= the pod), renewed every second or so with the generation the gateway enforces in the annotation
+ACK_ANNOTATION (sampler_gateway/routing.py). A Lease not renewed within its `leaseDurationSeconds`
+(plus CLOCK_SKEW_S: renewTime is the gateway's clock, `now` the operator's) is not waited for. That is
+safe because a gateway that has not renewed its Lease AND re-read the pool within that duration
+returns no answer (it fences itself, by its own monotonic clock, from the start of its last complete
+renewal): a gateway that cannot be heard from is a gateway that returns nothing. So a switch takes at
+most one acknowledgement round trip when every gateway is live, and at most a Lease duration plus
+CLOCK_SKEW_S plus one controller step when one is dead or cut off (docs/pool.md).
+
+A pool whose weights are not declared has no switch (`None`): its gateways keep the per-process
+order of labels (docs/pool.md says when that holds). The first switch goes through a fence too: a
+gateway started before it may have returned any label.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Phase = Literal["Open", "Fence"]
+OPEN: Phase = "Open"
+FENCE: Phase = "Fence"
+# The generation a gateway enforces, on its Lease (written by sampler_gateway/routing.py).
+ACK_ANNOTATION = "sampler.rl.dev/routing-generation"
+# How far the operator's clock may be ahead of a gateway's: a Lease is waited for this much longer.
+CLOCK_SKEW_S = 1.0
+# A Lease expired this long ago belongs to a gateway pod that is gone: deleted (they would pile up).
+STALE_LEASE_S = 300.0
+
+
+@dataclass(frozen=True)
+class Routing:
+    generation: int
+    label: str
+    phase: Phase
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any] | None) -> Routing | None:
+        """The last written `status.routing`; None when absent or not well formed (then the next
+        switch starts at a fence, generation 1: never a guess that could open a label early)."""
+        raw = (status or {}).get("routing")
+        if not isinstance(raw, dict):
+            return None
+        gen, label, phase = raw.get("generation"), raw.get("label"), raw.get("phase")
+        if not (isinstance(gen, int) and not isinstance(gen, bool) and gen >= 1 and isinstance(label, str)
+                and label and phase in (OPEN, FENCE)):
+            return None
+        return cls(gen, label, OPEN if phase == OPEN else FENCE)
+
+    def as_status(self, waiting_for: Iterable[str] = ()) -> dict[str, Any]:
+        return {"generation": self.generation, "label": self.label, "phase": self.phase,
+                "waitingFor": sorted(waiting_for)}
+
+
+@dataclass(frozen=True)
+class GatewayAck:
+    """What the controller reads of one gateway's Lease."""
+
+    name: str
+    generation: int | None  # the routing generation it enforces (None: not said yet)
+    renewed: float | None   # renewTime, epoch seconds
+    duration_s: float
+
+    @classmethod
+    def from_lease(cls, obj: dict[str, Any]) -> GatewayAck:
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        raw = (meta.get("annotations") or {}).get(ACK_ANNOTATION)
+        try:
+            gen: int | None = int(raw) if isinstance(raw, str) else None
+        except ValueError:
+            gen = None
+        duration = spec.get("leaseDurationSeconds")
+        return cls(name=str(spec.get("holderIdentity") or meta.get("name") or ""), generation=gen,
+                   renewed=_time(spec.get("renewTime")),
+                   duration_s=float(duration) if isinstance(duration, int) and duration > 0 else 0.0)
+
+    def live(self, now: float) -> bool:
+        return self.renewed is not None and now <= self.renewed + self.duration_s + CLOCK_SKEW_S
+
+    def stale(self, now: float) -> bool:
+        return self.renewed is None or now > self.renewed + self.duration_s + STALE_LEASE_S
+
+
+def _time(text: Any) -> float | None:
+    """A Lease's MicroTime ("2026-12-02T01:50:00.123456Z"); None when absent or unreadable."""
+    if not isinstance(text, str):
+        return None
+    try:
+        t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (t if t.tzinfo else t.replace(tzinfo=dt.UTC)).timestamp()
+
+
+def waiting_for(acks: Iterable[GatewayAck], generation: int, now: float) -> list[str]:
+    """The live gateways that do not enforce `generation` yet (an expired Lease is not waited for)."""
+    return sorted(a.name for a in acks if a.live(now) and (a.generation is None or a.generation < generation))
+
+
+def next_routing(current: Routing | None, target: str | None, serving: Iterable[str],
+                 acknowledged: bool) -> Routing | None:
+    """The switch after this step. `serving`: the labels of the replicas in routing (Ready, not
+    draining); `acknowledged`: every live gateway enforces `current`'s generation.
+
+    A fence starts once a replica in routing serves the target (before: nothing could answer on it,
+    and the old label keeps serving). A fence opens once acknowledged, on the target when a replica
+    in routing serves it, else on the label it was fencing for (the target moved on during the
+    fence: that label is still the newest one served). Opening never waits for more than that:
+    stopping returns is always safe, so a fence needs no acknowledgement to start."""
+    served = set(serving)
+    if current is None:
+        return Routing(1, target, FENCE) if target is not None and target in served else None
+    if current.phase == OPEN:
+        if target is not None and target != current.label and target in served:
+            return Routing(current.generation + 1, target, FENCE)
+        return current
+    if not acknowledged:
+        return current
+    label = target if target is not None and target in served else current.label
+    return Routing(current.generation + 1, label, OPEN)

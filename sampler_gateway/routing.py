@@ -1,0 +1,205 @@
+"""The gateway's side of the pool's one routing switch (operator/sampler_operator/pool_routing.py).
+
+The SamplerPool's `status.routing` says which label every gateway of the pool may return answers on
+(`Open`), or that none may (`Fence`, while the pool moves from one label to a newer one). This
+gateway enforces the newest generation it has read, and says so in its own coordination.k8s.io
+Lease (holder: its pod; the generation in an annotation), which the pool controller waits for before
+it opens the next label. So no gateway returns the new label while another still returns the old.
+
+A renewal is: write the Lease (the generation enforced now, renewTime = now), then read the pool and
+enforce what it says. The Lease is written first so that a gateway that starts mid-switch is seen
+by the controller before it reads the routing it will enforce: a controller that has not seen its
+Lease yet cannot have opened a label past what the gateway then reads.
+
+Self-fencing: a gateway returns nothing (`permitted` is empty) once its last complete renewal
+started more than the Lease's duration ago, by its own monotonic clock. The controller stops
+waiting for a Lease at renewTime + duration (+ a skew allowance): by then this gateway has stopped
+returning answers on its own, so the controller never opens a label while it might still return the
+old one. A gateway starts fenced: it serves nothing before its first renewal.
+
+Without kube discovery (static) there is no switch: `Pool.switch` is None and each gateway keeps
+its own order of labels (versions.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+log = logging.getLogger(__name__)
+
+ACK_ANNOTATION = "sampler.rl.dev/routing-generation"  # pool_routing.ACK_ANNOTATION
+GATEWAY_LABEL = "sampler.rl.dev/gateway"  # pool_gateway.LABEL_GATEWAY: the controller lists by it
+GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerpools"
+
+Phase = Literal["Open", "Fence"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    generation: int
+    label: str
+    phase: Phase
+
+
+def routing_of(pool: dict[str, Any]) -> Routing | None:
+    """Pure: the pool's `status.routing`; None when it has none (or not well formed: no switch)."""
+    raw = (pool.get("status") or {}).get("routing")
+    if not isinstance(raw, dict):
+        return None
+    gen, label, phase = raw.get("generation"), raw.get("label"), raw.get("phase")
+    if not (isinstance(gen, int) and not isinstance(gen, bool) and gen >= 1 and isinstance(label, str) and label
+            and phase in ("Open", "Fence")):
+        return None
+    return Routing(gen, label, "Open" if phase == "Open" else "Fence")
+
+
+def permitted(routing: Routing | None, valid_until: float, now: float) -> frozenset[str] | None:
+    """Pure: the labels this gateway may return answers on and route new work to; None: any (the
+    pool has no switch). Empty while fenced: the pool's Fence, or this gateway's own (its Lease
+    not renewed within its duration, or never yet)."""
+    if now > valid_until:
+        return frozenset()
+    if routing is None:
+        return None
+    return frozenset({routing.label}) if routing.phase == "Open" else frozenset()
+
+
+def label_value(name: str) -> str:
+    """A label value for a name (at most 63 chars): the operator's rule (desired_pod.label_value)."""
+    if len(name) <= 63:
+        return name
+    return f"{name[:54].rstrip('-._')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def lease_name(holder: str) -> str:
+    return f"{holder[:240]}-routing"
+
+
+class Switch:
+    """The routing this gateway enforces: the newest generation read (generations only grow, so a
+    read that lags another never moves it back), valid until its Lease would expire."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.routing: Routing | None = None
+        self.valid_until = -math.inf
+
+    @property
+    def generation(self) -> int:
+        return self.routing.generation if self.routing is not None else 0
+
+    def permitted(self) -> frozenset[str] | None:
+        return permitted(self.routing, self.valid_until, self.clock())
+
+    def apply(self, routing: Routing | None, started: float, duration_s: float) -> bool:
+        """A renewal that started at `started` (monotonic) read `routing`: True if what is permitted
+        changed (the routing, or the end of a self-fence)."""
+        was_fenced = self.clock() > self.valid_until
+        changed = routing is not None and routing.generation > self.generation
+        if changed:
+            self.routing = routing
+        self.valid_until = max(self.valid_until, started + duration_s)
+        return changed or was_fenced
+
+
+class Renewer(Protocol):
+    async def renew(self) -> bool: ...
+
+    async def run_forever(self) -> None: ...
+
+
+# Makes the gateway's Lease renewer from its switch and what to call when the switch moves.
+RoutingLease = Callable[[Switch, Callable[[], None]], Renewer]
+
+
+def _micro(t: dt.datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class KubeRoutingLease:
+    """Renews this gateway's Lease and reads the pool's routing, every `renew_s` (at once again
+    after a change, so an acknowledgement costs one round trip, not one interval)."""
+
+    def __init__(self, pool: str, namespace: str, holder: str, duration_s: int, renew_s: float, switch: Switch,
+                 on_change: Callable[[], None]) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        self.pool, self.namespace, self.holder = pool, namespace, holder
+        self.duration_s, self.renew_s, self.switch, self.on_change = duration_s, renew_s, switch, on_change
+        self._leases, self._custom = client.CoordinationV1Api(), client.CustomObjectsApi()
+        self._pool_uid: str | None = None
+        self._version: str | None = None  # the Lease's resourceVersion last written
+
+    def _body(self, generation: int, renewed: dt.datetime) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": lease_name(self.holder), "namespace": self.namespace,
+                                "labels": {GATEWAY_LABEL: label_value(self.pool)},
+                                "annotations": {ACK_ANNOTATION: str(generation)}}
+        if self._pool_uid is not None:  # collected with the pool
+            meta["ownerReferences"] = [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "SamplerPool",
+                                        "name": self.pool, "uid": self._pool_uid}]
+        if self._version is not None:
+            meta["resourceVersion"] = self._version
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+                "spec": {"holderIdentity": self.holder, "leaseDurationSeconds": self.duration_s,
+                         "renewTime": _micro(renewed)}}
+
+    def _write(self, generation: int, renewed: dt.datetime) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        name = lease_name(self.holder)
+        if self._version is None:
+            try:
+                out = self._leases.read_namespaced_lease(name, self.namespace)
+                self._version = out.metadata.resource_version
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                out = self._leases.create_namespaced_lease(self.namespace, self._body(generation, renewed))
+                self._version = out.metadata.resource_version
+                return
+        try:
+            out = self._leases.replace_namespaced_lease(name, self.namespace, self._body(generation, renewed))
+            self._version = out.metadata.resource_version
+        except ApiException:
+            self._version = None  # changed or deleted under us: read it again next time
+            raise
+
+    def _read_pool(self) -> dict[str, Any]:
+        obj: dict[str, Any] = self._custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                                        self.pool)
+        return obj
+
+    async def renew(self) -> bool:
+        """One renewal; True if what this gateway permits changed."""
+        started = self.switch.clock()
+        await asyncio.to_thread(self._write, self.switch.generation, dt.datetime.now(dt.UTC))
+        pool = await asyncio.to_thread(self._read_pool)
+        self._pool_uid = (pool.get("metadata") or {}).get("uid") or self._pool_uid
+        changed = self.switch.apply(routing_of(pool), started, self.duration_s)
+        if changed:
+            self.on_change()
+        return changed
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                changed = await self.renew()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the API server away: the self-fence bounds what that costs
+                log.warning("routing lease renewal failed: %s", e)
+                changed = False
+            if not changed:
+                await asyncio.sleep(self.renew_s)

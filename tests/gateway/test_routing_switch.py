@@ -1,0 +1,97 @@
+"""The gateway's side of the pool's one routing switch (issue #24, part 3): what it may return and
+route to, by the pool's `status.routing` and its own Lease (sampler_gateway/routing.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from sampler_gateway.config import GatewayConfig
+from sampler_gateway.metrics import GatewayMetrics
+from sampler_gateway.pool import Pool
+from sampler_gateway.replicas import PoolView, ReplicaView
+from sampler_gateway.routing import Routing, Switch, permitted, routing_of
+
+
+def rv(name: str, label: str) -> ReplicaView:
+    return ReplicaView(name, f"http://{name}", True, False, label, 1)
+
+
+def test_permitted_by_phase_and_by_the_lease() -> None:
+    assert permitted(Routing(2, "b", "Open"), 10.0, 5.0) == {"b"}
+    assert permitted(Routing(3, "c", "Fence"), 10.0, 5.0) == frozenset()
+    assert permitted(None, 10.0, 5.0) is None                       # a pool without a switch: any
+    # Past its Lease's duration since its last complete renewal: nothing, whatever the pool says.
+    assert permitted(Routing(2, "b", "Open"), 10.0, 10.01) == frozenset()
+    assert permitted(None, -math.inf, 0.0) == frozenset()          # never renewed: nothing
+
+
+def test_routing_is_read_from_the_pool_status() -> None:
+    assert routing_of({"status": {"routing": {"generation": 4, "label": "x", "phase": "Open"}}}) == \
+        Routing(4, "x", "Open")
+    for bad in ({"generation": 0, "label": "x", "phase": "Open"}, {"generation": 2, "label": "x", "phase": "No"},
+                {"generation": False, "label": "x", "phase": "Fence"}, {"label": "x", "phase": "Fence"}, []):
+        assert routing_of({"status": {"routing": bad}}) is None
+    assert routing_of({}) is None
+
+
+def test_the_switch_never_moves_back_and_fences_itself() -> None:
+    now = [100.0]
+    s = Switch(clock=lambda: now[0])
+    assert s.permitted() == frozenset() and s.generation == 0      # fenced until its first renewal
+    assert s.apply(Routing(3, "b", "Fence"), 100.0, 10)              # the fence, and the end of its own
+    assert s.permitted() == frozenset() and s.generation == 3
+    assert s.apply(Routing(4, "b", "Open"), 101.0, 10) and s.permitted() == {"b"}
+    # A read that lags (an older generation) changes nothing.
+    assert not s.apply(Routing(3, "b", "Fence"), 102.0, 10) and s.permitted() == {"b"} and s.generation == 4
+    now[0] = 112.01                                                   # no renewal completed since 102
+    assert s.permitted() == frozenset()
+    assert s.apply(Routing(4, "b", "Open"), 112.0, 10) and s.permitted() == {"b"}
+
+
+def pool_with(switch: Switch) -> Pool:
+    pool = Pool(GatewayConfig(pool="p", discovery="static", replicas=["a=http://a"]), GatewayMetrics(),
+                clock=switch.clock)
+    pool.switch = switch
+    pool.update(PoolView((rv("r0", "x"), rv("r1", "y"))))
+    return pool
+
+
+def test_the_pool_routes_to_and_returns_only_the_open_label() -> None:
+    now = [0.0]
+    s = Switch(clock=lambda: now[0])
+    s.apply(Routing(2, "x", "Open"), 0.0, 10)
+    pool = pool_with(s)
+    assert [r.name for r in pool.candidates()] == ["r0"]
+    # y would be newest by first sight, but the pool still routes to x: an answer on y is not returned.
+    assert not pool.returned(pool.view.by_name["r1"], "y")
+    assert pool.returned(pool.view.by_name["r0"], "x")
+    s.apply(Routing(3, "y", "Fence"), 0.0, 10)
+    assert pool.candidates() == [] and not pool.returned(pool.view.by_name["r0"], "x")
+    assert "switching its routing" in pool.why_none()
+    s.apply(Routing(4, "y", "Open"), 0.0, 10)
+    assert [r.name for r in pool.candidates()] == ["r1"] and pool.returned(pool.view.by_name["r1"], "y")
+    now[0] = 11.0
+    assert pool.candidates() == [] and "not renewed its routing Lease" in pool.why_none()
+
+
+def test_a_request_waiting_through_a_fence_goes_to_the_opened_label() -> None:
+    async def run() -> str:
+        s = Switch()
+        s.apply(Routing(3, "y", "Fence"), s.clock(), 10)
+        pool = pool_with(s)
+        waiting = asyncio.create_task(pool.choose_within(5.0))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        s.apply(Routing(4, "y", "Open"), s.clock(), 10)
+        pool.switched()
+        return (await asyncio.wait_for(waiting, 5.0)).name
+
+    assert asyncio.run(run()) == "r1"
+
+
+def test_renew_must_be_at_most_half_the_lease() -> None:
+    with pytest.raises(ValueError, match="routing-renew-s"):
+        GatewayConfig(pool="p", discovery="static", replicas=["a=http://a"], routing_lease_s=2, routing_renew_s=1.5)

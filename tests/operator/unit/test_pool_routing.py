@@ -1,0 +1,86 @@
+"""The pool's one routing switch (issue #24, part 3): its phases are a pure function of the last
+written status, the target, the labels served in routing and the gateways' Leases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sampler_operator.pool_routing import (
+    ACK_ANNOTATION,
+    CLOCK_SKEW_S,
+    FENCE,
+    OPEN,
+    GatewayAck,
+    Routing,
+    next_routing,
+    waiting_for,
+)
+
+
+def lease(holder: str, gen: int | None, renewed: str | None, duration: int = 10) -> dict[str, Any]:
+    ann = {ACK_ANNOTATION: str(gen)} if gen is not None else {}
+    spec: dict[str, Any] = {"holderIdentity": holder, "leaseDurationSeconds": duration}
+    if renewed is not None:
+        spec["renewTime"] = renewed
+    return {"metadata": {"name": f"{holder}-routing", "annotations": ann}, "spec": spec}
+
+
+T0 = GatewayAck.from_lease(lease("a", 1, "2026-12-02T01:00:00.000000Z")).renewed
+assert T0 is not None
+
+
+def test_a_switch_fences_then_opens_only_on_acknowledgement() -> None:
+    # No switch until a replica in routing serves the target: the first one is a fence too.
+    assert next_routing(None, "step-1", [], True) is None
+    assert next_routing(None, None, ["step-1"], True) is None
+    fence = next_routing(None, "step-1", ["step-1"], True)
+    assert fence == Routing(1, "step-1", FENCE)
+    assert next_routing(fence, "step-1", ["step-1"], False) == fence      # not acknowledged: stays
+    opened = next_routing(fence, "step-1", ["step-1"], True)
+    assert opened == Routing(2, "step-1", OPEN)
+    # A new target: nothing moves until a replica in routing serves it, then a fence (needs no ack).
+    assert next_routing(opened, "step-2", ["step-1"], False) == opened
+    assert next_routing(opened, "step-2", ["step-1", "step-2"], False) == Routing(3, "step-2", FENCE)
+
+
+def test_a_fence_opens_on_the_newest_label_served() -> None:
+    fence = Routing(3, "step-2", FENCE)
+    # The target moved on during the fence and a replica already serves it: open that one.
+    assert next_routing(fence, "step-3", ["step-2", "step-3"], True) == Routing(4, "step-3", OPEN)
+    # ... not served yet: open the label fenced for; step-3 gets its own fence later.
+    assert next_routing(fence, "step-3", ["step-2"], True) == Routing(4, "step-2", OPEN)
+
+
+def test_status_round_trip_and_hand_edits_restart_at_a_fence() -> None:
+    r = Routing(5, "step-3", OPEN)
+    st = r.as_status(["b", "a"])
+    assert st == {"generation": 5, "label": "step-3", "phase": "Open", "waitingFor": ["a", "b"]}
+    assert Routing.from_status({"routing": st}) == r
+    for bad in ({"generation": 0, "label": "x", "phase": "Open"}, {"generation": 2, "label": "", "phase": "Open"},
+                {"generation": True, "label": "x", "phase": "Open"}, {"generation": 2, "label": "x", "phase": "?"},
+                "x", None):
+        assert Routing.from_status({"routing": bad}) is None
+    assert Routing.from_status(None) is None
+
+
+def test_only_live_leases_are_waited_for() -> None:
+    assert T0 is not None
+    acks = [GatewayAck.from_lease(lease("a", 3, "2026-12-02T01:00:00.000000Z")),
+            GatewayAck.from_lease(lease("b", 2, "2026-12-02T01:00:00.000000Z")),
+            GatewayAck.from_lease(lease("c", None, "2026-12-02T01:00:00.000000Z")),
+            GatewayAck.from_lease(lease("d", 1, None))]
+    assert [a.name for a in acks] == ["a", "b", "c", "d"]
+    assert waiting_for(acks, 3, T0 + 1) == ["b", "c"]        # c has not said what it enforces yet
+    assert waiting_for(acks, 2, T0 + 1) == ["c"]
+    # A Lease not renewed within its duration (+ the clock skew allowed) is not waited for: its
+    # gateway has fenced itself by then (sampler_gateway/routing.py).
+    assert waiting_for(acks, 3, T0 + 10 + CLOCK_SKEW_S) == ["b", "c"]
+    assert waiting_for(acks, 3, T0 + 10 + CLOCK_SKEW_S + 0.01) == []
+    assert not acks[0].stale(T0 + 11) and acks[0].stale(T0 + 10 + 301) and acks[3].stale(T0)
+
+
+def test_a_lease_with_garbage_is_read_as_not_acknowledged() -> None:
+    obj = lease("a", None, "not a time")
+    obj["metadata"]["annotations"] = {ACK_ANNOTATION: "seven"}
+    a = GatewayAck.from_lease(obj)
+    assert a.generation is None and a.renewed is None and not a.live(0.0)
