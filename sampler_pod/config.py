@@ -76,6 +76,15 @@ class ServerConfig(BaseModel):
     write_timeout_s: float = Field(
         600.0, gt=0, description="longest a weight write may run once it has started (past it: uncertain_weights)")
 
+    stall_timeout_s: float = Field(
+        120.0, gt=0, description="requests in the engine and no token produced for this long, or a failed canary: "
+                                 "/health reports engine_stalled and /healthz fails (the kubelet restarts the "
+                                 "container); generous, so a long prefill under full load never trips it")
+    canary_interval_s: float = Field(
+        60.0, ge=0, description="least time between two canaries (a 1-token generation run only while the engine "
+                                "is idle; failing or taking longer than --stall-timeout-s counts as stalled); "
+                                "0: no canary")
+
     startup_lock_path: Path = Field(
         Path("/var/run/sampler/engine-startup.lock"),
         description="pod-local file lock held while the engine starts (one engine starts at a time)")

@@ -19,6 +19,7 @@ class HealthState(enum.StrEnum):
     STARTING = "starting"
     UNCERTAIN_WEIGHTS = "uncertain_weights"
     ENGINE_DEAD = "engine_dead"
+    ENGINE_STALLED = "engine_stalled"  # alive, its engine making no progress: the kubelet restarts it
     UNREACHABLE = "unreachable"      # refused, reset, timed out: no answer at all
     BAD_RESPONSE = "bad_response"    # answered, but not with the contract's JSON
 
@@ -38,6 +39,8 @@ class HealthObservation:
     intended: Mapping[str, Any] | None = None
     failed_write: Mapping[str, Any] | None = None
     adapters: tuple[Mapping[str, Any], ...] = ()
+    # With engine_stalled: {"since_progress_s": seconds since the engine's last token, "waiting": requests}.
+    stall: Mapping[str, Any] | None = None
 
     @property
     def answered(self) -> bool:
@@ -66,6 +69,7 @@ def classify(http_status: int, body: bytes | str) -> HealthObservation:
         intended=doc.get("intended") if isinstance(doc.get("intended"), dict) else None,
         failed_write=doc.get("failed_write") if isinstance(doc.get("failed_write"), dict) else None,
         adapters=tuple(a for a in doc.get("adapters") or [] if isinstance(a, dict)),
+        stall=doc.get("stall") if isinstance(doc.get("stall"), dict) else None,
     )
 
 

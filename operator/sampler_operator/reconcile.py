@@ -36,7 +36,16 @@ from .health_probe import HealthObservation, HealthState, probe
 from .pod_view import PodView
 from .replacement_policy import Action, Decision, decide, queue_for_fleet_cap
 from .spec import InvalidSpec, SamplerReplicaSpec, parse_spec
-from .status import DEGRADED, changed, iso, parse_iso, runtime_status
+from .status import (
+    DEGRADED,
+    ENGINE_PROGRESSING,
+    ENGINE_STALLED,
+    changed,
+    iso,
+    parse_iso,
+    runtime_status,
+    stall_event_message,
+)
 from .weights_intent import (
     CHECKPOINT_MISSING,
     checkpoint_missing,
@@ -302,6 +311,10 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
                 and _condition_reason(status, "WeightsSynced") != CHECKPOINT_MISSING):
             ctx.emit(event_target(cr), "Warning", CHECKPOINT_MISSING, f"pod {pod.name if pod else '?'}: "
                      f"{synced.message}"[:1000])
+        # A stalled engine is the kubelet's to restart (liveness); the operator only makes it visible.
+        if (obs is not None and obs.state is HealthState.ENGINE_STALLED
+                and _condition_status(status, ENGINE_PROGRESSING) != "False"):
+            ctx.emit(event_target(cr), "Warning", ENGINE_STALLED, stall_event_message(pod.name if pod else "?", obs))
     return decision
 
 

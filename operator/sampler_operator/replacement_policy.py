@@ -97,6 +97,8 @@ def _no_action_reason(state: HealthState) -> str:
         HealthState.OK: "Healthy",
         HealthState.STARTING: "Starting",
         HealthState.ENGINE_DEAD: "EngineDead",
+        # The kubelet restarts it (liveness fails); its weights are certain, so no replacement.
+        HealthState.ENGINE_STALLED: "EngineStalled",
         HealthState.UNREACHABLE: "ProbeFailed",
         HealthState.BAD_RESPONSE: "ProbeFailed",
     }[state]

@@ -19,6 +19,8 @@ WEIGHTS_CERTAIN = "WeightsCertain"
 WEIGHTS_SYNCED = "WeightsSynced"
 DEGRADED = "Degraded"
 SPEC_VALID = "SpecValid"
+ENGINE_PROGRESSING = "EngineProgressing"
+ENGINE_STALLED = "EngineStalled"  # the condition's reason, and the Event's
 
 PHASE_PENDING = "Pending"
 PHASE_STARTING = "Starting"
@@ -84,6 +86,7 @@ def runtime_status(*, pod: PodView | None, observation: HealthObservation | None
         _weights_certain(observation, now),
         _degraded(observation, decision, old_status, now),
         None if weights_synced is None else synced_condition(weights_synced, now),
+        _progressing(observation, old_status, now),
     ]
     out: dict[str, Any] = {
         "phase": phase,
@@ -112,6 +115,33 @@ def _weights_certain(obs: HealthObservation | None, now: float) -> dict[str, str
         return condition(WEIGHTS_CERTAIN, False, "UncertainWeights", obs.reason or "a checkpoint write failed midway",
                          now)
     return condition(WEIGHTS_CERTAIN, True, "WeightsConsistent", f"weights version {obs.weights_version}", now)
+
+
+def stall_message(obs: HealthObservation) -> str:
+    """What the condition and the phase say of a stalled engine. Stable across probes (the pod's own
+    reason carries a growing number of seconds: it goes in the Event, `stall_event_message`)."""
+    what = ("a canary generation failed" if (obs.reason or "").startswith("canary generation failed")
+            else "requests waited with no token produced past --stall-timeout-s")
+    return f"engine stalled: {what}; the kubelet restarts the container (liveness fails)"
+
+
+def stall_event_message(pod_name: str, obs: HealthObservation) -> str:
+    """The Event of a replica entering `engine_stalled`: the pod's reason and its evidence."""
+    stall = obs.stall or {}
+    return (f"pod {pod_name}: engine stalled: {obs.reason}; {stall.get('since_progress_s')} s since the last "
+            f"token, {stall.get('waiting')} requests waiting; the kubelet restarts the container")[:1000]
+
+
+def _progressing(obs: HealthObservation | None, old_status: Mapping[str, Any], now: float) -> dict[str, str] | None:
+    """EngineProgressing: False while the pod reports `engine_stalled`. Shown from a replica's first
+    stall on (True again once it answers otherwise), not on every replica from the start."""
+    if obs is None or not obs.answered:
+        return None
+    if obs.state is HealthState.ENGINE_STALLED:
+        return condition(ENGINE_PROGRESSING, False, ENGINE_STALLED, stall_message(obs), now)
+    if any(c.get("type") == ENGINE_PROGRESSING for c in old_status.get("conditions") or []):
+        return condition(ENGINE_PROGRESSING, True, "Progressing", "the engine produces tokens", now)
+    return None
 
 
 def _degraded(obs: HealthObservation | None, decision: Decision | None, old_status: Mapping[str, Any],
@@ -150,6 +180,8 @@ def _phase(pod: PodView | None, obs: HealthObservation | None, failures: int, th
         return PHASE_REPLACING, "UncertainWeights", obs.reason or "uncertain weights"
     if obs.state is HealthState.ENGINE_DEAD:
         return PHASE_UNHEALTHY, "EngineDead", obs.reason or "engine dead; kubelet restarts it"
+    if obs.state is HealthState.ENGINE_STALLED:
+        return PHASE_UNHEALTHY, ENGINE_STALLED, stall_message(obs)
     # No answer. One miss is noise: keep the previous phase until the threshold is reached.
     if failures >= threshold:
         # No counter or error text in the message: it would change (and be PATCHed) every probe.

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-Status = Literal["starting", "ok", "uncertain_weights", "engine_dead"]
+Status = Literal["starting", "ok", "uncertain_weights", "engine_dead", "engine_stalled"]
 
 
 class IntendedWeights(BaseModel):
@@ -89,6 +89,14 @@ class WeightsState:
         self.failed_write = failed
 
 
+class StallEvidence(BaseModel):
+    """Why `engine_stalled` (core/stall.py): how long since the engine last produced a token, and how
+    many requests are inside it, waiting."""
+
+    since_progress_s: float
+    waiting: int
+
+
 class HealthReport(BaseModel):
     status: Status
     reason: str | None = None
@@ -104,6 +112,8 @@ class HealthReport(BaseModel):
     in_flight: int
     limit: int
     model: str
+    # Set only with `engine_stalled`.
+    stall: StallEvidence | None = None
 
 
 # The start of `/health`'s reason while a replica waits for weights it can load (docs/contract.md):
@@ -125,7 +135,8 @@ def startup_finished(status: Status, reason: str | None) -> bool:
 
 
 def health_status(engine_ready: bool, startup_error: str | None, engine_dead_reason: str | None,
-                  weights: WeightsState, restoring: str | None = None) -> tuple[Status, str | None]:
+                  weights: WeightsState, restoring: str | None = None,
+                  stalled: str | None = None) -> tuple[Status, str | None]:
     # An uncertain write usually kills the engine too; report the cause, not the symptom,
     # because only `uncertain_weights` tells the operator to replace the pod.
     if weights.uncertain_reason is not None:
@@ -136,6 +147,9 @@ def health_status(engine_ready: bool, startup_error: str | None, engine_dead_rea
         return "engine_dead", engine_dead_reason
     if not engine_ready:
         return "starting", "engine is starting"
+    # A live process whose engine makes no progress (core/stall.py).
+    if stalled is not None:
+        return "engine_stalled", stalled
     # The engine is up but still on weights it must not serve (it is loading the intended ones).
     if restoring is not None:
         return "starting", restoring
@@ -143,5 +157,6 @@ def health_status(engine_ready: bool, startup_error: str | None, engine_dead_rea
 
 
 def liveness_ok(status: Status) -> bool:
-    """Kubelet restarts a dead engine; an uncertain one is left for the operator to replace."""
-    return status != "engine_dead"
+    """Kubelet restarts a dead or stalled engine (the container comes back at its intended weights, as
+    after any restart); an uncertain one is left for the operator to replace."""
+    return status not in ("engine_dead", "engine_stalled")

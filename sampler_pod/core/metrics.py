@@ -47,6 +47,14 @@ class Metrics:
                                    "Weight writes waiting for in-flight samples to drain", registry=r)
         self.weights_version = Gauge("sampler_weights_version", "Current weights version", ["label"], registry=r)
         self.weights_uncertain = Gauge("sampler_weights_uncertain", "1 if a weight write failed midway", registry=r)
+        # The stall watch (core/stall.py): how often it tripped, the canaries' outcomes, and the longest
+        # the engine went without a token while requests waited (the margin under --stall-timeout-s).
+        self.engine_stalls = Counter("sampler_engine_stalls", "Times the engine was found stalled", registry=r)
+        self.canaries = Counter("sampler_engine_canaries", "Canary generations by outcome (ok, failed)",
+                                ["outcome"], registry=r)
+        self.progress_gap_max = Gauge("sampler_engine_progress_gap_max_seconds",
+                                      "Longest time requests waited in the engine with no token produced "
+                                      "(outside the server's own pauses)", registry=r)
 
     def set_weights(self, version: int, label: str) -> None:
         self.weights_version.clear()

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ServerConfig
-from ..engine.base import AdapterRef, Engine, EngineDead, EngineRejected, GenerationOutput, SequenceOutput
+from ..engine.base import (
+    AdapterRef,
+    Engine,
+    EngineDead,
+    EngineRejected,
+    GenerationOutput,
+    GenerationSpec,
+    SequenceOutput,
+)
 from ..errors import (
     Aborted,
     EngineFailure,
@@ -36,10 +44,11 @@ from ..errors import (
     SamplerError,
     UncertainWeights,
 )
+from . import stall
 from .aborts import AbortBoard, Reading
 from .admission import AdmissionController, Slot
 from .futures import FutureStore
-from .health import AdapterEntry, HealthReport, WeightsState, health_status
+from .health import AdapterEntry, HealthReport, StallEvidence, WeightsState, health_status
 from .metrics import Metrics
 from .request_checks import ModelLimits, check_sample_request, effective_timeout, generation_spec
 from .rwlock import RWLock
@@ -99,19 +108,143 @@ class SamplerCore:
         self.metrics.futures_held.set_function(lambda: len(self.futures))
         self.metrics.engine_running.set_function(lambda: self._engine_running)
         self.metrics.write_waiting.set_function(lambda: self.lock.writers_waiting)
+        # The stall watch (core/stall.py); `_look` keeps its state, `_watch_forever` looks a few times
+        # a second and runs the canary.
+        self._progress: stall.Progress | None = None
+        self._stalled = False
+        self._progress_gap_max = 0.0
+        # The server's own freezes of the engine suspend the watch: keep-mode writes (counted) and the
+        # test seam's pause (`seam_hold`, set by POST /v1/test/engine/pause, cleared by resume).
+        self._freezes = 0
+        self.seam_hold = False
+        self._canary: asyncio.Task[None] | None = None
+        self._last_canary_at: float | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ state
 
     def health(self) -> HealthReport:
         dead = self.engine.dead_reason if self.engine is not None else None
         w = self.weights
+        stalled = self._look()
         status, reason = health_status(self.engine is not None, self.startup_error, dead, w,
-                                       self.restoring or self.awaiting_weights)
+                                       self.restoring or self.awaiting_weights,
+                                       stalled.reason if stalled is not None else None)
+        evidence = (StallEvidence(since_progress_s=round(stalled.since_progress_s, 3), waiting=stalled.waiting)
+                    if stalled is not None and status == "engine_stalled" else None)
         return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
                             weights_checkpoint=w.checkpoint, weights_loaded_at=w.loaded_at, intended=w.intended,
                             failed_write=w.failed_write, weights_step=w.step,
                             adapters=[AdapterEntry(name=n, path=self.adapters[n].path) for n in sorted(self.adapters)],
-                            in_flight=self.admission.in_flight, limit=self.admission.limit, model=self.cfg.model)
+                            in_flight=self.admission.in_flight, limit=self.admission.limit, model=self.cfg.model,
+                            stall=evidence)
+
+    # ------------------------------------------------------------------ the stall watch
+
+    @property
+    def watch_suspended(self) -> bool:
+        return self._freezes > 0 or self.seam_hold
+
+    def _look(self) -> stall.Stall | None:
+        """One look at the engine's progress (cheap: two counters): the stall verdict, or None."""
+        engine = self.engine
+        if engine is None or engine.dead_reason is not None:
+            self._progress = None
+            return None
+        now = time.monotonic()
+        tokens, waiting, suspended = engine.tokens_produced(), self._engine_running, self.watch_suspended
+        p = stall.start(now, tokens) if self._progress is None else stall.observe(
+            self._progress, now, tokens, waiting, suspended)
+        self._progress = p
+        if waiting > 0 and not suspended and now - p.clock_from > self._progress_gap_max:
+            self._progress_gap_max = now - p.clock_from
+            self.metrics.progress_gap_max.set(self._progress_gap_max)
+        verdict = stall.verdict(p, now, waiting, suspended, self.cfg.stall_timeout_s)
+        if verdict is not None and not self._stalled:
+            self.metrics.engine_stalls.inc()
+            log.error("engine stalled: %s", verdict.reason)
+        elif verdict is None and self._stalled:
+            log.warning("engine progresses again")
+        self._stalled = verdict is not None
+        return verdict
+
+    @contextlib.asynccontextmanager
+    async def engine_frozen(self) -> AsyncIterator[None]:
+        """The server itself freezes the engine (a keep-mode write): not a stall."""
+        self._freezes += 1
+        try:
+            yield
+        finally:
+            self._freezes -= 1
+            self._look()  # the clock restarts now, not at the next tick
+
+    async def seam_pause(self, engine: Engine) -> None:
+        """The test seam's pause: the watch is suspended until `seam_resume`, and a canary still in
+        the engine finishes first, so a test counting the requests the engine holds counts only its own."""
+        self.seam_hold = True
+        if self._canary is not None:
+            await asyncio.wait({self._canary})
+        await engine.pause()
+
+    async def seam_resume(self, engine: Engine) -> None:
+        await engine.resume()
+        self.seam_hold = False
+        self._look()
+
+    def start_watch(self) -> None:
+        self._watcher = asyncio.create_task(self._watch_forever(), name="engine-stall-watch")
+
+    async def stop_watch(self) -> None:
+        for task in (self._watcher, self._canary):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _watch_forever(self) -> None:
+        # Often enough that a stall is reported well within a second of --stall-timeout-s.
+        period = min(0.25, self.cfg.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._look()
+                engine = self.engine
+                if engine is not None and self._canary is None and stall.canary_due(
+                        self._last_canary_at, time.monotonic(), self.cfg.canary_interval_s, self._idle()):
+                    self._canary = asyncio.ensure_future(self._run_canary(engine))
+            except Exception:  # the watch must outlive any one bad look
+                log.exception("stall watch")
+
+    def _idle(self) -> bool:
+        """Nothing to get in the way of: no sample, no weight mutation, no freeze, serving."""
+        return (self._engine_running == 0 and self.admission.in_flight == 0 and not self.mutations.locked()
+                and not self.watch_suspended and self.restoring is None and self.awaiting_weights is None
+                and self.weights.uncertain_reason is None and self.engine is not None
+                and self.engine.dead_reason is None)
+
+    async def _run_canary(self, engine: Engine) -> None:
+        """A 1-token generation on the idle engine: an engine that cannot produce it in
+        --stall-timeout-s is stalled. It holds `mutations`, so no weight write runs under it."""
+        try:
+            if self.mutations.locked():
+                return
+            async with self.mutations:
+                failure: str | None = None
+                try:
+                    async with asyncio.timeout(self.cfg.stall_timeout_s):
+                        await engine.generate(f"canary-{uuid.uuid4().hex}", [0],
+                                              GenerationSpec(n=1, max_tokens=1, temperature=0.0), None)
+                except TimeoutError:
+                    failure = f"no token within {self.cfg.stall_timeout_s:g}s (--stall-timeout-s)"
+                except Exception as e:
+                    failure = f"{type(e).__name__}: {e}"
+                self.metrics.canaries.labels(outcome="ok" if failure is None else "failed").inc()
+                if self._progress is not None:
+                    self._progress = stall.canary_done(self._progress, failure)
+                self._look()
+        finally:
+            self._last_canary_at = time.monotonic()
+            self._canary = None
 
     def require_engine(self) -> Engine:
         """The engine, if it is up, alive and its weights certain; else the 503 that says why.

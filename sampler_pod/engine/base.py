@@ -143,6 +143,11 @@ class Engine(Protocol):
     # sequences together). Test seams only: proves samples are mid-generation at a load, and where.
     def progress(self) -> dict[str, int]: ...
 
+    # Tokens the engine has produced since it started (prompts prefilled and tokens sampled), a count
+    # that only grows. The stall watch (`core/stall.py`) reads it a few times a second, so it must cost
+    # next to nothing to read and to keep.
+    def tokens_produced(self) -> int: ...
+
     @property
     def dead_reason(self) -> str | None: ...
 

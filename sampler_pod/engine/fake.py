@@ -71,6 +71,7 @@ class FakeEngine:
     fail_keep_pause: bool = False
     _staged: dict[str, int] = field(default_factory=dict)
     _progress: dict[str, int] = field(default_factory=dict)
+    _tokens_produced: int = 0
     adapters: dict[str, AdapterRef] = field(default_factory=dict)
     _aborted: set[str] = field(default_factory=set)
     _dead: str | None = None
@@ -129,6 +130,7 @@ class FakeEngine:
                     toks.append(t)
                     versions.append(self.version)
                     self._progress[request_id] = self._progress.get(request_id, 0) + 1
+                    self._tokens_produced += 1
                     if t in spec.stop_token_ids:
                         reason = "stop"
                         break
@@ -212,6 +214,9 @@ class FakeEngine:
 
     def progress(self) -> dict[str, int]:
         return {rid: self._progress.get(rid, 0) for rid in self.running}
+
+    def tokens_produced(self) -> int:
+        return self._tokens_produced
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         self.adapters[ref.name] = ref

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------- vLLM
 
 
-def start_async_llm(args: Any) -> Any:
+def start_async_llm(args: Any, stat_loggers: list[Any] | None = None) -> Any:
     """`AsyncLLM` from engine args; on the CPU backend, laid out as vLLM lays it out on a GPU.
 
     On a GPU, one device's model runs inside the engine-core process. The CPU backend runs it in a
@@ -61,7 +61,40 @@ def start_async_llm(args: Any) -> Any:
     # The engine core is spawned inside: it inherits the OpenMP environment its worker would have had.
     with OMPProcessManager(config).configure_omp_envs(0, 0) if in_core else contextlib.nullcontext():
         return AsyncLLM.from_vllm_config(config, enable_log_requests=args.enable_log_requests,
-                                         disable_log_stats=args.disable_log_stats)
+                                         disable_log_stats=args.disable_log_stats, stat_loggers=stat_loggers)
+
+
+@dataclass
+class TokenCount:
+    """Tokens the engine has produced, as its stat logger counts them (`token_counter`)."""
+
+    n: int = 0
+
+
+def token_counter(count: TokenCount) -> Any:
+    """A vLLM stat-logger factory that adds each engine step's prompt and generated tokens to `count`.
+
+    The cheapest exact progress signal there is: vLLM already builds these per-step stats (log stats
+    are on by default) and calls every logger once per step that produced output, in the output
+    handler's task; this adds an addition to that call. The sampling path itself is untouched: it
+    asks for FINAL_ONLY outputs, so it never sees tokens before a sequence ends. Prompt tokens count
+    too, so a prefill finishing is progress (vLLM reports them when a request's prefill completes).
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Counter(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped here
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if iteration_stats is not None:
+                count.n += iteration_stats.num_generation_tokens + iteration_stats.num_prompt_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return lambda vllm_config, engine_index: _Counter(vllm_config, engine_index)
 
 
 def _open_gate() -> asyncio.Event:
@@ -99,6 +132,7 @@ class VllmEngine:
     _sent: asyncio.Event = field(default_factory=_open_gate)
     # Set when a keep-mode write failed: the engine is paused on half-written weights for good.
     _broken: str | None = None
+    _tokens: TokenCount = field(default_factory=TokenCount)
 
     @classmethod
     def create(cls, model_dir: str, cfg: ServerConfig) -> VllmEngine:
@@ -123,11 +157,13 @@ class VllmEngine:
             worker_extension_cls="sampler_pod.engine.worker_extension.WeightLoaderExtension",
             enable_log_requests=False,
         )
-        llm = start_async_llm(args)
+        tokens = TokenCount()
+        llm = start_async_llm(args, stat_loggers=[token_counter(tokens)])
         mc = llm.model_config
         # The tokenizer (and its chat template) is loaded here, once, never per request.
         tokenizer = llm.get_tokenizer()
-        return cls(llm=llm, vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, tokenizer=tokenizer)
+        return cls(llm=llm, vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, tokenizer=tokenizer,
+                   _tokens=tokens)
 
     def _sampling_params(self, spec: GenerationSpec) -> Any:
         from vllm import SamplingParams
@@ -303,6 +339,9 @@ class VllmEngine:
             rid = state.external_req_id
             counts[rid] = counts.get(rid, 0) + (state.detokenizer.num_output_tokens() if state.detokenizer else 0)
         return counts
+
+    def tokens_produced(self) -> int:
+        return self._tokens.n
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         from vllm.lora.request import LoRARequest

@@ -34,10 +34,12 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
         # Start the engine in the background so /healthz and /health answer ("starting") at once.
         app.state.startup_task = asyncio.create_task(start_engine(core))
         core.futures.start()  # the futures' TTL sweep; stopped by futures.close() below
+        core.start_watch()  # the engine stall watch (core/stall.py); stopped below
         try:
             yield
         finally:
             app.state.startup_task.cancel()
+            await core.stop_watch()
             await core.futures.close()
             if core.engine is not None:
                 await core.engine.shutdown()

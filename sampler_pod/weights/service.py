@@ -295,8 +295,10 @@ class WeightsService:
         limit = core.cfg.write_timeout_s
         version = core.weights.version + 1
         try:
-            write = await asyncio.wait_for(engine.load_in_flight(staged, version, kv, fail_after_tensors),
-                                           timeout=limit)
+            # The engine is paused for the write on purpose: the stall watch is suspended meanwhile.
+            async with core.engine_frozen():
+                write = await asyncio.wait_for(engine.load_in_flight(staged, version, kv, fail_after_tensors),
+                                               timeout=limit)
         except NothingWritten:
             raise
         except BaseException as e:

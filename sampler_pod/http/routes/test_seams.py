@@ -8,6 +8,12 @@ holds: an abort can only reach a request vLLM has registered, which happens a mo
 server hands it over. `GET /v1/test/engine/progress` says how many tokens each of them has produced
 so far (engine request ids: `<request_id>-<prompt index>`): with the engine paused, that is where a
 keep-mode load will change the weights under each of them.
+
+The stall watch (`core/stall.py`) is suspended from `pause` to `resume`: a freeze the server asked
+for is not a stall. `POST /v1/test/engine/stall` is the other kind: it pauses the engine's scheduler
+directly, without the server's knowledge (and drops a `pause`'s suspension), so the engine stops
+producing tokens as a hung one would; `/health` reports `engine_stalled` once --stall-timeout-s has
+passed with requests inside (or a canary failed). `resume` thaws it.
 """
 
 from __future__ import annotations
@@ -26,14 +32,25 @@ class EnginePaused(BaseModel):
 
 @router.post("/engine/pause", response_model=EnginePaused)
 async def pause_engine(request: Request) -> EnginePaused:
-    await core_of(request).require_engine().pause()
+    core = core_of(request)
+    await core.seam_pause(core.require_engine())
     return EnginePaused(paused=True)
 
 
 @router.post("/engine/resume", response_model=EnginePaused)
 async def resume_engine(request: Request) -> EnginePaused:
-    await core_of(request).require_engine().resume()
+    core = core_of(request)
+    await core.seam_resume(core.require_engine())
     return EnginePaused(paused=False)
+
+
+@router.post("/engine/stall", response_model=EnginePaused)
+async def stall_engine(request: Request) -> EnginePaused:
+    core = core_of(request)
+    # The engine's own pause, bypassing the server's bookkeeping: to the watch, a hung engine.
+    await core.require_engine().pause()
+    core.seam_hold = False
+    return EnginePaused(paused=True)
 
 
 class EngineHeld(BaseModel):
