@@ -119,6 +119,7 @@ class SamplerCore:
         self.seam_hold = False
         self._canary: asyncio.Task[None] | None = None
         self._last_canary_at: float | None = None
+        self._idle_since: float | None = None
         self._watcher: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ state
@@ -208,9 +209,12 @@ class SamplerCore:
             await asyncio.sleep(period)
             try:
                 self._look()
+                now = time.monotonic()
+                idle = self._idle()
+                self._idle_since = (self._idle_since or now) if idle else None
                 engine = self.engine
                 if engine is not None and self._canary is None and stall.canary_due(
-                        self._last_canary_at, time.monotonic(), self.cfg.canary_interval_s, self._idle()):
+                        self._last_canary_at, now, self.cfg.canary_interval_s, self._idle_since):
                     self._canary = asyncio.ensure_future(self._run_canary(engine))
             except Exception:  # the watch must outlive any one bad look
                 log.exception("stall watch")

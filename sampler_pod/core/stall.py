@@ -74,8 +74,14 @@ def verdict(p: Progress, now: float, waiting: int, suspended: bool, stall_timeou
     return None
 
 
-def canary_due(last_canary_at: float | None, now: float, interval_s: float, idle: bool) -> bool:
-    """A canary runs only on an idle engine, at most once per `interval_s` (0: never)."""
-    if interval_s <= 0 or not idle:
+# How long the engine must have been idle before a canary: never right after traffic (whoever just
+# used the engine may still be reading its state), and an engine that just produced tokens is proven.
+CANARY_QUIET_S = 5.0
+
+
+def canary_due(last_canary_at: float | None, now: float, interval_s: float, idle_since: float | None) -> bool:
+    """A canary runs only on an engine idle since `idle_since` (None: busy) for a while, at most once
+    per `interval_s` (0: never)."""
+    if interval_s <= 0 or idle_since is None or now - idle_since < min(interval_s, CANARY_QUIET_S):
         return False
     return last_canary_at is None or now - last_canary_at >= interval_s

@@ -75,12 +75,14 @@ def test_a_failed_canary_is_a_stall_until_a_token_or_a_passing_canary() -> None:
     assert stall.verdict(p, 4.0, waiting=0, suspended=False, stall_timeout_s=T) is None
 
 
-def test_a_canary_runs_only_idle_and_at_a_bounded_rate() -> None:
-    assert stall.canary_due(None, 0.0, 60.0, idle=True)
-    assert not stall.canary_due(None, 0.0, 60.0, idle=False)
-    assert not stall.canary_due(10.0, 69.0, 60.0, idle=True)
-    assert stall.canary_due(10.0, 70.0, 60.0, idle=True)
-    assert not stall.canary_due(None, 0.0, 0.0, idle=True)  # 0: no canary
+def test_a_canary_runs_only_after_a_quiet_while_and_at_a_bounded_rate() -> None:
+    assert stall.canary_due(None, 100.0, 60.0, idle_since=95.0)
+    assert not stall.canary_due(None, 100.0, 60.0, idle_since=None)  # busy
+    assert not stall.canary_due(None, 100.0, 60.0, idle_since=96.0)  # idle, but only just
+    assert stall.canary_due(None, 100.0, 1.0, idle_since=99.0)  # the quiet while is at most the interval
+    assert not stall.canary_due(50.0, 109.0, 60.0, idle_since=0.0)
+    assert stall.canary_due(50.0, 110.0, 60.0, idle_since=0.0)
+    assert not stall.canary_due(None, 100.0, 0.0, idle_since=0.0)  # 0: no canary
 
 
 def test_liveness_fails_on_a_stalled_engine() -> None:
