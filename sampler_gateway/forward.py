@@ -114,6 +114,8 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
         except TimedOut as e:
             raise ReplicaTimeout(f"replica {replica.name} ({weights_of(replica)}) did not answer: {e}") from None
         got = label_of(reply) if label_of is not None and reply.status == 200 else None
+        if got is not None:
+            await gw.pool.held(got)  # the pool's routing switch moving to it: wait, rather than run it again
         if got is not None and not gw.pool.returned(replica, got):
             if attempt == 1:
                 label = None  # the policy now picks the newest weights

@@ -85,6 +85,27 @@ class Pool:
         return [r for r in self.view.replicas if self._usable(r)
                 and (permitted is None or r.weights_label in permitted)]
 
+    async def held(self, label: str) -> None:
+        """Before an answer on `label` is offered to `returned`: while the pool's switch forbids it
+        only because it is moving TO it (a fence for it, a newer label than the one open, or this
+        gateway's Lease about to be renewed), wait for the switch to permit it, up to
+        `--no-replica-wait-s`. An answer on the new weights that came back a moment early (a Keep
+        load moved its last tokens on) is returned whole instead of run again."""
+        deadline = self.clock() + self.cfg.no_replica_wait_s
+        while self._moving_to(label) and (left := deadline - self.clock()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+    def _moving_to(self, label: str) -> bool:
+        if self.switch is None:
+            return False
+        permitted = self.switch.permitted()
+        if permitted is None or label in permitted:
+            return False
+        routing = self.switch.routing
+        return routing is None or label == routing.label or (
+            rank(self.order.ranks, label, self.target) > rank(self.order.ranks, routing.label, self.target))
+
     def switched(self) -> None:
         """The pool's routing switch moved (routing.py): requests waiting for a replica look again."""
         self._notify()

@@ -197,7 +197,9 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     # After the write: an Event never tells of a status the API server does not have.
     for type_, reason, message in [*rollout_events(old, status, batch, in_place), *routing_events]:
         emit(type_, reason, message)
-    if routing is not None and (routing["phase"] == FENCE or routing["label"] != spec.target_label):
-        return FENCE_POLL_S if routing["phase"] == FENCE else BUSY_S
+    if routing is not None and routing["phase"] == FENCE:
+        return FENCE_POLL_S
+    if routing is not None and (routing["label"] != spec.target_label or routing["waitingFor"]):
+        return BUSY_S  # the switch to come, or its acknowledgements to report (status.routing.waitingFor)
     busy = not todo.empty() or status["updatedReplicas"] != spec.replicas
     return BUSY_S if busy else IDLE_S

@@ -84,6 +84,8 @@ async def _owned(request: Request, timeout_s: float | None) -> Response:
     except OwnerGone as e:
         raise Expired(f"future {routed} is gone: {e.message}", field="request_id") from None
     label = _label(reply)
+    if label is not None and reply.status == 200:
+        await gw.pool.held(label)  # the pool's routing switch moving to it (pool.py)
     if label is not None and reply.status == 200 and not gw.pool.returned(replica, label):
         # Under Latest a client never gets older weights after newer ones: this result is dropped,
         # and the client resubmits, as for any expired future.

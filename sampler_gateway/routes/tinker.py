@@ -71,6 +71,8 @@ async def retrieve_future(request: Request) -> Response:
     except OwnerGone as e:
         return _expired(e.message)
     label = _label(reply)
+    if label is not None and reply.status == 200:
+        await gw.pool.held(label)  # the pool's routing switch moving to it (pool.py)
     if label is not None and reply.status == 200 and not gw.pool.returned(replica, label):
         return _expired(f"future ran on weights {label!r}, older than {gw.pool.order.newest_returned!r} already "
                         "returned; resubmit")

@@ -95,3 +95,40 @@ def test_a_request_waiting_through_a_fence_goes_to_the_opened_label() -> None:
 def test_renew_must_be_at_most_half_the_lease() -> None:
     with pytest.raises(ValueError, match="routing-renew-s"):
         GatewayConfig(pool="p", discovery="static", replicas=["a=http://a"], routing_lease_s=2, routing_renew_s=1.5)
+
+
+def test_an_answer_on_the_label_being_switched_to_is_held_not_run_again() -> None:
+    async def run() -> tuple[bool, bool]:
+        s = Switch()
+        s.apply(Routing(2, "x", "Open"), s.clock(), 10)
+        pool = pool_with(s)
+        pool.order.set_history({"x": 1, "y": 2})
+        # An answer on the open x: not held.
+        await asyncio.wait_for(pool.held("x"), 1.0)
+        # An answer on y (newer than the open x) waits for the switch ...
+        held = asyncio.create_task(pool.held("y"))
+        await asyncio.sleep(0)
+        before = held.done()
+        s.apply(Routing(3, "y", "Fence"), s.clock(), 10)
+        pool.switched()
+        await asyncio.sleep(0)
+        during = held.done()
+        s.apply(Routing(4, "y", "Open"), s.clock(), 10)
+        pool.switched()
+        await asyncio.wait_for(held, 5.0)
+        assert pool.returned(pool.view.by_name["r1"], "y")
+        return before, during
+
+    assert asyncio.run(run()) == (False, False)
+
+
+def test_an_older_answer_is_not_held() -> None:
+    async def run() -> bool:
+        s = Switch()
+        s.apply(Routing(4, "y", "Open"), s.clock(), 10)
+        pool = pool_with(s)
+        pool.order.set_history({"x": 1, "y": 2})
+        await asyncio.wait_for(pool.held("x"), 1.0)  # returns at once: x will never be open again
+        return pool.returned(pool.view.by_name["r0"], "x")
+
+    assert asyncio.run(run()) is False
