@@ -2,7 +2,9 @@
 own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline.
 
     python -m bench.sampling_concurrency [--rounds 3] [--concurrency 1 8 32 128] [--systems ...]
-                                         [--server-env K=V ...] [--variant NAME:K=V,...] [--no-write]
+                                         [--server-env K=V ...] [--variant NAME:K=V,...]
+                                         [--commit NAME:REV ...] [--pair A/B ...] [--aa NEW/BASE/AGAIN]
+                                         [--no-write]
 
 Method (a noisy 2-core box; docs/benchmarks.md):
 - One engine alive at a time, systems in a shuffled order per round (bench/rounds.py).
@@ -17,6 +19,16 @@ Method (a noisy 2-core box; docs/benchmarks.md):
 - Server CPU: the HTTP server process's own CPU-seconds per 1,000 tokens, engine processes excluded.
 - `--variant`: this server again with extra environment, as one more system in the same rounds (a
   setting tried side by side with the default; such runs are printed, never written).
+- `--commit NAME:REV`: this server as of another commit, as one more system in the same rounds (the
+  hot path before and after a change). The commit's tree is extracted once with `git archive` into
+  the temp dir (no worktree: nothing is written into the repository's .git, which other checkouts
+  share) and its server runs from there, on this venv: PYTHONPATH names the tree and PYTHONSAFEPATH
+  keeps the working directory (this checkout) off sys.path; the bench checks which `sampler_pod` that
+  environment imports before it starts. Name a commit twice to get an A/A pair: two identical systems
+  in the same rounds, which shows how far apart this box puts them. `--pair A/B` adds a paired ratio
+  to the table, and `--aa NEW/BASE/AGAIN` judges NEW against BASE by that A/A pair (issue #22's
+  acceptance 6: NEW / BASE may fall below AGAIN / BASE by no more than AGAIN / BASE's own distance
+  from 1.0). Printed, never written.
 - The load generator is aiohttp, with a keep-alive shorter than the servers' (no reuse races), and
   `got = await one(); total += got` (never `total += await ...`, which loses updates).
 """
@@ -27,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,7 +54,7 @@ import httpx
 from bench.load import PROMPT_LEN, OneRequest, post_sample, prompt
 from bench.plots import DOCS, throughput_vs_concurrency
 from bench.report import write_section
-from bench.rounds import Results, System, cpu_table, loadavg_range, run_rounds, steal_range, throughput_table
+from bench.rounds import Results, System, cpu_table, loadavg_range, ratios, run_rounds, steal_range, throughput_table
 from sampler_pod.testing.net import free_port
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.server import CPU_ENGINE_ARGS, run_server
@@ -52,6 +65,7 @@ MAX_NUM_SEQS = 128
 # Requests per cell: enough waves that a cell lasts a few seconds.
 REQUESTS = {1: 16, 8: 96, 32: 384, 128: 1024}
 SYSTEMS = ("direct", "native", "vllm")
+REPO = Path(__file__).resolve().parents[1]
 
 
 
@@ -197,14 +211,64 @@ def systems(names: list[str], model: Path, env: dict[str, str],
     return out
 
 
+# ---------------------------------------------------------------------------- other commits
+
+
+def commit_tree(rev: str) -> Path:
+    """The sources of commit `rev`, extracted once into the temp dir (keyed by the full hash)."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    dest = Path(tempfile.gettempdir()) / "sampler-bench-commits" / sha
+    if not dest.is_dir():
+        partial = dest.with_name(f"{sha}.partial-{os.getpid()}")
+        partial.mkdir(parents=True)
+        archive = subprocess.Popen(["git", "-C", str(REPO), "archive", sha], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", str(partial)], stdin=archive.stdout, check=True)
+        assert archive.wait() == 0, f"git archive {sha} failed"
+        try:
+            partial.rename(dest)        # whole or absent: a run cut short leaves only a .partial
+        except OSError:                 # another run extracted it meanwhile
+            shutil.rmtree(partial)
+    return dest
+
+
+def commit_env(tree: Path) -> dict[str, str]:
+    """The environment that runs the server of `tree` on this venv, checked to import that tree."""
+    env = {"PYTHONPATH": f"{tree}:{tree / 'operator'}", "PYTHONSAFEPATH": "1"}
+    where = subprocess.run([sys.executable, "-c", "import sampler_pod; print(sampler_pod.__file__)"], check=True,
+                           capture_output=True, text=True, env={**os.environ, **env}).stdout.strip()
+    assert Path(where).is_relative_to(tree), f"{tree}: the server would import {where}"
+    return env
+
+
+def parse_pair(text: str, n: int) -> tuple[str, ...]:
+    parts = tuple(text.split("/"))
+    if len(parts) != n or not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {n} system names separated by '/'")
+    return parts
+
+
+def aa_lines(results: Results, new: str, base: str, again: str, concurrency: list[int]) -> list[str]:
+    """NEW against BASE, judged by the A/A pair AGAIN / BASE (two identical systems in the same rounds)."""
+    med = statistics.median
+    lines = [f"A/A check: {new} / {base} against {again} / {base} (identical systems: the box's resolution)", ""]
+    for c in concurrency:
+        ab, aa = med(ratios(results, new, base, c)), med(ratios(results, again, base, c))
+        floor = aa - abs(aa - 1.0)
+        lines.append(f"- c={c}: {new} / {base} {ab:.2f}x, {again} / {base} {aa:.2f}x, floor {floor:.2f}: "
+                     + ("met" if ab >= floor else "NOT met"))
+    return lines
+
+
 # ---------------------------------------------------------------------------- run
 
 
-def table(results: Results, rounds: int, concurrency: list[int], env: dict[str, str]) -> str:
+def table(results: Results, rounds: int, concurrency: list[int], env: dict[str, str],
+          extra_pairs: list[tuple[str, str]] | None = None) -> str:
     med = statistics.median
     names = [s for s in SYSTEMS if s in results] + [s for s in results if s not in SYSTEMS]
     ours = [s for s in names if s not in ("direct", "vllm")]
-    pairs = [(a, b) for a in ours for b in ("direct", "vllm") if b in names]
+    pairs = [(a, b) for a in ours for b in ("direct", "vllm") if b in names] + list(extra_pairs or [])
     lines = [
         f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, "
         f"{MAX_TOKENS} tokens per request (ignore_eos), {PROMPT_LEN}-token prompts, temperature 1, seeded, "
@@ -234,20 +298,39 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=SYSTEMS,
+                   help="none: only the --variant and --commit systems")
     p.add_argument("--server-env", nargs="*", default=[], metavar="K=V",
                    help="extra environment for the HTTP servers (to try a setting side by side)")
     p.add_argument("--variant", nargs="*", default=[], metavar="NAME:K=V[,K=V]",
                    help="another run of this server with extra environment, side by side (never written)")
+    p.add_argument("--commit", nargs="*", default=[], metavar="NAME:REV",
+                   help="this server as of commit REV, side by side (never written); a REV twice: an A/A pair")
+    p.add_argument("--pair", nargs="*", default=[], type=lambda t: parse_pair(t, 2), metavar="A/B",
+                   help="a paired ratio A / B for the table")
+    p.add_argument("--aa", type=lambda t: parse_pair(t, 3), metavar="NEW/BASE/AGAIN",
+                   help="judge NEW / BASE by the A/A pair AGAIN / BASE (both pairs are added to the table)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled order")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     env = dict(kv.split("=", 1) for kv in a.server_env)
     variants = {name: dict(kv.split("=", 1) for kv in kvs.split(","))
                 for name, kvs in (v.split(":", 1) for v in a.variant)}
+    for name, rev in (c.split(":", 1) for c in a.commit):
+        tree = commit_tree(rev)
+        print(f"{name}: {rev} = {tree.name}", flush=True)
+        variants[name] = commit_env(tree)
+    pairs: list[tuple[str, str]] = [(x, y) for x, y in a.pair]
+    if a.aa:
+        new, base, again = a.aa
+        pairs += [(new, base), (again, base)]
+    named = set(a.systems) | set(variants)
+    assert all(s in named for pair in pairs for s in pair), f"--pair/--aa name a system not run: {pairs}"
     results = asyncio.run(run_rounds(systems(a.systems, cached_tiny_model(), env, variants), a.rounds,
                                      a.concurrency, REQUESTS, MAX_TOKENS, a.seed))
-    out = table(results, a.rounds, a.concurrency, env)
+    out = table(results, a.rounds, a.concurrency, env, pairs)
+    if a.aa:
+        out += "\n" + "\n".join(aa_lines(results, new, base, again, a.concurrency)) + "\n"
     print("\n" + out)
     if not a.no_write and not variants:
         names = {"direct": "direct AsyncLLM", "native": "this server (/v1/sample)", "vllm": "vLLM's OpenAI server"}
