@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # THE demo command (README): the operator's story on a real local Kubernetes cluster.
 #   ./scripts/demo.sh          set up (once), build the images (once), bring up the local cluster if needed,
-#                              helm install the chart, then narrate: two SamplerReplicas come up, sample, load
-#                              new weights, a mid-write failure, the operator replaces the pod (scripts/demo_cluster.py)
+#                              helm install the chart, then narrate: a SamplerPool of 2 and its gateway come up,
+#                              sample through the gateway, an RL loop trains through it (examples/rl_loop.py),
+#                              one replica's pod is lost mid-run and the loop finishes unharmed (scripts/demo_cluster.py)
 #   ./scripts/demo.sh --local  the quick single-pod demo: one sampler process on 127.0.0.1, no Kubernetes
 # The cluster is the node tier (scripts/k8s/README.md): kubelet + dockerd + control plane in a private network
 # namespace with only `lo`, state in ${SAMPLER_CACHE_DIR:-~/.cache/sampler-operator}/k8s/node. It stays up
-# afterwards (scripts/k8s/node-exec.sh kubectl get sr -A); `make cluster-down` stops it.
+# afterwards (scripts/k8s/node-exec.sh kubectl get sp,sr -A); `make cluster-down` stops it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"

@@ -2,24 +2,34 @@
 private network namespace by scripts/k8s/node-exec.sh; demo.sh brings the cluster up and builds the images).
 
   0. helm install the chart (the project's operator image)
-  1. apply two SamplerReplicas (real vLLM CPU engine, the embedded tiny model, the project's CPU sampler image)
-  2. `kubectl get sr` while they come up
-  3. sample from both
-  4. declare new weights for both (`spec.weights`): the operator loads them in place, no pod restarts
-  5. a trainer re-pushes those weights to one pod and the write fails midway (the documented test seam
-     `test_fail_after_tensors`): the pod reports uncertain weights
-  6. watch the operator replace it, and the new pod come back at the declared weights, never the base model
-  7. `kubectl get sr` and the Events
+  1. apply a SamplerPool of 2 (real vLLM CPU engine, the embedded tiny model, the project's CPU sampler
+     image): the operator creates its two SamplerReplicas and its gateway
+  2. `kubectl get sp,sr` while they come up
+  3. sample through the gateway, the pool's one address (greedy, the same prompt, both replicas answer)
+  4. a trainer's RL loop through the gateway (examples/rl_loop.py): the Tinker SDK samples groups, a toy
+     reward, a policy-gradient step in torch, the checkpoint pushed with `sampler_client`; each push is a
+     rollout (`kubectl get sp` while it runs)
+  5. one replica's pod is lost mid-run (deleted as step 1 of the loop starts sampling)
+  6. the loop is unharmed: the gateway samples on the replica left, the operator brings the lost one back
+     at the pool's weights and the next push waits for it; every step finishes, every batch at its
+     step's weights, the reward up
+  7. `kubectl get sp,sr` and the Events
+
+The replica story this demo told before the pool (weights declared on a SamplerReplica, a write failing
+midway, the pod replaced at the declared weights) is tested on the node tier (tests/operator/node/
+test_node_tier.py); two more vLLM starts would take the demo past 5 minutes.
 
 `run_story()` returns what happened, read back from the API server and the pods; the node-tier test
 (tests/operator/node/test_demo_story.py) runs this same function and asserts on it and on the cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,26 +49,30 @@ T = TypeVar("T")
 
 @dataclass
 class StoryConfig:
-    namespace: str = "sampler-demo"              # the SamplerReplicas
+    namespace: str = "sampler-demo"              # the SamplerPool
     operator_namespace: str = "sampler-system"   # the chart's release
     release: str = "sampler-operator"
-    ports: tuple[int, int] = (18101, 18102)      # hostNetwork: every replica on the node needs its own port
+    replica_port: int = 18101                    # hostNetwork: replica i listens on replica_port + i
+    gateway_port: int = 18110
     liveness_port: int = 18180
     checkpoints: Path = CACHE / "demo" / "checkpoints"
-    timeout_s: float = 420                       # per wait; a warm run takes ~3-4 min in all
+    loop_steps: int = 3                          # the RL loop's policy updates
+    timeout_s: float = 420                       # per wait; a warm run takes ~4 min in all
     out: Callable[[str], None] = print
 
 
 @dataclass
 class StoryResult:
+    pool: str = "demo"
     replicas: list[str] = field(default_factory=list)
-    tables: list[str] = field(default_factory=list)               # `kubectl get sr` outputs
-    samples: dict[str, dict[str, Any]] = field(default_factory=dict)  # step label -> /v1/sample response
-    load: dict[str, Any] = field(default_factory=dict)            # the good checkpoint load's response
-    failed_load: tuple[int, dict[str, Any]] = (0, {})             # the injected failure: HTTP code, body
-    uncertain_health: dict[str, Any] = field(default_factory=dict)
+    tables: list[str] = field(default_factory=list)               # `kubectl get sp,sr` outputs, in order
+    samples: list[dict[str, Any]] = field(default_factory=list)   # step 3: /v1/sample through the gateway
+    sampled_by: list[str] = field(default_factory=list)           # ... and the replica that answered each
+    loop_lines: list[str] = field(default_factory=list)           # what the RL loop printed
+    loop: dict[str, Any] = field(default_factory=dict)            # its summary (steps, rewards, labels)
+    killed: dict[str, str] = field(default_factory=dict)          # the lost pod: replica, name, uid
     events: list[dict[str, Any]] = field(default_factory=list)
-    final_status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    final_status: dict[str, Any] = field(default_factory=dict)    # the pool's
     seconds: float = 0.0
 
 
@@ -69,12 +83,16 @@ class Story:
         self.kubectl_bin = os.environ.get("KUBECTL", "kubectl")
         self.helm_bin = os.environ.get("HELM", "helm")
         self.images = read_images()
-        self.a, self.b = "demo-a", "demo-b"
-        self._keys: dict[tuple[str, bool], str] = {}
+        self.pool = "demo"
+        self.replicas = [f"{self.pool}-0", f"{self.pool}-1"]
+        self.victim = self.replicas[1]
+        self._keys: dict[str, str] = {}
+        self._say_lock = threading.Lock()
 
     # ---------------------------------------------------------------- narration and small runners
     def say(self, msg: str) -> None:
-        self.cfg.out(msg)
+        with self._say_lock:   # the loop's reader and the table watcher narrate from their threads
+            self.cfg.out(msg)
 
     def step(self, n: int, title: str) -> None:
         el = int(time.monotonic() - self.t0)
@@ -114,29 +132,49 @@ class Story:
     def status(self, name: str) -> dict[str, Any]:
         return self.kjson("-n", self.cfg.namespace, "get", "sr", name).get("status") or {}
 
-    def get_sr(self) -> str:
-        # a fresh discovery cache: the CRD may be newer than kubectl's cached API list
-        return self.kubectl("--cache-dir", str(CACHE / "demo" / "kube-cache"), "-n", self.cfg.namespace, "get", "sr")
+    def pool_status(self) -> dict[str, Any]:
+        return self.kjson("-n", self.cfg.namespace, "get", "sp", self.pool).get("status") or {}
 
-    def key(self, name: str, admin: bool = False) -> str:
-        """A replica's key, read as docs/operator.md tells users: from the Secret its status names (the
-        operator generated it: the demo's spec names none). The API key samples; the admin key loads weights.
-        Read once per replica: the operator never rotates them (a replacement pod gets the same keys)."""
+    def get_tables(self) -> str:
+        # a fresh discovery cache: the CRDs may be newer than kubectl's cached API list
+        return self.kubectl("--cache-dir", str(CACHE / "demo" / "kube-cache"), "-n", self.cfg.namespace,
+                            "get", "sp,sr")
+
+    def key(self, admin: bool = False) -> str:
+        """The pool's key, read as docs/pool.md tells users: from the Secret the operator generated
+        (`<pool>-sampler-keys`; the demo's spec names none). The API key samples; the admin key pushes
+        weights. The operator never rotates them (a replacement pod gets the same keys)."""
         import base64
-        if (name, admin) not in self._keys:
-            ref = self.status(name)["adminApiKeySecretRef" if admin else "apiKeySecretRef"]
-            out = self.kubectl("-n", self.cfg.namespace, "get", "secret", ref["name"], "-o",
-                               f"jsonpath={{.data.{ref['key']}}}")
-            self._keys[(name, admin)] = base64.b64decode(out).decode()
-        return self._keys[(name, admin)]
+        field_ = "admin-api-key" if admin else "api-key"
+        if field_ not in self._keys:
+            out = self.kubectl("-n", self.cfg.namespace, "get", "secret", f"{self.pool}-sampler-keys", "-o",
+                               f"jsonpath={{.data.{field_}}}")
+            self._keys[field_] = base64.b64decode(out).decode()
+        return self._keys[field_]
 
-    def url(self, name: str) -> str:
-        port = self.cfg.ports[0 if name == self.a else 1]
-        return f"http://127.0.0.1:{port}"   # hostNetwork pods: podIP is 127.0.0.1 in the node's namespace
+    @property
+    def gateway(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.gateway_port}"   # hostNetwork: the node's namespace
+
+    def watcher(self, r: StoryResult) -> Callable[[], None]:
+        """Print `kubectl get sp,sr` when a column other than AGE changed; else a heartbeat every 15 s."""
+        last: list[Any] = [None, time.monotonic()]
+
+        def show() -> None:
+            t = self.get_tables()
+            key = [ln.rsplit(None, 1)[0] for ln in t.splitlines() if ln.strip()]
+            if key != last[0]:
+                last[0], last[1] = key, time.monotonic()
+                r.tables.append(t)
+                self.say(t.rstrip())
+            elif time.monotonic() - last[1] > 15:
+                last[1] = time.monotonic()
+                self.say(f"  ... (+{int(time.monotonic() - self.t0)}s) waiting")
+        return show
 
     # ---------------------------------------------------------------- the story
     def run(self) -> StoryResult:
-        cfg, r = self.cfg, StoryResult(replicas=[self.a, self.b])
+        cfg, r = self.cfg, StoryResult(pool=self.pool, replicas=list(self.replicas))
         self.clean()
         # the watched namespace first: the chart puts the operators' KopfPeering object there
         self.kubectl("create", "namespace", cfg.namespace)
@@ -144,127 +182,147 @@ class Story:
                      f"(image {self.images['operator']})")
         self.install_operator()
 
-        self.step(1, "kubectl apply: two SamplerReplicas (vLLM CPU engine, tiny model, image "
-                     f"{self.images['sampler-cpu']})")
+        self.step(1, f"kubectl apply: a SamplerPool of 2 (vLLM CPU engine, tiny model, image "
+                     f"{self.images['sampler-cpu']}) and its gateway")
         model = tiny_model()
         cfg.checkpoints.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.checkpoints, 0o755)     # the replicas read it as their own user
         import yaml
 
-        manifest = yaml.safe_dump_all(
-            [self.replica(n, p, model) for n, p in zip((self.a, self.b), cfg.ports, strict=True)], sort_keys=False
-        )
-        self.say(self.kubectl("-n", cfg.namespace, "apply", "-f", "-", input=manifest).rstrip())
+        self.say(self.kubectl("-n", cfg.namespace, "apply", "-f", "-",
+                              input=yaml.safe_dump(self.pool_body(model), sort_keys=False)).rstrip())
+        self.gateway_token()
 
-        self.step(2, "kubectl get sr, while the operator creates the pods and vLLM starts (~1-2 min)")
-        last: list[Any] = [None, time.monotonic()]
-
-        def show() -> None:
-            """Print the table when a column other than AGE changed; else a heartbeat every 15 s."""
-            t = self.get_sr()
-            key = [ln.rsplit(None, 1)[0] for ln in t.splitlines()]
-            if key != last[0]:
-                last[0], last[1] = key, time.monotonic()
-                r.tables.append(t)
-                self.say(t.rstrip())
-            elif time.monotonic() - last[1] > 15:
-                last[1] = time.monotonic()
-                self.say(f"  ... (+{int(time.monotonic() - self.t0)}s) vLLM is still starting")
+        self.step(2, "kubectl get sp,sr, while the operator creates the replicas, their pods and the gateway "
+                     "(vLLM starts in ~1-2 min)")
+        show = self.watcher(r)
         show()
-        for name in (self.a, self.b):
-            self.wait(
-                lambda n=name: self.status(n).get("phase") == "Ready" and self.status(n).get("weightsVersion") == 0,
-                f"{name} Ready",
-                on_tick=show,
-            )
+        self.wait(lambda: (s := self.pool_status()).get("readyReplicas") == 2 and s.get("replicas") == 2,
+                  "the pool's 2 replicas Ready", on_tick=show)
+        self.wait(lambda: sum(x["eligible"] for x in get_json(self.gateway + "/health").get("replicas", [])) == 2,
+                  "the gateway routing to both", on_tick=show)
         show()
 
-        self.step(3, "sample from both (greedy, 8 tokens, the same prompt), with each replica's API key")
-        ref = self.status(self.a)["apiKeySecretRef"]
-        self.say(f"  the operator generated the keys: kubectl -n {cfg.namespace} get secret {ref['name']} "
-                 f"-o jsonpath='{{.data.{ref['key']}}}' | base64 -d")
-        for name in (self.a, self.b):
-            out = self.sample(name)
-            r.samples[f"{name}/base"] = out
-            self.say(f"  {name}: tokens {tokens(out)}  weights_version {out['weights_version']}")
+        self.step(3, f"sample through the gateway ({self.gateway}, the pool's one address), greedy, the same "
+                     "prompt, with the pool's API key")
+        self.say(f"  the operator generated the keys: kubectl -n {cfg.namespace} get secret "
+                 f"{self.pool}-sampler-keys -o jsonpath='{{.data.api-key}}' | base64 -d")
+        seen: set[str] = set()
+        for _ in range(16):   # least-loaded routing: the replicas take turns; stop once both answered
+            code, out, replica = post_gateway(self.gateway + "/v1/sample", {
+                "prompts": [PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}}, self.key())
+            if code != 200:
+                raise RuntimeError(f"sample through the gateway: HTTP {code} {out}")
+            r.samples.append(out)
+            r.sampled_by.append(replica)
+            if replica not in seen:
+                seen.add(replica)
+                self.say(f"  answered by {replica}: tokens {tokens(out)}  weights {out['weights_label']}")
+            if len(seen) == 2:
+                break
 
-        self.step(4, "declare new weights for both: kubectl patch sr ... spec.weights = step-1 (a perturbed "
-                     "checkpoint); the operator loads it in place through each pod's validated load route")
-        ckpt = make_checkpoint(model, cfg.checkpoints / "step-1")
-        weights = {"spec": {"weights": {"checkpoint": "/checkpoints/step-1", "versionLabel": "step-1"}}}
-        for name in (self.a, self.b):
-            self.say("  " + self.kubectl("-n", cfg.namespace, "patch", "sr", name, "--type", "merge",
-                                         "-p", json.dumps(weights)).rstrip())
-        for name in (self.a, self.b):
-            self.wait(lambda n=name: (w := self.status(n).get("weights") or {}).get("label") == "step-1"
-                      and w.get("declaredResult") == "Loaded", f"{name} serving step-1", on_tick=show)
-        show()
-        for name in (self.a, self.b):
-            out = self.sample(name)
-            r.samples[f"{name}/step-1"] = out
-            self.say(f"  {name}: tokens {tokens(out)}  weights {out.get('weights_label')} "
-                     f"(version {out['weights_version']}), same pod {self.status(name)['podName']}")
-        r.load = {"checkpoint": str(ckpt), **(self.status(self.a).get("weights") or {})}
+        self.step(4, f"a trainer's RL loop through the gateway, {cfg.loop_steps} updates (examples/rl_loop.py): "
+                     "Tinker SDK samples -> reward -> torch step -> safetensors -> sampler_client push, wait")
+        self.say("  reward = share of token ids 64..127 in a completion; every batch must come from its step's "
+                 "weights (X-Sampler-Weights-Spans); each push is a rollout, one replica at a time")
+        self.run_loop(r, model, show)
 
-        self.step(5, f"a trainer re-pushes step-1 to {self.b} and the write fails midway "
-                     "(test seam test_fail_after_tensors, enabled with --enable-test-seams for this demo only)")
-        code, out = post(self.url(self.b) + "/v1/checkpoints/load",
-                         {"path": "/checkpoints/step-1", "version_label": "step-1", "test_fail_after_tensors": 1},
-                         key=self.key(self.b, admin=True))    # a trainer holds the admin key
-        r.failed_load = (code, out)
-        self.say(f"  HTTP {code} {json.dumps(out)}")
-        r.uncertain_health = get_json(self.url(self.b) + "/health")
-        self.say(f"  {self.b} /health: status={r.uncertain_health.get('status')} "
-                 f"reason={r.uncertain_health.get('reason')}")
-
-        self.step(6, f"the operator replaces {self.b}; the new pod loads step-1 before it is ready")
-        old_pod = f"{self.b}-0"
-        ev = self.wait(lambda: self.events(self.b, "UncertainWeights"), "the UncertainWeights event", on_tick=show)
-        self.say(f"  event: {ev[0]['type']} {ev[0]['reason']}: {ev[0]['message']}")
-        st = self.wait(lambda: (s := self.status(self.b)).get("podName") == f"{self.b}-1" and s.get("phase") == "Ready"
-                       and (s.get("weights") or {}).get("label") == "step-1" and s, f"{self.b}'s replacement Ready",
-                       on_tick=show)
-        self.say(f"  {old_pod} -> {st['podName']} Ready at {st['weights']['label']}, "
-                 f"replacements={st['replacements']}, reason {st['lastReplacement']['reason']}")
-        out = self.sample(self.b)
-        r.samples[f"{self.b}/replaced"] = out
-        self.say(f"  {self.b}: tokens {tokens(out)}  weights {out.get('weights_label')}: the same tokens as "
-                 f"{self.a} on step-1, never the base model")
-
-        self.step(7, "kubectl get sr, and the Events")
-        t = self.get_sr()
+        self.step(7, "kubectl get sp,sr, and the Events")
+        t = self.get_tables()
         r.tables.append(t)
         self.say(t.rstrip())
         r.events = [e for e in self.kjson("-n", cfg.namespace, "get", "events")["items"]
-                    if e["involvedObject"].get("kind") == "SamplerReplica"]
-        for e in sorted(r.events, key=lambda e: e.get("lastTimestamp") or ""):
-            self.say(f"  {e['type']:<8} {e['reason']:<18} sr/{e['involvedObject']['name']}: {e['message']}")
-        r.final_status = {n: self.status(n) for n in (self.a, self.b)}
+                    if e["involvedObject"].get("kind") in ("SamplerPool", "SamplerReplica")]
+        for e in sorted(r.events, key=lambda e: e.get("lastTimestamp") or "")[-14:]:
+            self.say(f"  {e['type']:<8} {e['reason']:<18} {e['involvedObject']['kind']}/"
+                     f"{e['involvedObject']['name']}: {e['message'][:110]}")
+        r.final_status = self.pool_status()
         r.seconds = time.monotonic() - self.t0
         self.say(f"\ndone in {r.seconds:.0f}s. The cluster stays up: scripts/k8s/node-exec.sh kubectl -n "
-                 f"{cfg.namespace} get sr,pods ; stop it with `make cluster-down`.")
+                 f"{cfg.namespace} get sp,sr,pods ; stop it with `make cluster-down`.")
         return r
+
+    def run_loop(self, r: StoryResult, model: Path, show: Callable[[], None]) -> None:
+        """Steps 4-6: the loop as a subprocess (as a trainer runs it), its lines narrated; the victim's
+        pod deleted on the loop's own word that step 1's weights serve (its sampling starts); the
+        tables shown while it runs, so the rollouts and the replacement are seen as they happen."""
+        cfg = self.cfg
+        summary = CACHE / "demo" / "rl-summary.json"
+        summary.unlink(missing_ok=True)
+        argv = [sys.executable, str(ROOT / "examples" / "rl_loop.py"), "--gateway", self.gateway,
+                "--api-key", self.key(), "--admin-key", self.key(admin=True), "--model", str(model),
+                "--checkpoints", str(cfg.checkpoints), "--pod-checkpoints", "/checkpoints", "--run", self.pool,
+                "--steps", str(cfg.loop_steps), "--push-timeout", str(cfg.timeout_s), "--summary", str(summary)]
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        # Its stderr (the client's per-replica progress, library warnings) to a file: the story narrates
+        # the loop's own lines, and a failure shows the file's end.
+        err_path = CACHE / "demo" / "rl-loop.stderr"
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        done = threading.Event()
+
+        def kill() -> None:
+            pod = self.status(self.victim)["podName"]
+            uid = self.kjson("-n", cfg.namespace, "get", "pod", pod)["metadata"]["uid"]
+            self.step(5, f"{self.victim}'s pod {pod} is lost mid-run (kubectl delete pod --force), as step 1 of "
+                         "the loop starts sampling")
+            self.kubectl("-n", cfg.namespace, "delete", "pod", pod, "--force", "--grace-period=0", "--wait=false")
+            r.killed = {"replica": self.victim, "name": pod, "uid": uid}
+            self.step(6, "the loop goes on: the gateway samples on the replica left; the operator makes a new pod "
+                         "at the pool's weights, and the next push returns once it serves them")
+
+        def watch() -> None:
+            while not done.wait(1.0):
+                with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
+                    show()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                r.loop_lines.append(line)
+                self.say(f"  | {line}")
+                if not r.killed and line.startswith(f"  pushed {self.pool}-step-1"):
+                    kill()
+            rc = proc.wait(timeout=cfg.timeout_s)
+        finally:
+            done.set()
+            watcher.join(30)
+            if proc.poll() is None:
+                proc.kill()
+        if rc != 0:
+            raise RuntimeError(f"the RL loop failed (exit {rc}); its last lines:\n" + "\n".join(r.loop_lines[-20:])
+                               + f"\nits stderr ({err_path}):\n" + err_path.read_text()[-3000:])
+        r.loop = json.loads(summary.read_text())
+        rewards = [s["reward"] for s in r.loop["steps"]]
+        self.say(f"  every step finished; rewards {rewards}; every batch at its step's label; the lost replica "
+                 f"{self.victim} is back on {self.status(self.victim).get('podName')}")
 
     # ---------------------------------------------------------------- pieces
     def clean(self) -> None:
-        """A previous run's replicas, release and namespaces go first (their pods hold the demo's host ports).
-        Replicas before the operator: kopf keeps a finalizer on each SamplerReplica (for its daemon), which
-        the running operator removes; with no operator left, the finalizers are dropped by hand.
-        (The demo's own namespaces only: never anything else in the cluster.)"""
+        """A previous run's pool, replicas, release and namespaces go first (their pods hold the demo's host
+        ports). The pool before its replicas (else it would make them again), both before the operator:
+        kopf keeps a finalizer on each (for its daemon), which the running operator removes; with no
+        operator left, the finalizers are dropped by hand. (The demo's own namespaces only.)"""
         cfg = self.cfg
         released = bool(self.helm("status", cfg.release, "-n", cfg.operator_namespace, check=False))
         if self.kubectl("get", "namespace", cfg.namespace, "--ignore-not-found", "-o", "name").strip():
             self.say(f"removing the previous demo run (namespace {cfg.namespace}, release {cfg.release})...")
-            # The replicas before their namespace: deleting the namespace also deletes the operator's
-            # RoleBinding in it, after which the operator could no longer remove its finalizers.
-            names = self.kubectl("-n", cfg.namespace, "get", "sr", "-o", "name").split()
-            if names:
+            # Before their namespace: deleting the namespace also deletes the operator's RoleBinding in
+            # it, after which the operator could no longer remove its finalizers.
+            for kind, what in (("sp", "SamplerPools"), ("sr", "SamplerReplicas")):
+                names = self.kubectl("-n", cfg.namespace, "get", kind, "-o", "name").split()
+                if not names:
+                    continue
                 if not released:
                     for name in names:
                         self.kubectl("-n", cfg.namespace, "patch", name, "--type", "merge",
                                      "-p", '{"metadata":{"finalizers":null}}')
-                self.kubectl("-n", cfg.namespace, "delete", "sr", "--all", "--wait=false")
-                self.wait(lambda: not self.kubectl("-n", cfg.namespace, "get", "sr", "-o", "name").strip(),
-                          "the previous SamplerReplicas deleted")
+                self.kubectl("-n", cfg.namespace, "delete", kind, "--all", "--wait=false")
+                self.wait(lambda k=kind: not self.kubectl("-n", cfg.namespace, "get", k, "-o", "name").strip(),
+                          f"the previous {what} deleted")
             self.kubectl("delete", "namespace", cfg.namespace, "--wait=false")
             self.wait(lambda: not self.kubectl("get", "namespace", cfg.namespace, "--ignore-not-found",
                                                "-o", "name").strip(), f"namespace {cfg.namespace} deleted")
@@ -282,9 +340,6 @@ class Story:
             "watch": {"allNamespaces": False, "namespaces": [cfg.namespace]},
             "liveness": {"port": cfg.liveness_port},
             "logLevel": "verbose",
-            # Step 5 makes a write fail midway through the sampler's test seam: a demo cluster allows it (the
-            # chart's default refuses replicas that enable test seams).
-            "allowTestSeams": True,
             # Node-tier quirks (no CNI/kube-proxy, no ServiceAccount admission plugin): the operator shares the
             # node's network to reach the API server and the pods at 127.0.0.1, and mounts its token Secret.
             "hostNetwork": True,
@@ -314,40 +369,49 @@ class Story:
         self.wait(lambda: get_ok(f"http://127.0.0.1:{cfg.liveness_port}/healthz"), "the operator's liveness endpoint")
         self.say(self.kubectl("-n", cfg.operator_namespace, "get", "pods", "-o", "wide").rstrip())
 
-    def replica(self, name: str, port: int, model: Path) -> dict[str, Any]:
+    def pool_body(self, model: Path) -> dict[str, Any]:
         models = model.parent
-        return {"apiVersion": "sampler.rl.dev/v1alpha1", "kind": "SamplerReplica", "metadata": {"name": name},
-                "spec": {
-                    "model": str(model), "image": self.images["sampler-cpu"], "imagePullPolicy": "Never",
-                    "engine": "vllm", "hostNetwork": True, "port": port,
-                    "engineArgs": {"dtype": "float32", "maxModelLen": 512, "maxNumSeqs": 32,
-                                   "kvCacheMemoryBytes": 64 << 20, "enforceEager": True,
-                                   "extraArgs": ["--enable-test-seams"]},
-                    "resources": {"limits": {"memory": "4Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}},
-                    "health": {"periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3,
-                               "startupTimeoutSeconds": 600},
-                    "replacement": {"maxReplacements": 2, "windowSeconds": 600, "backoffSeconds": 0},
-                    "checkpoints": {"allowedRoots": ["/checkpoints"], "volumes": [
-                        {"name": "checkpoints", "mountPath": "/checkpoints",
-                         "source": {"hostPath": {"path": str(self.cfg.checkpoints), "type": "Directory"}}}]},
-                    # data only: the tiny model from the host's model cache; the code is the image's
-                    "pod": {"terminationGracePeriodSeconds": 5,
-                            "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "Directory"}},
-                                        {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-                            "volumeMounts": [{"name": "models", "mountPath": str(models), "readOnly": True},
-                                             {"name": "dshm", "mountPath": "/dev/shm"}]}}}
+        template = {
+            "model": str(model), "image": self.images["sampler-cpu"], "imagePullPolicy": "Never",
+            "engine": "vllm", "hostNetwork": True, "port": self.cfg.replica_port,
+            "engineArgs": {"dtype": "float32", "maxModelLen": 512, "maxNumSeqs": 32,
+                           "kvCacheMemoryBytes": 64 << 20, "enforceEager": True},
+            "resources": {"limits": {"memory": "4Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}},
+            "health": {"periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3, "startupTimeoutSeconds": 600},
+            "checkpoints": {"allowedRoots": ["/checkpoints"], "volumes": [
+                {"name": "checkpoints", "mountPath": "/checkpoints",
+                 "source": {"hostPath": {"path": str(self.cfg.checkpoints), "type": "Directory"}}}]},
+            # data only: the tiny model from the host's model cache; the code is the image's. Two CPU engines
+            # share the node's cores: vLLM's default binding would pin both to one (docs/pool.md).
+            "pod": {"terminationGracePeriodSeconds": 5,
+                    "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}],
+                    "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "Directory"}},
+                                {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                    "volumeMounts": [{"name": "models", "mountPath": str(models), "readOnly": True},
+                                     {"name": "dshm", "mountPath": "/dev/shm"}]}}
+        # Node-tier quirks, as the operator's: the gateway shares the node's network (no CNI, no
+        # kube-proxy: the API server at 127.0.0.1) and mounts its account's token Secret (this API server
+        # has no ServiceAccount admission plugin; gateway_token() makes the Secret).
+        token = {"name": "sa-token", "secret": {"secretName": f"{self.pool}-gateway-token"}}
+        mount = {"name": "sa-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
+        return {"apiVersion": "sampler.rl.dev/v1alpha1", "kind": "SamplerPool", "metadata": {"name": self.pool},
+                "spec": {"replicas": 2, "template": template,
+                         "rollout": {"maxUnavailable": 1}, "routing": {"versionPolicy": "Latest"},
+                         "gateway": {"port": self.cfg.gateway_port, "hostNetwork": True,
+                                     "env": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                                             {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}],
+                                     "volumes": [token], "volumeMounts": [mount]}}}
 
-    def sample(self, name: str) -> dict[str, Any]:
-        code, out = post(self.url(name) + "/v1/sample",
-                         {"prompts": [PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
-                         key=self.key(name))
-        if code != 200:
-            raise RuntimeError(f"sample from {name}: HTTP {code} {out}")
-        return out
-
-    def events(self, name: str, reason: str) -> list[dict[str, Any]]:
-        return [e for e in self.kjson("-n", self.cfg.namespace, "get", "events")["items"]
-                if e["reason"] == reason and e["involvedObject"].get("name") == name]
+    def gateway_token(self) -> None:
+        """The token Secret of the gateway's ServiceAccount, once the operator made the account (the
+        controller-manager fills it in; the kubelet retries the gateway pod's mount until then)."""
+        account = f"{self.pool}-gateway"
+        self.wait(lambda: self.kubectl("-n", self.cfg.namespace, "get", "serviceaccount", account,
+                                       "--ignore-not-found", "-o", "name").strip(), f"ServiceAccount {account}")
+        self.kubectl("-n", self.cfg.namespace, "apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
+            "metadata": {"name": f"{self.pool}-gateway-token",
+                         "annotations": {"kubernetes.io/service-account.name": account}}}))
 
 
 # -------------------------------------------------------------------- helpers
@@ -368,31 +432,20 @@ def tiny_model() -> Path:
     return cached_tiny_model()
 
 
-def make_checkpoint(model: Path, out: Path) -> Path:
-    """New weights for the tiny model: every tensor nudged, a sharper head (so greedy tokens visibly change)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(model / "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    new = {}
-    for name, t in tensors.items():
-        t = t.float() + torch.randn(t.shape, generator=g) * 0.05
-        new[name] = (t * 8.0 if name == "lm_head.weight" else t).to(tensors[name].dtype).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(new, str(out / "model.safetensors"))
-    os.chmod(out / "model.safetensors", 0o644)
-    return out
-
-
 def tokens(resp: dict[str, Any]) -> list[int]:
     return resp["results"][0]["sequences"][0]["tokens"]
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 300, key: str | None = None) -> tuple[int, dict[str, Any]]:
-    from sampler_pod.testing.net import post_json
-
-    return post_json(url, body, timeout, api_key=key)
+def post_gateway(url: str, body: dict[str, Any], key: str, timeout: float = 300) -> tuple[int, dict[str, Any], str]:
+    """POST through the gateway: the HTTP code, the JSON body and the replica that answered (the gateway
+    names it in X-Sampler-Replica)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "X-API-Key": key})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read()), r.headers.get("X-Sampler-Replica", "")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), e.headers.get("X-Sampler-Replica", "")
 
 
 def get_json(url: str) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""Node tier: `./scripts/demo.sh`'s story, run through the SAME code (scripts/demo_cluster.py run_story) on
-the real single-node cluster, and checked on what the API server and the pods say -- not on what it printed.
+"""Node tier: `./scripts/demo.sh`'s story (a SamplerPool of 2 and its gateway, the RL loop through it, a
+replica lost mid-run), run through the SAME code (scripts/demo_cluster.py run_story) on the real
+single-node cluster, and checked on what the API server, the pods and the loop's summary say -- not on
+what it printed.
 
 Own namespaces, release and free ports, so it neither needs nor touches a developer's demo run."""
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from sampler_pod.testing import net
 from tests.operator.node.test_node_tier import Api, assert_runs_project_image, post
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
@@ -33,13 +36,15 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
     demo = load_demo()
     suffix = uuid.uuid4().hex[:6]
     lines: list[str] = []
+    checkpoints = tmp_path / "checkpoints"
     cfg = demo.StoryConfig(namespace=f"demo-{suffix}", operator_namespace=f"demo-ops-{suffix}",
-                           release=f"so-{suffix}", ports=(ks.free_port(), ks.free_port()),
-                           liveness_port=ks.free_port(), checkpoints=tmp_path / "checkpoints",
+                           release=f"so-{suffix}", replica_port=net.free_ports(2), gateway_port=ks.free_port(),
+                           liveness_port=ks.free_port(), checkpoints=checkpoints,
                            out=lambda s: (lines.append(s), print(s, flush=True)))
     story = demo.Story(cfg)
     api = Api(k8s_node)
     ns = cfg.namespace
+    pool, victim = "demo", "demo-1"
     try:
         t0 = time.monotonic()
         r = story.run()
@@ -55,63 +60,69 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         assert_runs_project_image(opod, "operator", "operator")
         assert opod.metadata.owner_references[0].kind == "ReplicaSet"
 
-        # 1./2. two SamplerReplicas; `kubectl get sr` was shown while they came up, and at the end
+        # 1./2. a SamplerPool of 2: its two SamplerReplicas and its gateway (the operator's image), shown by
+        #    `kubectl get sp,sr` while they came up
         crs = api.custom.list_namespaced_custom_object("sampler.rl.dev", "v1alpha1", ns, "samplerreplicas")["items"]
-        assert sorted(c["metadata"]["name"] for c in crs) == ["demo-a", "demo-b"]
-        assert r.tables[0].split()[:8] == ["NAME", "PHASE", "POD", "DESIRED", "CURRENT", "VERSION", "REPLACEMENTS",
-                                           "AGE"]
-        assert any("Ready" not in t.splitlines()[1] or "Ready" not in t.splitlines()[2] for t in r.tables), \
-            "the first tables show the replicas before they are Ready"
+        assert sorted(c["metadata"]["name"] for c in crs) == ["demo-0", "demo-1"]
+        assert all(c["metadata"]["ownerReferences"][0]["kind"] == "SamplerPool" for c in crs)
+        [gpod] = [p for p in api.live_pods(ns) if "gateway" in p.metadata.name]
+        assert [c.image for c in gpod.spec.containers] == [story.images["operator"]]
+        first = r.tables[0].split()
+        assert first[:6] == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"], r.tables[0]
+        assert any(not pool_row(t)["ready"] == 2 for t in r.tables), "no table showed the pool before it was Ready"
 
-        # 3. both served samples on the base weights
-        for name in ("demo-a", "demo-b"):
-            base = r.samples[f"{name}/base"]
-            assert base["weights_version"] == 0 and len(demo.tokens(base)) == 8
+        # 3. both replicas answered through the gateway, on the base weights, with the same greedy tokens
+        assert set(r.sampled_by) == {"demo-0", "demo-1"}, r.sampled_by
+        assert all(s["weights_label"] == "base" and len(demo.tokens(s)) == 8 for s in r.samples)
+        assert len({tuple(demo.tokens(s)) for s in r.samples}) == 1
 
-        # 4. spec.weights declared step-1 on both: loaded in place (same pods), the operator recorded it,
-        #    and the greedy tokens changed
-        for name in ("demo-a", "demo-b"):
-            got = r.samples[f"{name}/step-1"]
-            assert got["weights_label"] == "step-1" and got["weights_version"] == 1, got
-            assert demo.tokens(got) != demo.tokens(r.samples[f"{name}/base"])
-        assert demo.tokens(r.samples["demo-a/step-1"]) == demo.tokens(r.samples["demo-b/step-1"])
-        a = api.status(ns, "demo-a")
-        assert a["phase"] == "Ready" and a["podName"] == "demo-a-0" and not a.get("replacements")
-        assert a["weights"]["label"] == "step-1" and a["weights"]["declaredResult"] == "Loaded"
-        assert next(c for c in a["conditions"] if c["type"] == "WeightsSynced")["status"] == "True"
-        code, out = post(f"http://127.0.0.1:{cfg.ports[0]}/v1/sample",
+        # 4.-6. the RL loop: every step finished, every batch at its step's label, the reward rose; a rollout
+        #    was shown in progress (fewer replicas updated than desired, at a loop label)
+        steps = r.loop["steps"]
+        assert [s["step"] for s in steps] == list(range(cfg.loop_steps + 1)), steps
+        for s in steps:
+            assert s["label"] == f"{pool}-step-{s['step']}" and s["batch_labels"] == [[s["label"]]] * 4, s
+        assert steps[-1]["reward"] - steps[0]["reward"] >= 0.1, [s["reward"] for s in steps]
+        rows = [pool_row(t) for t in r.tables]
+        assert any(row["weights"].startswith(f"{pool}-step-") and row["updated"] < 2 for row in rows), r.tables
+        # ...the lost pod died mid-run (step 1's sampling came after the kill) and came back, new
+        assert r.killed["replica"] == victim
+        pushed_1 = next(i for i, ln in enumerate(r.loop_lines) if ln.startswith(f"  pushed {pool}-step-1"))
+        after_kill = r.loop_lines[pushed_1:]
+        assert any(ln.startswith("step 1:") for ln in after_kill), r.loop_lines
+        assert r.killed["uid"] not in {p.metadata.uid for p in api.live_pods(ns)}
+        v = api.status(ns, victim)
+        assert v["phase"] == "Ready" and v["weights"]["label"] == f"{pool}-step-{cfg.loop_steps}", v
+        ev = api.events(ns, victim, "PodDeleted")
+        assert ev and r.killed["name"] in ev[0].message, [e.message for e in ev]
+        for c in crs:
+            assert_runs_project_image(api.core.read_namespaced_pod(api.status(ns, c["metadata"]["name"])["podName"],
+                                                                   ns), "sampler-cpu", "sampler")
+        # ...and the pool ends whole at the last step's weights, as the API server says
+        st = api.custom.get_namespaced_custom_object("sampler.rl.dev", "v1alpha1", ns, "samplerpools", pool)["status"]
+        assert (st["readyReplicas"], st["updatedReplicas"], st["targetLabel"]) == (2, 2, f"{pool}-step-3"), st
+        code, out = post(f"http://127.0.0.1:{cfg.gateway_port}/v1/sample",
                          {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
-                         key=story.key("demo-a"))
-        assert code == 200 and out["weights_label"] == "step-1"
-        assert demo.tokens(out) == demo.tokens(r.samples["demo-a/step-1"])
-
-        # 5. the injected mid-write failure made demo-b-0 report uncertain weights
-        code, body = r.failed_load
-        assert code == 500 and body["error"]["category"] == "weight_write_failed", body
-        assert r.uncertain_health["status"] == "uncertain_weights"
-
-        # 6. the operator replaced exactly that pod; the new one came back at the declared step-1
-        b = api.status(ns, "demo-b")
-        assert b["phase"] == "Ready" and b["podName"] == "demo-b-1" and b["replacements"] == 1
-        assert b["lastReplacement"]["reason"] == "UncertainWeights" and b["lastReplacement"]["oldPod"] == "demo-b-0"
-        assert b["weights"]["label"] == "step-1"
-        assert sorted(p.metadata.name for p in api.live_pods(ns)) == ["demo-a-0", "demo-b-1"]
-        for pod in ("demo-a-0", "demo-b-1"):
-            assert_runs_project_image(api.core.read_namespaced_pod(pod, ns), "sampler-cpu", "sampler")
-        code, out = post(f"http://127.0.0.1:{cfg.ports[1]}/v1/sample",
-                         {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
-                         key=story.key("demo-b"))
-        assert code == 200 and out["weights_label"] == "step-1"
-        assert demo.tokens(out) == demo.tokens(r.samples["demo-a/step-1"])    # greedy on the same weights
-        assert demo.tokens(out) != demo.tokens(r.samples["demo-b/base"])      # never the base model
+                         key=story.key())
+        assert code == 200 and out["weights_label"] == f"{pool}-step-3", out
 
         # 7. the Events the story showed are the API server's
-        ev = api.events(ns, "demo-b", "UncertainWeights")
-        assert ev and ev[0].type == "Warning" and "demo-b-0" in ev[0].message
-        assert any(e["reason"] == "UncertainWeights" for e in r.events)
-        assert "demo-b-1" in r.tables[-1] and "demo-a-0" in r.tables[-1]
+        assert any(e["reason"] == "PodDeleted" for e in r.events)
+        assert pool_row(r.tables[-1]) == {"ready": 2, "desired": 2, "weights": f"{pool}-step-3", "updated": 2}
 
         print(f"[demo story] {elapsed:.0f}s (budget for a warm demo: {WARM_BUDGET_S}s)")
         assert elapsed < WARM_BUDGET_S
     finally:
         story.clean()
+
+
+def pool_row(table: str) -> dict[str, Any]:
+    """The pool's row of a `kubectl get sp,sr` output (its first table), cut at the header's column starts
+    (kubectl aligns them; a value not yet set, READY or WEIGHTS early on, is blank)."""
+    header, row = table.splitlines()[:2]
+    cols = ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"]
+    at = [header.index(c) for c in cols] + [len(row) + 1]
+    cell = {c: row[at[i]:at[i + 1]].strip().replace("<none>", "") for i, c in enumerate(cols)}
+    assert cell["NAME"].endswith("/demo") or cell["NAME"] == "demo", table
+    return {"ready": int(cell["READY"] or 0), "desired": int(cell["DESIRED"]), "weights": cell["WEIGHTS"],
+            "updated": int(cell["UPDATED"] or 0)}
