@@ -1,0 +1,250 @@
+"""Issue #24 acceptance 2 and 3 on the fast tier: one routing switch for all of a pool's gateways.
+
+A REAL kube-apiserver, the operator as a subprocess, REAL sampler processes (fake engine) run by the
+process kubelet, and gateway PROCESSES with kube discovery, each with its own routing Lease.
+
+- 2 gateways; every client alternates its requests between them (and a third gateway started in the
+  middle of the second rollout); 5 rollouts in each mode, Drain, Abort and Keep, under that load:
+  no client ever receives an answer on older weights than one it already received (Keep: by the
+  answer's label, its last token's), no answer sent after another was received is older than it, and
+  no request fails. Under Abort a replica's load aborts its samples in flight, each answered
+  "aborted, resubmit" (503) by design; the clients resubmit those, as a trainer does, and they are
+  counted apart: any other non-200 is a failure.
+- One gateway SIGKILLed while a switch is pending: the fence waits for its Lease no longer than the
+  Lease's duration (+ the allowed clock skew + a controller step), the switch completes, and the
+  surviving gateways keep the promise.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import k8s as ks
+from tests.support.closed_loop import Answer, older_after_newer
+from tests.support.gateway import RunningGateway, run_gateway
+from tests.support.operator_harness import ProcessKubelet
+
+from .test_pool_controller import G, V, conditions, pool_body, pool_events, pool_key, pool_status, template
+
+pytestmark = pytest.mark.envtest
+# The gateways' --routing-lease-s: the bound of a switch waiting for a dead gateway. Longer than the
+# first batch of a Drain rollout takes here, so the fence surely starts before the dead one's Lease ends.
+LEASE_S = 8
+CLOCK_SKEW_S = 1.0   # pool_routing.CLOCK_SKEW_S
+MAX_TOKENS = 40      # the fake engine's ~1 ms per token: a few hundredths of a second per sample
+ROLLOUTS = 5
+
+
+def body(n: int) -> dict[str, Any]:
+    return {"prompts": [[1, 17, 42, 3 + n % 200]],
+            "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": n, "ignore_eos": True}}
+
+
+@dataclass
+class Clients:
+    """Closed-loop clients, each alternating its requests over the gateways (`urls` may grow)."""
+
+    urls: list[str]
+    key: str
+    n: int = 4
+    answers: dict[int, list[Answer]] = field(default_factory=dict)
+    resubmitted: int = 0
+    in_flight: Counter[str] = field(default_factory=Counter)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Clients:
+        for i in range(self.n):
+            self.answers[i] = []
+            t = threading.Thread(target=self._run, args=(i,), daemon=True, name=f"client-{i}")
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _run(self, i: int) -> None:
+        sent_n = 0
+        with httpx.Client(timeout=120, headers={"X-API-Key": self.key}) as client:
+            while not self._stop.is_set():
+                with self._lock:
+                    url = self.urls[sent_n % len(self.urls)]
+                    self.in_flight[url] += 1
+                sent_n += 1
+                sent = time.monotonic()
+                try:
+                    r = client.post(url + "/v1/sample", json=body(i * 100000 + sent_n))
+                    doc = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                    ok = r.status_code == 200
+                    a = Answer(sent, time.monotonic(), r.status_code, doc.get("weights_label") if ok else None,
+                               doc.get("weights_version") if ok else None, r.headers.get("x-sampler-replica"),
+                               doc, None if ok else f"{url}: {r.text[:400]}")
+                except httpx.HTTPError as e:
+                    a = Answer(sent, time.monotonic(), 0, None, None, None, {}, f"{url}: {type(e).__name__}: {e}")
+                category = ((a.body.get("error") or {}).get("category") if isinstance(a.body.get("error"), dict)
+                            else None)
+                with self._lock:
+                    self.in_flight[url] -= 1
+                    if a.status == 503 and category == "aborted":
+                        self.resubmitted += 1   # an Abort load's answer: the client sends it again
+                    else:
+                        self.answers[i].append(a)
+
+    def add(self, url: str) -> None:
+        with self._lock:
+            self.urls.append(url)
+
+    def remove(self, url: str) -> None:
+        """No new request goes to `url`; returns once none is in flight there."""
+        with self._lock:
+            self.urls.remove(url)
+        ks.wait_for(lambda: self.in_flight[url] == 0, 60, 0.01, f"no request in flight to {url}")
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(a) for a in self.answers.values())
+
+    def wait_for(self, more: int, what: str) -> None:
+        target = self.count() + more
+        ks.wait_for(lambda: self.count() >= target, 120, 0.05, what)
+
+    def stop(self) -> dict[int, list[Answer]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)
+        assert not [t.name for t in self._threads if t.is_alive()], "a client's request never ended"
+        with self._lock:
+            return {i: list(a) for i, a in self.answers.items()}
+
+
+def older_for_a_client(answers: list[Answer], order: list[str]) -> list[tuple[str | None, str | None]]:
+    """(received before, then) pairs where one client got an older label after a newer one."""
+    rank = {label: i for i, label in enumerate(order)}
+    out, newest = [], -1
+    for a in sorted((a for a in answers if a.status == 200), key=lambda a: a.received):
+        r = rank[a.label or ""]
+        if r < newest:
+            out.append((order[newest], a.label))
+        newest = max(newest, r)
+    return out
+
+
+def routing(api: Any, ns: str, pool: str) -> dict[str, Any]:
+    return pool_status(api, ns, pool).get("routing") or {}
+
+
+def open_at(api: Any, ns: str, pool: str, label: str) -> Any:
+    """The pool rolled out to `label` and its routing switched to it."""
+    s = pool_status(api, ns, pool)
+    r = s.get("routing") or {}
+    return (r.get("phase") == "Open" and r.get("label") == label and s.get("updatedReplicas") == 2
+            and s.get("readyReplicas") == 2 and not r.get("waitingFor")
+            and conditions(api, ns, pool).get("Progressing", ("",) * 3)[1] == "RolloutComplete" and s)
+
+
+def roll(api: Any, ns: str, root: Path, label: str, mode: str) -> None:
+    api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", "s", {"spec": {
+        "weights": {"checkpoint": str(root / label), "versionLabel": label}, "rollout": {"mode": mode}}})
+
+
+def start_gateway(stack: contextlib.ExitStack, k8s: Any, ns: str, key: str, name: str) -> RunningGateway:
+    return stack.enter_context(run_gateway(
+        None, "--pod-name", name, "--routing-lease-s", str(LEASE_S), "--routing-renew-s", "0.5",
+        pool="s", namespace=ns, env={**k8s.subprocess_env(), "SAMPLER_GATEWAY_API_KEY": key}))
+
+
+def test_one_switch_for_all_gateways_over_drain_abort_and_keep_rollouts_and_a_gateway_killed(
+        k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path, tmp_path: Path) -> None:
+    labels = [f"step-{i}" for i in range(1, 3 * ROLLOUTS + 3)]
+    root = tmp_path / "ckpt"
+    for label in labels:
+        (root / label).mkdir(parents=True)
+        shutil.copy(tiny_model / "model.safetensors", root / label / "model.safetensors")
+    kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
+    stack = contextlib.ExitStack()
+    try:
+        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
+        api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body(
+            "s", 2, tpl, weights={"checkpoint": str(root / labels[0]), "versionLabel": labels[0]},
+            rollout={"mode": "Drain", "maxUnavailable": 1}))
+        key = ks.wait_for(lambda: _key(api, ns), 60, 0.2, "the pool's key")
+        a = start_gateway(stack, k8s, ns, key, "gw-a")
+        b = start_gateway(stack, k8s, ns, key, "gw-b")
+        ks.wait_for(lambda: open_at(api, ns, "s", labels[0]), 120, 0.1, f"the pool open at {labels[0]}")
+        clients = Clients([a.url, b.url], key).start()
+        done: list[str] = [labels[0]]
+        c: RunningGateway | None = None
+        try:
+            clients.wait_for(20, "load through both gateways")
+            modes = ["Drain"] * ROLLOUTS + ["Abort"] * ROLLOUTS + ["Keep"] * ROLLOUTS
+            for i, mode in enumerate(modes):
+                label = labels[i + 1]
+                roll(api, ns, root, label, mode)
+                if i == 1:   # the third gateway starts in the middle of the second rollout
+                    c = start_gateway(stack, k8s, ns, key, "gw-c")
+                    clients.add(c.url)
+                ks.wait_for(lambda label=label: open_at(api, ns, "s", label), 120, 0.05,
+                            f"rollout {i + 1} ({mode}) open at {label}")
+                done.append(label)
+                clients.wait_for(8, f"answers at {label}")
+
+            # --- one gateway SIGKILLed while a switch is pending: the fence cannot hear from it
+            label = labels[-1]
+            roll(api, ns, root, label, "Drain")
+            assert c is not None
+            # Its clients stop sending there first (as a Service's endpoints would): a request in flight
+            # on a killed gateway dies with its connection, whatever the switch does.
+            clients.remove(c.url)
+            os.killpg(c.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            fence = ks.wait_for(lambda: (r := routing(api, ns, "s")).get("phase") == "Fence"
+                                and r.get("label") == label and r, 60, 0.02, "the fence before the last label")
+            ks.wait_for(lambda: open_at(api, ns, "s", label), 120, 0.05, f"open at {label} after the kill")
+            opened = time.monotonic()
+            done.append(label)
+            clients.wait_for(8, f"answers at {label}")
+        finally:
+            per_client = clients.stop()
+        # The fence waited for the dead gateway (it never acknowledged), and no longer than its Lease
+        # allows: its last renewal was before the kill.
+        assert "gw-c" in fence["waitingFor"], fence
+        bound = LEASE_S + CLOCK_SKEW_S + 3.0   # + a controller step and the live gateways' round trip
+        print(f"switch with a gateway killed: open {opened - killed:.1f} s after the kill (bound {bound} s)")
+        assert opened - killed <= bound, (opened - killed, bound)
+        events = pool_events(api, ns, "s")
+        assert events.count("RoutingOpen") == len(done), events
+        assert any("not waited for, Lease expired: gw-c" in m for m in _messages(api, ns, "RoutingOpen"))
+
+        every = [x for xs in per_client.values() for x in xs]
+        failed = [(x.status, x.error) for x in every if x.status != 200]
+        print(f"{len(every)} answers, {clients.resubmitted} aborted and resubmitted, by label "
+              f"{ {lbl: sum(x.label == lbl for x in every) for lbl in done} }")
+        assert not failed, f"{len(failed)} of {len(every)} failed: {failed[:5]}"
+        for i, xs in per_client.items():
+            assert older_for_a_client(xs, done) == [], f"client {i} got older weights after newer"
+        assert older_after_newer(every, done) == []
+        assert {x.label for x in every} >= set(done[1:]), "a rollout's label never reached a client"
+    finally:
+        stack.close()
+        kubelet.stop()
+
+
+def _key(api: Any, ns: str) -> str | None:
+    with contextlib.suppress(Exception):
+        return pool_key(api, ns, "s")
+    return None
+
+
+def _messages(api: Any, ns: str, reason: str) -> list[str]:
+    return [e.message for e in api.core.list_namespaced_event(ns).items
+            if e.involved_object.kind == "SamplerPool" and e.reason == reason]
