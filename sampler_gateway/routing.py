@@ -177,8 +177,17 @@ class KubeRoutingLease:
             raise
 
     def _read_pool(self) -> dict[str, Any]:
-        obj: dict[str, Any] = self._custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                                        self.pool)
+        """The pool object; empty when there is none: replicas grouped by the pool label alone have no
+        controller, so no switch to honour (the renewal still bounds this gateway's self-fence)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            obj: dict[str, Any] = self._custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                                            self.pool)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            return {}
         return obj
 
     async def renew(self) -> bool:

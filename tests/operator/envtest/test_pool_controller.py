@@ -136,7 +136,10 @@ def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any
         assert c["env"] == [{"name": "SAMPLER_GATEWAY_API_KEY",
                              "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "api-key"}}},
                             {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY",
-                             "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}}]
+                             "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}},
+                            # its routing Lease's holder (#24)
+                            {"name": "SAMPLER_GATEWAY_POD_NAME",
+                             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}}]
         for kind in ("deployment", "service", "serviceaccount", "role", "rolebinding"):
             obj = ks.wait_for(lambda kind=kind: _get(k8s, ns, kind, "p-gateway"), 30, 0.2, f"gateway {kind}")
             assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid], kind

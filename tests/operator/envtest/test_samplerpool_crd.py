@@ -41,7 +41,7 @@ def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: No
     k8s.kubectl("-n", ns, "apply", "-f", "-", input=pool("p1", weights={"checkpoint": "/ckpt/step-2",
                                                                         "versionLabel": "step-2"}))
     got = k8s.kubectl_json("-n", ns, "get", "sp", "p1")
-    assert got["spec"]["rollout"] == {"maxUnavailable": 1, "mode": "Drain", "drainTimeoutSeconds": 30}
+    assert got["spec"]["rollout"] == {"maxUnavailable": 1, "mode": "Drain", "kv": "Keep", "drainTimeoutSeconds": 30}
     assert got["spec"]["routing"] == {"versionPolicy": "Latest",
                                       "affinity": {"header": "X-Sampler-Affinity", "replicaCapacity": 128}}
     assert got["spec"]["gateway"] == {"replicas": 1, "port": 8080, "hostNetwork": False}
