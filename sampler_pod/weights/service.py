@@ -170,17 +170,7 @@ class WeightsService:
         deadline = t0 + budget
         outcome = "rejected"
         try:
-            try:
-                # The thread cannot be stopped, but the load no longer waits for it: its result is dropped.
-                validated = await asyncio.wait_for(
-                    asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
-                                      sha256_manifest=req.sha256_manifest),
-                    timeout=budget)
-            except TimeoutError:
-                raise LoadTimedOut(f"validation did not finish within timeout_s={budget:g}s; nothing was written",
-                                   field="timeout_s") from None
-            validation_s = time.monotonic() - t0
-            m.validation_seconds.observe(validation_s)
+            validated, validation_s = await self._validated(req, budget)
             try:
                 # Only taking the lock can raise TimeoutError here: nothing in the body lets one out
                 # (`_persist` and `_write` turn every failure into their own errors).
@@ -216,6 +206,22 @@ class WeightsService:
                                       tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
                                       stage_s=0.0, drain_wait_s=drain_s, write_s=write_s, paused_s=write_s)
 
+    async def _validated(self, req: LoadCheckpointRequest, budget: float) -> tuple[ValidatedCheckpoint, float]:
+        """Validation, every mode's first step: (the checkpoint, seconds it took), or a 504 past `budget`."""
+        t0 = time.monotonic()
+        try:
+            # The thread cannot be stopped, but the load no longer waits for it: its result is dropped.
+            validated = await asyncio.wait_for(
+                asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
+                                  sha256_manifest=req.sha256_manifest),
+                timeout=budget)
+        except TimeoutError:
+            raise LoadTimedOut(f"validation did not finish within timeout_s={budget:g}s; nothing was written",
+                               field="timeout_s") from None
+        validation_s = time.monotonic() - t0
+        self.core.metrics.validation_seconds.observe(validation_s)
+        return validated, validation_s
+
     async def _load_keep(self, req: LoadCheckpointRequest, engine: Engine,
                          require: Callable[[], Engine]) -> LoadCheckpointResponse:
         """Validate -> stage (sampling goes on) -> the right to mutate -> record the intent -> pause,
@@ -227,18 +233,13 @@ class WeightsService:
         outcome = "rejected"
         staged: StagedCheckpoint | None = None
         try:
+            validated, validation_s = await self._validated(req, budget)
             try:
-                validated = await asyncio.wait_for(
-                    asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
-                                      sha256_manifest=req.sha256_manifest),
-                    timeout=budget)
-                validation_s = time.monotonic() - t0
-                m.validation_seconds.observe(validation_s)
                 staged = await asyncio.wait_for(engine.stage_checkpoint([str(s.path) for s in validated.shards]),
                                                 timeout=max(0.0, deadline - time.monotonic()))
                 stage_s = time.monotonic() - t0 - validation_s
             except TimeoutError:
-                raise LoadTimedOut(f"validating and staging the checkpoint did not finish within timeout_s={budget:g}s;"
+                raise LoadTimedOut(f"staging the checkpoint did not finish within timeout_s={budget:g}s;"
                                    " nothing was written", field="timeout_s") from None
             except SamplerError:
                 raise
