@@ -32,6 +32,15 @@ def pool_body(name: str, replicas: int, template: dict[str, Any], **spec: Any) -
             "spec": {"replicas": replicas, "template": template, **spec}}
 
 
+def base_copies(model: Path, root: Path, labels: list[str] | tuple[str, ...]) -> Path:
+    """A checkpoint directory per label under `root`, each a copy of the base model's weights (the
+    fake engine answers by checkpoint bytes, so each label is valid; what differs is the label)."""
+    for label in labels:
+        (root / label).mkdir(parents=True)
+        shutil.copy(model / "model.safetensors", root / label / "model.safetensors")
+    return root
+
+
 def template(port: int, **extra: Any) -> dict[str, Any]:
     return {"model": "/models/tiny", "image": "local/sampler-base:dev", "engine": "fake", "port": port,
             "health": {"periodSeconds": 1, "timeoutSeconds": 1, "failureThreshold": 3}, **extra}
@@ -175,10 +184,7 @@ def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any
 
 def test_weights_roll_out_one_replica_at_a_time(k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path,
                                                 tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    for label in ("step-1", "step-2"):
-        (root / label).mkdir(parents=True)
-        shutil.copy(tiny_model / "model.safetensors", root / label / "model.safetensors")
+    root = base_copies(tiny_model, tmp_path / "ckpt", ("step-1", "step-2"))
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     try:

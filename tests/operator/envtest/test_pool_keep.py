@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import shutil
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -36,6 +35,7 @@ from tests.support.spans import by_last_token, crossed, span_problems
 from .test_pool_controller import (
     G,
     V,
+    base_copies,
     conditions,
     drains_replayed,
     pool_body,
@@ -88,10 +88,7 @@ def complete_at(api: Any, ns: str, pool: str, label: str) -> Any:
 
 def test_a_keep_rollout_under_load_loses_nothing_and_a_failed_keep_write_is_replaced_at_the_target(
         k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path, tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    for label in ("step-1", "step-2", "step-3"):
-        (root / label).mkdir(parents=True)
-        shutil.copy(tiny_model / "model.safetensors", root / label / "model.safetensors")
+    root = base_copies(tiny_model, tmp_path / "ckpt", ("step-1", "step-2", "step-3"))
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     try:

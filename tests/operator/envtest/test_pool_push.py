@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,17 @@ from tests.support import k8s as ks
 from tests.support.gateway import run_gateway
 from tests.support.operator_harness import ProcessKubelet
 
-from .test_pool_controller import G, V, _get, conditions, pool_body, pool_status, replicas_of, template
+from .test_pool_controller import (
+    G,
+    V,
+    _get,
+    base_copies,
+    conditions,
+    pool_body,
+    pool_status,
+    replicas_of,
+    template,
+)
 
 pytestmark = pytest.mark.envtest
 
@@ -40,10 +49,7 @@ def _gateway_env(api: Any, ns: str, deployment: dict[str, Any]) -> dict[str, str
 
 def test_a_trainer_pushes_weights_through_the_gateway(k8s: Any, api: Any, ns: str, operator: Any,
                                                       tiny_model: Path, tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    for label in ("step-1", "step-2"):
-        (root / label).mkdir(parents=True)
-        shutil.copy(tiny_model / "model.safetensors", root / label / "model.safetensors")
+    root = base_copies(tiny_model, tmp_path / "ckpt", ("step-1", "step-2"))
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     try:

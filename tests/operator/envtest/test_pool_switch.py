@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import threading
 import time
@@ -35,7 +34,17 @@ from tests.support.closed_loop import Answer, older_after_newer
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.operator_harness import ProcessKubelet
 
-from .test_pool_controller import G, V, conditions, pool_body, pool_events, pool_key, pool_status, template
+from .test_pool_controller import (
+    G,
+    V,
+    base_copies,
+    conditions,
+    pool_body,
+    pool_events,
+    pool_key,
+    pool_status,
+    template,
+)
 
 pytestmark = pytest.mark.envtest
 # The gateways' --routing-lease-s: the bound of a switch waiting for a dead gateway. Longer than the
@@ -166,10 +175,7 @@ def start_gateway(stack: contextlib.ExitStack, k8s: Any, ns: str, key: str, name
 def test_one_switch_for_all_gateways_over_drain_abort_and_keep_rollouts_and_a_gateway_killed(
         k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path, tmp_path: Path) -> None:
     labels = [f"step-{i}" for i in range(1, 3 * ROLLOUTS + 3)]
-    root = tmp_path / "ckpt"
-    for label in labels:
-        (root / label).mkdir(parents=True)
-        shutil.copy(tiny_model / "model.safetensors", root / label / "model.safetensors")
+    root = base_copies(tiny_model, tmp_path / "ckpt", labels)
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     try:
