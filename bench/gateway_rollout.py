@@ -2,7 +2,7 @@
 against the loads it is made of.
 
 What is measured, and what is not: the pool controller needs Kubernetes, so this drives the same steps
-the controller takes (pool_plan: per batch of at most maxUnavailable replicas, mark draining -> load ->
+the controller takes (sampler_operator.pool.plan: per batch of at most maxUnavailable replicas, mark draining -> load ->
 verify the replica serves the target label -> back in routing) against the static gateway, whose
 replicas file plays the drain annotation. The controller's own API round trips are not in it; the
 gateway-side part (drain seen, back in routing on the new label) and the loads are. The verify step
@@ -130,7 +130,7 @@ def _each(out: set[str], test: Callable[[dict[str, Any]], bool]) -> Callable[[di
 
 def rollout(gw: RunningGateway, urls: dict[str, str], checkpoint: str, label: str, max_unavailable: int,
             tally: ClientTally) -> Rollout:
-    """One pool-wide weights change, batch by batch, as pool_plan orders it."""
+    """One pool-wide weights change, batch by batch, as sampler_operator.pool.plan orders it."""
     names = sorted(urls)
     batches = [names[i:i + max_unavailable] for i in range(0, len(names), max_unavailable)]
     refused0, failed0 = tally.refused, tally.failed

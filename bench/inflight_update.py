@@ -7,7 +7,7 @@ in each `in_flight` mode, on one replica and on a pool of 2 behind the gateway.
 Cells: mode (drain, abort, keep) x L (max_tokens of every sample, ignore_eos) x topology:
 - one: one real vLLM replica; the update is one `POST /v1/checkpoints/load` with that `in_flight`.
 - pool: two replicas behind a real gateway process (static discovery, `--version-policy Latest`); the
-  update is what the pool controller does for the matching `rollout.mode` (pool_plan.py): Drain and
+  update is what the pool controller does for the matching `rollout.mode` (sampler_operator/pool/plan.py): Drain and
   Abort one replica at a time (maxUnavailable 1), each marked draining through the gateway's replicas
   file (the drain annotation's stand-in), loaded, and put back once the gateway sees it on the new
   label; Keep loads both at once, neither leaving routing, done once the gateway sees both on the

@@ -2,7 +2,7 @@
 and how far the rollout it starts has come.
 
 A trainer has the gateway's address and the pool's admin key, rarely Kubernetes credentials; the pool
-controller already rolls `spec.weights` out batch by batch (operator/sampler_operator/pool_plan.py). So
+controller already rolls `spec.weights` out batch by batch (operator/sampler_operator/pool/plan.py). So
 a push is one write of `spec.weights` through the gateway, checked first where the gateway can check it
 (the fields, the template's `checkpoints.allowedRoots`): a push the pool would only refuse later never
 becomes the pool's target. What the gateway cannot see (the checkpoint's files, which live on the

@@ -7,7 +7,7 @@ rollout read just after a push must see that push. Both are rare (a trainer's st
 round trip costs nothing that matters. The blocking kubernetes client runs in a thread.
 
 RBAC: get (the discovery's Role has it) and patch on this one pool only (`resourceNames`,
-operator/sampler_operator/pool_gateway.py).
+operator/sampler_operator/pool/gateway.py).
 """
 
 from __future__ import annotations

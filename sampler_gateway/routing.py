@@ -1,4 +1,4 @@
-"""The gateway's side of the pool's one routing switch (operator/sampler_operator/pool_routing.py).
+"""The gateway's side of the pool's one routing switch (operator/sampler_operator/pool/routing.py).
 
 The SamplerPool's `status.routing` says which label every gateway of the pool may return answers on
 (`Open`), or that none may (`Fence`, while the pool moves from one label to a newer one). This
@@ -35,8 +35,8 @@ from typing import Any, Literal, Protocol
 
 log = logging.getLogger(__name__)
 
-ACK_ANNOTATION = "sampler.rl.dev/routing-generation"  # pool_routing.ACK_ANNOTATION
-GATEWAY_LABEL = "sampler.rl.dev/gateway"  # pool_gateway.LABEL_GATEWAY: the controller lists by it
+ACK_ANNOTATION = "sampler.rl.dev/routing-generation"  # sampler_operator.pool.routing.ACK_ANNOTATION
+GATEWAY_LABEL = "sampler.rl.dev/gateway"  # sampler_operator.pool.gateway.LABEL_GATEWAY: the controller lists by it
 GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerpools"
 
 Phase = Literal["Open", "Fence"]

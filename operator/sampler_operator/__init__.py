@@ -1,13 +1,11 @@
-"""sampler-operator: keeps one healthy sampler pod per SamplerReplica custom resource.
+"""sampler-operator: keeps one healthy sampler pod per SamplerReplica custom resource, and pools of them.
 
-Read in this order: spec.py (what a user asks for), seams.py (what it may not ask for here),
-api_keys.py (the pod's keys), desired_pod.py (the pod we build for it),
-replacement_policy.py (when a pod must be swapped), status.py (what we report back),
-health_probe.py (how we look at a pod), reconcile.py (the loop tying them together),
-handlers.py (the kopf wiring), settings.py and __main__.py (how it runs);
-release_finalizers.py (a command: deleting replicas while no operator runs).
-The SamplerPool controller: pool_plan.py (pure decisions), pool_conditions.py (its conditions and
-Events, pure), pool_gateway.py (the gateway's objects, pure), pool_loop.py (one step of the pool's loop).
+One controller per kind, as kubebuilder lays them out:
+- replica/: the SamplerReplica controller (read its __init__ for the order);
+- pool/: the SamplerPool controller (likewise).
+Shared by both: api_keys.py (the pods' keys), health_probe.py and pod_client.py (how we look at and
+talk to a pod), kube.py (the API calls), handlers.py (the kopf wiring), settings.py and __main__.py
+(how it runs); release_finalizers.py (a command: deleting replicas while no operator runs).
 """
 
 GROUP = "sampler.rl.dev"

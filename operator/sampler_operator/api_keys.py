@@ -13,7 +13,7 @@ The Secret is created only if absent and never rewritten: rotating a key would c
 client holding it, on every reconcile. (Rotation by hand: delete the Secret; the next pod the
 operator creates gets new keys.)
 
-A SamplerPool does the same once for all its replicas (`<pool>-sampler-keys`, pool_plan.py): the
+A SamplerPool does the same once for all its replicas (`<pool>-sampler-keys`, pool/plan.py): the
 gateway forwards a client's key to whichever replica serves it, so a pool's replicas share keys.
 
 Generated keys start with `tml-`: the Tinker SDK refuses keys without that prefix.
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import AdminSecretKeyRef, SamplerReplicaSpec, SecretKeyRef
+from sampler_operator.replica.spec import AdminSecretKeyRef, SamplerReplicaSpec, SecretKeyRef
 
 API_KEY = "api-key"
 ADMIN_API_KEY = "admin-api-key"

@@ -21,19 +21,20 @@ from typing import Any, cast
 import aiohttp
 import kopf
 
-from . import GROUP, PLURAL, POOL_PLURAL, VERSION, seams
-from . import settings as operator_settings
-from .context import Context, ReplicaMemory
-from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
-from .fleet import ReplacementSlots
-from .kube import Kube, load_config
-from .pod_view import PodView
-from .pool_loop import PoolMemory
-from .pool_loop import step as pool_step
-from .pool_plan import ReplicaState
-from .reconcile import step
-from .spec import InvalidSpec, parse_spec
-from .status import invalid_spec_status
+from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION
+from sampler_operator import settings as operator_settings
+from sampler_operator.kube import Kube, load_config
+from sampler_operator.pool.loop import PoolMemory
+from sampler_operator.pool.loop import step as pool_step
+from sampler_operator.pool.plan import ReplicaState
+from sampler_operator.replica import seams
+from sampler_operator.replica.context import Context, ReplicaMemory
+from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
+from sampler_operator.replica.fleet import ReplacementSlots
+from sampler_operator.replica.pod_view import PodView
+from sampler_operator.replica.reconcile import step
+from sampler_operator.replica.spec import InvalidSpec, parse_spec
+from sampler_operator.replica.status import invalid_spec_status
 
 OUR_PODS: Mapping[str, Any] = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_REPLICA: kopf.PRESENT}
 # SamplerReplicas a pool may own (which pool: the controller ownerReference, read by ReplicaState).

@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from . import GROUP, PLURAL, POOL_PLURAL, VERSION
+from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION
 
 
 def load_config() -> None:
@@ -69,7 +69,7 @@ class Kube:
         return items
 
     async def list_leases(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        """The pool's gateways' Leases (their acknowledgements of the routing, pool_routing.py)."""
+        """The pool's gateways' Leases (their acknowledgements of the routing, pool/routing.py)."""
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
         resp = await asyncio.to_thread(self.coordination.list_namespaced_lease, namespace,
                                        label_selector=label_selector, _preload_content=False)

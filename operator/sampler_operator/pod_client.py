@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from .health_probe import health_url
+from sampler_operator.health_probe import health_url
 
 
 class Outcome(enum.StrEnum):

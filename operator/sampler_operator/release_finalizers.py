@@ -30,8 +30,8 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from . import FINALIZER, GROUP, PLURAL, VERSION
-from .kube import load_config
+from sampler_operator import FINALIZER, GROUP, PLURAL, VERSION
+from sampler_operator.kube import load_config
 
 
 # ------------------------------------------------------------------------------------ pure

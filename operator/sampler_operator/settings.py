@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import kopf
 
-from . import FINALIZER, GROUP
-from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY
-from .replacement_policy import fleet_cap
+from sampler_operator import FINALIZER, GROUP
+from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, MANAGED_BY
+from sampler_operator.replica.replacement_policy import fleet_cap
 
 
 def _env_float(name: str, default: float) -> float:

@@ -251,7 +251,7 @@ class OperatorProcess:
     def __init__(self, cluster: ks.Cluster, namespaces: list[str], log_path: Path, env: dict[str, str] | None = None,
                  peering: list[str] | None = None, allow_test_seams: bool = False):
         """`allow_test_seams`: accept replicas that enable the sampler's test seams (the operator refuses
-        them by default, sampler_operator/seams.py); for tests that make a write fail midway on purpose."""
+        them by default, sampler_operator/replica/seams.py); for tests that make a write fail midway on purpose."""
         self.cluster, self.namespaces, self.log_path = cluster, namespaces, log_path
         self.extra_env = {"SAMPLER_OPERATOR_ALLOW_TEST_SEAMS": "true" if allow_test_seams else "false", **(env or {})}
         self.peering = peering or ["--standalone"]

@@ -50,7 +50,7 @@ pytestmark = pytest.mark.envtest
 # The gateways' --routing-lease-s: the bound of a switch waiting for a dead gateway. Longer than the
 # first batch of a Drain rollout takes here, so the fence surely starts before the dead one's Lease ends.
 LEASE_S = 8
-CLOCK_SKEW_S = 1.0   # pool_routing.CLOCK_SKEW_S
+CLOCK_SKEW_S = 1.0   # sampler_operator.pool.routing.CLOCK_SKEW_S
 MAX_TOKENS = 40      # the fake engine's ~1 ms per token: a few hundredths of a second per sample
 ROLLOUTS = 5
 

@@ -12,7 +12,7 @@ from sampler_operator.api_keys import (
     read_command,
     replica_keys,
 )
-from sampler_operator.spec import InvalidSpec, parse_spec
+from sampler_operator.replica.spec import InvalidSpec, parse_spec
 
 
 def spec(**over):

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 
-from sampler_operator.desired_pod import (
+from sampler_operator.replica.desired_pod import (
     ANNOTATION_POD_GENERATION,
     ANNOTATION_TEMPLATE_HASH,
     LABEL_POOL,
@@ -18,7 +18,7 @@ from sampler_operator.desired_pod import (
     sampler_args,
     template_hash,
 )
-from sampler_operator.spec import parse_spec
+from sampler_operator.replica.spec import parse_spec
 
 OWNER = Owner(name="r1", namespace="ns", uid="uid-1")
 

@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from sampler_operator.__main__ import parse_args
-from sampler_operator.desired_pod import Owner, desired_pod
-from sampler_operator.spec import parse_spec
+from sampler_operator.replica.desired_pod import Owner, desired_pod
+from sampler_operator.replica.spec import parse_spec
 from tests.support import REPO_ROOT
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("samplerreplica*.yaml"))

@@ -20,7 +20,7 @@ import yaml
 
 from sampler_operator import settings
 from sampler_operator.api_keys import KeyRef
-from sampler_operator.pool_gateway import gateway_objects
+from sampler_operator.pool.gateway import gateway_objects
 from tests.support import REPO_ROOT
 
 OPERATOR_IMAGE = REPO_ROOT / "images" / "operator"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sampler_operator.pool_plan import HISTORY_LIMIT, PoolSpec, pool_status, weights_history
-from sampler_operator.status import iso
+from sampler_operator.pool.plan import HISTORY_LIMIT, PoolSpec, pool_status, weights_history
+from sampler_operator.replica.status import iso
 
 TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
 

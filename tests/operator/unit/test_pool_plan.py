@@ -6,8 +6,8 @@ from dataclasses import replace
 from typing import Any
 
 from sampler_operator.api_keys import replica_keys
-from sampler_operator.pool_conditions import rollout_events
-from sampler_operator.pool_plan import (
+from sampler_operator.pool.conditions import rollout_events
+from sampler_operator.pool.plan import (
     ANNOTATION_DRAINING,
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
@@ -25,8 +25,8 @@ from sampler_operator.pool_plan import (
     replica_spec,
     spec_hash,
 )
-from sampler_operator.spec import parse_spec
-from sampler_operator.status import iso, parse_iso
+from sampler_operator.replica.spec import parse_spec
+from sampler_operator.replica.status import iso, parse_iso
 
 UID = "uid-1"
 TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
@@ -206,7 +206,7 @@ def test_from_object_reads_the_drain_mark() -> None:
 
 
 def test_gateway_objects_follow_the_pool_spec() -> None:
-    from sampler_operator.pool_gateway import gateway_objects
+    from sampler_operator.pool.gateway import gateway_objects
     from sampler_operator.settings import gateway_image
 
     pool_spec = {"template": {**TEMPLATE, "apiKeySecretRef": {"name": "k"}, "requestTimeoutSeconds": 60},
@@ -250,7 +250,7 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
 
 
 def test_gateway_on_the_node_network_with_extra_env_and_volumes_keeps_its_key() -> None:
-    from sampler_operator.pool_gateway import gateway_objects
+    from sampler_operator.pool.gateway import gateway_objects
 
     extra = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
              {"name": "SAMPLER_GATEWAY_API_KEY", "value": "tml-not-the-pools"},

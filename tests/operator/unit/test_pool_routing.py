@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sampler_operator.pool_routing import (
+from sampler_operator.pool.routing import (
     ACK_ANNOTATION,
     CLOCK_SKEW_S,
     FENCE,

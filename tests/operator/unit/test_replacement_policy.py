@@ -2,8 +2,8 @@
 import pytest
 
 from sampler_operator.health_probe import HealthObservation, HealthState, classify
-from sampler_operator.replacement_policy import Action, backoff_delay, decide
-from sampler_operator.spec import ReplacementPolicy
+from sampler_operator.replica.replacement_policy import Action, backoff_delay, decide
+from sampler_operator.replica.spec import ReplacementPolicy
 
 POLICY = ReplacementPolicy(maxReplacements=2, windowSeconds=100, backoffSeconds=0, maxBackoffSeconds=0)
 NOW = 10_000.0

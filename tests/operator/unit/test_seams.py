@@ -1,8 +1,8 @@
 """Unit tests (pure): the operator refuses replicas that enable the sampler's test seams unless allowed."""
 import pytest
 
-from sampler_operator import seams
-from sampler_operator.spec import InvalidSpec, parse_spec
+from sampler_operator.replica import seams
+from sampler_operator.replica.spec import InvalidSpec, parse_spec
 
 
 def spec(**over):

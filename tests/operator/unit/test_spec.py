@@ -1,7 +1,7 @@
 """Unit tests (pure): spec parsing, defaults and semantic validation."""
 import pytest
 
-from sampler_operator.spec import InvalidSpec, parse_spec
+from sampler_operator.replica.spec import InvalidSpec, parse_spec
 
 
 def test_defaults_match_the_contract():

@@ -5,8 +5,8 @@ through liveness, and its weights are certain."""
 import json
 
 from sampler_operator.health_probe import HealthState, classify
-from sampler_operator.replacement_policy import Action, ReplacementPolicy, decide
-from sampler_operator.status import changed, stall_event_message
+from sampler_operator.replica.replacement_policy import Action, ReplacementPolicy, decide
+from sampler_operator.replica.status import changed, stall_event_message
 from tests.operator.unit.test_status import NOW, conds, status_for
 
 POLICY = ReplacementPolicy()

@@ -1,8 +1,8 @@
 """Unit tests (pure): status and condition builders."""
 from sampler_operator.health_probe import HealthObservation, HealthState, classify
-from sampler_operator.pod_view import PodView
-from sampler_operator.replacement_policy import Action, Decision
-from sampler_operator.status import (
+from sampler_operator.replica.pod_view import PodView
+from sampler_operator.replica.replacement_policy import Action, Decision
+from sampler_operator.replica.status import (
     changed,
     condition,
     invalid_spec_status,

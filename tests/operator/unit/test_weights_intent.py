@@ -5,13 +5,13 @@ from typing import Any
 
 import pytest
 
-from sampler_operator.desired_pod import ANNOTATION_TEMPLATE_HASH, Owner, desired_pod
-from sampler_operator.fleet import ReplacementSlots
 from sampler_operator.health_probe import classify
 from sampler_operator.pod_client import Outcome, outcome_of
-from sampler_operator.replacement_policy import Action, Decision, fleet_cap, queue_for_fleet_cap
-from sampler_operator.spec import InvalidSpec, parse_spec
-from sampler_operator.weights_intent import (
+from sampler_operator.replica.desired_pod import ANNOTATION_TEMPLATE_HASH, Owner, desired_pod
+from sampler_operator.replica.fleet import ReplacementSlots
+from sampler_operator.replica.replacement_policy import Action, Decision, fleet_cap, queue_for_fleet_cap
+from sampler_operator.replica.spec import InvalidSpec, parse_spec
+from sampler_operator.replica.weights_intent import (
     CHECKPOINT_MISSING,
     INVALID,
     LOADED,

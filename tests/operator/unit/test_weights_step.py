@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sampler_operator.desired_pod import startup_weights_env
-from sampler_operator.pool_plan import PoolSpec, desired_replica_spec
-from sampler_operator.spec import parse_spec
-from sampler_operator.weights_intent import WeightsRef, declared_load_request, declared_ref
+from sampler_operator.pool.plan import PoolSpec, desired_replica_spec
+from sampler_operator.replica.desired_pod import startup_weights_env
+from sampler_operator.replica.spec import parse_spec
+from sampler_operator.replica.weights_intent import WeightsRef, declared_load_request, declared_ref
 
 TEMPLATE: dict[str, Any] = {"model": "/models/tiny", "image": "img", "engine": "fake",
                             "checkpoints": {"allowedRoots": ["/ckpt"]}}

@@ -20,8 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import seams
-from .api_keys import (
+from sampler_operator.api_keys import (
     fresh_values,
     generated_secret,
     generated_secret_name,
@@ -30,13 +29,21 @@ from .api_keys import (
     read_command,
     replica_keys,
 )
-from .context import Context, ReplicaMemory, event_target, owner_of, test_pause
-from .desired_pod import desired_pod, owner_reference, pod_name, pod_template, selector_labels, template_hash
-from .health_probe import HealthObservation, HealthState, probe
-from .pod_view import PodView
-from .replacement_policy import Action, Decision, decide, queue_for_fleet_cap
-from .spec import InvalidSpec, SamplerReplicaSpec, parse_spec
-from .status import (
+from sampler_operator.health_probe import HealthObservation, HealthState, probe
+from sampler_operator.replica import seams
+from sampler_operator.replica.context import Context, ReplicaMemory, event_target, owner_of, test_pause
+from sampler_operator.replica.desired_pod import (
+    desired_pod,
+    owner_reference,
+    pod_name,
+    pod_template,
+    selector_labels,
+    template_hash,
+)
+from sampler_operator.replica.pod_view import PodView
+from sampler_operator.replica.replacement_policy import Action, Decision, decide, queue_for_fleet_cap
+from sampler_operator.replica.spec import InvalidSpec, SamplerReplicaSpec, parse_spec
+from sampler_operator.replica.status import (
     DEGRADED,
     ENGINE_PROGRESSING,
     ENGINE_STALLED,
@@ -46,7 +53,7 @@ from .status import (
     runtime_status,
     stall_event_message,
 )
-from .weights_intent import (
+from sampler_operator.replica.weights_intent import (
     CHECKPOINT_MISSING,
     checkpoint_missing,
     observed_weights,
@@ -54,7 +61,7 @@ from .weights_intent import (
     startup_weights,
     weights_synced,
 )
-from .weights_sync import sync_weights
+from sampler_operator.replica.weights_sync import sync_weights
 
 REASON_UNCERTAIN = "UncertainWeights"
 REASON_SPEC_CHANGED = "SpecChanged"

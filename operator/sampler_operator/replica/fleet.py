@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .replacement_policy import fleet_cap
+from sampler_operator.replica.replacement_policy import fleet_cap
 
 Key = tuple[str, str]  # (namespace, name)
 

@@ -2,7 +2,7 @@
 a Service in front of it (the pool's single address), and the ServiceAccount, Role and RoleBinding
 its discovery needs (get/list/watch of the namespace's SamplerReplicas, SamplerPools and pods), plus
 `patch` on its own SamplerPool only (`resourceNames`), and get/create/update of Leases (its
-acknowledgement of the pool's routing switch, pool_routing.py): a trainer pushes weights through the gateway's
+acknowledgement of the pool's routing switch, pool/routing.py): a trainer pushes weights through the gateway's
 admin route (`POST /v1/pool/weights`, sampler_gateway/pool_admin.py), which writes `spec.weights`.
 
 Every object is owned by the pool (garbage-collected with it). The gateway's flags carry what the
@@ -15,10 +15,10 @@ import hashlib
 import json
 from typing import Any
 
-from .api_keys import KeyRef
-from .desired_pod import LABEL_MANAGED_BY, MANAGED_BY, label_value
-from .pool_plan import pool_owner_ref
-from .settings import gateway_image
+from sampler_operator.api_keys import KeyRef
+from sampler_operator.pool.plan import pool_owner_ref
+from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, MANAGED_BY, label_value
+from sampler_operator.settings import gateway_image
 
 LABEL_GATEWAY = "sampler.rl.dev/gateway"
 # spec.gateway.resources when unset (docs/pool.md).
@@ -41,7 +41,7 @@ def _meta(pool: str, namespace: str, uid: str, name: str) -> dict[str, Any]:
 def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
                     api_key: KeyRef, admin_key: KeyRef | None = None) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding, Deployment, Service: in the order they must exist.
-    `api_key`: the replicas' shared key (pool_plan.pool_keys), which the gateway checks; `admin_key`:
+    `api_key`: the replicas' shared key (plan.pool_keys), which the gateway checks; `admin_key`:
     the replicas' shared admin key, which the gateway's pool routes require (none: they refuse, 403).
 
     The image: spec.gateway.image, else the operator's configured gateway image (settings.gateway_image():
@@ -68,10 +68,17 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
         env.append({"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": admin_key.as_dict()}})
     # The user's extras come after ours; one named like a key is dropped: the gateway must check
     # exactly the keys its replicas check.
-    # The pod's name: its routing Lease's holder (sampler_gateway/routing.py, pool_routing.py).
+    # The pod's name: its routing Lease's holder (sampler_gateway/routing.py, pool/routing.py).
     env.append({"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     env += [dict(v) for v in gw.get("env") or [] if v.get("name") not in _KEY_ENV]
-    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
+    # On the node's network every replica shares the port (sampler_gateway/listen.py): declared, the
+    # port would be a host port, and the scheduler would put one replica per node (a second one, or a
+    # rolling update's new pod, Pending for good on a node it has). So none is declared there, and the
+    # probes and the Service name the port by number.
+    shared = bool(gw.get("hostNetwork"))
+    if shared:
+        args.append("--reuse-port")
+    probe = {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 5, "timeoutSeconds": 2}
     # A gateway starting on a node whose engines are starting too may take a minute to listen
     # (seen: ~55 s beside two vLLM engine starts on 2 cores): the startup probe gives it 2 minutes
     # before liveness may kill it, and liveness never kills it mid-start.
@@ -79,13 +86,14 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     container: dict[str, Any] = {
         "name": "gateway", "image": gw.get("image") or gateway_image(),
         "command": ["python", "-m", "sampler_gateway"], "args": args, "env": env,
-        "ports": [{"name": "http", "containerPort": port}],
         # Ready while the process serves: with no replica eligible it answers 503 with the reason,
         # which tells a client more than a Service without endpoints would.
         "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6}, "startupProbe": startup,
         # Every request of the pool goes through it: never BestEffort (the least CPU share of the node).
         "resources": gw.get("resources") or DEFAULT_RESOURCES,
     }
+    if not shared:
+        container["ports"] = [{"name": "http", "containerPort": port}]
     if gw.get("volumeMounts"):
         container["volumeMounts"] = [dict(m) for m in gw["volumeMounts"]]
     pod_spec: dict[str, Any] = {"serviceAccountName": name, "containers": [container]}
@@ -101,7 +109,7 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
              # operator holds patch on samplerpools itself: granting it is no escalation.)
              {"apiGroups": ["sampler.rl.dev"], "resources": ["samplerpools"], "resourceNames": [pool],
               "verbs": ["patch"]},
-             # Its routing Lease: the acknowledgement of the pool's routing switch (pool_routing.py).
+             # Its routing Lease: the acknowledgement of the pool's routing switch (pool/routing.py).
              # Names are not known before the pod exists, so not by resourceNames; no list, watch
              # or delete: a gateway reads and writes its own Lease only.
              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
@@ -118,7 +126,7 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
                   "template": {"metadata": {"labels": selector},
                                "spec": pod_spec}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, namespace, uid, name),
-         "spec": {"selector": selector, "ports": [{"name": "http", "port": port, "targetPort": "http"}]}},
+         "spec": {"selector": selector, "ports": [{"name": "http", "port": port, "targetPort": port}]}},
     ]
 
 

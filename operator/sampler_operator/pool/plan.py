@@ -62,12 +62,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import API_VERSION, KIND, POOL_KIND
-from .api_keys import ReplicaKeys, effective_keys, generated_secret, generated_secret_name, key_status
-from .desired_pod import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value
-from .pool_conditions import Counts, pool_conditions
-from .spec import AdminSecretKeyRef, SecretKeyRef
-from .status import (
+from sampler_operator import API_VERSION, KIND, POOL_KIND
+from sampler_operator.api_keys import ReplicaKeys, effective_keys, generated_secret, generated_secret_name, key_status
+from sampler_operator.pool.conditions import Counts, pool_conditions
+from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value
+from sampler_operator.replica.spec import AdminSecretKeyRef, SecretKeyRef
+from sampler_operator.replica.status import (
     PHASE_DEGRADED,
     PHASE_PENDING,
     PHASE_QUEUED,
@@ -76,7 +76,7 @@ from .status import (
     iso,
     parse_iso,
 )
-from .weights_intent import INVALID
+from sampler_operator.replica.weights_intent import INVALID
 
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
 ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
@@ -360,7 +360,7 @@ def pool_status(pool: str, pool_uid: str, spec: PoolSpec, existing: list[Replica
                 old_conditions: list[dict[str, Any]] | None = None,
                 old_history: list[Any] | None = None) -> dict[str, Any]:
     """`kubectl get sp`: READY (Ready and routed to), DESIRED, WEIGHTS, UPDATED (at the target), the
-    conditions Available and Progressing (pool_conditions.py), and the weights history (continued
+    conditions Available and Progressing (pool/conditions.py), and the weights history (continued
     from `old_history`, the last written status's)."""
     ours = sorted((r for r in existing if r.owner_uid == pool_uid), key=lambda r: replica_index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))

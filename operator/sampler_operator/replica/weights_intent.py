@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .health_probe import HealthObservation, HealthState
-from .spec import SamplerReplicaSpec
+from sampler_operator.health_probe import HealthObservation, HealthState
+from sampler_operator.replica.spec import SamplerReplicaSpec
 
 LOADED = "Loaded"
 INVALID = "InvalidCheckpoint"

@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .api_keys import replica_keys
-from .context import Context, ReplicaMemory, event_target
-from .health_probe import HealthObservation
-from .pod_client import Outcome, PodAnswer, call
-from .spec import SamplerReplicaSpec
-from .status import merge_conditions, synced_condition
-from .weights_intent import (
+from sampler_operator.api_keys import replica_keys
+from sampler_operator.health_probe import HealthObservation
+from sampler_operator.pod_client import Outcome, PodAnswer, call
+from sampler_operator.replica.context import Context, ReplicaMemory, event_target
+from sampler_operator.replica.spec import SamplerReplicaSpec
+from sampler_operator.replica.status import merge_conditions, synced_condition
+from sampler_operator.replica.weights_intent import (
     INVALID,
     LOADED,
     WRITE_FAILED,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .spec import InvalidSpec, SamplerReplicaSpec
+from sampler_operator.replica.spec import InvalidSpec, SamplerReplicaSpec
 
 FLAG = "--enable-test-seams"
 ENV = "SAMPLER_ENABLE_TEST_SEAMS"

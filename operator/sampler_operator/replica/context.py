@@ -12,12 +12,12 @@ from typing import Any
 
 import aiohttp
 
-from . import API_VERSION, KIND
-from .desired_pod import Owner
-from .fleet import ReplacementSlots
-from .health_probe import HealthObservation
-from .kube import Kube
-from .replacement_policy import Decision
+from sampler_operator import API_VERSION, KIND
+from sampler_operator.health_probe import HealthObservation
+from sampler_operator.kube import Kube
+from sampler_operator.replica.desired_pod import Owner
+from sampler_operator.replica.fleet import ReplacementSlots
+from sampler_operator.replica.replacement_policy import Decision
 
 log = logging.getLogger("sampler_operator")
 

@@ -9,10 +9,10 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .health_probe import HealthObservation, HealthState
-from .pod_view import PodView
-from .replacement_policy import Action, Decision
-from .weights_intent import Synced
+from sampler_operator.health_probe import HealthObservation, HealthState
+from sampler_operator.replica.pod_view import PodView
+from sampler_operator.replica.replacement_policy import Action, Decision
+from sampler_operator.replica.weights_intent import Synced
 
 READY = "Ready"
 WEIGHTS_CERTAIN = "WeightsCertain"

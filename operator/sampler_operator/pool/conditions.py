@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .status import condition, merge_conditions
+from sampler_operator.replica.status import condition, merge_conditions
 
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"

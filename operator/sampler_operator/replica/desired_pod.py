@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from . import API_VERSION, GROUP, KIND
-from .api_keys import key_env, replica_keys
-from .spec import SamplerReplicaSpec
-from .weights_intent import WeightsRef
+from sampler_operator import API_VERSION, GROUP, KIND
+from sampler_operator.api_keys import key_env, replica_keys
+from sampler_operator.replica.spec import SamplerReplicaSpec
+from sampler_operator.replica.weights_intent import WeightsRef
 
 LABEL_REPLICA = f"{GROUP}/replica"
 LABEL_POOL = f"{GROUP}/pool"

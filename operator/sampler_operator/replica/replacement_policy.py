@@ -16,8 +16,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .health_probe import HealthObservation, HealthState
-from .spec import ReplacementPolicy
+from sampler_operator.health_probe import HealthObservation, HealthState
+from sampler_operator.replica.spec import ReplacementPolicy
 
 
 class Action(enum.StrEnum):

@@ -1,6 +1,6 @@
 """One step of a SamplerPool's loop: the gateway's objects (written when they change), the pool's
 replicas (read from kopf's index, no API call), the in-flight requests of those draining to leave
-(their pods' /health, the only pod calls), plan (pool_plan.plan), act, report. Idempotent: a
+(their pods' /health, the only pod calls), plan (plan.plan), act, report. Idempotent: a
 step repeated on a stale view creates nothing twice (409), deletes nothing twice (404), and writes
 the same spec again."""
 from __future__ import annotations
@@ -12,13 +12,12 @@ from typing import Any
 
 import aiohttp
 
-from .api_keys import fresh_values, missing_keys, read_command
-from .desired_pod import label_value
-from .health_probe import HealthState, probe
-from .kube import Kube
-from .pool_conditions import rollout_events
-from .pool_gateway import LABEL_GATEWAY, gateway_objects, objects_hash
-from .pool_plan import (
+from sampler_operator.api_keys import fresh_values, missing_keys, read_command
+from sampler_operator.health_probe import HealthState, probe
+from sampler_operator.kube import Kube
+from sampler_operator.pool.conditions import rollout_events
+from sampler_operator.pool.gateway import LABEL_GATEWAY, gateway_objects, objects_hash
+from sampler_operator.pool.plan import (
     ANNOTATION_DRAINING,
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
@@ -35,8 +34,9 @@ from .pool_plan import (
     replica_spec,
     spec_hash,
 )
-from .pool_routing import FENCE, GatewayAck, Routing, next_routing, waiting_for
-from .status import iso
+from sampler_operator.pool.routing import FENCE, GatewayAck, Routing, next_routing, waiting_for
+from sampler_operator.replica.desired_pod import label_value
+from sampler_operator.replica.status import iso
 
 # JSON-pointer escapes of the annotation keys ('/' is '~1').
 _HASH_PATH = "/metadata/annotations/" + ANNOTATION_SPEC_HASH.replace("/", "~1")
@@ -98,7 +98,7 @@ async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> in
 async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec,
                        existing: list[ReplicaState], old_status: dict[str, Any] | None,
                        now: float) -> tuple[dict[str, Any] | None, list[tuple[str, str, str]]]:
-    """The pool's routing switch after this step (pool_routing.py) as its status field, and the Events
+    """The pool's routing switch after this step (pool/routing.py) as its status field, and the Events
     telling of a move (posted after the status is written); deletes the Leases of gateway pods long
     gone."""
     leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
@@ -153,7 +153,7 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     for replica in todo.retire:
         if now - mem.retired.get(replica, -INDEX_LAG_S) < INDEX_LAG_S:
             continue  # marked already: a second mark would move its drain's start
-        # Out of routing now; deleted once drained (pool_plan.plan).
+        # Out of routing now; deleted once drained (plan.plan).
         await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: "true",
                                                                   ANNOTATION_DRAINING_SINCE: iso(now)})
         mem.retired[replica] = now

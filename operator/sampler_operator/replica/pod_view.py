@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .desired_pod import ANNOTATION_POD_GENERATION, ANNOTATION_TEMPLATE_HASH
+from sampler_operator.replica.desired_pod import ANNOTATION_POD_GENERATION, ANNOTATION_TEMPLATE_HASH
 
 
 @dataclass(frozen=True)
