@@ -11,6 +11,7 @@ from .app import create_app
 from .config import GatewayConfig, parse_config
 from .discovery.source import Source
 from .discovery.static import StaticDiscovery
+from .listen import shared_listener
 from .pool_object import PoolObject
 from .routing import RoutingLease
 
@@ -53,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(cfg, source_for(cfg), pool_object_for(cfg), routing_lease_for(cfg))
     # No proxy-headers middleware: the gateway reads no client address, and it ran on every request.
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                timeout_graceful_shutdown=10, timeout_keep_alive=75, proxy_headers=False)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                            timeout_graceful_shutdown=10, timeout_keep_alive=75, proxy_headers=False)
+    # A port shared with the other gateways on this host network (listen.py), else uvicorn's own bind.
+    sockets = [shared_listener(cfg.host, cfg.port)] if cfg.reuse_port else None
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 

@@ -30,6 +30,7 @@ from .pool_object import PoolObject
 from .routes import health, native, tinker, twinkle
 from .routes import pool as pool_routes
 from .routing import RoutingLease, Switch
+from .served_by import ServedBy
 from .upstream import CONNECT_TIMEOUT_S, Upstream
 
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
@@ -83,6 +84,8 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
 
     app = FastAPI(title="sampler-gateway", version="0.1.0", lifespan=lifespan)
     app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)
+    if cfg.pod_name:
+        app.add_middleware(ServedBy, name=cfg.pod_name)
     install_error_handlers(app)
     app.state.pool_object = pool_object
     app.include_router(health.router)

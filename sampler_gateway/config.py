@@ -26,6 +26,9 @@ class GatewayConfig(BaseModel):
     namespace: str = Field("default", min_length=1, description="namespace of the pool's SamplerReplicas")
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8080, ge=1, le=65535, description="port to listen on")
+    reuse_port: bool = Field(
+        False, description="listen with SO_REUSEPORT: several gateways on one host network (hostNetwork pods of "
+                           "one Deployment on one node) share the port, the kernel spreading connections among them")
 
     # Where the replica set comes from (discovery/).
     discovery: Literal["kube", "static"] = Field(
