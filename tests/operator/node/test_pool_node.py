@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 from tests.support.closed_loop import Answer, ClosedLoop, older_after_newer
 from tests.support.metrics import total
+from tests.support.operator_harness import OperatorProcess
 from tests.support.polling import Poller
 
 pytestmark = pytest.mark.node
@@ -65,8 +66,8 @@ def _log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def api(k8s_node) -> Api:
+def pool_api(k8s_node: ks.Cluster) -> Api:
+    """The API with both CRDs established (other node modules with pools share it)."""
     a = Api(k8s_node)
     for crd, name in (("samplerreplica.yaml", "samplerreplicas"), ("samplerpool.yaml", "samplerpools")):
         k8s_node.kubectl("apply", "-f", str(REPO_ROOT / "crds" / crd))
@@ -74,11 +75,20 @@ def api(k8s_node) -> Api:
     return a
 
 
-@pytest.fixture(scope="module")
-def operator(k8s_node, api, tmp_path_factory):
+def pool_operator(k8s_node: ks.Cluster, tmp_path_factory: Any) -> Iterator[OperatorProcess]:
     """As test_node_tier.py's; pools' gateways run the operator IMAGE, as the chart configures it."""
     yield from operator_for_module(k8s_node, tmp_path_factory,
                                    {"SAMPLER_OPERATOR_GATEWAY_IMAGE": project_image("operator").tag})
+
+
+@pytest.fixture(scope="module")
+def api(k8s_node) -> Api:
+    return pool_api(k8s_node)
+
+
+@pytest.fixture(scope="module")
+def operator(k8s_node, api, tmp_path_factory):
+    yield from pool_operator(k8s_node, tmp_path_factory)
 
 
 @pytest.fixture
