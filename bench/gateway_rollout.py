@@ -12,6 +12,11 @@ process, as a trainer does: in this one they would starve the rollout's own step
 
 The target of issue 12 ("≤ the slowest single load + 1 s") is for one batch; with several batches the
 loads add up, so the bound here is the sum over batches of each batch's slowest load, + 1 s.
+
+What this static gateway cannot show is the pool's routing switch (issue #24): it is a fact in the API
+server that the operator moves on the gateways' Lease acknowledgements. `python -m bench.gateway_rollout`
+runs that for real and reports its cost (bench/gateway_switch.py runs it, bench/switch_cost.py defines
+and computes the figures; docs/benchmarks.md "Routing switch").
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import httpx
 from tests.support.gateway import RunningGateway, write_replicas
 
 ROLLOUT_BUDGET_S = 1.0
+MIN_ROLLOUTS = 5   # per mode, for the switch's figures to be written (issue #24 acceptance 5)
 STEPS = ("drain seen", "load", "back in routing")
 SHORT = {"prompts": [[1, 17, 42, 99]], "sampling_params": {"max_tokens": 8, "temperature": 1.0}}
 
@@ -212,3 +218,45 @@ def summary_lines(results: list[Rollout], engine: str, concurrency: int) -> list
                      + ", ".join(f"{med(r.steps_s[k] for r in rs):.2f}" for k in STEPS) + " s | "
                      f"{within}/{len(rs)} | {sum(r.refused for r in rs)} / {sum(r.failed for r in rs)} |")
     return lines
+
+
+def main() -> None:
+    """The routing switch's cost over rollouts in each mode: printed, and written to docs/benchmarks.md
+    ("Routing switch") when every mode had at least MIN_ROLLOUTS rollouts."""
+    import argparse
+    import subprocess
+    import sys
+
+    from bench.gateway_switch import MAX_TOKENS, run
+    from bench.report import write_section
+    from bench.switch_cost import MODES, report
+
+    p = argparse.ArgumentParser(description="The pool's routing switch under load: its capacity dip and the "
+                                            "answers re-run, per rollout mode (bench/gateway_switch.py).")
+    p.add_argument("--rollouts", type=int, default=7, help="rollouts per mode (Drain, Abort, Keep)")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--renew-s", type=float, default=1.0, help="the gateways' --routing-renew-s (their default)")
+    p.add_argument("--lease-s", type=int, default=10, help="the gateways' --routing-lease-s (their default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the modes' shuffled order")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    a = p.parse_args()
+    t0 = time.monotonic()
+    costs = run(a.rollouts, a.clients, a.renew_s, a.lease_s, a.seed)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--", "sampler_gateway", "operator", "sampler_pod"],
+                      capture_output=True, text=True).stdout.strip():
+        commit += " (with uncommitted changes in the tree)"
+    out = report(costs, clients=a.clients, tokens=MAX_TOKENS, renew_s=a.renew_s, lease_s=a.lease_s, commit=commit,
+                 wall_s=time.monotonic() - t0)
+    print("\n" + out)
+    bad = sum(c.violations + c.failed for c in costs)
+    if a.no_write or a.rollouts < MIN_ROLLOUTS:
+        print(f"(not written to docs/benchmarks.md: --no-write, or fewer than {MIN_ROLLOUTS} rollouts per mode)")
+    else:
+        write_section("Routing switch", out, "python -m bench.gateway_rollout " + " ".join(sys.argv[1:]))
+    if bad:
+        raise SystemExit(f"{bad} failed answers or violations of the order: see the table ({', '.join(MODES)})")
+
+
+if __name__ == "__main__":
+    main()

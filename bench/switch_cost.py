@@ -1,0 +1,219 @@
+"""What the pool's routing switch costs, computed from what the clients saw (pure; issue #24 acceptance 5).
+
+bench/gateway_switch.py runs the real switch (API server, operator, gateways, samplers) and records
+every answer the clients got; this module turns those records into the figures docs/benchmarks.md
+reports, so the arithmetic is unit-tested (tests/unit/test_bench_switch.py) apart from the run.
+
+Definitions (one rollout moves the pool from label X, `old`, to the next label Y, `new`):
+
+- **capacity dip** (`dip_s`): from the last answer on X received by any client to the first answer
+  on Y received by any client, over every gateway. In that span no gateway of the pool returned an
+  answer at all: the switch forbids Y before `Open(Y)` and X after the gateway read `Fence(Y)`. It
+  ends with a sample's own latency (the first request dispatched under `Open(Y)` must be computed),
+  so it is what a client feels, not only the protocol's round trip. Never negative while the
+  guarantee holds: an answer on X received after one on Y would be sent before it was returned.
+- **a gateway's dark span** (`gateway_dip_s`): the same, per gateway (its own last X to its own
+  first Y); the longest over the gateways. A client that talks to one gateway only sees this one.
+- **fence** (`fence_s`): the controller's side, from `Fence(Y)` to `Open(Y)` in `status.routing`,
+  as a watch of the SamplerPool delivered them to the benchmark.
+- **withheld** (`withheld`): answers a gateway did not return because the switch forbade their
+  label (`sampler_gateway_stale_responses`, summed over the gateways). Each one is either **re-run**
+  once on Y (the first attempt of a sync sample) or answered **resubmit** (503 `no_replica`, "answered
+  on weights ... retry": its re-run came back on a forbidden label too); so re-run = withheld minus
+  those 503s. None is lost.
+- **aborted**: 503 `aborted` from an Abort rollout's loads (that mode's design, not the switch's);
+  the clients resubmit them, as a trainer does.
+- **failed**: any other answer but 200 (must be 0). **violations**: answers on a label older than
+  one some client had already received when the request was sent (must be 0; sent-after-received
+  pairs only, so a late thread cannot raise a false alarm).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+MODES = ("Drain", "Abort", "Keep")
+# The message of a 503 whose answer the switch withheld twice (sampler_gateway/forward.py).
+WITHHELD_TWICE = "answered on weights"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One answer a client got: its own monotonic clock at send and receipt, through which gateway."""
+
+    sent: float
+    received: float
+    gateway: str
+    status: int                # 0: no HTTP answer
+    label: str | None          # weights_label of a 200
+    category: str | None = None  # error.category of a non-200
+    message: str = ""
+
+    @property
+    def withheld_twice(self) -> bool:
+        return self.status == 503 and self.category == "no_replica" and WITHHELD_TWICE in self.message
+
+
+@dataclass(frozen=True)
+class SwitchCost:
+    """One rollout from `old` to `new` in `mode`."""
+
+    mode: str
+    old: str
+    new: str
+    dip_s: float
+    gateway_dip_s: float
+    fence_s: float | None
+    rollout_s: float           # the spec patched -> the pool open on `new` with every replica updated
+    withheld: int
+    resubmit: int
+    aborted: int
+    failed: int
+    violations: int
+    loadavg: float
+    steal: float
+
+    @property
+    def rerun(self) -> int:
+        return self.withheld - self.resubmit
+
+
+def dip(replies: Iterable[Reply], old: str, new: str, gateway: str | None = None) -> float:
+    """Seconds from the last answer on `old` to the first on `new` (received), over every gateway or
+    through one. ValueError when either label has no answer: no dip can be told then."""
+    ok = [r for r in replies if r.status == 200 and (gateway is None or r.gateway == gateway)]
+    last_old = max((r.received for r in ok if r.label == old), default=None)
+    first_new = min((r.received for r in ok if r.label == new), default=None)
+    if last_old is None or first_new is None:
+        raise ValueError(f"no answer on {old if last_old is None else new}"
+                         + (f" through {gateway}" if gateway else ""))
+    return first_new - last_old
+
+
+def gateway_dip(replies: Sequence[Reply], old: str, new: str) -> float:
+    """The longest dark span of one gateway (each gateway's own last `old` to its own first `new`)."""
+    return max(dip(replies, old, new, g) for g in sorted({r.gateway for r in replies}))
+
+
+def violations(replies: Iterable[Reply], order: Sequence[str]) -> list[Reply]:
+    """The answers on a label older (in `order`, oldest first) than the newest one any client had
+    received before the answer's request was sent."""
+    rank = {label: i for i, label in enumerate(order)}
+    ok = [r for r in replies if r.status == 200]
+    by_received = sorted(ok, key=lambda r: r.received)
+    newest, j, out = -1, 0, []
+    for r in sorted(ok, key=lambda r: r.sent):
+        while j < len(by_received) and by_received[j].received < r.sent:
+            newest = max(newest, rank.get(by_received[j].label or "", -1))
+            j += 1
+        if rank.get(r.label or "", -1) < newest:
+            out.append(r)
+    return out
+
+
+def within(replies: Iterable[Reply], start: float, end: float) -> list[Reply]:
+    """The answers received in [start, end): one rollout's, between its patch and the next one's."""
+    return [r for r in replies if start <= r.received < end]
+
+
+def counts(replies: Iterable[Reply]) -> tuple[int, int, int]:
+    """(resubmit, aborted, failed) among the non-200 answers."""
+    resubmit = aborted = failed = 0
+    for r in replies:
+        if r.status == 200:
+            continue
+        if r.withheld_twice:
+            resubmit += 1
+        elif r.status == 503 and r.category == "aborted":
+            aborted += 1
+        else:
+            failed += 1
+    return resubmit, aborted, failed
+
+
+def fence_span(seen: Sequence[tuple[float, str, str]], label: str) -> float | None:
+    """From the first `Fence` on `label` to the first `Open` on it after that, in (when, phase,
+    label) observations of `status.routing` in order; None when either was not seen."""
+    fence = next((t for t, phase, lbl in seen if phase == "Fence" and lbl == label), None)
+    if fence is None:
+        return None
+    return next((t - fence for t, phase, lbl in seen if phase == "Open" and lbl == label and t >= fence), None)
+
+
+def _p50_max(xs: Sequence[float], unit: str = "s", digits: int = 2) -> str:
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.{digits}f} / {max(xs):.{digits}f}" + (f" {unit}" if unit else "")
+
+
+def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
+    """The per-mode table: p50 / max over the rollouts of each figure, sums of the counts."""
+    lines = ["| mode | rollouts | capacity dip, all gateways (p50 / max) | longest dark span of one gateway "
+             "(p50 / max) | fence, controller (p50 / max) | rollout (p50 / max) | answers re-run on Y (p50 / max) "
+             "| answered resubmit (p50 / max) | aborted by the load (total) | failed | violations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode in modes:
+        cs = [c for c in costs if c.mode == mode]
+        if not cs:
+            continue
+        fences = [c.fence_s for c in cs if c.fence_s is not None]
+        lines.append(
+            f"| {mode} | {len(cs)} | {_p50_max([c.dip_s for c in cs])} | {_p50_max([c.gateway_dip_s for c in cs])} | "
+            f"{_p50_max(fences)}{'' if len(fences) == len(cs) else f' ({len(fences)} seen)'} | "
+            f"{_p50_max([c.rollout_s for c in cs])} | {_p50_max([float(c.rerun) for c in cs], '', 0)} | "
+            f"{_p50_max([float(c.resubmit) for c in cs], '', 0)} | {sum(c.aborted for c in cs)} | "
+            f"{sum(c.failed for c in cs)} | {sum(c.violations for c in cs)} |")
+    return lines
+
+
+def per_rollout(costs: Sequence[SwitchCost]) -> list[str]:
+    """Every rollout's own figures, in the order run (the spread behind the table)."""
+    return [f"- {c.old} -> {c.new} ({c.mode}): dip {c.dip_s:.2f} s, one gateway {c.gateway_dip_s:.2f} s, fence "
+            + (f"{c.fence_s:.2f} s" if c.fence_s is not None else "not seen")
+            + f", rollout {c.rollout_s:.2f} s, withheld {c.withheld} (re-run {c.rerun}, resubmit {c.resubmit}), "
+            f"aborted {c.aborted}, failed {c.failed}, violations {c.violations}, load {c.loadavg:.2f}, "
+            f"steal {c.steal:.1%}" for c in costs]
+
+
+def _range(xs: Sequence[float], fmt: str) -> str:
+    return f"{min(xs):{fmt}}-{max(xs):{fmt}} (median {statistics.median(xs):{fmt}})"
+
+
+def report(costs: Sequence[SwitchCost], *, clients: int, tokens: int, renew_s: float, lease_s: int, commit: str,
+           wall_s: float) -> str:
+    """The section of docs/benchmarks.md: the setup, the table, the box's state, every rollout."""
+    per_mode = {m: sum(c.mode == m for c in costs) for m in MODES}
+    lines = [
+        "The pool's routing switch (docs/pool.md, \"One switch for all gateways\") under load, for real: "
+        "a kube-apiserver (envtest), the operator process, a SamplerPool of 2 sampler processes (fake engine, "
+        f"{tokens} tokens per sample: the cost measured is the protocol's, not the engine's), 2 gateway processes "
+        f"with kube discovery and their own routing Leases (`--routing-renew-s {renew_s:g}`, `--routing-lease-s "
+        f"{lease_s}`), {clients} closed-loop clients each alternating its requests between the two gateways. "
+        f"{len(costs)} rollouts step-N -> step-N+1 ("
+        + ", ".join(f"{n} {m}" for m, n in per_mode.items()) + "; Drain and Abort with maxUnavailable 1; the modes "
+        f"shuffled within each round), run in {wall_s / 60:.1f} min at commit {commit}.",
+        "",
+        "Definitions (bench/switch_cost.py): the **capacity dip** is the span from the last answer on the old label "
+        "received by any client to the first answer on the new one, through any gateway: no gateway returned "
+        "anything in it (it ends with one sample's latency, the first request dispatched after the pool opened the "
+        "new label). **One gateway's dark span**: the same through one gateway; the longest of the two. **Fence**: "
+        "`status.routing` from `Fence(Y)` to `Open(Y)`, as a watch delivered it. **Rollout**: the spec patched to "
+        "the pool open on Y with both replicas updated (polled every 0.1 s). **Re-run**: answers the gateways "
+        "withheld because the switch forbade their label (`sampler_gateway_stale_responses`) and ran again on Y; "
+        "**resubmit**: those whose re-run was withheld too, answered 503 to the client. **Aborted**: an Abort "
+        "load's own \"aborted, resubmit\" answers (that mode's design), resubmitted by the clients. **Failed**: any "
+        "other non-200. **Violations**: answers on a label older than one some client had received before sending "
+        "the request.",
+        "",
+        *table(costs, MODES),
+        "",
+        f"1-minute load average before each rollout: {_range([c.loadavg for c in costs], '.2f')}; hypervisor "
+        f"steal during each: {_range([c.steal for c in costs], '.1%')}.",
+        "",
+        "Every rollout, in the order run:",
+        "",
+        *per_rollout(costs),
+    ]
+    return "\n".join(lines) + "\n"
