@@ -18,6 +18,8 @@ REPLICA_HEADER = "X-Sampler-Replica"
 # The replicas' own names for these (the Tinker and Twinkle routes already send them).
 LABEL_HEADER = "X-Sampler-Weights-Label"
 VERSION_HEADER = "X-Sampler-Weights-Version"
+# The training step of those weights (issue #24), sent only when their load named one.
+STEP_HEADER = "X-Sampler-Weights-Step"
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -50,14 +52,23 @@ def ascii_header(value: str) -> str:
     return value.encode("ascii", "backslashreplace").decode()
 
 
+def step_of(body: dict[str, Any] | None) -> int | None:
+    """The `weights_step` of a native or Twinkle answer's body (null, absent or not an int: None)."""
+    step = body.get("weights_step") if body else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def respond(replica: ReplicaView, reply: Reply, body: bytes | None = None, *, label: str | None = None,
-            version: int | None = None) -> Response:
-    """The replica's answer as the gateway's, stamped with who answered and on which weights."""
+            version: int | None = None, step: int | None = None) -> Response:
+    """The replica's answer as the gateway's, stamped with who answered and on which weights. A
+    header the replica sent itself (Tinker's step and spans) passes unless stamped here."""
     stamped = {REPLICA_HEADER: replica.name}
     if label is not None:
         stamped[LABEL_HEADER] = ascii_header(label)
     if version is not None:
         stamped[VERSION_HEADER] = str(version)
+    if step is not None:
+        stamped[STEP_HEADER] = str(step)
     ours = {k.lower() for k in stamped} | {"content-type"}
     headers = {k: v for k, v in reply.headers if k.lower() not in ours} | stamped
     return Response(reply.body if body is None else body, status_code=reply.status, headers=headers,

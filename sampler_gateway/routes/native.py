@@ -17,7 +17,7 @@ from ..errors import NotThroughGateway
 from ..forward import OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, timeout_of
+from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -39,7 +39,7 @@ def _stamped(replica: ReplicaView, reply: Reply, routed_id: str | None) -> Respo
         body["request_id"] = routed_id
     version = body.get("weights_version")
     return respond(replica, reply, orjson.dumps(body), label=_label(reply),
-                   version=version if isinstance(version, int) else None)
+                   version=version if isinstance(version, int) else None, step=step_of(body))
 
 
 def _routed(field_value: Any) -> ids.RoutedId:

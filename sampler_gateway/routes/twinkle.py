@@ -20,7 +20,7 @@ from sampler_pod.errors import NotFound
 from .. import ids
 from ..forward import OwnerGone, to_new, to_owner
 from ..upstream import Outgoing, Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, timeout_of
+from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
 
 router = APIRouter(prefix="/api/v1", tags=["twinkle"])
 SESSION_HEADER = "X-Twinkle-Session-Id"
@@ -99,5 +99,6 @@ async def sampler_call(model_id: str, op: str, request: Request) -> Response:
                                   prefer=rid.replica if rid else None,
                                   rerun=op == "sample" and rerun_allowed(request),
                                   label_of=_label if op == "sample" else None)
-    label = _label(reply) if op == "sample" else None
-    return respond(replica, reply, label=label)
+    if op != "sample":
+        return respond(replica, reply)
+    return respond(replica, reply, label=_label(reply), step=step_of(reply.json))

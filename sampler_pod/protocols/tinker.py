@@ -368,13 +368,16 @@ def _failed(e: SamplerError) -> Response:
 
 def _sample_reply(result: CoreSampleResponse, shape: ResponseShape, accept: str) -> Response:
     # Not silent about which weights answered (base_model follows the loaded policy); ASCII-safe headers.
-    # Tinker's wire has no place for per-token weights (no protobuf field; the SDK builds each sequence
-    # as a frozen dataclass of the wire's fields), so each sequence's `weights_spans` travel in a
-    # header, a JSON list in sequence order.
+    # Tinker's wire has no place for per-token weights or the training step (no protobuf field; the
+    # SDK builds each sequence as a frozen dataclass of the wire's fields), so each sequence's
+    # `weights_spans` travel in a header, a JSON list in sequence order, and the step in another,
+    # sent only when the load named one (as `weights_step` is null elsewhere).
     spans = [[sp.model_dump() for sp in s.weights_spans] for s in result.results[0].sequences]
     headers = {"X-Sampler-Weights-Version": str(result.weights_version),
                "X-Sampler-Weights-Label": result.weights_label.encode("ascii", "backslashreplace").decode(),
                "X-Sampler-Weights-Spans": json.dumps(spans, separators=(",", ":"))}
+    if result.weights_step is not None:
+        headers["X-Sampler-Weights-Step"] = str(result.weights_step)
     if shape.pinned_label is not None and result.weights_label != shape.pinned_label:
         # The pinned checkpoint was replaced while this request waited: never return other weights' tokens.
         return _json({"error": f"model_path pinned weights {shape.pinned_label!r} but they were replaced by "

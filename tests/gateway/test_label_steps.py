@@ -3,15 +3,21 @@ through real processes (a gateway with static discovery over fake-engine sampler
 
 r0 loads step-8 then step-9 (its version 2); r1 is a fresh process started at step-10 (its own
 version 1). By the replicas' versions a gateway that sees both labels at once would rank step-9
-newest (the rule before #24); by step it routes only to step-10."""
+newest (the rule before #24); by step it routes only to step-10. Every answer through it carries
+that step: natively and on Twinkle in the body and the gateway's `X-Sampler-Weights-Step`, on Tinker
+in the replica's header, read here through the real SDK's transport."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
+import tinker
+from tinker import types
 
 from tests.support.gateway import run_gateway
 from tests.support.server import run_server, wait_healthy
@@ -50,6 +56,40 @@ def test_a_gateway_started_later_routes_by_step_not_by_version(tiny_model: Path,
                 assert r.status_code == 200, r.text
                 assert r.headers["x-sampler-replica"] == "r1" and r.json()["weights_label"] == "step-10"
                 assert r.json()["weights_step"] == 10  # every answer carries the step of its weights
+                assert r.headers["x-sampler-weights-step"] == "10"  # and the gateway stamps it
+            twinkle = httpx.post(f"{gw.url}/api/v1/sampler/{tiny_model.name}/twinkle/sample", timeout=60,
+                                 json={"inputs": [{"input_ids": [5, 6, 7]}], "sampling_params": {"max_tokens": 4}})
+            assert twinkle.status_code == 200, twinkle.text
+            assert twinkle.json()["weights_step"] == 10 and twinkle.headers["x-sampler-weights-step"] == "10"
+            assert tinker_steps(gw.url, tiny_model) == ["10"] * 3
+
+
+def tinker_steps(url: str, model: Path) -> list[str | None]:
+    """Three samples through the REAL Tinker SDK; the step header of each answer that completed one.
+    The SDK hides response headers, so its transport (httpx's AsyncClient.send) is wrapped meanwhile,
+    as examples/rl_loop.py reads the spans."""
+    seen: list[str | None] = []
+    original = httpx.AsyncClient.send
+
+    async def send(client: httpx.AsyncClient, request: httpx.Request, **kw: Any) -> httpx.Response:
+        response = await original(client, request, **kw)
+        if request.url.path.endswith("/retrieve_future") and response.status_code == 200 \
+                and "x-sampler-weights-label" in response.headers:  # a result, not a try_again
+            seen.append(response.headers.get("x-sampler-weights-step"))
+        return response
+
+    sc = tinker.ServiceClient(base_url=url, api_key="tml-unused")
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(httpx.AsyncClient, "send", send)
+            client = sc.create_sampling_client(base_model=str(model)).result()
+            for _ in range(3):
+                result = client.sample(types.ModelInput.from_ints([5, 6, 7]), 1,
+                                       types.SamplingParams(max_tokens=4)).result(timeout=60)
+                assert len(result.sequences[0].tokens) == 4  # the SDK parsed the answer the header came with
+    finally:
+        sc.close("success").result()
+    return seen
 
 
 def test_a_restart_keeps_the_step(tiny_model: Path, tmp_path: Path) -> None:
