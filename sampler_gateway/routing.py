@@ -99,6 +99,17 @@ class Switch:
     def permitted(self) -> frozenset[str] | None:
         return permitted(self.routing, self.valid_until, self.clock())
 
+    def state(self) -> dict[str, Any]:
+        """What this gateway enforces, for its `/health`: the pool's routing as last read
+        (`generation` 0, `label` and `phase` null before any read found one), whether it has fenced
+        itself (no renewal completed within its Lease's duration, or none yet), and for how long its
+        last renewal still holds it open (`valid_for_s`; null before any renewal, 0 once fenced)."""
+        left = self.valid_until - self.clock()
+        r = self.routing
+        return {"generation": self.generation, "label": r.label if r is not None else None,
+                "phase": r.phase if r is not None else None, "self_fenced": left < 0,
+                "valid_for_s": None if math.isinf(left) else round(max(left, 0.0), 3)}
+
     def apply(self, routing: Routing | None, started: float, duration_s: float) -> bool:
         """A renewal that started at `started` (monotonic) read `routing`: True if what is permitted
         changed (the routing, or the end of a self-fence)."""

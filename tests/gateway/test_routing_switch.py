@@ -1,18 +1,24 @@
 """The gateway's side of the pool's one routing switch (issue #24, part 3): what it may return and
-route to, by the pool's `status.routing` and its own Lease (sampler_gateway/routing.py)."""
+route to, by the pool's `status.routing` and its own Lease (sampler_gateway/routing.py), and what
+its `/health` says of it."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
+from sampler_gateway.discovery.static import StaticDiscovery
 from sampler_gateway.metrics import GatewayMetrics
 from sampler_gateway.pool import Pool
 from sampler_gateway.replicas import PoolView, ReplicaView
 from sampler_gateway.routing import Routing, Switch, permitted, routing_of
+from tests.support.asgi import call
 
 
 def rv(name: str, label: str) -> ReplicaView:
@@ -132,3 +138,68 @@ def test_an_older_answer_is_not_held() -> None:
         return pool.returned(pool.view.by_name["r0"], "x")
 
     assert asyncio.run(run()) is False
+
+
+def test_a_switch_never_renewed_reports_itself_fenced() -> None:
+    assert Switch(clock=lambda: 5.0).state() == {"generation": 0, "label": None, "phase": None,
+                                                  "self_fenced": True, "valid_for_s": None}
+
+
+class FakeLease:
+    """A routing Lease whose renewals read the routing the test sets, on the test's clock."""
+
+    def __init__(self, switch: Switch, on_change: Callable[[], None], now: list[float]) -> None:
+        self.switch, self.on_change = switch, on_change
+        switch.clock = lambda: now[0]
+        self.routing: Routing | None = Routing(3, "step-2", "Fence")
+
+    async def renew(self) -> bool:
+        changed = self.switch.apply(self.routing, self.switch.clock(), 10)
+        if changed:
+            self.on_change()
+        return changed
+
+    async def run_forever(self) -> None:
+        await asyncio.Event().wait()  # renewals are the test's: it calls renew()
+
+
+async def test_health_reports_the_switch_it_enforces_and_its_self_fence() -> None:
+    now = [100.0]
+    leases: list[FakeLease] = []
+
+    def lease(switch: Switch, on_change: Callable[[], None]) -> FakeLease:
+        leases.append(FakeLease(switch, on_change, now))
+        return leases[-1]
+
+    # Nothing listens on port 9: the replica is never ready; the switch is what is read here.
+    cfg = GatewayConfig(pool="p", discovery="static", replicas=["r0=http://127.0.0.1:9"])
+    app = create_app(cfg, StaticDiscovery(cfg.static_members(), None), routing_lease=lease)
+
+    async def routing() -> dict[str, Any]:
+        r = await call(app, "GET", "/health")
+        assert r.status is not None
+        state: dict[str, Any] = r.json()["routing"]
+        return state
+
+    async with app.router.lifespan_context(app):  # its first renewal, before serving
+        assert await routing() == {"generation": 3, "label": "step-2", "phase": "Fence", "self_fenced": False,
+                                   "valid_for_s": 10.0}
+        leases[0].routing = Routing(4, "step-2", "Open")
+        now[0] = 104.0
+        assert await leases[0].renew()
+        assert await routing() == {"generation": 4, "label": "step-2", "phase": "Open", "self_fenced": False,
+                                   "valid_for_s": 10.0}
+        # No renewal completes for longer than the Lease: fenced by itself, whatever the pool says.
+        now[0] = 114.5
+        assert await routing() == {"generation": 4, "label": "step-2", "phase": "Open", "self_fenced": True,
+                                   "valid_for_s": 0.0}
+        assert await leases[0].renew()  # renewed again: open again
+        assert (await routing())["self_fenced"] is False
+
+
+async def test_health_without_a_switch_says_so() -> None:
+    cfg = GatewayConfig(pool="p", discovery="static", replicas=["r0=http://127.0.0.1:9"])
+    app = create_app(cfg, StaticDiscovery(cfg.static_members(), None))
+    async with app.router.lifespan_context(app):
+        r = await call(app, "GET", "/health")
+        assert r.status == 503 and r.json()["routing"] is None
