@@ -49,14 +49,12 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeou
     raise TimeoutError(f"server at {url} not {want} after {timeout}s:\n{log_path.read_text()[-4000:]}")
 
 
-@contextlib.contextmanager
-def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[str, str] | None = None,
-               wait: bool = True, engine_args: list[str] | None = None,
-               state_file: bool = True) -> Iterator[RunningServer]:
-    """`engine_args` replaces CPU_ENGINE_ARGS for a vLLM server (benchmarks size the engine themselves).
-    `state_file=False`: no `--weights-state-path`, as a sampler started by hand."""
-    port = free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="sampler-test-"))
+def spawn_server(model: Path | str, port: int, workdir: Path, *extra: str, engine: str = "vllm",
+                 env: dict[str, str] | None = None, engine_args: list[str] | None = None,
+                 state_file: bool = True) -> RunningServer:
+    """Start a sampler process (not waiting for it) on `port`, its files under `workdir`. Called again
+    with the same port and workdir, it is the container a kubelet restarts: the same address and the
+    same state file, so it comes back at its intended weights (the log is appended to)."""
     log_path = workdir / "server.log"
     args = [sys.executable, "-m", "sampler_pod", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--engine", engine,
@@ -67,16 +65,26 @@ def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[s
     if engine == "vllm":
         args += CPU_ENGINE_ARGS if engine_args is None else engine_args
     full_env = {**os.environ, "VLLM_RPC_BASE_PATH": str(workdir / "rpc"), **(env or {})}
-    (workdir / "rpc").mkdir()
-    with open(log_path, "wb") as logf:
+    (workdir / "rpc").mkdir(exist_ok=True)
+    with open(log_path, "ab") as logf:
         proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    return RunningServer(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+
+
+@contextlib.contextmanager
+def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[str, str] | None = None,
+               wait: bool = True, engine_args: list[str] | None = None,
+               state_file: bool = True) -> Iterator[RunningServer]:
+    """`engine_args` replaces CPU_ENGINE_ARGS for a vLLM server (benchmarks size the engine themselves).
+    `state_file=False`: no `--weights-state-path`, as a sampler started by hand."""
+    server = spawn_server(model, free_port(), Path(tempfile.mkdtemp(prefix="sampler-test-")), *extra, engine=engine,
+                          env=env, engine_args=engine_args, state_file=state_file)
     try:
         if wait:
-            wait_healthy(url, proc, log_path)
-        yield RunningServer(url=url, proc=proc, log_path=log_path)
+            wait_healthy(server.url, server.proc, server.log_path)
+        yield server
     finally:
-        stop(proc)
+        stop(server.proc)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
