@@ -28,6 +28,7 @@ class Answer:
     body: dict[str, Any]
     error: str | None = None
     retried: str | None = None  # X-Sampler-Retried: the replica lost while running it, when re-run
+    gateway: str | None = None  # X-Sampler-Gateway: which of the pool's gateways answered
 
     @property
     def stamped(self) -> bool:

@@ -19,20 +19,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support import k8s as ks
-from tests.support.closed_loop import Answer, older_after_newer
+from tests.support.closed_loop import older_after_newer
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.operator_harness import ProcessKubelet
+from tests.support.switch_clients import Clients, older_for_a_client
 
 from .test_pool_controller import (
     G,
@@ -58,94 +55,6 @@ ROLLOUTS = 5
 def body(n: int) -> dict[str, Any]:
     return {"prompts": [[1, 17, 42, 3 + n % 200]],
             "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": n, "ignore_eos": True}}
-
-
-@dataclass
-class Clients:
-    """Closed-loop clients, each alternating its requests over the gateways (`urls` may grow)."""
-
-    urls: list[str]
-    key: str
-    n: int = 4
-    answers: dict[int, list[Answer]] = field(default_factory=dict)
-    resubmitted: int = 0
-    in_flight: Counter[str] = field(default_factory=Counter)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> Clients:
-        for i in range(self.n):
-            self.answers[i] = []
-            t = threading.Thread(target=self._run, args=(i,), daemon=True, name=f"client-{i}")
-            t.start()
-            self._threads.append(t)
-        return self
-
-    def _run(self, i: int) -> None:
-        sent_n = 0
-        with httpx.Client(timeout=120, headers={"X-API-Key": self.key}) as client:
-            while not self._stop.is_set():
-                with self._lock:
-                    url = self.urls[sent_n % len(self.urls)]
-                    self.in_flight[url] += 1
-                sent_n += 1
-                sent = time.monotonic()
-                try:
-                    r = client.post(url + "/v1/sample", json=body(i * 100000 + sent_n))
-                    doc = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-                    ok = r.status_code == 200
-                    a = Answer(sent, time.monotonic(), r.status_code, doc.get("weights_label") if ok else None,
-                               doc.get("weights_version") if ok else None, r.headers.get("x-sampler-replica"),
-                               doc, None if ok else f"{url}: {r.text[:400]}")
-                except httpx.HTTPError as e:
-                    a = Answer(sent, time.monotonic(), 0, None, None, None, {}, f"{url}: {type(e).__name__}: {e}")
-                category = ((a.body.get("error") or {}).get("category") if isinstance(a.body.get("error"), dict)
-                            else None)
-                with self._lock:
-                    self.in_flight[url] -= 1
-                    if a.status == 503 and category == "aborted":
-                        self.resubmitted += 1   # an Abort load's answer: the client sends it again
-                    else:
-                        self.answers[i].append(a)
-
-    def add(self, url: str) -> None:
-        with self._lock:
-            self.urls.append(url)
-
-    def remove(self, url: str) -> None:
-        """No new request goes to `url`; returns once none is in flight there."""
-        with self._lock:
-            self.urls.remove(url)
-        ks.wait_for(lambda: self.in_flight[url] == 0, 60, 0.01, f"no request in flight to {url}")
-
-    def count(self) -> int:
-        with self._lock:
-            return sum(len(a) for a in self.answers.values())
-
-    def wait_for(self, more: int, what: str) -> None:
-        target = self.count() + more
-        ks.wait_for(lambda: self.count() >= target, 120, 0.05, what)
-
-    def stop(self) -> dict[int, list[Answer]]:
-        self._stop.set()
-        for t in self._threads:
-            t.join(180)
-        assert not [t.name for t in self._threads if t.is_alive()], "a client's request never ended"
-        with self._lock:
-            return {i: list(a) for i, a in self.answers.items()}
-
-
-def older_for_a_client(answers: list[Answer], order: list[str]) -> list[tuple[str | None, str | None]]:
-    """(received before, then) pairs where one client got an older label after a newer one."""
-    rank = {label: i for i, label in enumerate(order)}
-    out, newest = [], -1
-    for a in sorted((a for a in answers if a.status == 200), key=lambda a: a.received):
-        r = rank[a.label or ""]
-        if r < newest:
-            out.append((order[newest], a.label))
-        newest = max(newest, r)
-    return out
 
 
 def routing(api: Any, ns: str, pool: str) -> dict[str, Any]:
@@ -187,7 +96,7 @@ def test_one_switch_for_all_gateways_over_drain_abort_and_keep_rollouts_and_a_ga
         a = start_gateway(stack, k8s, ns, key, "gw-a")
         b = start_gateway(stack, k8s, ns, key, "gw-b")
         ks.wait_for(lambda: open_at(api, ns, "s", labels[0]), 120, 0.1, f"the pool open at {labels[0]}")
-        clients = Clients([a.url, b.url], key).start()
+        clients = Clients([a.url, b.url], key, body).start()
         done: list[str] = [labels[0]]
         c: RunningGateway | None = None
         try:
