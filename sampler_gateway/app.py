@@ -19,6 +19,7 @@ from sampler_pod.http.auth import APIKeyAuth
 from sampler_pod.http.errors import install_error_handlers
 from sampler_pod.http.middleware import ClientRequestMiddleware
 
+from .added_latency import AddedLatency
 from .config import GatewayConfig
 from .discovery.refresh import refresh_forever, refresh_once
 from .discovery.source import Source
@@ -86,6 +87,8 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)
     if cfg.pod_name:
         app.add_middleware(ServedBy, name=cfg.pod_name)
+    # Added last, so outermost: its time covers the other middlewares and the route (added_latency.py).
+    app.add_middleware(AddedLatency, histogram=metrics.added_latency)
     install_error_handlers(app)
     app.state.pool_object = pool_object
     app.include_router(health.router)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .added_latency import BUCKETS
 
 
 @dataclass
@@ -36,6 +38,9 @@ class GatewayMetrics:
         self.gone = Counter("sampler_gateway_owner_gone", "Future/session requests whose owner is gone "
                             "(answered with the protocol's expired form)", registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
+        self.added_latency = Histogram(
+            "sampler_gateway_added_latency_seconds", "Per forwarded request: its time in the gateway minus its "
+            "exchanges with replicas (added_latency.py defines it exactly)", buckets=BUCKETS, registry=r)
         self._per_request: dict[tuple[str, str], tuple[Counter, Gauge]] = {}
 
     def of(self, replica: str, kind: str) -> tuple[Counter, Gauge]:

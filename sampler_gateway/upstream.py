@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 
+from .added_latency import exchanges
 from .http1 import ConnectFailed, ConnectionBroken, Http1Client
 from .replicas import ReplicaView
 
@@ -107,6 +109,8 @@ class Upstream:
         self.client = client
 
     async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        # The replica's time, left out of the gateway's added latency (added_latency.py).
+        mine, start = exchanges(), time.perf_counter()
         try:
             async with asyncio.timeout(out.timeout_s):
                 # Identity encoding: the gateway reads answers (ids, weights labels) before passing them on.
@@ -117,4 +121,7 @@ class Upstream:
             raise TimedOut(f"no answer within {out.timeout_s:g}s") from None
         except (ConnectionBroken, OSError) as e:
             raise Lost(_describe(e)) from None
+        finally:
+            if mine is not None:
+                mine.add(time.perf_counter() - start)
         return Reply(r.status, forwardable(r.headers), r.body)
