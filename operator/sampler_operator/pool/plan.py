@@ -223,6 +223,11 @@ class ReplicaState:
     # The declared weights its load refused (checkpoint, versionLabel), and why.
     rejected: tuple[str, str] | None = None
     rejected_message: str | None = None
+    # Its own controller has observed its current spec (status.observedGeneration == metadata.generation).
+    # Until then its phase is the old spec's: a replica just given a new template still reports Ready on
+    # the pod about to be replaced, and must not count as verified at the new spec (nor go back in
+    # routing, nor complete the rollout, only to start it again a moment later).
+    observed: bool = True
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
@@ -237,12 +242,14 @@ class ReplicaState:
         declared = weights.get("declared") or {}
         rejected = ((str(declared.get("checkpoint")), str(declared.get("versionLabel")))
                     if weights.get("declaredResult") == INVALID else None)
+        generation = meta.get("generation")
         return cls(name=meta.get("name", ""), owner_uid=owner, spec_hash=ann.get(ANNOTATION_SPEC_HASH),
                    draining=ann.get(ANNOTATION_DRAINING) == "true", phase=status.get("phase"),
                    label=label if isinstance(label, str) else None,
                    leaving_since=_since(ann.get(ANNOTATION_DRAINING_SINCE)),
                    pod_ip=status.get("podIP") or None, port=port if isinstance(port, int) else None,
-                   rejected=rejected, rejected_message=str(weights.get("declaredMessage") or "") if rejected else None)
+                   rejected=rejected, rejected_message=str(weights.get("declaredMessage") or "") if rejected else None,
+                   observed=generation is None or status.get("observedGeneration") == generation)
 
 
 def _since(text: Any) -> float | None:
@@ -268,7 +275,7 @@ class Plan:
 
 
 def _verified(r: ReplicaState, want_hash: str, target: str | None) -> bool:
-    return r.spec_hash == want_hash and r.phase == "Ready" and (target is None or r.label == target)
+    return r.spec_hash == want_hash and r.observed and r.phase == "Ready" and (target is None or r.label == target)
 
 
 def rejection(pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> ReplicaState | None:

@@ -376,3 +376,20 @@ def test_host_network_replicas_each_get_their_own_port_outside_the_hash() -> Non
     assert {b["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for b in bodies} == {
         spec_hash(desired_replica_spec("p", s))}
     assert "port" not in replica_spec("p", spec(), 2)  # on the pod network: the template's, one for all
+
+
+def test_a_replica_not_yet_observed_at_its_new_spec_is_not_verified() -> None:
+    """Given a new template, a replica still reports Ready on the pod its controller is about to replace:
+    until its controller has observed the new spec it is neither put back in routing nor counted updated
+    (the rollout would complete, then start again when the replacement begins)."""
+    s = spec(replicas=1, label=None)
+    body = replica_body("p", "ns", UID, s, 0)
+    body["metadata"]["generation"] = 2
+    old = ReplicaState.from_object({**body, "status": {"phase": "Ready", "observedGeneration": 1}})
+    assert not old.observed
+    assert ReplicaState.from_object({**body, "status": {"phase": "Ready", "observedGeneration": 2}}).observed
+    drained = replace(old, draining=True)
+    assert plan("p", UID, s, [drained]).undrain == []
+    st = pool_status("p", UID, s, [old], 1)
+    assert st["updatedReplicas"] == 0 and st["replicaStatus"][0]["state"] == "Updating"
+    assert plan("p", UID, s, [replace(drained, observed=True)]).undrain == ["p-0"]
