@@ -1,6 +1,6 @@
 """kopf wiring. Each handler does one thing and delegates; the logic lives in reconcile.py.
 
-  configure         startup: settings, API client, one HTTP session for all probes
+  configure         startup: settings, API client, one HTTP session for all probes, the /metrics server
   replica_pods      an in-memory index of our pods, kept current by kopf's pod watch
   replica_fleet     an index of every SamplerReplica's `status.replacing` (the fleet-wide cap)
   wake_on_pod_event a pod of a replica changed: wake that replica's loop now
@@ -21,7 +21,7 @@ from typing import Any, cast
 import aiohttp
 import kopf
 
-from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION
+from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION, metrics
 from sampler_operator import settings as operator_settings
 from sampler_operator.kube import Kube, load_config
 from sampler_operator.pool.loop import PoolMemory
@@ -89,6 +89,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     load_config()
     memo.kube = Kube()
     memo.session = aiohttp.ClientSession()
+    memo.metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
 
 
 @kopf.on.cleanup()
@@ -96,6 +97,10 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     session = getattr(memo, "session", None)
     if session is not None:
         await session.close()
+    server = getattr(memo, "metrics_server", None)
+    if server is not None:
+        await asyncio.to_thread(server.shutdown)  # waits for its serving loop's next poll (0.5 s)
+        server.server_close()
 
 
 @kopf.on.probe(id="replicaLoops")
@@ -197,6 +202,7 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
     members: kopf.Index[str, ReplicaState] = kwargs["pool_members"]
     wake = _pool_wakeups.setdefault(uid, asyncio.Event())
     mem = PoolMemory()
+    metrics.pool_started(namespace, label_value(name))
 
     def emit(type_: str, reason: str, message: str) -> None:
         _emit(body, type_, reason, message)
@@ -214,5 +220,6 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
                 delay = 2.0
             await _sleep(delay, wake, stopped)
     finally:
+        metrics.pool_gone(namespace, label_value(name))
         if _pool_wakeups.get(uid) is wake:
             del _pool_wakeups[uid]

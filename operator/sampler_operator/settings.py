@@ -61,6 +61,11 @@ class OperatorConfig:
     allow_test_seams: bool = False
     # Image of pools' gateways whose spec.gateway.image is unset (gateway_image()).
     gateway_image: str = DEFAULT_GATEWAY_IMAGE
+    # The operator's Prometheus metrics (metrics.py) on http://<host>:<port>/metrics; port 0: not served.
+    # Off unless set (the chart sets 9090): a fixed default port would make two operators on one host
+    # (tests, a laptop) fail to start.
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 0
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -74,7 +79,19 @@ class OperatorConfig:
                                                    or cls.max_parallel_replacements),
             allow_test_seams=_env_bool("SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", cls.allow_test_seams),
             gateway_image=gateway_image(),
+            metrics_host=os.environ.get("SAMPLER_OPERATOR_METRICS_HOST") or cls.metrics_host,
+            metrics_port=_port_setting("SAMPLER_OPERATOR_METRICS_PORT", cls.metrics_port),
         )
+
+
+def _port_setting(name: str, default: int) -> int:
+    """A TCP port, or 0 (off); anything else refused at startup with the variable named."""
+    raw = (os.environ.get(name) or "").strip()
+    if raw == "":
+        return default
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ValueError(f"{name}={raw!r}: want a port (1-65535), or 0 for none")
+    return int(raw)
 
 
 def _cap_setting(raw: str) -> str:

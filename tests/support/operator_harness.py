@@ -258,13 +258,16 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> OperatorProcess:
-        port = ks.free_port()
+        port, metrics_port = ks.free_port(), ks.free_port()
         args = [sys.executable, "-m", "sampler_operator", *self.peering, "--verbose",
                 "--liveness", f"http://127.0.0.1:{port}/healthz"]
         for n in self.namespaces:
             args += ["--namespace", n]
+        # Its /metrics on a port of its own (several operators run at once here), on loopback only.
         env = {**self.cluster.subprocess_env(), "SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT": "30",
-               "SAMPLER_OPERATOR_WATCH_CLIENT_TIMEOUT": "40", **self.extra_env}
+               "SAMPLER_OPERATOR_WATCH_CLIENT_TIMEOUT": "40", "SAMPLER_OPERATOR_METRICS_HOST": "127.0.0.1",
+               "SAMPLER_OPERATOR_METRICS_PORT": str(metrics_port), **self.extra_env}
+        self.metrics_url = f"http://127.0.0.1:{env['SAMPLER_OPERATOR_METRICS_PORT']}/metrics"
         self.log = open(self.log_path, "a")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.liveness_url = f"http://127.0.0.1:{port}/healthz"

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from sampler_operator import metrics
 from sampler_operator.api_keys import fresh_values, missing_keys, read_command
 from sampler_operator.health_probe import HealthState, probe
 from sampler_operator.kube import Kube
@@ -34,6 +35,7 @@ from sampler_operator.pool.plan import (
     replica_spec,
     spec_hash,
 )
+from sampler_operator.pool.rollout_metrics import rollout_ends
 from sampler_operator.pool.routing import FENCE, GatewayAck, Routing, next_routing, waiting_for
 from sampler_operator.replica.desired_pod import label_value
 from sampler_operator.replica.status import iso
@@ -197,6 +199,8 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     # After the write: an Event never tells of a status the API server does not have.
     for type_, reason, message in [*rollout_events(old, status, batch, in_place), *routing_events]:
         emit(type_, reason, message)
+    # Counted where the Events are, from the same two statuses: once per end (rollout_metrics.py).
+    metrics.rollouts_ended(namespace, label_value(name), rollout_ends(old, status))
     if routing is not None and routing["phase"] == FENCE:
         return FENCE_POLL_S
     if routing is not None and (routing["label"] != spec.target_label or routing["waitingFor"]):

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sampler_operator import metrics
 from sampler_operator.api_keys import (
     fresh_values,
     generated_secret,
@@ -200,6 +201,9 @@ async def _create_first_or_lost_pod(ctx: Context, cr: Mapping[str, Any], spec: S
                               counts=False, now=ctx.clock()))
         ctx.emit(event_target(cr), "Normal", REASON_POD_DELETED, patch["lastReplacement"]["message"])
     mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
+    if "lastReplacement" in patch:
+        # After the write that records it: a restarted operator finds the new pod and records nothing again.
+        metrics.replaced(namespace, spec.pool, REASON_POD_DELETED)
 
 
 async def ensure_keys(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec) -> dict[str, Any]:
@@ -263,6 +267,8 @@ async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: Sampler
                         counts=bool(pending.get("countsTowardCap")), now=ctx.clock(),
                         policy_window=spec.replacement.window_seconds)}
     mem.newest_body = await ctx.kube.patch_replica_status(namespace, name, patch)
+    # Once: the same patch cleared the intent, so no later step (nor a restarted operator) finishes it again.
+    metrics.replaced(namespace, spec.pool, str(pending["reason"]))
     mem.consecutive_failures = 0
     mem.last_observation = None
     ctx.emit(

@@ -34,3 +34,19 @@ def test_test_seams_are_off_by_default_and_the_setting_is_strict(monkeypatch):
     monkeypatch.setenv("SAMPLER_OPERATOR_ALLOW_TEST_SEAMS", "maybe")
     with pytest.raises(ValueError, match="SAMPLER_OPERATOR_ALLOW_TEST_SEAMS"):
         settings.OperatorConfig.from_env()
+
+
+def test_the_metrics_port_is_a_port_or_zero_and_refused_otherwise(monkeypatch):
+    import pytest
+    monkeypatch.delenv("SAMPLER_OPERATOR_METRICS_PORT", raising=False)
+    monkeypatch.delenv("SAMPLER_OPERATOR_METRICS_HOST", raising=False)
+    cfg = settings.OperatorConfig.from_env()
+    assert (cfg.metrics_host, cfg.metrics_port) == ("0.0.0.0", 0)   # off unless set (the chart sets it)
+    monkeypatch.setenv("SAMPLER_OPERATOR_METRICS_PORT", "9090")
+    monkeypatch.setenv("SAMPLER_OPERATOR_METRICS_HOST", "127.0.0.1")
+    cfg = settings.OperatorConfig.from_env()
+    assert (cfg.metrics_host, cfg.metrics_port) == ("127.0.0.1", 9090)
+    for bad in ("http", "-1", "70000"):
+        monkeypatch.setenv("SAMPLER_OPERATOR_METRICS_PORT", bad)
+        with pytest.raises(ValueError, match="SAMPLER_OPERATOR_METRICS_PORT"):
+            settings.OperatorConfig.from_env()
