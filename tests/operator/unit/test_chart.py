@@ -29,7 +29,10 @@ def test_chart_crd_is_the_repo_crd(crd):
 
 
 @needs_helm
-@pytest.mark.parametrize("sets", [[], ["watch.allNamespaces=false", "watch.namespaces={a,b}", "peering.enabled=false"]])
+@pytest.mark.parametrize("sets", [[], ["watch.allNamespaces=false", "watch.namespaces={a,b}", "peering.enabled=false"],
+                                  # monitoring on: both PodMonitors, the dashboard, the operator's metrics port
+                                  ["metrics.podMonitor.enabled=true", "metrics.dashboards.enabled=true"],
+                                  ["metrics.podMonitor.enabled=true", "metrics.operatorPort=0"]])
 def test_helm_lint(sets):
     helm("lint", "--strict", str(CHART), *[a for s in sets for a in ("--set", s)])
 
