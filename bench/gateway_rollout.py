@@ -227,13 +227,15 @@ def main() -> None:
     import subprocess
     import sys
 
-    from bench.gateway_switch import MAX_TOKENS, run
+    from bench.gateway_switch import TOKENS, run
     from bench.report import write_section
     from bench.switch_cost import MODES, report
 
     p = argparse.ArgumentParser(description="The pool's routing switch under load: its capacity dip and the "
                                             "answers re-run, per rollout mode (bench/gateway_switch.py).")
     p.add_argument("--rollouts", type=int, default=7, help="rollouts per mode (Drain, Abort, Keep)")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
+                   help="tokens per sample; each length runs the whole schedule, one after the other")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--renew-s", type=float, default=1.0, help="the gateways' --routing-renew-s (their default)")
     p.add_argument("--lease-s", type=int, default=10, help="the gateways' --routing-lease-s (their default)")
@@ -241,12 +243,12 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     t0 = time.monotonic()
-    costs = run(a.rollouts, a.clients, a.renew_s, a.lease_s, a.seed)
+    costs = run(a.rollouts, a.clients, a.renew_s, a.lease_s, a.seed, tuple(a.tokens))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if subprocess.run(["git", "status", "--porcelain", "--", "sampler_gateway", "operator", "sampler_pod"],
                       capture_output=True, text=True).stdout.strip():
         commit += " (with uncommitted changes in the tree)"
-    out = report(costs, clients=a.clients, tokens=MAX_TOKENS, renew_s=a.renew_s, lease_s=a.lease_s, commit=commit,
+    out = report(costs, clients=a.clients, renew_s=a.renew_s, lease_s=a.lease_s, commit=commit,
                  wall_s=time.monotonic() - t0)
     print("\n" + out)
     bad = sum(c.violations + c.failed for c in costs)

@@ -1,7 +1,7 @@
 """The pool's routing switch, run for real under load, to measure what it costs (issue #24 acceptance 5).
 
-    python -m bench.gateway_rollout [--rollouts 7] [--clients 4] [--renew-s 1.0] [--lease-s 10] [--seed 0]
-                                    [--no-write]
+    python -m bench.gateway_rollout [--rollouts 7] [--tokens 40 400] [--clients 4] [--renew-s 1.0]
+                                    [--lease-s 10] [--seed 0] [--no-write]
 
 What runs: a real kube-apiserver (envtest, tests/support/k8s.py), the real operator process, a
 SamplerPool of 2 real sampler processes (the fake engine: the switch's cost is the protocol's round
@@ -49,15 +49,18 @@ from tests.support.metrics import total
 from tests.support.operator_harness import OperatorProcess, ProcessKubelet, ensure_watched
 
 G, V, POOL = "sampler.rl.dev", "v1alpha1", "s"
-MAX_TOKENS = 40          # the fake engine's ~1 ms per token: a few hundredths of a second per sample
+# Tokens per sample: the fake engine's ~1 ms a token makes 40 a few hundredths of a second, shorter than
+# the gateways' renewal; 400, a few tenths, so a sample on the old label may still run when its gateway
+# reads the fence (the re-run path).
+TOKENS = (40,)
 ANSWERS_AT_NEW = 8       # answers on the new label before the next rollout: the pool is serving it
 OPEN_TIMEOUT_S = 120.0
 WITHHELD = "sampler_gateway_stale_responses_total"
 
 
-def body(n: int) -> dict[str, Any]:
+def body(n: int, tokens: int) -> dict[str, Any]:
     return {"prompts": [[1, 17, 42, 3 + n % 200]],
-            "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": n, "ignore_eos": True}}
+            "sampling_params": {"max_tokens": tokens, "temperature": 1.0, "seed": n, "ignore_eos": True}}
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Clients:
     gateways: dict[str, str]
     key: str
     n: int
+    tokens: int
     replies: list[Reply] = field(default_factory=list)
     by_label: Counter[str] = field(default_factory=Counter)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -91,7 +95,7 @@ class Clients:
                 sent_n += 1
                 sent = time.monotonic()
                 try:
-                    r = client.post(self.gateways[gw] + "/v1/sample", json=body(i * 1_000_000 + sent_n))
+                    r = client.post(self.gateways[gw] + "/v1/sample", json=body(i * 1_000_000 + sent_n, self.tokens))
                     doc = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
                     err = doc.get("error") if isinstance(doc.get("error"), dict) else {}
                     reply = Reply(sent, time.monotonic(), gw, r.status_code,
@@ -252,6 +256,7 @@ def _withheld(gateways: dict[str, RunningGateway]) -> int:
 class Step:
     """One rollout as driven: what it moved, when, and what the gateways and the box said."""
 
+    tokens: int
     mode: str
     old: str
     new: str
@@ -274,31 +279,40 @@ def schedule(rollouts: int, seed: int) -> list[str]:
     return out
 
 
-def run(rollouts: int, clients: int, renew_s: float, lease_s: int, seed: int) -> list[SwitchCost]:
+def run(rollouts: int, clients: int, renew_s: float, lease_s: int, seed: int,
+        lengths: tuple[int, ...] = TOKENS) -> list[SwitchCost]:
+    """The whole schedule once per sample length, one after the other on the same pool."""
     modes = schedule(rollouts, seed)
-    labels = [f"step-{i}" for i in range(1, len(modes) + 2)]
+    labels = [f"step-{i}" for i in range(1, len(modes) * len(lengths) + 2)]
     workdir = Path(tempfile.mkdtemp(prefix="bench-switch-"))
     steps: list[Step] = []
+    replies: list[Reply] = []
     with stack(workdir, labels, renew_s, lease_s) as s:
-        print(f"pool open at {labels[0]}; {len(modes)} rollouts; logs under {workdir}", flush=True)
+        print(f"pool open at {labels[0]}; {len(modes)} rollouts per length; logs under {workdir}", flush=True)
         watch = RoutingWatch(s.custom, s.ns)
-        load = Clients({n: gw.url for n, gw in s.gateways.items()}, s.key, clients).start()
         try:
-            ks.wait_for(lambda: load.at(labels[0]) >= 20, 60, 0.05, "load through both gateways")
-            for i, mode in enumerate(modes):
-                steps.append(_rollout(s, load, mode, labels[i], labels[i + 1]))
-                st = steps[-1]
-                print(f"  {i + 1:>2}/{len(modes)} {mode:<5} {st.old} -> {st.new}: open {st.opened - st.patched:.2f} s "
-                      f"after the patch, withheld {st.withheld}, load {st.loadavg:.2f}", flush=True)
+            for tokens in lengths:
+                load = Clients({n: gw.url for n, gw in s.gateways.items()}, s.key, clients, tokens).start()
+                try:
+                    at = labels[len(steps)]
+                    ks.wait_for(lambda at=at, load=load: load.at(at) >= 20, 60, 0.05, "load through both gateways")
+                    for mode in modes:
+                        i = len(steps)
+                        steps.append(_rollout(s, load, tokens, mode, labels[i], labels[i + 1]))
+                        st = steps[-1]
+                        print(f"  {i + 1:>2}/{len(labels) - 1} {tokens} tokens {mode:<5} {st.old} -> {st.new}: open "
+                              f"{st.opened - st.patched:.2f} s after the patch, withheld {st.withheld}, load "
+                              f"{st.loadavg:.2f}", flush=True)
+                finally:
+                    replies += load.stop()
         finally:
-            replies = load.stop()
             watch.stop()
             for name, gw in s.gateways.items():   # kept beside the logs: every counter, not only those reported
                 (workdir / f"metrics-{name}.txt").write_text(gw.metrics())
     return costs(steps, replies, watch.seen, labels)
 
 
-def _rollout(s: Stack, load: Clients, mode: str, old: str, new: str) -> Step:
+def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str) -> Step:
     loadavg, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
     withheld0 = _withheld(s.gateways)
     patched = time.monotonic()
@@ -309,7 +323,7 @@ def _rollout(s: Stack, load: Clients, mode: str, old: str, new: str) -> Step:
     # The gateways' counters are read once the new label answers: what the switch withheld is in.
     ks.wait_for(lambda: load.at(new) >= ANSWERS_AT_NEW, 60, 0.05, f"answers at {new}")
     steal1, ticks1 = cpu_times()
-    return Step(mode, old, new, patched, opened, _withheld(s.gateways) - withheld0, loadavg,
+    return Step(tokens, mode, old, new, patched, opened, _withheld(s.gateways) - withheld0, loadavg,
                 (steal1 - steal0) / max(ticks1 - ticks0, 1))
 
 
@@ -323,7 +337,7 @@ def costs(steps: list[Step], replies: list[Reply], seen: list[tuple[float, str, 
         start = st.patched if i else float("-inf")   # the first one also owns the warm-up's answers
         end = steps[i + 1].patched if i + 1 < len(steps) else float("inf")
         resubmit, aborted, failed = counts(within(replies, start, end))
-        out.append(SwitchCost(st.mode, st.old, st.new, dip(replies, st.old, st.new),
+        out.append(SwitchCost(st.tokens, st.mode, st.old, st.new, dip(replies, st.old, st.new),
                               gateway_dip(replies, st.old, st.new), fence_span(seen, st.new),
                               st.opened - st.patched, st.withheld, resubmit, aborted, failed,
                               len(within(bad, start, end)), st.loadavg, st.steal))

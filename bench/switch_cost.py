@@ -58,8 +58,9 @@ class Reply:
 
 @dataclass(frozen=True)
 class SwitchCost:
-    """One rollout from `old` to `new` in `mode`."""
+    """One rollout from `old` to `new` in `mode`, under samples of `tokens` tokens."""
 
+    tokens: int
     mode: str
     old: str
     new: str
@@ -149,28 +150,31 @@ def _p50_max(xs: Sequence[float], unit: str = "s", digits: int = 2) -> str:
 
 
 def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
-    """The per-mode table: p50 / max over the rollouts of each figure, sums of the counts."""
-    lines = ["| mode | rollouts | capacity dip, all gateways (p50 / max) | longest dark span of one gateway "
-             "(p50 / max) | fence, controller (p50 / max) | rollout (p50 / max) | answers re-run on Y (p50 / max) "
-             "| answered resubmit (p50 / max) | aborted by the load (total) | failed | violations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for mode in modes:
-        cs = [c for c in costs if c.mode == mode]
-        if not cs:
-            continue
-        fences = [c.fence_s for c in cs if c.fence_s is not None]
-        lines.append(
-            f"| {mode} | {len(cs)} | {_p50_max([c.dip_s for c in cs])} | {_p50_max([c.gateway_dip_s for c in cs])} | "
-            f"{_p50_max(fences)}{'' if len(fences) == len(cs) else f' ({len(fences)} seen)'} | "
-            f"{_p50_max([c.rollout_s for c in cs])} | {_p50_max([float(c.rerun) for c in cs], '', 0)} | "
-            f"{_p50_max([float(c.resubmit) for c in cs], '', 0)} | {sum(c.aborted for c in cs)} | "
-            f"{sum(c.failed for c in cs)} | {sum(c.violations for c in cs)} |")
+    """The table per sample length and mode: p50 / max over the rollouts of each figure, sums of the counts."""
+    lines = ["| tokens per sample | mode | rollouts | capacity dip, all gateways (p50 / max) | longest dark span "
+             "of one gateway (p50 / max) | fence, controller (p50 / max) | rollout (p50 / max) | answers re-run on Y "
+             "(p50 / max) | answered resubmit (p50 / max) | aborted by the load (total) | failed | violations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for tokens in sorted({c.tokens for c in costs}):
+        for mode in modes:
+            cs = [c for c in costs if c.mode == mode and c.tokens == tokens]
+            if not cs:
+                continue
+            fences = [c.fence_s for c in cs if c.fence_s is not None]
+            lines.append(
+                f"| {tokens} | {mode} | {len(cs)} | {_p50_max([c.dip_s for c in cs])} | "
+                f"{_p50_max([c.gateway_dip_s for c in cs])} | "
+                f"{_p50_max(fences)}{'' if len(fences) == len(cs) else f' ({len(fences)} seen)'} | "
+                f"{_p50_max([c.rollout_s for c in cs])} | {_p50_max([float(c.rerun) for c in cs], '', 0)} | "
+                f"{_p50_max([float(c.resubmit) for c in cs], '', 0)} | {sum(c.aborted for c in cs)} | "
+                f"{sum(c.failed for c in cs)} | {sum(c.violations for c in cs)} |")
     return lines
 
 
 def per_rollout(costs: Sequence[SwitchCost]) -> list[str]:
     """Every rollout's own figures, in the order run (the spread behind the table)."""
-    return [f"- {c.old} -> {c.new} ({c.mode}): dip {c.dip_s:.2f} s, one gateway {c.gateway_dip_s:.2f} s, fence "
+    return [f"- {c.old} -> {c.new} ({c.mode}, {c.tokens} tokens): dip {c.dip_s:.2f} s, one gateway "
+            f"{c.gateway_dip_s:.2f} s, fence "
             + (f"{c.fence_s:.2f} s" if c.fence_s is not None else "not seen")
             + f", rollout {c.rollout_s:.2f} s, withheld {c.withheld} (re-run {c.rerun}, resubmit {c.resubmit}), "
             f"aborted {c.aborted}, failed {c.failed}, violations {c.violations}, load {c.loadavg:.2f}, "
@@ -181,18 +185,21 @@ def _range(xs: Sequence[float], fmt: str) -> str:
     return f"{min(xs):{fmt}}-{max(xs):{fmt}} (median {statistics.median(xs):{fmt}})"
 
 
-def report(costs: Sequence[SwitchCost], *, clients: int, tokens: int, renew_s: float, lease_s: int, commit: str,
+def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s: int, commit: str,
            wall_s: float) -> str:
     """The section of docs/benchmarks.md: the setup, the table, the box's state, every rollout."""
-    per_mode = {m: sum(c.mode == m for c in costs) for m in MODES}
+    lengths = sorted({c.tokens for c in costs})
+    per_mode = {m: sum(c.mode == m and c.tokens == lengths[0] for c in costs) for m in MODES}
     lines = [
         "The pool's routing switch (docs/pool.md, \"One switch for all gateways\") under load, for real: "
         "a kube-apiserver (envtest), the operator process, a SamplerPool of 2 sampler processes (fake engine, "
-        f"{tokens} tokens per sample: the cost measured is the protocol's, not the engine's), 2 gateway processes "
+        "about 1 ms a token: the cost measured is the protocol's, not the engine's), 2 gateway processes "
         f"with kube discovery and their own routing Leases (`--routing-renew-s {renew_s:g}`, `--routing-lease-s "
-        f"{lease_s}`), {clients} closed-loop clients each alternating its requests between the two gateways. "
+        f"{lease_s}`), {clients} closed-loop clients each alternating its requests between the two gateways, "
+        f"samples of " + " and then ".join(str(n) for n in lengths) + " tokens (ignore_eos). "
         f"{len(costs)} rollouts step-N -> step-N+1 ("
-        + ", ".join(f"{n} {m}" for m, n in per_mode.items()) + "; Drain and Abort with maxUnavailable 1; the modes "
+        + ", ".join(f"{n} {m}" for m, n in per_mode.items())
+        + (", for each length" if len(lengths) > 1 else "") + "; Drain and Abort with maxUnavailable 1; the modes "
         f"shuffled within each round), run in {wall_s / 60:.1f} min at commit {commit}.",
         "",
         "Definitions (bench/switch_cost.py): the **capacity dip** is the span from the last answer on the old label "
