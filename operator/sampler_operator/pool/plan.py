@@ -13,8 +13,11 @@ change), and is put back in routing once it is Ready at the new spec and, with d
 reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
 ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
 An outdated replica that is out of service (starting, or being replaced after an uncertain write:
-OUT_OF_SERVICE) gets the new spec at once, outside the batch budget (as a Deployment replaces
-unavailable pods first), so its next pod starts at the target and is routed to only once verified.
+OUT_OF_SERVICE) gets the new spec at once, whatever the budget (as a Deployment replaces unavailable
+pods first), so its next pod starts at the target and is routed to only once verified. It still uses
+the budget, as every unavailable replica does (a Deployment keeps replicas - maxUnavailable
+available): a push while one replica is down drains no other one beside it with maxUnavailable 1,
+and a replica that stays down holds the rollout there, as it would hold a Deployment's.
 
 `rollout.mode` says how each replica's load treats its samples in flight: Drain waits for them,
 Abort has the pod abort them (each answered "resubmit"; the gateway has already stopped routing to
@@ -316,15 +319,22 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     undrain = [r.name for r in current if r.leaving_since is not None or (
         r.draining and _verified(r, want_hash, spec.target_label))]
     out = [r for r in current if r.draining and r.name not in undrain]
-    # A replica at the new spec that is not verified yet still counts against the budget, drained or not.
-    busy = out + [r for r in current if not r.draining and r.spec_hash == want_hash
-                  and not _verified(r, want_hash, spec.target_label)]
-    budget = max(0, spec.rollout.max_unavailable - len(busy))
+    outdated = [r for r in current if r.spec_hash != want_hash and not r.draining]
+    # Every wanted replica that serves nothing now uses the budget, as in a Deployment's rolling
+    # update (at least replicas - maxUnavailable stay available): those out of routing, those at the
+    # new spec not verified yet (drained or not), those still at an old spec but out of service (a
+    # lost pod's successor starting), and those not created yet. Without the last two, a push while a
+    # replica was down drained another one beside it: no replica in routing.
+    busy = (len(out) + len(create)
+            + sum(1 for r in current if not r.draining and r.spec_hash == want_hash
+                  and not _verified(r, want_hash, spec.target_label))
+            + sum(1 for r in outdated if r.phase in OUT_OF_SERVICE))
+    budget = max(0, spec.rollout.max_unavailable - busy)
     # Out of routing at a spec that changed again mid-rollout: the newest spec, at no extra cost.
     stale = [r.name for r in out if r.spec_hash != want_hash]
-    outdated = [r for r in current if r.spec_hash != want_hash and not r.draining]
     # Outdated and out of service (starting, or being replaced after an uncertain write): it takes the
-    # new spec at no cost to the budget. Its next pod then starts at the target
+    # new spec at once, whatever the budget (it is unavailable either way, and already counted above),
+    # as a Deployment scales its unhealthy old pods down first. Its next pod then starts at the target
     # weights, and it stays out of routing until it reports them: a replacement mid-rollout never
     # serves a request on the old weights, nor before it is verified.
     down = [r.name for r in outdated if r.phase in OUT_OF_SERVICE]

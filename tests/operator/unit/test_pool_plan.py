@@ -137,6 +137,42 @@ def test_an_outdated_replica_being_replaced_takes_the_target_at_once_outside_the
     assert plan("p", UID, new, [loading, at(old, "p-1"), at(new, "p-2", draining=True)]) == Plan(undrain=["p-2"])
 
 
+def test_a_replica_already_down_counts_against_max_unavailable() -> None:
+    """As a Deployment's rolling update: the pool keeps at least replicas - maxUnavailable in routing,
+    so a replica that is already down (its pod lost, the next one starting) uses the budget. It was:
+    p-0 down took the new spec for free AND p-1 was drained in the same step, READY 0/2."""
+    old, new = spec(replicas=2, label="step-1"), spec(replicas=2, label="step-2")
+    for phase in ("Starting", "Pending", "Replacing", "ReplacementQueued", "Degraded"):
+        down = [at(old, "p-0", phase=phase), at(old, "p-1")]
+        # The down one takes the target at once (it serves nothing either way); p-1 stays in routing.
+        assert plan("p", UID, new, down) == Plan(update=["p-0"]), phase
+    # Next step: p-0 at the target, still starting (marked draining with its new spec): p-1 waits.
+    starting = [at(new, "p-0", phase="Starting", label="step-1", draining=True), at(old, "p-1")]
+    assert plan("p", UID, new, starting) == Plan()
+    assert pool_status("p", UID, new, starting, 1)["readyReplicas"] == 1
+    # p-0 back, Ready at the target: it returns to routing and p-1 is the next batch.
+    assert plan("p", UID, new, [at(new, "p-0", draining=True), at(old, "p-1")]) == Plan(
+        update=["p-1"], undrain=["p-0"])
+    # Down for good: with maxUnavailable 1 the rollout waits for it, as a Deployment's would (its
+    # ProgressDeadlineExceeded); with a budget of 2 the next replica goes on beside it.
+    wide = spec(replicas=3, label="step-2", max_unavailable=2)
+    stuck = [at(wide, "p-0", phase="Pending", label="step-1", draining=True), at(old, "p-1"), at(old, "p-2")]
+    assert plan("p", UID, wide, stuck) == Plan(update=["p-1"])
+    assert plan("p", UID, spec(replicas=3, label="step-2"), stuck) == Plan()
+    # A replica that does not exist yet (created now, at the target) is unavailable too.
+    assert plan("p", UID, spec(replicas=3, label="step-2"), [at(old, "p-0"), at(old, "p-1")]) == Plan(create=[2])
+    # Unhealthy (probes unanswered under load) may still serve: it does not use the budget.
+    assert plan("p", UID, new, [at(old, "p-0", phase="Unhealthy"), at(old, "p-1")]) == Plan(update=["p-0"])
+
+
+def test_keep_mode_ignores_a_replica_already_down() -> None:
+    """Keep takes nobody out of routing, so there is no budget for a down replica to use: the down one
+    takes the target drained, every serving one loads in place."""
+    old, new = spec(replicas=2, label="step-1", mode="Keep"), spec(replicas=2, label="step-2", mode="Keep")
+    assert plan("p", UID, new, [at(old, "p-0", phase="Starting"), at(old, "p-1")]) == Plan(
+        update=["p-0"], update_in_place=["p-1"])
+
+
 def test_abort_mode_reaches_each_replica_load_and_a_mode_change_alone_rolls_nothing() -> None:
     drain, abort = spec(), spec(mode="Abort")
     assert "inFlight" not in desired_replica_spec("p", drain)["weights"]  # the spec pools have always written
