@@ -8,7 +8,9 @@
   when it is `resendable` (a submit: its id never reached the client, so sending it again cannot
   duplicate anything the client saw) or a sync sample that may be re-run (`rerun`, issue #23: RL
   samples are exchangeable, any replica at the same weights label makes an equally valid one, and
-  the client never saw the lost one). Else, or with no replica at that label: a 502 naming the
+  the client never saw the lost one; under Latest, a label older than one already returned is
+  dropped from the retry and the policy picks, as for a stale answer: pool.py `_returnable`).
+  Else, or with no replica at that label: a 502 naming the
   replica and its weights. A request sent again after a loss answers with `X-Sampler-Retried:
   <the lost replica>`; a client that needs the exact sampler opts out (`X-Sampler-No-Retry: 1`,
   routes/common.py). Futures are owned work: their owner's loss stays a 410. Under `Latest`, an answer on weights

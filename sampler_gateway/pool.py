@@ -123,7 +123,7 @@ class Pool:
         chosen = self._pick(affinity, exclude, label, prefer)
         if chosen is None:
             self.metrics.no_replica.inc()
-            raise NoReplica(self.why_none(exclude, label), self.cfg.retry_after_s)
+            raise NoReplica(self.why_none(exclude, self._returnable(label)), self.cfg.retry_after_s)
         return chosen
 
     async def choose_within(self, wait_s: float, affinity: str | None = None, exclude: frozenset[str] = frozenset(),
@@ -148,8 +148,20 @@ class Pool:
         finally:
             self.metrics.waiting.dec()
 
+    def _returnable(self, label: str | None) -> str | None:
+        """A retry's label restriction, while an answer on that label could still go back to a client.
+        Once Latest has returned a newer label, none could (`returned` would drop it and forward.py run
+        it again on the newest): the restriction is dropped and the policy picks, as it does for a stale
+        answer. Without it, a sample re-run after its replica was lost, having waited on that replica
+        while a rollout moved on (a stall until the kubelet's restart), found no replica it could
+        run on and was a 502 (the Faults soak, bench/faults.py)."""
+        if label is not None and is_stale(label, self.cfg.version_policy, self.order, self.target):
+            return None
+        return label
+
     def _pick(self, affinity: str | None, exclude: frozenset[str], label: str | None,
               prefer: str | None) -> ReplicaView | None:
+        label = self._returnable(label)
         cands = [r for r in self.candidates() if r.name not in exclude and (label is None or r.weights_label == label)]
         allowed, rejected = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)
         for r in rejected:

@@ -24,5 +24,6 @@ def test_a_small_faults_soak_loses_nothing() -> None:
     assert a.requests >= 300 and set(res.per_kind) == {"sample", "opt_out", "twinkle", "future", "tinker"}
     assert a.lost == 0 and a.failed == 0, a.reasons
     assert res.violations == 0
-    # Every sync sample the gateway re-ran reached its client stamped (none of them failed).
-    assert a.retried == res.counters["sampler_gateway_rerun_total"]
+    # The clients saw no re-run the gateway did not count (a re-run whose answer came back stale is
+    # answered 503 and sent again by the client: counted, not stamped).
+    assert a.retried <= res.counters["sampler_gateway_rerun_total"]

@@ -117,6 +117,29 @@ async def test_a_sync_sample_lost_mid_request_is_rerun_once_at_the_same_label() 
     assert e.value.status_code == 502 and up.calls == ["a"] and counter(gw, "sampler_gateway_lost_total", "a") == 1
 
 
+async def test_a_rerun_on_a_label_latest_has_moved_past_runs_on_the_newest() -> None:
+    """Found by the Faults soak (bench/faults.py): samples held by a stalled replica until the kubelet
+    restarted it, while a rollout moved the pool on. By the loss, Latest had returned newer weights, so
+    a re-run on the lost replica's label could never be returned (and no replica served it): a 502. The
+    re-run goes to the newest label, as an answer that came back stale does."""
+    b_at_step_2 = rv("b", "step-2")
+
+    def script(r: ReplicaView) -> Reply:
+        if r.name == "a":
+            # While "a" holds the request, "b" loads step-2 and answers a client with it; then "a" is lost.
+            gw.pool.returned(b_at_step_2, "step-2")
+            raise Lost("reset")
+        return ok(r.weights_label or "")
+
+    gw, up = gateway(script, [rv("a"), rv("b"), rv("c")], policy="Latest")
+    gw.pool.in_flight.update(b=1, c=1)  # "a" is the least loaded: the first pick
+    replica, reply = await to_new(gw, OUT, rerun=True, label_of=label_of)
+    # c still serves step-1: never the re-run (its answer could not be returned).
+    assert up.calls == ["a", "b"] and replica.name == "b" and label_of(reply) == "step-2"
+    assert reply.header(RETRIED_HEADER) == "a"
+    assert counter(gw, "sampler_gateway_rerun_total", "a") == 1 and counter(gw, "sampler_gateway_lost_total", "a") == 0
+
+
 def test_resend_after_loss() -> None:
     assert resend_after_loss(1, resendable=True, rerun=False, label=None)
     assert resend_after_loss(1, resendable=False, rerun=True, label="step-1")
