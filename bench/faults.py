@@ -201,9 +201,12 @@ def report(res: Result, sizes: Sizes) -> str:
         f"making tokens; `--stall-timeout-s {STALL_TIMEOUT_S:g}` fails `/healthz`), **replace** (a new replica on a "
         "new address at the rollout's target label, then the old one out of the replicas file and stopped). "
         "There is no kubelet: the harness plays it, probing every replica's `/healthz` every "
-        f"{PROBE_PERIOD_S:g} s and restarting it after {PROBE_FAILURES} failures in a row (the chart's probe, "
-        "scaled down). A fault's window runs from its first act until every replica serves again as the "
-        "gateway sees it; a request counts in the window it overlapped longest, else in `none`. Lost: no "
+        f"{PROBE_PERIOD_S:g} s and restarting it after {PROBE_FAILURES} failures in a row (a SamplerReplica's "
+        "10 s x 3 probe, scaled down). A fault's window runs from its first act until every replica serves "
+        "again as the gateway sees it; a request counts in the window it overlapped longest, else in `none`. "
+        "A future is resubmitted on a 410: its replica lost or restarted, or, under Latest, its result on "
+        "weights older than an answer already returned (rollouts alone do that: the resubmits in `none`). "
+        "Lost: no "
         "terminal answer (no HTTP answer from the gateway, or none within "
         f"{faults_clients.DEADLINE_S:g} s) or a 5xx the docs do not name.", "",
         *table(res.rows), "",

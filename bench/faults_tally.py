@@ -3,8 +3,9 @@ its terminal answer sorted into ok, failed (as documented, or not) or lost.
 
 - **retried**: the answer carries `X-Sampler-Retried` (the gateway re-ran a sync sample whose replica
   was lost while running it, docs/pool.md "Failover");
-- **resubmitted**: a future answered 410 (its replica lost or restarted) and submitted again by the
-  client, as the contract says: the request still ends in its own terminal answer;
+- **resubmitted**: a future answered 410 (its replica lost or restarted, or, under Latest, its result
+  on weights older than an answer already returned) and submitted again by the client, as the
+  contract says: the request still ends in its own terminal answer;
 - **failed, opt-out**: the 502 `replica_lost` a request with `X-Sampler-No-Retry: 1` asked for;
 - **failed, other**: any other non-200 terminal answer the docs name (a 502 `replica_lost` without
   the opt-out, a 503 `no_replica` past the client's deadline, a 504 `replica_timeout`, a 4xx): each
