@@ -64,6 +64,21 @@ def start_async_llm(args: Any, stat_loggers: list[Any] | None = None) -> Any:
                                          disable_log_stats=args.disable_log_stats, stat_loggers=stat_loggers)
 
 
+def cache_vllm_envs() -> None:
+    """Freeze vLLM's environment variables for the rest of this process, as vLLM's engine core and
+    workers do once they are up (`enable_envs_cache`).
+
+    `vllm.envs.X` otherwise calls `os.getenv` on every read, and the output handler in THIS process
+    reads some per sequence per engine step (`IterationStats.update_from_output` reads
+    VLLM_COMPUTE_NANS_IN_LOGITS): ~7% of the server's CPU under load (py-spy, docs/benchmarks.md).
+    vLLM's own API server leaves them uncached. Safe here because a server process runs one engine
+    and never changes vLLM's environment once the engine is up (VLLM_RPC_BASE_PATH and the OpenMP
+    variables are set before)."""
+    from vllm import envs
+
+    envs.enable_envs_cache()
+
+
 @dataclass
 class TokenCount:
     """Tokens the engine has produced, as its stat logger counts them (`token_counter`)."""
@@ -159,6 +174,7 @@ class VllmEngine:
         )
         tokens = TokenCount()
         llm = start_async_llm(args, stat_loggers=[token_counter(tokens)])
+        cache_vllm_envs()
         mc = llm.model_config
         # The tokenizer (and its chat template) is loaded here, once, never per request.
         tokenizer = llm.get_tokenizer()
