@@ -1,7 +1,9 @@
 # Convenience targets; the scripts are the source of truth.
-.PHONY: setup lock demo demo-local test unit engine k8s-build images lint-images docs cluster-up cluster-down bench
+.PHONY: setup prepare lock demo demo-local test unit engine k8s-build images lint-images docs cluster-up cluster-down bench
 
 setup:          ; bash scripts/setup.sh
+# the venv, the Kubernetes binaries and the images (what demo.sh and test.sh build first)
+prepare:        ; bash scripts/prepare.sh
 # requirements/lock.txt from requirements/*.txt (docs/development.md, "Dependencies")
 lock:           ; bash scripts/lock.sh
 demo:           ; bash scripts/demo.sh

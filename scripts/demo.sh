@@ -21,18 +21,16 @@ T0=$(date +%s)
 
 # A fresh machine: say up front what the one-time build costs (each step below prints its progress).
 todo=()
-compgen -G "$CACHE/venv-*/.complete" >/dev/null || todo+=("Python venv with vLLM ~8 min")
-[ -x "$CACHE/k8s/bin/kubelet" ] || todo+=("Kubernetes binaries from Debian's source ~10 min")
-[ -f "$CACHE/images/images.list" ] || todo+=("container images ~12 min")
+compgen -G "$CACHE/venv-*/.complete" >/dev/null || todo+=("Python venv with vLLM ~4 min")
+[ -x "$CACHE/k8s/bin/kubelet" ] || todo+=("Kubernetes binaries from Debian's source ~8 min (beside the other two)")
+[ -f "$CACHE/images/images.list" ] || todo+=("container images ~6 min")
 if [ ${#todo[@]} -gt 0 ]; then
-    echo "=== first run on this machine: a one-time build comes first (on 2 cores):"
+    echo "=== first run on this machine: a one-time build comes first (on 2 cores, ~10-15 min):"
     printf '      - %s\n' "${todo[@]}"
     echo "    later runs reuse the caches in $CACHE and take 3-5 min."
 fi
-echo "=== [setup 1/4] Python venv";            bash scripts/setup.sh
-echo "=== [setup 2/4] Kubernetes binaries";    bash scripts/k8s/build.sh
-echo "=== [setup 3/4] images (cached by input hash)"; bash scripts/images/build.sh
-echo "=== [setup 4/4] local cluster (node tier)"; bash scripts/k8s/node-up.sh
+echo "=== [setup 1/2] Python venv, Kubernetes binaries, images (scripts/prepare.sh)"; bash scripts/prepare.sh
+echo "=== [setup 2/2] local cluster (node tier)"; bash scripts/k8s/node-up.sh
 echo "=== setup done in $(( $(date +%s) - T0 ))s; the story:"
 export PYTHONDONTWRITEBYTECODE=1
 # The cached venv may be shared by several checkouts: import THIS one.

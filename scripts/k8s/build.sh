@@ -11,8 +11,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 T0=$(ts)
-apt_install golang-go golang-github-modern-go-reflect2-dev dpkg-dev etcd-server openssl curl ca-certificates \
-  debootstrap docker.io gcc libc6-dev busybox-static iproute2 util-linux procps
+apt_install "${K8S_BUILD_PKGS[@]}"
 mkdir -p "$K8S_BIN"
 
 RECIPE=$(cat "$K8S_SCRIPTS/go-build.sh" "$K8S_SCRIPTS/kubelet-overlay.sh" | sha256sum | cut -c1-16)

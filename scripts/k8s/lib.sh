@@ -10,6 +10,9 @@ K8S_IMAGES=$K8S_CACHE/images      # <name>-<hash>.tar root-fs tarballs for `dock
 K8S_VERSION=v1.20.2
 DEB_K8S_SRC_VERSION=1.20.5+really1.20.2-1.1+deb12u1
 ETCD=${ETCD:-/usr/bin/etcd}
+# The apt packages scripts/k8s/build.sh needs (scripts/images/build.sh needs a subset of them).
+K8S_BUILD_PKGS=(golang-go golang-github-modern-go-reflect2-dev dpkg-dev etcd-server openssl curl ca-certificates
+  debootstrap docker.io gcc libc6-dev busybox-static iproute2 util-linux procps)
 KUBECTL=${KUBECTL:-$K8S_BIN/kubectl}
 
 ts() { date +%s.%N; }
