@@ -1,7 +1,7 @@
 #!/bin/bash
 # Idempotent: provide everything the Kubernetes test tiers need, in a cache OUTSIDE the repo
 # (${SAMPLER_CACHE_DIR:-$HOME/.cache/sampler-operator}/k8s):
-#   bin/  kube-apiserver kube-controller-manager kube-scheduler kubectl (v1.20.2, built offline from Debian
+#   bin/  kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy (v1.20.2, built offline from Debian
 #         bookworm's `kubernetes` source package with Debian's Go 1.19), kubelet (same, + 3 one-line patches via
 #         `go build -overlay`, see kubelet-overlay.sh), helm (3.17.2) + kubectl-v32 (from a PyPI wheel)
 #   images/  root-fs tarballs for `docker import` (make-images.sh): pause, busybox, sampler-base
@@ -16,7 +16,7 @@ mkdir -p "$K8S_BIN"
 
 RECIPE=$(cat "$K8S_SCRIPTS/go-build.sh" "$K8S_SCRIPTS/kubelet-overlay.sh" | sha256sum | cut -c1-16)
 STAMP="$K8S_BIN/.stamp-$DEB_K8S_SRC_VERSION-$RECIPE"
-TARGETS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+TARGETS=(kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy)
 have_all() { local t; for t in "${TARGETS[@]}" kubelet; do [ -x "$K8S_BIN/$t" ] || return 1; done; }
 
 if [ -n "${FORCE:-}" ] || [ ! -f "$STAMP" ] || ! have_all; then
@@ -38,7 +38,7 @@ if [ -n "${FORCE:-}" ] || [ ! -f "$STAMP" ] || ! have_all; then
     echo "[k8s] source fetched+unpacked: $(el $t)" >&2
   fi
   export SRC WORK=$K8S_CACHE/gopath GOCACHE=$K8S_CACHE/gocache OUT=$K8S_BIN
-  t=$(ts); "$K8S_SCRIPTS/go-build.sh" "${TARGETS[@]}"; echo "[k8s] control plane + kubectl: $(el $t)" >&2
+  t=$(ts); "$K8S_SCRIPTS/go-build.sh" "${TARGETS[@]}"; echo "[k8s] control plane + kubectl + kube-proxy: $(el $t)" >&2
   t=$(ts); OV=$("$K8S_SCRIPTS/kubelet-overlay.sh" "$K8S_CACHE/kubelet-overlay")
   GOFLAGS="-overlay=$OV" "$K8S_SCRIPTS/go-build.sh" kubelet; echo "[k8s] patched kubelet: $(el $t)" >&2
   [[ "$("$K8S_BIN/kube-apiserver" --version)" == *"$K8S_VERSION"* ]]

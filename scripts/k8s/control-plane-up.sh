@@ -61,7 +61,7 @@ t1=$(ts)
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --service-account-key-file="$D/sa.pub" --service-account-signing-key-file="$D/sa.key" \
   --api-audiences=https://kubernetes.default.svc.cluster.local \
-  --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
+  --service-cluster-ip-range="$K8S_SERVICE_CIDR" --allow-privileged=true \
   --disable-admission-plugins=ServiceAccount \
   --endpoint-reconciler-type=none --kubelet-preferred-address-types=InternalIP \
   --cert-dir="$D/certs" --v=1 > "$D/apiserver.log" 2>&1 &

@@ -5,14 +5,16 @@ K8S_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO_ROOT=$(cd "$K8S_SCRIPTS/../.." && pwd)
 SAMPLER_CACHE_DIR=${SAMPLER_CACHE_DIR:-$HOME/.cache/sampler-operator}
 K8S_CACHE=${K8S_CACHE:-$SAMPLER_CACHE_DIR/k8s}
-K8S_BIN=$K8S_CACHE/bin            # kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl helm kubectl-v32
+K8S_BIN=$K8S_CACHE/bin            # kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl helm kubectl-v32
 K8S_IMAGES=$K8S_CACHE/images      # <name>-<hash>.tar root-fs tarballs for `docker import`
 K8S_VERSION=v1.20.2
+K8S_SERVICE_CIDR=10.0.0.0/24      # the apiserver's ClusterIP range; node-up.sh routes it to kube-proxy's rules
 DEB_K8S_SRC_VERSION=1.20.5+really1.20.2-1.1+deb12u1
 ETCD=${ETCD:-/usr/bin/etcd}
 # The apt packages scripts/k8s/build.sh needs (scripts/images/build.sh needs a subset of them).
 K8S_BUILD_PKGS=(golang-go golang-github-modern-go-reflect2-dev dpkg-dev etcd-server openssl curl ca-certificates
-  debootstrap docker.io gcc libc6-dev busybox-static iproute2 util-linux procps)
+  debootstrap docker.io gcc libc6-dev busybox-static iproute2 util-linux procps
+  iptables conntrack)   # kube-proxy (iptables mode) runs iptables-restore, and `conntrack -D` for stale UDP entries
 KUBECTL=${KUBECTL:-$K8S_BIN/kubectl}
 
 ts() { date +%s.%N; }

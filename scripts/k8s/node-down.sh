@@ -1,7 +1,7 @@
 #!/bin/bash
-# Stop everything node-up.sh started: kubelet, all containers, dockerd (+ its containerd), the control plane,
-# anything else still inside the private netns (started by us, e.g. an operator run via node-exec.sh), and
-# finally the namespace holder (its mounts go with it). Only recorded PIDs / processes in OUR netns are killed.
+# Stop everything node-up.sh started: kube-proxy, kubelet, all containers, dockerd (+ its containerd), the
+# control plane, anything else still inside the private netns (started by us, e.g. an operator run via
+# node-exec.sh), and finally the namespace holder (its mounts go with it). Only recorded PIDs / processes in OUR netns are killed.
 # Keeps docker's data-root (imported images) for a fast next start; PURGE=1 removes the whole state dir.
 # Usage: node-down.sh [STATE_DIR]
 source "$(dirname "$0")/lib.sh"
@@ -9,6 +9,8 @@ S=${1:-${K8S_NODE_STATE:-$K8S_CACHE/node}}
 [ -d "$S" ] || { echo "nothing to stop ($S missing)"; exit 0; }
 S=$(readlink -f "$S"); R=$S/run
 NSP=$(cat "$R/ns.pid" 2>/dev/null || true)
+# (kube-proxy's iptables rules and route live in the netns: they go with it)
+[ -f "$R/kube-proxy.pid" ] && stop_pid "$(cat "$R/kube-proxy.pid")" 5
 [ -f "$R/kubelet.pid" ] && stop_pid "$(cat "$R/kubelet.pid")" 10
 if [ -S "$R/docker.sock" ] && [ -f "$R/dockerd.pid" ] && alive "$(cat "$R/dockerd.pid")"; then
   export DOCKER_HOST=unix://$R/docker.sock

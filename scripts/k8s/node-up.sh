@@ -1,7 +1,8 @@
 #!/bin/bash
 # Node tier: a REAL single-node Kubernetes v1.20.2 cluster -- etcd, kube-apiserver, kube-controller-manager
-# (incl. node-lifecycle), kube-scheduler, dockerd, patched kubelet with dockershim -- ALL inside a private
-# network + mount namespace whose only interface is `lo` (ns-init.sh). Images come from `docker import`
+# (incl. node-lifecycle), kube-scheduler, dockerd, patched kubelet with dockershim, kube-proxy (iptables mode:
+# Services' ClusterIPs answer) -- ALL inside a private network + mount namespace whose only interface is `lo`
+# (ns-init.sh). Images come from `docker import`
 # of the cached root-fs tarballs (make-images.sh) and `docker load` of the project's images
 # (scripts/images/build.sh): no registry.
 # Usage: node-up.sh [STATE_DIR]    (default ${K8S_NODE_STATE:-$SAMPLER_CACHE_DIR/k8s/node}); idempotent.
@@ -14,7 +15,7 @@ S=${1:-${K8S_NODE_STATE:-$K8S_CACHE/node}}; S=$(mkdir -p "$S" && readlink -f "$S
 D=$S/state; R=$S/run; L=$S/logs
 NODE_NAME=${NODE_NAME:-sampler-node}
 T0=$(ts)
-for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do [ -x "$K8S_BIN/$b" ] || need=1; done
+for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl; do [ -x "$K8S_BIN/$b" ] || need=1; done
 [ -f "$K8S_IMAGES/images.list" ] || need=1
 [ -z "${need:-}" ] || "$K8S_SCRIPTS/build.sh"
 export KUBECONFIG=$D/kubeconfig
@@ -122,6 +123,47 @@ echo "[node] node Ready: $(el $t) after kubelet start" >&2
 for i in $(seq 300); do [ -z "$("${K[@]}" get node "$NODE_NAME" -o jsonpath='{.spec.taints}')" ] && break; sleep 0.2; done
 # pods need the default service account (token controller) before they can be created
 for i in $(seq 300); do "${K[@]}" -n default get sa default >/dev/null 2>&1 && break; sleep 0.2; done
+
+# 6) kube-proxy (iptables mode), so a Service's ClusterIP answers inside the netns, as on a real node.
+# The ClusterIPs (K8S_SERVICE_CIDR, the apiserver's --service-cluster-ip-range) need a route, or connect()
+# fails with ENETUNREACH before kube-proxy's nat OUTPUT rules ever see the packet. The route goes through `lo`
+# (no new interface: nothing can leave the netns). Its source is 127.0.0.2, not 127.0.0.1: the endpoints of
+# hostNetwork pods are 127.0.0.1, and kube-proxy masquerades a connection whose source is its endpoint's own
+# address (hairpin); MASQUERADE out of `lo` finds no address of scope below `host` there and DROPS the packet
+# (seen: the ClusterIP timed out). Without a source the kernel picks 0.0.0.0 and answers never come back.
+# A route through `lo` delivers locally, so a ClusterIP would otherwise reach any listener on 0.0.0.0 at the
+# same port WITHOUT kube-proxy: what still arrives addressed to the service range (no DNAT of kube-proxy
+# rewrote it) is refused, so a ClusterIP answers only through kube-proxy.
+"${NS[@]}" ip route add "$K8S_SERVICE_CIDR" dev lo src 127.0.0.2
+"${NS[@]}" iptables -w -A INPUT -d "$K8S_SERVICE_CIDR" -p tcp -j REJECT --reject-with tcp-reset
+"${NS[@]}" iptables -w -A INPUT -d "$K8S_SERVICE_CIDR" -j REJECT
+# The endpoints of hostNetwork pods are 127.0.0.1:<port>: the apiserver refuses loopback addresses in an
+# Endpoints object (validateNonSpecialIP), but not in an EndpointSlice, which kube-proxy 1.20 reads
+# (EndpointSliceProxying is on by default). kube-proxy sets route_localnet=1 (for NodePorts on 127.0.0.1;
+# net.ipv4.conf.* belong to this netns); the DNAT of a local connection to 127.0.0.1 works without it.
+# What it must NOT touch, being global or read-only outside the initial netns: nf_conntrack_max and the
+# hashsize module parameter (--conntrack-max-per-core=0 leaves them as they are; writing nf_conntrack_max fails
+# here and would stop kube-proxy), the conntrack TCP timeouts (0: left as they are), the host's OOM policy
+# (--oom-score-adj=0: no negative score for a test process).
+KUBE_PROXY_FLAGS=(
+  --kubeconfig="$D/kubeconfig" --proxy-mode=iptables
+  --hostname-override="$NODE_NAME" --bind-address=127.0.0.1
+  --healthz-bind-address=127.0.0.1:10256 --metrics-bind-address=127.0.0.1:10249
+  --conntrack-max-per-core=0 --conntrack-tcp-timeout-established=0 --conntrack-tcp-timeout-close-wait=0
+  --oom-score-adj=0 --v="${KUBE_PROXY_V:-2}"
+)
+t=$(ts)
+"${NS[@]}" "$K8S_BIN/kube-proxy" "${KUBE_PROXY_FLAGS[@]}" > "$L/kube-proxy.log" 2>&1 &
+echo $! > "$R/kube-proxy.pid"
+# Ready once its first sync wrote its nat chains (it has read the Services and EndpointSlices by then).
+for i in $(seq 300); do
+  "${NS[@]}" iptables -w -t nat -S KUBE-SERVICES >/dev/null 2>&1 && break
+  alive "$(cat "$R/kube-proxy.pid")" || { echo "kube-proxy died:"; tail -20 "$L/kube-proxy.log"; exit 1; }
+  sleep 0.1
+done
+"${NS[@]}" iptables -w -t nat -S KUBE-SERVICES >/dev/null 2>&1 \
+  || { echo "kube-proxy wrote no rules:"; tail -20 "$L/kube-proxy.log"; exit 1; }
+echo "[node] kube-proxy synced: $(el $t) after its start" >&2
 cat > "$S/env" <<ENV
 export K8S_NODE_STATE=$S
 export KUBECONFIG=$D/kubeconfig
