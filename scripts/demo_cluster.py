@@ -340,8 +340,9 @@ class Story:
             "watch": {"allNamespaces": False, "namespaces": [cfg.namespace]},
             "liveness": {"port": cfg.liveness_port},
             "logLevel": "verbose",
-            # Node-tier quirks (no CNI/kube-proxy, no ServiceAccount admission plugin): the operator shares the
-            # node's network to reach the API server and the pods at 127.0.0.1, and mounts its token Secret.
+            # Node-tier quirks (no CNI, no endpoints for the `kubernetes` Service, no ServiceAccount admission
+            # plugin): the operator shares the node's network to reach the API server and the pods at 127.0.0.1,
+            # and mounts its token Secret.
             "hostNetwork": True,
             "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                          {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}],
@@ -389,9 +390,10 @@ class Story:
                                 {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
                     "volumeMounts": [{"name": "models", "mountPath": str(models), "readOnly": True},
                                      {"name": "dshm", "mountPath": "/dev/shm"}]}}
-        # Node-tier quirks, as the operator's: the gateway shares the node's network (no CNI, no
-        # kube-proxy: the API server at 127.0.0.1) and mounts its account's token Secret (this API server
-        # has no ServiceAccount admission plugin; gateway_token() makes the Secret).
+        # Node-tier quirks, as the operator's: the gateway shares the node's network (no CNI; the API
+        # server at 127.0.0.1, which the `kubernetes` Service cannot list as its endpoint) and mounts its
+        # account's token Secret (this API server has no ServiceAccount admission plugin; gateway_token()
+        # makes the Secret).
         token = {"name": "sa-token", "secret": {"secretName": f"{self.pool}-gateway-token"}}
         mount = {"name": "sa-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
         return {"apiVersion": "sampler.rl.dev/v1alpha1", "kind": "SamplerPool", "metadata": {"name": self.pool},

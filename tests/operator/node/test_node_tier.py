@@ -407,8 +407,8 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
     token, the chart's least-privilege RBAC, peering), and brings a replica to Ready; `helm uninstall` runs the
     pre-delete hook (stops the operator, releases the replica's finalizer) and cleans up. Namespaced mode; the
     chart's default cluster-wide mode: test_helm_clusterwide.py.
-    Node-tier quirks only: hostNetwork lets it reach the API server and the pods at 127.0.0.1 (no kube-proxy
-    here), and the node tier's API server runs without the ServiceAccount admission plugin (no token volume
+    Node-tier quirks only: hostNetwork lets it reach the API server and the pods at 127.0.0.1 (no pod
+    network here), and the node tier's API server runs without the ServiceAccount admission plugin (no token volume
     is injected), so the service-account token Secret (filled by the controller-manager's token controller)
     is mounted via extraVolumes at the standard path."""
     suffix = uuid.uuid4().hex[:6]
@@ -425,7 +425,7 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
         "logLevel": "verbose",
         "allowTestSeams": True,       # the replica below enables them (replica()'s default extraArgs)
         "watchTimeouts": {"serverTimeout": 30, "clientTimeout": 40},
-        # in-cluster config reads KUBERNETES_SERVICE_HOST/PORT: the ClusterIP is unroutable without kube-proxy
+        # in-cluster config reads KUBERNETES_SERVICE_HOST/PORT: the `kubernetes` Service has no endpoints here
         "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                      {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}],
         "extraVolumes": [{"name": "sa-token", "secret": {

@@ -12,9 +12,10 @@
   the leaving replica was marked draining reaches it (the gateway names the replica of each answer).
 
 Replicas use hostNetwork (the node has no pod network): a pool gives replica i `template.port + i`.
-The gateway runs with `spec.gateway.hostNetwork`, the API server's address in `spec.gateway.env` (no
-kube-proxy here) and its account's token mounted through `spec.gateway.volumes` (this API server
-injects none): documented pool options, nothing test-only.
+The gateway runs with `spec.gateway.hostNetwork`, the API server's address in `spec.gateway.env` (the
+`kubernetes` Service has no endpoints here: the API server listens on 127.0.0.1, which no Endpoints may
+hold) and its account's token mounted through `spec.gateway.volumes` (this API server injects none):
+documented pool options, nothing test-only.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ k8s_node = ks.node_fixture()
 
 G, V = "sampler.rl.dev", "v1alpha1"
 DRAINING = "sampler.rl.dev/draining"
-# In-cluster config reads these; the Service IP is unroutable without kube-proxy.
+# In-cluster config reads these; the `kubernetes` Service has no endpoints on this node (see above).
 API_SERVER_ENV = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                   {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}]
 
