@@ -10,13 +10,19 @@ apart), every sample has all its tokens, each rollout ends RolloutComplete with 
 label, and the switch protocol ran on the pods: each rollout moved `status.routing` to a newer
 generation, Open at the label, and BOTH gateway pods' routing Leases acknowledge it.
 
-How the clients reach the gateways: this node has no kube-proxy (and no pod network), so the
-gateway's Service address routes nowhere. The gateway runs on the node's network
-(`spec.gateway.hostNetwork`, as in test_pool_node.py), where its 2 replicas share the pool's port
-(SO_REUSEPORT: sampler_gateway/listen.py) and the kernel spreads new connections over them, as a
-Service spreads them over its endpoints. Each client opens a new connection per request, so the
-gateway of each request is the kernel's choice, not the client's; every answer names its gateway pod
-(X-Sampler-Gateway), and the test checks both served.
+How the clients reach the gateways: through the gateway's Service, as a trainer in a cluster does. Each
+client sends to the Service's ClusterIP, which kube-proxy (scripts/k8s/node-up.sh, iptables mode)
+rewrites to the Service's endpoints, with a new connection per request, so each request's gateway is
+chosen by the Service's address, not by the client; every answer names its gateway pod
+(X-Sampler-Gateway), and the test checks both served. This node has no pod network, so the gateway runs
+on the node's network (`spec.gateway.hostNetwork`, as in test_pool_node.py) and its 2 replicas share the
+pool's port (SO_REUSEPORT: sampler_gateway/listen.py): both pods are at the one address 127.0.0.1:<port>,
+which the Service's EndpointSlice holds once (its controller keeps one endpoint per address, naming one
+of the pods; the test checks that shape). So kube-proxy's DNAT takes each new connection to that port,
+and the kernel's SO_REUSEPORT spreads the connections over the 2 gateways' sockets: the last step is the
+kernel's, where on a node with a pod network it would be kube-proxy's choice between two pod IPs.
+node-up.sh refuses whatever reaches the service range without kube-proxy's rewrite, so no answer comes
+from the shared port by another road (test_service_node.py: a ClusterIP answering through kube-proxy).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from sampler_operator.pool.gateway import gateway_name
 from sampler_pod.testing import net
 from tests.operator.node.test_node_tier import Api, _checkpoints, _vllm_replica, watched_namespace
 from tests.operator.node.test_pool_node import (
@@ -126,6 +133,27 @@ def wait_acknowledged(api: Api, ns: str, pods: set[str], generation: int) -> dic
         raise TimeoutError(f"{e}; Leases: {last}") from None
 
 
+def slice_endpoints(api: Api, ns: str) -> list[tuple[str, str]]:
+    """The gateway Service's EndpointSlices: each ready endpoint's (pod, address)."""
+    slices = api.cluster.kubectl_json("-n", ns, "get", "endpointslices",
+                                      "-l", f"kubernetes.io/service-name={gateway_name(POOL)}")
+    return [((e.get("targetRef") or {}).get("name", ""), a) for s in slices["items"] for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready") for a in e.get("addresses") or []]
+
+
+def service_url(api: Api, ns: str, port: int, pods: set[str]) -> str:
+    """The gateway Service's ClusterIP URL, once its EndpointSlice has a ready endpoint (kube-proxy's rules
+    follow within its 1 s minimum sync period; the health reads through the URL wait for them). Both
+    gateway pods are at 127.0.0.1:`port` (the node's network): the EndpointSlice controller keeps ONE
+    endpoint for that address, naming one of them; the kernel's SO_REUSEPORT picks the pod."""
+    svc = api.core.read_namespaced_service(gateway_name(POOL), ns)
+    assert svc.spec.type == "ClusterIP" and svc.spec.cluster_ip, svc.spec
+    assert [(p.port, p.target_port) for p in svc.spec.ports] == [(port, port)], svc.spec.ports
+    eps = ks.wait_for(lambda: slice_endpoints(api, ns), 60, 0.2, "a ready endpoint of the gateway Service")
+    assert len(eps) == 1 and eps[0][0] in pods and eps[0][1] == "127.0.0.1", (eps, pods)
+    return f"http://{svc.spec.cluster_ip}:{port}"
+
+
 @pytest.mark.timeout(1500)  # two vLLM starts and three rollouts under load, on 2 cores
 def test_one_weights_order_through_two_gateway_pods_over_drain_keep_and_abort_rollouts(
         api, ns, operator, tiny_model, tmp_path):
@@ -147,10 +175,13 @@ def test_one_weights_order_through_two_gateway_pods_over_drain_keep_and_abort_ro
                                300, 0.5, "2 gateway pods Ready"))
     except TimeoutError as e:
         raise TimeoutError(f"{e}\n{gw.diagnose()}") from None
+    # Behind its Service: the clients (and the health reads below) use the ClusterIP, once the Service's
+    # EndpointSlice has the gateways' address ready.
+    gw.url = service_url(api, ns, port, pods)
     first = ks.wait_for(lambda: open_at(api, ns, "step-1"), 120, 0.25, "routing Open at step-1")["routing"]
     wait_acknowledged(api, ns, pods, first["generation"])
     gw.wait(lambda h: eligible_at(h, {f"{POOL}-0", f"{POOL}-1"}, "step-1"), "both replicas eligible at step-1", 300)
-    _log(f"pool {POOL}: 2 vLLM replicas, gateway pods {sorted(pods)}, routing {first} "
+    _log(f"pool {POOL}: 2 vLLM replicas, gateway pods {sorted(pods)} behind {gw.url}, routing {first} "
          f"in {time.monotonic() - t0:.0f}s")
     key = pool_key(api, ns, POOL)
 
