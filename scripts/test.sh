@@ -24,7 +24,10 @@ export SAMPLER_REQUIRE_K8S=1 PYTHONDONTWRITEBYTECODE=1
 # The cached venv may be shared by several checkouts: make every process import THIS one.
 export PYTHONPATH="$ROOT:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY="$ROOT/.venv/bin/python"
-bash scripts/lint.sh
+# Lint (ruff + mypy, ~1 min of one core) runs beside the tiers; its output is printed when it ends.
+LINT_LOG=$(mktemp -t sampler-lint.XXXXXX)
+bash scripts/lint.sh > "$LINT_LOG" 2>&1 &
+LINT=$!
 # No retries: a flaky test is a bug to fix at its cause, never re-run into passing.
 status=0
 # Two pytest processes at once: the engine tier (real vLLM engines, ~10 min alone) beside the other tiers
@@ -36,11 +39,14 @@ echo "=== unit, gateway and envtest tiers, with the engine tier beside them" >&2
 ENGINE_LOG=$(mktemp -t sampler-engine-tier.XXXXXX)
 "$PY" -m pytest tests/engine -q -p no:cacheprovider --durations=15 > "$ENGINE_LOG" 2>&1 &
 ENGINE_TIER=$!
-trap 'kill "$ENGINE_TIER" 2>/dev/null || true' EXIT
+trap 'kill "$ENGINE_TIER" "$LINT" 2>/dev/null || true' EXIT
 "$PY" -m pytest tests/unit tests/operator/unit tests/gateway tests/operator/envtest -q -p no:cacheprovider \
   --durations=15 || status=1
 wait "$ENGINE_TIER" || status=1
+wait "$LINT" || status=1
 trap - EXIT
+echo "=== lint (it ran beside the tiers)" >&2
+cat "$LINT_LOG"; rm -f "$LINT_LOG"
 echo "=== engine tier (real vLLM CPU engines; it ran beside the tiers above)" >&2
 cat "$ENGINE_LOG"; rm -f "$ENGINE_LOG"
 echo "=== node tier (real kubelet, private netns)" >&2
