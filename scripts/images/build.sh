@@ -65,7 +65,7 @@ if [ ! -f "$BASE_TAR" ]; then
   rm -rf "$R"/var/cache/apt/archives/*.deb "$R"/var/cache/apt/*.bin "$R"/var/lib/apt/lists/*_* "$R"/etc/resolv.conf \
     "$R"/usr/share/doc/* "$R"/usr/share/man/* "$R"/usr/share/info/* "$R"/usr/share/locale/*
   "$R/usr/bin/python3" --version >/dev/null 2>&1 || chroot "$R" python3 --version >/dev/null
-  tar -C "$R" -cf "$BASE_TAR.tmp" . && mv "$BASE_TAR.tmp" "$BASE_TAR"; rm -rf "$W"
+  tar -C "$R" -cf "$BASE_TAR.tmp" .; mv "$BASE_TAR.tmp" "$BASE_TAR"; rm -rf "$W"   # (not `&&`: see docker save)
   for f in "$IMG_CACHE"/python-base-*.tar; do [ "$f" = "$BASE_TAR" ] || rm -f "$f"; done
   echo "[images] base root-fs: $(el $t)" >&2
 fi
@@ -114,7 +114,7 @@ wheelhouse() {  # wheelhouse LOCKFILE -> prints the dir; pip download (+ pip whe
     [ "${PIPESTATUS[0]}" = 0 ] || { echo "[images] pip download failed" >&2; exit 1; }
     local f
     for f in "$wh"/*; do
-      case "$f" in *.whl) ;; *) "$PIP" wheel --quiet --no-deps --wheel-dir "$wh" "$f" >&2 && rm -f "$f";; esac
+      case "$f" in *.whl) ;; *) "$PIP" wheel --quiet --no-deps --wheel-dir "$wh" "$f" >&2; rm -f "$f";; esac
     done
     [ "$(ls "$wh"/*.whl | wc -l)" -ge "$(grep -c '==' "$lock")" ] || { echo "[images] wheelhouse incomplete: $wh" >&2; exit 1; }
     touch "$wh/.complete"; echo "[images] wheelhouse: $(el $t) ($(du -sh "$wh" | cut -f1))" >&2
@@ -150,7 +150,11 @@ for name in "${NAMES[@]}"; do
         || { tail -30 "$IMG_CACHE/build-$name.log" >&2; echo "[images] build of $TAG failed (log: $IMG_CACHE/build-$name.log)" >&2; exit 1; }
     done
     rm -rf "$CTX"
-    docker save -o "$TAR.tmp" "$TAG" && mv "$TAR.tmp" "$TAR"
+    # Two commands, not `save && mv`: set -e ignores a failure on the left of `&&`, and a `docker save` that
+    # failed (a full disk) then left images.list naming a tarball that was never written, found only when the
+    # node tier could not load it.
+    docker save -o "$TAR.tmp" "$TAG" || { rm -f "$TAR.tmp"; echo "[images] docker save of $TAG failed (disk: $(df -h "$IMG_CACHE" | awk 'NR==2{print $4}') free)" >&2; exit 1; }
+    mv "$TAR.tmp" "$TAR"
     for f in "$IMG_CACHE/$name"-*.tar; do [ "$f" = "$TAR" ] || rm -f "$f"; done
     docker image prune -f >/dev/null
     size=$(docker image inspect -f '{{.Size}}' "$TAG")

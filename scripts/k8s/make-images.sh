@@ -31,7 +31,7 @@ H=$(h "$PAUSE_C"); T=$K8S_IMAGES/pause-$H.tar
 if [ ! -f "$T" ]; then
   t=$(ts); W=$(mktemp -d); mkdir -p "$W/r"
   gcc -Os -Wall -Werror -static -DVERSION=v3.4-local -o "$W/r/pause" "$PAUSE_C" && strip "$W/r/pause"
-  tar -C "$W/r" -cf "$T.tmp" pause && mv "$T.tmp" "$T"; rm -rf "$W"; echo "[images] pause: $(el $t)" >&2
+  tar -C "$W/r" -cf "$T.tmp" pause; mv "$T.tmp" "$T"; rm -rf "$W"; echo "[images] pause: $(el $t)" >&2
 fi
 echo "local/pause:3.4|$T|ENTRYPOINT [\"/pause\"]" >> "$LIST"
 
@@ -40,7 +40,7 @@ H=$(h /usr/bin/busybox); T=$K8S_IMAGES/busybox-$H.tar
 if [ ! -f "$T" ]; then
   t=$(ts); W=$(mktemp -d); R=$W/r; mkdir -p $R/bin $R/etc $R/tmp $R/proc $R/sys $R/dev
   cp /usr/bin/busybox $R/bin/; for a in $($R/bin/busybox --list); do [ "$a" = busybox ] || ln -s busybox $R/bin/$a; done
-  tar -C $R -cf "$T.tmp" . && mv "$T.tmp" "$T"; rm -rf "$W"; echo "[images] busybox: $(el $t)" >&2
+  tar -C $R -cf "$T.tmp" .; mv "$T.tmp" "$T"; rm -rf "$W"; echo "[images] busybox: $(el $t)" >&2
 fi
 echo "local/busybox:dev|$T|CMD [\"/bin/sh\"]" >> "$LIST"
 
@@ -52,7 +52,7 @@ if [ ! -f "$T" ]; then
   unshare -m --propagation private debootstrap --variant=minbase --include="$(echo $BASE_PKGS | tr ' ' ,)" \
     bookworm "$R" "$MIRROR" > "$W/debootstrap.log" 2>&1 || { tail -20 "$W/debootstrap.log" >&2; exit 1; }
   rm -rf $R/var/cache/apt/archives/*.deb $R/var/cache/apt/*.bin $R/var/lib/apt/lists/*_* $R/etc/resolv.conf
-  tar -C "$R" -cf "$T.tmp" . && mv "$T.tmp" "$T"; rm -rf "$W"
+  tar -C "$R" -cf "$T.tmp" .; mv "$T.tmp" "$T"; rm -rf "$W"
   echo "[images] sampler-base (debootstrap minbase + runtime libs): $(el $t)" >&2
 fi
 echo "local/sampler-base:dev|$T|CMD [\"/bin/bash\"]" >> "$LIST"
