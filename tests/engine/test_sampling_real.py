@@ -25,11 +25,12 @@ def body(max_tokens: int = 32, **sp: Any) -> dict[str, Any]:
 def test_32_concurrent_requests_run_concurrently_in_the_engine(shared_server: RunningServer) -> None:
     # One request (a 4-token prompt) computes at most 4 tokens in a step.
     before = engine_steps_over(c_metrics(shared_server), 8)
-    with shared_server.client() as c, ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(32) as pool:
         # The engine is frozen until all 32 are inside it: "together" does not depend on how fast
         # this box dispatches 32 requests against how fast the engine finishes them.
         with engine_paused(shared_server):
-            pending = [pool.submit(c.post, "/v1/sample", json=body(400, temperature=1.0, ignore_eos=True))
+            pending = [pool.submit(shared_server.post_alone, "/v1/sample", json=body(400, temperature=1.0,
+                                                                                      ignore_eos=True))
                        for _ in range(32)]
             wait_until(lambda: metric(c_metrics(shared_server), "sampler_engine_requests_running") == 32,
                        "32 engine calls in flight together")

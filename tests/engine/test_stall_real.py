@@ -115,7 +115,7 @@ def test_full_load_at_c128_with_a_keep_load_never_reports_a_stall(tiny_model: Pa
         watcher.start()
         try:
             # Long prompts and long answers: prefills under full load, 96 requests queued behind 32.
-            pending = [pool.submit(c.post, "/v1/sample", json={
+            pending = [pool.submit(s.post_alone, "/v1/sample", json={
                 "prompts": [[1 + (i + k) % 200 for k in range(128 + i)]],
                 "sampling_params": {"max_tokens": 200, "temperature": 1.0, "ignore_eos": True}}) for i in range(C)]
             wait_until(lambda: metric(c.get("/metrics").text, "sampler_requests_in_flight") >= C / 2,

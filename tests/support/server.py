@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -33,6 +34,16 @@ class RunningServer:
 
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120, **kw)
+
+    def post_alone(self, path: str, **kw: Any) -> httpx.Response:
+        """One POST on a client (and a connection) of its own: what a thread pool's tasks use.
+
+        Never one client shared by more threads than its pool's keep-alive limit (20): httpcore's sync pool
+        can close a connection it has already handed to a queued request when it trims surplus keep-alive
+        connections (encode/httpcore#1110). Seen here as `ReadError: [Errno 9] Bad file descriptor` on one of
+        128 threads sharing a client, on a busy box."""
+        with self.client() as c:
+            return c.post(path, **kw)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 240.0,
