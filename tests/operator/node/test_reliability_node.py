@@ -378,8 +378,11 @@ def test_a_pool_replica_restarting_onto_a_deleted_checkpoint_recovers_at_the_poo
         poller.stop()
     assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-3"], st
     assert api.status(ns, "pm-0")["podName"] == pod, "recovered in place, not replaced"
-    cs = container(api, ns, pod)
-    assert cs.restart_count == 1 and cs.ready, cs
+    # The pool counts the replica ready from its own read of the pod's /health; the kubelet's readiness
+    # probe (every PERIOD s) may pass a moment later: wait for it, then check it is the same container.
+    cs = ks.wait_for(lambda: (c := container(api, ns, pod)) is not None and c.ready and c, 6 * PERIOD + 10, 0.25,
+                     f"{pod}: the kubelet's readiness passes at step-3")
+    assert cs.restart_count == 1, cs
     ok_before, ok_after = ok_labels_around_a_restart(seen, n_killed)
     assert ok_before <= {"step-2"}, ok_before
     assert ok_after and set(ok_after) == {"step-3"}, f"ready on something else than step-3: {set(ok_after)}"
