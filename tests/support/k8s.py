@@ -85,6 +85,14 @@ class Cluster:
     def kubectl_json(self, *args: str, timeout: float = 60):
         return json.loads(self.kubectl(*args, "-o", "json", timeout=timeout))
 
+    def ready_endpoints(self, ns: str, service: str) -> list[tuple[str, str]]:
+        """The ready endpoints of a Service's EndpointSlices, as (pod name, address). EndpointSlices, not
+        Endpoints: the node tier's hostNetwork endpoints are 127.0.0.1, which an Endpoints object refuses."""
+        slices = self.kubectl_json("-n", ns, "get", "endpointslices", "-l", f"kubernetes.io/service-name={service}")
+        return [((e.get("targetRef") or {}).get("name", ""), a)
+                for s in slices["items"] for e in s.get("endpoints") or []
+                if (e.get("conditions") or {}).get("ready") for a in e.get("addresses") or []]
+
     def helm(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120) -> str:
         return _run([self.helm_path, "--kubeconfig", self.kubeconfig, *args], input=input, check=check,
                     timeout=timeout, env=self.subprocess_env())

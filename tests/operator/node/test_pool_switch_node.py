@@ -133,14 +133,6 @@ def wait_acknowledged(api: Api, ns: str, pods: set[str], generation: int) -> dic
         raise TimeoutError(f"{e}; Leases: {last}") from None
 
 
-def slice_endpoints(api: Api, ns: str) -> list[tuple[str, str]]:
-    """The gateway Service's EndpointSlices: each ready endpoint's (pod, address)."""
-    slices = api.cluster.kubectl_json("-n", ns, "get", "endpointslices",
-                                      "-l", f"kubernetes.io/service-name={gateway_name(POOL)}")
-    return [((e.get("targetRef") or {}).get("name", ""), a) for s in slices["items"] for e in s.get("endpoints") or []
-            if (e.get("conditions") or {}).get("ready") for a in e.get("addresses") or []]
-
-
 def service_url(api: Api, ns: str, port: int, pods: set[str]) -> str:
     """The gateway Service's ClusterIP URL, once its EndpointSlice has a ready endpoint (kube-proxy's rules
     follow within its 1 s minimum sync period; the health reads through the URL wait for them). Both
@@ -149,7 +141,8 @@ def service_url(api: Api, ns: str, port: int, pods: set[str]) -> str:
     svc = api.core.read_namespaced_service(gateway_name(POOL), ns)
     assert svc.spec.type == "ClusterIP" and svc.spec.cluster_ip, svc.spec
     assert [(p.port, p.target_port) for p in svc.spec.ports] == [(port, port)], svc.spec.ports
-    eps = ks.wait_for(lambda: slice_endpoints(api, ns), 60, 0.2, "a ready endpoint of the gateway Service")
+    eps = ks.wait_for(lambda: api.cluster.ready_endpoints(ns, gateway_name(POOL)), 60, 0.2,
+                      "a ready endpoint of the gateway Service")
     assert len(eps) == 1 and eps[0][0] in pods and eps[0][1] == "127.0.0.1", (eps, pods)
     return f"http://{svc.spec.cluster_ip}:{port}"
 

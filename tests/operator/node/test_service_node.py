@@ -40,13 +40,6 @@ def httpd_pod(name: str, port: int) -> dict[str, Any]:
                                                         "periodSeconds": 1}}]}}
 
 
-def ready_slice_addresses(cluster: ks.Cluster, ns: str, svc: str) -> list[str]:
-    """The ready endpoint addresses of the Service's EndpointSlices."""
-    slices = cluster.kubectl_json("-n", ns, "get", "endpointslices", "-l", f"kubernetes.io/service-name={svc}")
-    return [a for s in slices["items"] for e in s.get("endpoints") or []
-            if (e.get("conditions") or {}).get("ready") for a in e.get("addresses") or []]
-
-
 def get(url: str) -> str:
     # Never through a proxy from the environment: the ClusterIP exists inside this netns only.
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=2) as r:
@@ -69,9 +62,9 @@ def test_a_clusterip_reaches_a_host_network_pod_through_kube_proxy(k8s_node):
         ip = svc.spec.cluster_ip
         assert ip and ip.startswith("10.0.0."), ip
         ks.wait_pod_ready("web", ns, timeout=120, cluster=k8s_node)
-        addrs = ks.wait_for(lambda: ready_slice_addresses(k8s_node, ns, "web"), 30, 0.2,
-                            "the Service's EndpointSlice lists the pod")
-        assert addrs == ["127.0.0.1"], addrs
+        eps = ks.wait_for(lambda: k8s_node.ready_endpoints(ns, "web"), 30, 0.2,
+                          "the Service's EndpointSlice lists the pod")
+        assert eps == [("web", "127.0.0.1")], eps
         # kube-proxy writes its rules on the EndpointSlice's change (at most 1 s later, its min sync period);
         # until then the ClusterIP refuses (wait_for reports the last error).
         body = ks.wait_for(lambda: get(f"http://{ip}:{SERVICE_PORT}/"), 30, 0.2,
