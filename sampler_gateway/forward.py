@@ -15,6 +15,8 @@
   <the lost replica>`; a client that needs the exact sampler opts out (`X-Sampler-No-Retry: 1`,
   routes/common.py). Futures are owned work: their owner's loss stays a 410. Under `Latest`, an answer on weights
   older than one already returned is not returned: the request goes once more, to the newest.
+  Each of these reasons sends a request once more at most once (`SecondChances`), whichever came
+  first: a stale answer's second send that meets a lost replica is still re-run.
 - **Owned work** (`to_owner`): a future or session id names its replica; the request goes there,
   whatever its state. If the replica is gone, lost, or no longer knows the id (it restarted), the
   caller gets `OwnerGone`, which each protocol renders as its own expired/resubmit answer.
@@ -43,11 +45,23 @@ LabelOf = Callable[[Reply], str | None]
 RETRIED_HEADER = "X-Sampler-Retried"
 
 
-def resend_after_loss(attempt: int, resendable: bool, rerun: bool, label: str | None) -> bool:
+@dataclass
+class SecondChances:
+    """Why a request may go once more, each reason at most once: a replica that refused it before
+    starting it (always safe), a replica lost while running it (a submit, or a sync sample re-run),
+    an answer the version policy could not return. A budget per reason, not per request: a sample
+    whose stale answer sent it to a replica that was then lost is still re-run (the Faults soak met
+    it under load, bench/faults.py). At most four sends."""
+    refused: bool = False
+    lost: bool = False
+    stale: bool = False
+
+
+def resend_after_loss(chances: SecondChances, resendable: bool, rerun: bool, label: str | None) -> bool:
     """A request whose replica was lost while running it goes once more: a submit (`resendable`), or
     a sync sample that may be re-run, on the lost replica's weights label (none known: not re-run,
     it could land on other weights)."""
-    return attempt == 1 and (resendable or (rerun and label is not None))
+    return not chances.lost and (resendable or (rerun and label is not None))
 
 
 def with_retried(reply: Reply, lost: str | None) -> Reply:
@@ -79,9 +93,10 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
                  label_of: LabelOf | None = None) -> tuple[ReplicaView, Reply]:
     """`rerun`: a sync sample, re-run once elsewhere if its replica is lost while running it."""
     tried: set[str] = set()
-    label: str | None = None  # a retry stays on the weights the first attempt was routed to
+    label: str | None = None  # a retry stays on the weights the request was routed to
     lost: str | None = None   # the replica lost while running the request, when it is re-run
-    for attempt in (1, 2):
+    used = SecondChances()
+    while True:
         try:
             replica = await gw.pool.choose_within(gw.cfg.no_replica_wait_s, affinity, exclude=frozenset(tried),
                                                   label=label, prefer=prefer)
@@ -98,15 +113,17 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
                 reply = await gw.upstream.send(replica, out)
         except NotStarted as e:
             gw.pool.mark_lost(replica, str(e))
-            if attempt == 1:
+            if not used.refused:
+                used.refused = True
                 gw.metrics.retried.labels(replica=replica.name).inc()
                 label = replica.weights_label
                 continue
-            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) refused the request, and so did the "
-                              f"first replica tried: {e}") from None
+            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) refused the request, and so did "
+                              f"another replica tried before it: {e}") from None
         except Lost as e:
             gw.pool.mark_lost(replica, str(e))
-            if resend_after_loss(attempt, resendable, rerun, replica.weights_label):
+            if resend_after_loss(used, resendable, rerun, replica.weights_label):
+                used.lost = True
                 (gw.metrics.retried if resendable else gw.metrics.rerun).labels(replica=replica.name).inc()
                 label, lost = replica.weights_label, replica.name
                 continue
@@ -119,13 +136,13 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
         if got is not None:
             await gw.pool.held(got)  # the pool's routing switch moving to it: wait, rather than run it again
         if got is not None and not gw.pool.returned(replica, got):
-            if attempt == 1:
+            if not used.stale:
+                used.stale = True
                 label = None  # the policy now picks the newest weights
                 continue
             raise NoReplica(f"replica {replica.name} answered on weights {got!r}, older than "
                             f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
         return replica, with_retried(reply, lost)
-    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 async def to_owner(gw: Gateway, rid: RoutedId, out: Outgoing, what: str) -> tuple[ReplicaView, Reply]:

@@ -11,7 +11,15 @@ import pytest
 
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.errors import NoReplica, ReplicaLost, ReplicaTimeout
-from sampler_gateway.forward import RETRIED_HEADER, Gateway, OwnerGone, resend_after_loss, to_new, to_owner
+from sampler_gateway.forward import (
+    RETRIED_HEADER,
+    Gateway,
+    OwnerGone,
+    SecondChances,
+    resend_after_loss,
+    to_new,
+    to_owner,
+)
 from sampler_gateway.ids import RoutedId
 from sampler_gateway.metrics import GatewayMetrics
 from sampler_gateway.pool import Pool
@@ -141,11 +149,46 @@ async def test_a_rerun_on_a_label_latest_has_moved_past_runs_on_the_newest() -> 
 
 
 def test_resend_after_loss() -> None:
-    assert resend_after_loss(1, resendable=True, rerun=False, label=None)
-    assert resend_after_loss(1, resendable=False, rerun=True, label="step-1")
-    assert not resend_after_loss(1, resendable=False, rerun=True, label=None)  # could land on other weights
-    assert not resend_after_loss(1, resendable=False, rerun=False, label="step-1")  # opted out
-    assert not resend_after_loss(2, resendable=True, rerun=True, label="step-1")  # once
+    fresh = SecondChances()
+    assert resend_after_loss(fresh, resendable=True, rerun=False, label=None)
+    assert resend_after_loss(fresh, resendable=False, rerun=True, label="step-1")
+    assert not resend_after_loss(fresh, resendable=False, rerun=True, label=None)  # could land on other weights
+    assert not resend_after_loss(fresh, resendable=False, rerun=False, label="step-1")  # opted out
+    assert not resend_after_loss(SecondChances(lost=True), resendable=True, rerun=True, label="step-1")  # once
+    # Another reason's second send spent does not spend this one.
+    assert resend_after_loss(SecondChances(refused=True, stale=True), resendable=False, rerun=True, label="step-1")
+
+
+async def test_a_sample_sent_again_for_another_reason_is_still_rerun_when_lost() -> None:
+    """Found by the Faults soak under load: a sample whose first answer came back stale went to the
+    newest replica, which was then lost (stalled, restarted by the kubelet): that was a 502, as the
+    re-run was counted by attempts, not by reason. Each reason has its own second chance."""
+    def script(r: ReplicaView) -> Reply:
+        if r.name == "old":
+            # Meanwhile "new" and "other" load step-2, and a step-2 answer goes back to a client.
+            gw.pool.returned(rv("new", "step-2"), "step-2")
+            gw.pool.returned(rv("other", "step-2"), "step-2")
+            return ok("step-1")
+        if r.name == "new":
+            raise Lost("reset")
+        return ok(r.weights_label or "")
+
+    gw, up = gateway(script, [rv("old"), rv("new"), rv("other")], policy="Latest")
+    gw.pool.in_flight.update(new=1, other=2)   # old first, then new, then other
+    replica, reply = await to_new(gw, OUT, rerun=True, label_of=label_of)
+    assert up.calls == ["old", "new", "other"] and replica.name == "other" and label_of(reply) == "step-2"
+    assert reply.header(RETRIED_HEADER) == "new" and counter(gw, "sampler_gateway_rerun_total", "new") == 1
+    # Refused before starting, then lost while running: re-run as well; a second loss is the 502.
+    gw, up = gateway(raise_for({"a": NotStarted("refused"), "b": Lost("reset")}), [rv("a"), rv("b"), rv("c")])
+    gw.pool.in_flight.update(b=1, c=2)
+    replica, reply = await to_new(gw, OUT, rerun=True)
+    assert up.calls == ["a", "b", "c"] and reply.header(RETRIED_HEADER) == "b"
+    gw, up = gateway(raise_for({"a": NotStarted("refused"), "b": Lost("reset"), "c": Lost("reset")}),
+                     [rv("a"), rv("b"), rv("c")])
+    gw.pool.in_flight.update(b=1, c=2)
+    with pytest.raises(ReplicaLost, match="replica c .*was lost while running the request"):
+        await to_new(gw, OUT, rerun=True)
+    assert up.calls == ["a", "b", "c"]
 
 
 async def test_timeout_is_a_504_naming_the_replica() -> None:
