@@ -1,8 +1,14 @@
 """Side-by-side rounds, the method every throughput benchmark here follows (docs/benchmarks.md):
 
-- one system alive at a time: each round starts every system once, in a shuffled order, runs all
-  its cells, and stops it before the next one starts (with three engines alive at once the load
-  average of this 2-core box reached 22 and the figures were noise);
+- one system alive at a time: each round starts every system once, runs all its cells, and stops
+  it (every process of it, engine included: tests/support/server.py `stop`) before the next one
+  starts (with three engines alive at once the load average of this 2-core box reached 22 and the
+  figures were noise);
+- the orders are shuffled and balanced (`orders`): every n rounds (n systems), each system runs once
+  in each position of the round. A position can weigh: in the 8-round A/A run of 2026-12-02
+  (docs/benchmarks.md, "Where the server's time went"), two identical systems differed by 1.22x-1.77x
+  in the four rounds that ran one of them last and by 1.08x-1.18x in the others, and a plain shuffle
+  had put the same one last in all four;
 - the paired ratio of a round compares two systems within that round; tables report the median
   of those ratios and the lowest round against the median round ("no collapse": >= 0.8);
 - the 1-minute load average is recorded before every cell and printed with the table, and so is
@@ -40,12 +46,9 @@ Results = dict[str, dict[int, Cell]]
 async def run_rounds(systems: dict[str, System], rounds: int, concurrency: list[int], requests: dict[int, int],
                      tokens_per_request: int | None, seed: int) -> Results:
     """`tokens_per_request` None: a request may stop early (count what it generated)."""
-    rng = random.Random(seed)
     results: Results = {s: {c: Cell() for c in concurrency} for s in systems}
     next_seed = 0
-    for rnd in range(rounds):
-        order = list(systems)
-        rng.shuffle(order)
+    for rnd, order in enumerate(orders(list(systems), rounds, random.Random(seed))):
         print(f"round {rnd + 1}: {' '.join(order)}", flush=True)
         for name in order:
             async with systems[name]() as (one, pid):
@@ -64,6 +67,19 @@ async def run_rounds(systems: dict[str, System], rounds: int, concurrency: list[
                     print(f"  c={c:>3} {name:<8} {run.toks_per_s:8.0f} tok/s  server cpu {run.cpu_per_1k:.3f} s/1k tok"
                           f"  load {load:.2f}  steal {run.steal:.1%}  failed {run.failed}", flush=True)
     return results
+
+
+def orders(names: list[str], rounds: int, rng: random.Random) -> list[list[str]]:
+    """One order per round, in blocks of len(names) rounds: a shuffled order and its rotations, the
+    block's rounds shuffled. In every whole block each system runs once in each position."""
+    out: list[list[str]] = []
+    while len(out) < rounds:
+        base = list(names)
+        rng.shuffle(base)
+        block = [base[i:] + base[:i] for i in range(len(base))]
+        rng.shuffle(block)
+        out += block
+    return out[:rounds]
 
 
 def ratios(results: Results, a: str, b: str, c: int) -> list[float]:

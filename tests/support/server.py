@@ -99,6 +99,9 @@ def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[s
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL after `timeout`; returns once every process of
+    the group is gone, not just the server: vLLM's engine core and workers outlive their parent by
+    seconds, and a benchmark's next system (or a test's next server) must not share the cores with them."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -108,6 +111,25 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+    if not _group_gone(proc.pid, timeout):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        _group_gone(proc.pid, 10)
+
+
+def _group_gone(pgid: int, timeout: float) -> bool:
+    """Whether no process of group `pgid` is left within `timeout` (orphans are reaped by init)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:     # the group id was reused by someone else's processes
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
