@@ -4,7 +4,8 @@ were, how many the gateway re-ran, how many failed and how many were lost. Targe
 only where the contract says so (the opt-out's 502; a future whose replica was lost answers 410 and
 is resubmitted, which is not a failure).
 
-    python -m bench.faults [--requests 10000] [--cycles 3] [--replicas 3] [--concurrency 16] [--no-write]
+    python -m bench.faults [--requests 10000] [--cycles 3] [--replicas 3] [--concurrency 16] [--cpu-hogs N]
+                           [--no-write]
 
 Everything runs on 127.0.0.1: fake-engine `python -m sampler_pod` replicas (1 ms a token: the
 soak is about the pool's plumbing, not the engine), a real `python -m sampler_gateway` with static
@@ -14,6 +15,11 @@ rollouts, the kubelet's liveness restarts, the faults). The fault schedule runs 
 one at a time, each on a random replica, while rollouts run back to back, until both `--requests`
 requests have ended and every kind has run `--cycles` times; then a quiet tail. The judgement is
 bench/faults_tally.py.
+
+`--cpu-hogs N` runs N busy loops beside the soak (its own section, "Faults under contention"): the
+two cores shared with other work stretch every fault and rollout, and orderings show up that a quiet
+box hides (the stale answer's second send meeting a stalled replica, docs/pool.md "Failover", was
+found this way).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import random
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +66,7 @@ class Sizes:
     concurrency: int = 16
     gap: int = 150                # answers between two faults (the "none" windows)
     rollout_gap: int = 40         # answers between two rollouts
+    cpu_hogs: int = 0             # busy-loop processes beside the soak (contention)
 
 
 @dataclass
@@ -78,6 +85,26 @@ class Result:
     @property
     def all(self) -> Row:
         return total(self.rows)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int) -> Iterator[None]:
+    """`n` processes spinning on the CPU for the duration: contention from other work."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spin, name=f"cpu-hog-{i}", daemon=True) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
 
 
 class ClientProcess:
@@ -128,6 +155,7 @@ def soak(sizes: Sizes, seed: int = 0, say: Callable[[str], None] = print) -> Res
         # Unwound in reverse: the rollouts and the kubelet stop before the clients, the clients before
         # the gateway and the replicas (a kubelet left running would restart what is being stopped).
         stack.callback(pool.close)
+        stack.enter_context(cpu_hogs(sizes.cpu_hogs))
         pool.start(sizes.replicas)
         gw = stack.enter_context(run_gateway(pool.urls(), "--version-policy", "Latest"))
         pool.gw = gw
@@ -189,7 +217,9 @@ def report(res: Result, sizes: Sizes) -> str:
         f"1-minute load average {res.loadavg[0]:.2f} at the start, {res.loadavg[1]:.2f} at the end.", "",
         f"Method: {sizes.replicas} fake-engine sampler processes (1 ms a token, {faults_clients.TOKENS[0]}-"
         f"{faults_clients.TOKENS[1]} tokens a request) behind a real gateway process (static discovery, "
-        f"`--version-policy Latest`), {sizes.concurrency} closed-loop clients in their own process; the mix: {mix} "
+        f"`--version-policy Latest`), {sizes.concurrency} closed-loop clients in their own process"
+        + (f", {sizes.cpu_hogs} busy-loop processes beside them on the 2 cores (contention)" if sizes.cpu_hogs else "")
+        + f"; the mix: {mix} "
         "(`sample` native sync, `opt_out` the same with `X-Sampler-No-Retry: 1`, `twinkle` Twinkle's sync sample, "
         "`future` native submit + retrieve, `tinker` `asample` + `retrieve_future`; a 410 on a future is "
         "resubmitted, a 503 with `Retry-After` waited out and sent again, as the SDKs do). Rollouts ran back to "
@@ -237,17 +267,22 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=d.cycles, help="every fault kind at least this many times")
     p.add_argument("--replicas", type=int, default=d.replicas)
     p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--cpu-hogs", type=int, default=0, help="busy-loop processes beside the soak (contention)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
-    sizes = Sizes(requests=a.requests, cycles=a.cycles, replicas=a.replicas, concurrency=a.concurrency)
+    sizes = Sizes(requests=a.requests, cycles=a.cycles, replicas=a.replicas, concurrency=a.concurrency,
+                  cpu_hogs=a.cpu_hogs)
     res = soak(sizes, a.seed)
     out = report(res, sizes)
     print("\n" + out)
     if a.no_write or res.errors or sizes.requests < d.requests or sizes.replicas < 3:
         print("(not written to docs/benchmarks.md: --no-write, a harness error, or under 10,000 requests / 3 replicas)")
         return
-    write_section("Faults", out, "python -m bench.faults")
+    if sizes.cpu_hogs:
+        write_section("Faults under contention", out, f"python -m bench.faults --cpu-hogs {sizes.cpu_hogs}")
+    else:
+        write_section("Faults", out, "python -m bench.faults")
 
 
 if __name__ == "__main__":

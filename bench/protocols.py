@@ -5,7 +5,7 @@ in-process AsyncLLM, at concurrency 1/8/32.
     python -m bench.protocols [--rounds 3] [--no-write]
 
 The method and the engine are bench/sampling_concurrency.py's (bench/rounds.py): one engine alive
-at a time, systems in a shuffled order per round, >= 3 rounds, medians of paired ratios, the load
+at a time, systems in shuffled, balanced orders, >= 3 rounds, medians of paired ratios, the load
 average per cell. Every Tinker request generates exactly MAX_TOKENS tokens (`stop=[]`, ignore EOS);
 Twinkle has no way to ignore EOS (its `stop=[]` keeps EOS), so a Twinkle request may stop early and
 its tok/s counts the tokens really generated. Tinker responses are protobuf-parsed to count tokens.

@@ -7,7 +7,8 @@ own OpenAI server, at concurrency 1/8/32/128, plus the strictly serial baseline.
                                          [--no-write]
 
 Method (a noisy 2-core box; docs/benchmarks.md):
-- One engine alive at a time, systems in a shuffled order per round (bench/rounds.py).
+- One engine alive at a time, systems in shuffled, balanced orders (each in each position of a round
+  equally often: bench/rounds.py).
 - Every request generates exactly MAX_TOKENS tokens (ignore_eos), seeded, temperature 1, with the
   sampled token's logprob (what every sample of this server reports).
 - The paired ratio of a round is this server / direct (and / vLLM's server) within that round; the
@@ -272,8 +273,8 @@ def table(results: Results, rounds: int, concurrency: list[int], env: dict[str, 
     lines = [
         f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, "
         f"{MAX_TOKENS} tokens per request (ignore_eos), {PROMPT_LEN}-token prompts, temperature 1, seeded, "
-        f"sampled-token logprobs; {rounds} rounds, systems in a shuffled order per round, one engine alive "
-        "at a time; aiohttp load generator on the same 2-core box. "
+        f"sampled-token logprobs; {rounds} rounds, systems in shuffled, balanced orders (bench/rounds.py), "
+        "one engine alive at a time; aiohttp load generator on the same 2-core box. "
         f"1-minute load average before the cells: {loadavg_range(results)}; "
         f"hypervisor steal during the cells: {steal_range(results)}."
         + (f" Server environment: `{env}`." if env else ""),
