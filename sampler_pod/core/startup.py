@@ -43,9 +43,16 @@ def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineSta
             else:
                 from ..engine.vllm import VllmEngine
 
-                core.engine = await start_under_lock(
+                engine = await start_under_lock(
                     cfg.startup_lock_path, cfg.startup_lock_timeout_s,
                     lambda: asyncio.to_thread(VllmEngine.create, model_dir, cfg))
+                if cfg.enable_lora:
+                    try:
+                        await engine.require_lora_isolation()
+                    except Exception:
+                        await engine.shutdown()
+                        raise
+                core.engine = engine
             log.info("engine ready: model=%s", model_dir)
             # What startup built (torch, vLLM, the engine client) lives as long as the process: frozen,
             # full collections stop re-scanning it while requests run (vLLM's API server does the same).

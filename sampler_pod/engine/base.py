@@ -68,6 +68,15 @@ class GenerationOutput:
 
 
 @dataclass(frozen=True)
+class EngineStep:
+    """One engine step's batch, as the engine counts it: requests running, and of them how many per
+    LoRA adapter (by name); the rest ran on the base model."""
+
+    running: int
+    adapters: dict[str, int]
+
+
+@dataclass(frozen=True)
 class StagedCheckpoint:
     """A checkpoint read into host memory by `Engine.stage_checkpoint`, waiting for its write."""
 
@@ -147,6 +156,10 @@ class Engine(Protocol):
     # that only grows. The stall watch (`core/stall.py`) reads it a few times a second, so it must cost
     # next to nothing to read and to keep.
     def tokens_produced(self) -> int: ...
+
+    # The make-up of the engine's last steps' batches, oldest first. Test seams only: proves that
+    # requests (base and adapters) really ran in one batch, from the engine's own stats, not timing.
+    def recent_steps(self) -> list[EngineStep]: ...
 
     @property
     def dead_reason(self) -> str | None: ...

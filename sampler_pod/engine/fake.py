@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .base import (
     AdapterRef,
+    EngineStep,
     FinishReason,
     GenerationOutput,
     GenerationSpec,
@@ -217,6 +218,9 @@ class FakeEngine:
 
     def tokens_produced(self) -> int:
         return self._tokens_produced
+
+    def recent_steps(self) -> list[EngineStep]:
+        return []  # no batches here: each request generates on its own
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         self.adapters[ref.name] = ref

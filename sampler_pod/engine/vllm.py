@@ -7,6 +7,7 @@ fake engine and the unit tests never pay for importing vLLM).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -21,6 +22,7 @@ from .base import (
     AdapterRef,
     EngineDead,
     EngineRejected,
+    EngineStep,
     FinishReason,
     GenerationOutput,
     GenerationSpec,
@@ -80,20 +82,26 @@ def cache_vllm_envs() -> None:
 
 
 @dataclass
-class TokenCount:
-    """Tokens the engine has produced, as its stat logger counts them (`token_counter`)."""
+class EngineCounters:
+    """What this server reads from vLLM's per-step stats (`engine_stats_logger`)."""
 
-    n: int = 0
+    # Tokens the engine has produced, prompts and samples (`Engine.tokens_produced`).
+    tokens: int = 0
+    # The last steps' batch make-up (`Engine.recent_steps`), kept only with the test seams on.
+    steps: collections.deque[EngineStep] | None = None
 
 
-def token_counter(count: TokenCount) -> Any:
-    """A vLLM stat-logger factory that adds each engine step's prompt and generated tokens to `count`.
+def engine_stats_logger(counters: EngineCounters) -> Any:
+    """A vLLM stat-logger factory that adds each engine step's prompt and generated tokens to `counters`,
+    and with the test seams on, notes the step's batch make-up.
 
     The cheapest exact progress signal there is: vLLM already builds these per-step stats (log stats
     are on by default) and calls every logger once per step that produced output, in the output
     handler's task; this adds an addition to that call. The sampling path itself is untouched: it
     asks for FINAL_ONLY outputs, so it never sees tokens before a sequence ends. Prompt tokens count
     too, so a prefill finishing is progress (vLLM reports them when a request's prefill completes).
+    The batch make-up is vLLM's own count: the scheduler's running requests, and its running
+    requests per LoRA adapter (the numbers behind vLLM's `vllm:lora_requests_info` metric).
     """
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -104,12 +112,19 @@ def token_counter(count: TokenCount) -> Any:
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
             if iteration_stats is not None:
-                count.n += iteration_stats.num_generation_tokens + iteration_stats.num_prompt_tokens
+                counters.tokens += iteration_stats.num_generation_tokens + iteration_stats.num_prompt_tokens
+            if counters.steps is not None and scheduler_stats is not None:
+                counters.steps.append(EngineStep(running=scheduler_stats.num_running_reqs,
+                                                 adapters=dict(scheduler_stats.running_lora_adapters)))
 
         def log_engine_initialized(self) -> None:
             pass
 
     return lambda vllm_config, engine_index: _Counter(vllm_config, engine_index)
+
+
+# How many engine steps the test seams' trace keeps.
+TRACED_STEPS = 1024
 
 
 def _open_gate() -> asyncio.Event:
@@ -147,7 +162,7 @@ class VllmEngine:
     _sent: asyncio.Event = field(default_factory=_open_gate)
     # Set when a keep-mode write failed: the engine is paused on half-written weights for good.
     _broken: str | None = None
-    _tokens: TokenCount = field(default_factory=TokenCount)
+    _counters: EngineCounters = field(default_factory=EngineCounters)
 
     @classmethod
     def create(cls, model_dir: str, cfg: ServerConfig) -> VllmEngine:
@@ -172,14 +187,21 @@ class VllmEngine:
             worker_extension_cls="sampler_pod.engine.worker_extension.WeightLoaderExtension",
             enable_log_requests=False,
         )
-        tokens = TokenCount()
-        llm = start_async_llm(args, stat_loggers=[token_counter(tokens)])
+        counters = EngineCounters(steps=collections.deque(maxlen=TRACED_STEPS) if cfg.enable_test_seams else None)
+        llm = start_async_llm(args, stat_loggers=[engine_stats_logger(counters)])
         cache_vllm_envs()
         mc = llm.model_config
         # The tokenizer (and its chat template) is loaded here, once, never per request.
         tokenizer = llm.get_tokenizer()
         return cls(llm=llm, vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, tokenizer=tokenizer,
-                   _tokens=tokens)
+                   _counters=counters)
+
+    async def require_lora_isolation(self) -> None:
+        """Refuse --enable-lora where a request without an adapter could be answered by one
+        (`lora_isolation`): every worker must report its LoRA path isolated."""
+        problems = [p for p in await self.llm.collective_rpc("sampler_lora_isolation") if p]
+        if problems:
+            raise RuntimeError(f"--enable-lora refused: {problems[0]}")
 
     def _sampling_params(self, spec: GenerationSpec) -> Any:
         from vllm import SamplingParams
@@ -357,7 +379,10 @@ class VllmEngine:
         return counts
 
     def tokens_produced(self) -> int:
-        return self._tokens.n
+        return self._counters.tokens
+
+    def recent_steps(self) -> list[EngineStep]:
+        return list(self._counters.steps or ())
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         from vllm.lora.request import LoRARequest

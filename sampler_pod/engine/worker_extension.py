@@ -24,6 +24,11 @@ from typing import Any
 
 import torch
 
+from . import lora_isolation
+
+# vLLM imports this module in every worker process before it builds the model: the one hook that
+# runs there without a vLLM plugin package (lora_isolation says why the CPU LoRA ops need it).
+lora_isolation.install()
 
 class InjectedWriteFailure(RuntimeError):
     """Raised by the documented test seam `fail_after_tensors`; never in production paths."""
@@ -120,6 +125,9 @@ class WeightLoaderExtension:
 
         self.reload_weights(weights_iterator=counted())
         return count
+
+    def sampler_lora_isolation(self) -> str | None:
+        return lora_isolation.status()
 
     def sampler_param_checksum(self) -> float:
         model = self.model_runner.get_model()

@@ -39,8 +39,13 @@ def hf_prompt_logprobs(model_dir: Path, prompt: list[int], adapter_dir: Path | N
     return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, adapter_dir: Path | None = None) -> list[int]:
+    """Hugging Face's greedy tokens (no EOS stop), through a PEFT LoRA adapter when one is given."""
     model = _load(model_dir)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)

@@ -7,7 +7,9 @@ engine with their own requests. `GET /v1/test/engine/held` says how many request
 holds: an abort can only reach a request vLLM has registered, which happens a moment after the
 server hands it over. `GET /v1/test/engine/progress` says how many tokens each of them has produced
 so far (engine request ids: `<request_id>-<prompt index>`): with the engine paused, that is where a
-keep-mode load will change the weights under each of them.
+keep-mode load will change the weights under each of them. `GET /v1/test/engine/steps` is the make-up
+of the engine's last batches, from vLLM's own per-step stats (requests running, and of them how many
+per LoRA adapter): proof that requests shared a batch, which no timing can give.
 
 The stall watch (`core/stall.py`) is suspended from `pause` to `resume`: a freeze the server asked
 for is not a stall. `POST /v1/test/engine/stall` is the other kind: it pauses the engine's scheduler
@@ -69,3 +71,18 @@ class EngineProgress(BaseModel):
 @router.get("/engine/progress", response_model=EngineProgress)
 async def engine_progress(request: Request) -> EngineProgress:
     return EngineProgress(tokens=core_of(request).require_engine().progress())
+
+
+class EngineStepOut(BaseModel):
+    running: int
+    adapters: dict[str, int]
+
+
+class EngineSteps(BaseModel):
+    steps: list[EngineStepOut]
+
+
+@router.get("/engine/steps", response_model=EngineSteps)
+async def engine_steps(request: Request) -> EngineSteps:
+    steps = core_of(request).require_engine().recent_steps()
+    return EngineSteps(steps=[EngineStepOut(running=s.running, adapters=s.adapters) for s in steps])
