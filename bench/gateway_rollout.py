@@ -245,8 +245,8 @@ def main() -> None:
     t0 = time.monotonic()
     costs = run(a.rollouts, a.clients, a.renew_s, a.lease_s, a.seed, tuple(a.tokens))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    if subprocess.run(["git", "status", "--porcelain", "--", "sampler_gateway", "operator", "sampler_pod"],
-                      capture_output=True, text=True).stdout.strip():
+    code = ["sampler_gateway", "operator", "sampler_pod", "sampler_common"]
+    if subprocess.run(["git", "status", "--porcelain", "--", *code], capture_output=True, text=True).stdout.strip():
         commit += " (with uncommitted changes in the tree)"
     out = report(costs, clients=a.clients, renew_s=a.renew_s, lease_s=a.lease_s, commit=commit,
                  wall_s=time.monotonic() - t0)

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI
 
-from sampler_pod.http.auth import APIKeyAuth
-from sampler_pod.http.errors import install_error_handlers
-from sampler_pod.http.middleware import ClientRequestMiddleware
+from sampler_common.http.auth import APIKeyAuth
+from sampler_common.http.errors import install_error_handlers
+from sampler_common.http.middleware import ClientRequestMiddleware
 
 from .added_latency import AddedLatency
 from .config import GatewayConfig

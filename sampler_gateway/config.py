@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from sampler_pod.flags import Flags
+from sampler_common.flags import Flags
 
 VersionPolicy = Literal["Latest", "MinVersion", "Any"]
 

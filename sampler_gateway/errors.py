@@ -5,7 +5,7 @@ Everything else a client sees through the gateway is the replica's own answer, p
 
 from __future__ import annotations
 
-from sampler_pod.errors import SamplerError
+from sampler_common.errors import SamplerError
 
 
 class NoReplica(SamplerError):

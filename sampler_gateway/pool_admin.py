@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sampler_pod.errors import InvalidRequest, validation_error
+from sampler_common.errors import InvalidRequest, validation_error
 
 # Where pushes before `spec.weights.step` existed kept the trainer's step: read still, removed on the
 # next push (the step is now part of the weights: the replicas report it and gateways order by it).

@@ -16,7 +16,7 @@ import asyncio
 import json
 from typing import Any, Protocol
 
-from sampler_pod.errors import Conflict, InvalidRequest, NotFound, SamplerError
+from sampler_common.errors import Conflict, InvalidRequest, NotFound, SamplerError
 
 GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerpools"
 

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from .flags import Flags
+from sampler_common.flags import Flags
 
 
 def _json_if_str(value: object) -> object:

@@ -8,7 +8,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from sampler_pod.errors import InvalidRequest
+from sampler_common.errors import InvalidRequest
 
 from ..forward import Gateway
 from ..replicas import ReplicaView

@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from sampler_pod.errors import Expired, NotFound
+from sampler_common.errors import Expired, NotFound
 
 from .. import ids
 from ..errors import NotThroughGateway

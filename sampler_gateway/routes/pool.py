@@ -7,8 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from sampler_pod.errors import Forbidden, NotFound
-from sampler_pod.http.auth import APIKeyAuth
+from sampler_common.errors import Forbidden, NotFound
+from sampler_common.http.auth import APIKeyAuth
 
 from ..pool_admin import parse_push, rollout_of, weights_patch
 from ..pool_object import PoolObject

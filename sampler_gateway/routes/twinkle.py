@@ -15,7 +15,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from sampler_pod.errors import NotFound
+from sampler_common.errors import NotFound
 
 from .. import ids
 from ..forward import OwnerGone, to_new, to_owner

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import InvalidRequest, Overloaded
+from sampler_common.errors import InvalidRequest, Overloaded
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import Expired, NotFound
+from sampler_common.errors import Expired, NotFound
 
 # The sweep runs a few times per TTL (so a result outlives its TTL by at most a quarter of it),
 # but never busier than 100 Hz nor lazier than every 10 s.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sampler_common.errors import InvalidRequest
+
 from ..engine.base import GenerationSpec
-from ..errors import InvalidRequest
 from .schemas import SampleRequest
 
 

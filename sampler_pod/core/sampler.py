@@ -23,17 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ServerConfig
-from ..engine.base import (
-    AdapterRef,
-    Engine,
-    EngineDead,
-    EngineRejected,
-    GenerationOutput,
-    GenerationSpec,
-    SequenceOutput,
-)
-from ..errors import (
+from sampler_common.errors import (
     Aborted,
     EngineFailure,
     EngineUnavailable,
@@ -43,6 +33,17 @@ from ..errors import (
     RequestTimedOut,
     SamplerError,
     UncertainWeights,
+)
+
+from ..config import ServerConfig
+from ..engine.base import (
+    AdapterRef,
+    Engine,
+    EngineDead,
+    EngineRejected,
+    GenerationOutput,
+    GenerationSpec,
+    SequenceOutput,
 )
 from . import stall
 from .aborts import AbortBoard, Reading

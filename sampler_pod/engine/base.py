@@ -3,7 +3,7 @@
 Everything above the engine layer speaks in these engine-neutral types, so the HTTP
 layer and the sampling core never import vLLM, and the fake engine can stand in for
 logic tests. An engine raises only the exceptions defined here; the core maps them to
-the client-facing errors of `sampler_pod.errors`.
+the client-facing errors of `sampler_common.errors`.
 """
 
 from __future__ import annotations

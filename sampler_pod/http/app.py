@@ -2,7 +2,7 @@
 
 Routers are thin and hold no state: the services live on `app.state` (`core`, `weights`,
 `tinker`), and authentication is applied here, once, to every router but the probes: the API key
-on sampling and reads, the admin key on the routers that change weights or adapters (`auth.py`).
+on sampling and reads, the admin key on the routers that change weights or adapters (`sampler_common/http/auth.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI
 
+from sampler_common.http.auth import APIKeyAuth
+from sampler_common.http.errors import install_error_handlers
+from sampler_common.http.middleware import ClientRequestMiddleware
+
 from ..config import ServerConfig
 from ..core.sampler import SamplerCore
 from ..core.startup import EngineStarter
 from ..protocols import tinker, twinkle
 from ..weights.service import WeightsService
-from .auth import APIKeyAuth
-from .errors import install_error_handlers
-from .middleware import ClientRequestMiddleware
 from .routes import health, native, test_seams, weights
 
 

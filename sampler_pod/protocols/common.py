@@ -11,13 +11,14 @@ from typing import Any
 
 from pydantic import BaseModel, StrictInt, StrictStr, ValidationError
 
+from sampler_common.errors import InvalidRequest, validation_error
+
 from ..core.schemas import SEED_MAX
 from ..core.schemas import SampleRequest as CoreSampleRequest
 from ..core.schemas import SamplingParams as CoreSamplingParams
-from ..errors import InvalidRequest, validation_error
 
 # OpenAPI `responses` of the routes that change weights or adapters (guarded by the admin key when
-# --admin-api-key is set; http/auth.py).
+# --admin-api-key is set; sampler_common/http/auth.py).
 ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: {"description": "an API key that may only sample and read: changing weights or adapters needs "
                          "the admin key (--admin-api-key)"}}

@@ -39,9 +39,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sampler_common.errors import Expired, InvalidRequest, NotFound, SamplerError, validation_error
+
 from ..core.sampler import SamplerCore
 from ..core.schemas import SampleResponse as CoreSampleResponse
-from ..errors import Expired, InvalidRequest, NotFound, SamplerError, validation_error
 from .common import openapi_body
 from .tinker_wire import ResponseShape, TinkerSampleRequest, encode_json, encode_proto, tinker_to_core
 

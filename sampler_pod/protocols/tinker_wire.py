@@ -20,9 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 # Imported, not copied: the SDK package is a dependency and owns the wire schema.
 from tinker.proto import tinker_public_pb2 as pb
 
+from sampler_common.errors import InvalidRequest
+
 from ..core.schemas import SampleRequest as CoreSampleRequest
 from ..core.schemas import SampleResponse as CoreSampleResponse
-from ..errors import InvalidRequest
 from .common import (
     MAX_TOPK,
     build_core_request,

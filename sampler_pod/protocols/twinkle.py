@@ -36,8 +36,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from sampler_common.errors import InvalidRequest, NotFound, SamplerError
+
 from ..core.sampler import SamplerCore
-from ..errors import InvalidRequest, NotFound, SamplerError
 from ..weights.service import AddAdapterRequest, WeightsService
 from ..weights.validation import resolve_confined
 from .common import ADMIN_RESPONSES, openapi_body
@@ -272,7 +273,7 @@ def translate_adapter_error(e: SamplerError) -> SamplerError:
 probe_router = APIRouter(prefix="/api/v1", tags=["twinkle"])
 # Behind the app's API-key dependency (`Authorization: Bearer`, what the client sends).
 router = APIRouter(prefix="/api/v1", tags=["twinkle"])
-# Adapter loads: behind the admin key when the server has one (http/auth.py), like /v1/adapters.
+# Adapter loads: behind the admin key when the server has one (sampler_common/http/auth.py), like /v1/adapters.
 admin_router = APIRouter(prefix="/api/v1", tags=["twinkle"], responses=ADMIN_RESPONSES)
 SAMPLER = "/sampler/{model_id:path}/twinkle"
 

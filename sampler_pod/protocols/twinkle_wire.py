@@ -30,8 +30,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, ValidationError
 
+from sampler_common.errors import InvalidRequest, SamplerError, validation_error
+
 from ..core.schemas import SampleResponse as CoreSampleResponse
-from ..errors import InvalidRequest, SamplerError, validation_error
 from .common import MAX_TOPK, build_core_request, check_seed, topk_pairs
 
 StrictFloat = Annotated[float, Strict()]  # int or float, never a string (Twinkle checks isinstance)

@@ -44,10 +44,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sampler_common.errors import (
+    Conflict,
+    EngineFailure,
+    EngineUnavailable,
+    InvalidRequest,
+    LoadTimedOut,
+    NotFound,
+    SamplerError,
+)
+
 from ..core.health import FailedWrite, IntendedWeights
 from ..core.sampler import SamplerCore
 from ..engine.base import AdapterRef, Engine, InFlightWrite, KvMode, NothingWritten, StagedCheckpoint
-from ..errors import Conflict, EngineFailure, EngineUnavailable, InvalidRequest, LoadTimedOut, NotFound, SamplerError
 from .state_file import PersistedAdapter, PersistedWeights, StatePersistFailed, write_state
 from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
 

@@ -31,11 +31,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from sampler_common.errors import LoadTimedOut, SamplerError
+
 from ..config import ServerConfig
 from ..core.health import intended_unavailable_reason
 from ..core.sampler import SamplerCore
 from ..core.startup import EngineStarter
-from ..errors import LoadTimedOut, SamplerError
 from .service import AddAdapterRequest, LoadCheckpointRequest, WeightsService, WeightWriteFailed
 from .state_file import PersistedAdapter, PersistedWeights, read_state
 from .validation import CheckpointInvalid

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from ..errors import SamplerError
+from sampler_common.errors import SamplerError
 
 log = logging.getLogger(__name__)
 

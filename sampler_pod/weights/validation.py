@@ -53,7 +53,8 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import SamplerError
+from sampler_common.errors import SamplerError
+
 from .safetensors_header import SafetensorsHeader, SafetensorsHeaderError, TensorEntry, read_header
 
 INDEX_FILE = "model.safetensors.index.json"

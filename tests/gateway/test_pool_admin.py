@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from sampler_common.errors import InvalidRequest
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
 from sampler_gateway.pool_admin import STEP_ANNOTATION, WeightsPush, rollout_of, weights_patch
-from sampler_pod.errors import InvalidRequest
 from tests.support.asgi import call
 
 KEY, ADMIN = "tml-sample", "tml-admin"

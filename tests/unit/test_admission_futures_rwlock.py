@@ -7,10 +7,10 @@ import contextlib
 
 import pytest
 
+from sampler_common.errors import Expired, InvalidRequest, NotFound, Overloaded
 from sampler_pod.core.admission import AdmissionController
 from sampler_pod.core.futures import FutureStore
 from sampler_pod.core.rwlock import RWLock
-from sampler_pod.errors import Expired, InvalidRequest, NotFound, Overloaded
 from tests.support.inproc import until
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from sampler_pod.errors import SamplerError
+from sampler_common.errors import SamplerError
 from sampler_pod.weights.safetensors_header import SafetensorsHeaderError, read_header
 from sampler_pod.weights.validation import (
     CheckpointInvalid,

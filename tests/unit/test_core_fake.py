@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from sampler_common.errors import InvalidRequest, Overloaded, RequestTimedOut, UncertainWeights
 from sampler_pod.core.schemas import SampleRequest
-from sampler_pod.errors import InvalidRequest, Overloaded, RequestTimedOut, UncertainWeights
 from tests.support.inproc import fake_core, outcomes, until
 
 

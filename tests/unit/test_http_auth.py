@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from fastapi.routing import APIRoute
 
+from sampler_common.http.auth import APIKeyAuth
 from sampler_pod.config import parse_config
 from sampler_pod.http.app import create_app
-from sampler_pod.http.auth import APIKeyAuth
 from tests.support.bad_requests import GOOD
 from tests.support.inproc import fake_client, fake_core
 

@@ -1,15 +1,28 @@
-"""The layers of `sampler_pod`, enforced: each folder is one layer and imports point only down.
+"""The import layers, enforced: which package may import which, and inside `sampler_pod`, which folder.
+
+Between packages, each imports only the first-party packages its image carries:
+
+    sampler_pod      + sampler_common   the sampler server (images/sampler-cpu, images/sampler-gpu)
+    sampler_gateway  + sampler_common   the pool's gateway (images/operator, beside the operator)
+    sampler_common   nothing else       what both servers serve HTTP with: the errors (status, category)
+                                        and their rendering, API-key auth, the middleware, the flags base
+
+So neither server imports the other: a change to one server's code never changes the other, and the
+gateway's image carries no sampler module. What both need lives in `sampler_common`.
+
+Inside `sampler_pod`, each folder is one layer and imports point only down:
 
     __main__                 starts the server
-    http                     FastAPI app, auth, error rendering, native and weights routes
+    http                     the FastAPI app, native and weights routes, the OpenAPI dump
     protocols                Tinker and Twinkle wire formats over the core
     weights                  checkpoint validation and the weight-mutation service
     core                     sampling: admission, futures, locks, health, metrics
     engine                   the Engine interface, vLLM and fake engines, startup lock
-    config, errors, testing  leaves: import nothing of sampler_pod above them
+    config, testing          leaves: import nothing of sampler_pod above them
 
 A module may import its own layer and any layer below it. The walk reads every import
-statement (ast), including imports inside functions, so a cycle hidden in a function fails too.
+statement (ast), including imports inside functions, so a cycle or a forbidden import hidden in a
+function fails too.
 """
 
 from __future__ import annotations
@@ -23,8 +36,17 @@ from tests.support import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "sampler_pod"
 # Rank of each layer: a module may import modules of the same or a lower rank.
-LAYERS = {"config": 0, "flags": 0, "errors": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "protocols": 4,
-          "http": 5, "__main__": 6, "__init__": 0}
+LAYERS = {"config": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "protocols": 4, "http": 5, "__main__": 6,
+          "__init__": 0}
+
+# Every first-party top-level package (the operator's lives in operator/).
+FIRST_PARTY = ("sampler_common", "sampler_pod", "sampler_gateway", "sampler_client", "sampler_operator")
+# What each server package, and the layer under both, may import of FIRST_PARTY.
+ALLOWED = {
+    "sampler_common": {"sampler_common"},
+    "sampler_pod": {"sampler_pod", "sampler_common"},
+    "sampler_gateway": {"sampler_gateway", "sampler_common"},
+}
 
 
 def _module_name(path: Path) -> str:
@@ -48,13 +70,17 @@ def _imports(path: Path) -> set[str]:
     return imports_of(path.read_text(), _module_name(path), is_package=path.name == "__init__.py")
 
 
+def _first_party(name: str) -> bool:
+    return name.split(".")[0] in FIRST_PARTY
+
+
 def imports_of(source: str, module: str, *, is_package: bool = False) -> set[str]:
-    """Absolute names of the sampler_pod modules (or packages) `source` imports, anywhere in it."""
+    """Absolute names of the first-party modules (or packages) `source` imports, anywhere in it."""
     package = module if is_package else module.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("sampler_pod")}
+            found |= {a.name for a in node.names if _first_party(a.name)}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -62,7 +88,7 @@ def imports_of(source: str, module: str, *, is_package: bool = False) -> set[str
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.startswith("sampler_pod"):
+            if _first_party(target):
                 # `from . import x` imports submodule x, or a name of the package itself.
                 if node.module:
                     found.add(target)
@@ -71,12 +97,26 @@ def imports_of(source: str, module: str, *, is_package: bool = False) -> set[str
     return found
 
 
+def _own(imports: set[str]) -> set[str]:
+    return {i for i in imports if i.split(".")[0] == "sampler_pod"}
+
+
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-GRAPH = {m: {i for i in _imports(p) if i != m} for m, p in MODULES.items()}
+# sampler_pod's own modules each module imports: the graph of its layers.
+GRAPH = {m: {i for i in _own(_imports(p)) if i != m} for m, p in MODULES.items()}
+# Every module of the packages ALLOWED rules, with all its first-party imports.
+PACKAGE_IMPORTS = {_module_name(p): _imports(p)
+                   for pkg in sorted(ALLOWED) for p in sorted((REPO_ROOT / pkg).rglob("*.py"))}
 
 
 def upward(module: str, imports: set[str]) -> list[str]:
-    return sorted(i for i in imports if LAYERS[_layer(i)] > LAYERS[_layer(module)])
+    """The imports of a sampler_pod module from a higher layer of sampler_pod."""
+    return sorted(i for i in _own(imports) if LAYERS[_layer(i)] > LAYERS[_layer(module)])
+
+
+def forbidden(module: str, imports: set[str]) -> list[str]:
+    """The imports of `module` from a first-party package its own package may not import."""
+    return sorted(i for i in imports if i.split(".")[0] not in ALLOWED[module.split(".")[0]])
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -108,6 +148,18 @@ def test_imports_point_down(module: str) -> None:
     assert not up, f"{module} ({_layer(module)}) imports a higher layer: {up}"
 
 
+def test_every_package_under_the_rule_is_there() -> None:
+    assert {m.split(".")[0] for m in PACKAGE_IMPORTS} == set(ALLOWED)
+    assert "sampler_gateway.app" in PACKAGE_IMPORTS and "sampler_common.http.errors" in PACKAGE_IMPORTS
+
+
+@pytest.mark.parametrize("module", sorted(PACKAGE_IMPORTS))
+def test_imports_stay_in_the_allowed_packages(module: str) -> None:
+    package = module.split(".")[0]
+    bad = forbidden(module, PACKAGE_IMPORTS[module])
+    assert not bad, f"{module} imports {bad}: {package} may import only {sorted(ALLOWED[package])}"
+
+
 def test_no_import_cycle() -> None:
     # Package __init__ files are empty namespaces here, so module-to-module edges are the whole graph.
     edges = {m: {i for i in deps if i in MODULES} for m, deps in GRAPH.items()}
@@ -121,6 +173,23 @@ def test_the_checker_sees_an_upward_import_even_inside_a_function() -> None:
     assert upward("sampler_pod.core.sampler", imports_of(source, "sampler_pod.core.sampler")) == [
         "sampler_pod.http.app"
     ]
+
+
+def test_the_checker_sees_a_server_importing_the_other_even_inside_a_function() -> None:
+    """The rule can fail: in each direction, and for the shared layer, with a lazy import or a plain one."""
+    gateway = (REPO_ROOT / "sampler_gateway" / "app.py").read_text()
+    assert "sampler_common.http.auth" in imports_of(gateway, "sampler_gateway.app")  # allowed, and not flagged
+    assert forbidden("sampler_gateway.app", imports_of(gateway, "sampler_gateway.app")) == []
+    lazy = gateway + "\n\ndef f():\n    from sampler_pod.core.sampler import SamplerCore\n"
+    assert forbidden("sampler_gateway.app", imports_of(lazy, "sampler_gateway.app")) == ["sampler_pod.core.sampler"]
+    pod = (PACKAGE / "http" / "app.py").read_text() + "\nimport sampler_gateway.app\n"
+    assert forbidden("sampler_pod.http.app", imports_of(pod, "sampler_pod.http.app")) == ["sampler_gateway.app"]
+    common = (REPO_ROOT / "sampler_common" / "http" / "auth.py").read_text()
+    for extra, found in [("from sampler_pod.config import ServerConfig", "sampler_pod.config"),
+                         ("from sampler_gateway import config", "sampler_gateway"),
+                         ("import sampler_operator.settings", "sampler_operator.settings")]:
+        source = common + f"\n\ndef f():\n    {extra}\n"
+        assert forbidden("sampler_common.http.auth", imports_of(source, "sampler_common.http.auth")) == [found]
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

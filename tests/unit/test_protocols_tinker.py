@@ -17,8 +17,8 @@ import tinker
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
+from sampler_common.errors import InvalidRequest
 from sampler_pod.engine.base import AdapterRef
-from sampler_pod.errors import InvalidRequest
 from sampler_pod.protocols import tinker as tinker_routes
 from sampler_pod.protocols.tinker_wire import TinkerSampleRequest, _topk_rows, parse_stop, tinker_to_core
 from tests.support.inproc import fake_client, fake_core

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import requests
 
+from sampler_common.errors import InvalidRequest
 from sampler_pod.engine.base import AdapterRef
-from sampler_pod.errors import InvalidRequest
 from sampler_pod.protocols.twinkle import Sessions
 from sampler_pod.protocols.twinkle_wire import (
     Prompt,

@@ -25,8 +25,8 @@ ADMIN = "tml-admin"
 
 
 def test_importable_without_vllm_kopf_or_the_kubernetes_client() -> None:
-    blocked = ["vllm", "torch", "kopf", "kubernetes", "sampler_pod", "sampler_gateway", "sampler_operator",
-               "fastapi", "pydantic", "httpx", "aiohttp"]
+    blocked = ["vllm", "torch", "kopf", "kubernetes", "sampler_common", "sampler_pod", "sampler_gateway",
+               "sampler_operator", "fastapi", "pydantic", "httpx", "aiohttp"]
     code = f"""
 import sys
 class Block:

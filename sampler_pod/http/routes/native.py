@@ -22,7 +22,7 @@ router = APIRouter(prefix="/v1", tags=["sampling"])
 
 @router.post("/sample", response_model=SampleResponse)
 async def sample(req: SampleRequest, request: Request) -> SampleResponse:
-    # A client that disconnects cancels this handler (http/middleware.py), which aborts the request.
+    # A client that disconnects cancels this handler (sampler_common/http/middleware.py), which aborts the request.
     return await core_of(request).sample(req)
 
 

@@ -1,6 +1,6 @@
 """Checkpoint and adapter routes: thin HTTP over `WeightsService`.
 
-Mutations sit on `admin_router` (`create_app` guards it with the admin key, `http/auth.py`), reads
+Mutations sit on `admin_router` (`create_app` guards it with the admin key, `sampler_common/http/auth.py`), reads
 on `router`. Every mutation runs in its own shielded task: a client that hangs up must not cancel a
 weight write halfway (that would leave the weights uncertain for no reason).
 """

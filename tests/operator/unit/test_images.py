@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.support import REPO_ROOT
+from tests.unit.test_layers import PACKAGE_IMPORTS
 
 IMAGES = REPO_ROOT / "images"
 HADOLINT = REPO_ROOT / "scripts" / "images" / "hadolint.sh"
@@ -72,3 +73,16 @@ def test_image_locks_are_the_ci_venv_closure():
     assert "torchvision" not in cpu and "triton" not in cpu        # removed by setup.sh: break `import vllm`
     op = (IMAGES / "operator" / "requirements.lock").read_text()
     assert "\nkopf==1.45.2\n" in op and "torch" not in op and "vllm" not in op
+
+
+def test_the_sampler_images_carry_every_package_the_sampler_imports():
+    """`sampler_pod` imports `sampler_common` (the HTTP layer it shares with the gateway): the CPU image's
+    build context (./sources) and both sampler Dockerfiles carry it, or `python -m sampler_pod` cannot start."""
+    needed = {"sampler_pod"} | {i.split(".")[0] for m, imports in PACKAGE_IMPORTS.items()
+                                if m.split(".")[0] == "sampler_pod" for i in imports}
+    assert "sampler_common" in needed
+    lines = (IMAGES / "sampler-cpu" / "sources").read_text().splitlines()
+    assert {ln.split(":", 1)[1].split("/")[0] for ln in lines if ln and not ln.startswith("#")} == needed
+    for name in ("sampler-cpu", "sampler-gpu"):
+        text = (IMAGES / name / "Dockerfile").read_text()
+        assert set(re.findall(r"^COPY (sampler_\w+)/ /opt/sampler/", text, re.M)) == needed, name

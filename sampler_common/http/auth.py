@@ -1,4 +1,4 @@
-"""API-key authentication, applied once in `create_app`, by router: every router but the probes.
+"""API-key authentication, applied once in each server's `create_app`, by router: every router but the probes.
 
 Two keys, two kinds of routes:
   * `--api-key` guards sampling and reads (`sampling`).
@@ -11,6 +11,9 @@ is a 403 (`forbidden`: the key is fine, the action is not), a missing or wrong k
 The key may come as `X-API-Key` or `Authorization: Bearer` (what the Tinker SDK and Twinkle's
 client send). With no key configured the routes are open: for local runs and tests only; the
 operator always configures both keys in a cluster.
+
+The gateway checks its own keys with the same class: `sampling` on every forwarded route, `admin`
+under its stricter `/v1/pool/*` guard (`sampler_gateway/routes/pool.py`).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ client-disconnect detection. Both need to own the ASGI `receive` channel, so the
   reads the body into a 400.
 - **Disconnect.** Once the body is in, the connection is watched. A client that goes away before
   its response is complete gets its route cancelled: a synchronous sample then aborts its engine
-  calls, and its slot is freed when the engine lets go (`SamplerCore.sample`). Routes that must
-  not stop halfway (weight writes) run their work in a shielded task, so cancelling the route
-  never cancels that work.
+  calls, and its slot is freed when the engine lets go (`sampler_pod`'s `SamplerCore.sample`); in the
+  gateway the cancelled forward closes its connection, so the replica sees the disconnect. Routes
+  that must not stop halfway (weight writes) run their work in a shielded task, so cancelling the
+  route never cancels that work.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A pydantic settings model as command-line flags and environment variables, written once.
 
-The sampler (`config.ServerConfig`) and the pool's gateway (`sampler_gateway.config.GatewayConfig`)
+The sampler (`sampler_pod.config.ServerConfig`) and the pool's gateway (`sampler_gateway.config.GatewayConfig`)
 define each setting once, as a model field with its default and description; this turns the model
 into an argparse parser (`--field-name`, a bool is a switch, a plain `list[...]` a repeatable flag)
 and into `PREFIX_FIELD_NAME` variables. Flags win over the environment; a validation error exits
