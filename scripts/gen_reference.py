@@ -112,13 +112,21 @@ def _flags_section(title: str, flags: Any, source: str) -> list[str]:
                   f"`{flags.list_separator}`.", ""]
     lines += ["| flag | environment | default | description |", "|---|---|---|---|"]
     for name, info in flags.model.model_fields.items():
-        default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
+        default = "required" if info.is_required() else _flag_default(info.get_default(call_default_factory=True))
         flag = flags.flag(name)
         if flags._is_list(name):
             flag += " ..."
         lines.append(f"| `{flag}` | `{flags.env_name(name)}` | {cell(default)} | {cell(info.description or '')} |")
     lines.append("")
     return lines
+
+
+def _flag_default(value: object) -> str:
+    if value is None or value == []:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"`{value}`"
 
 
 def flags_page() -> str:
@@ -189,7 +197,8 @@ def http_page() -> str:
     lines += ["## Bodies", ""]
     for name, s in sorted(spec.get("components", {}).get("schemas", {}).items()):
         extra = " Unknown fields are refused." if s.get("additionalProperties") is False else ""
-        lines += [f"### {name}", "", cell(s.get("description", "")) + extra, "",
+        about = (cell(s.get("description", "")) + extra).strip()
+        lines += [f"### {name}", "", *([about, ""] if about else []),
                   "| field | type | required | default | limits |", "|---|---|---|---|---|"]
         required = set(s.get("required") or [])
         for field, fs in (s.get("properties") or {}).items():
@@ -221,9 +230,8 @@ def _collectors(obj: object) -> list[Any]:
 
 
 def metrics_page() -> str:
-    from sampler_operator import metrics as operator_metrics
-
     from sampler_gateway.metrics import GatewayMetrics
+    from sampler_operator import metrics as operator_metrics
     from sampler_pod.core.metrics import Metrics
 
     lines = [HEADER, "# Metrics", "",
