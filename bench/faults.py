@@ -18,7 +18,7 @@ bench/faults_tally.py.
 
 `--cpu-hogs N` runs N busy loops beside the soak (its own section, "Faults under contention"): the
 two cores shared with other work stretch every fault and rollout, and orderings show up that a quiet
-box hides (the stale answer's second send meeting a stalled replica, docs/pool.md "Failover", was
+box hides (the stale answer's second send meeting a stalled replica, docs/design/failover.md, was
 found this way).
 """
 

@@ -193,7 +193,7 @@ def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s
     lengths = sorted({c.tokens for c in costs})
     per_mode = {m: sum(c.mode == m and c.tokens == lengths[0] for c in costs) for m in MODES}
     lines = [
-        "The pool's routing switch (docs/pool.md, \"One switch for all gateways\") under load, for real: "
+        "The pool's routing switch (docs/design/routing-switch.md) under load, for real: "
         "a kube-apiserver (envtest), the operator process, a SamplerPool of 2 sampler processes (fake engine, "
         "about 1 ms a token: the cost measured is the protocol's, not the engine's), 2 gateway processes "
         f"with kube discovery and their own routing Leases (`--routing-renew-s {renew_s:g}`, `--routing-lease-s "

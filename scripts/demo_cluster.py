@@ -435,7 +435,7 @@ class Story:
                 {"name": "checkpoints", "mountPath": "/checkpoints",
                  "source": {"hostPath": {"path": str(self.cfg.checkpoints), "type": "Directory"}}}]},
             # data only: the tiny model from the host's model cache; the code is the image's. Two CPU engines
-            # share the node's cores: vLLM's default binding would pin both to one (docs/pool.md).
+            # share the node's cores: vLLM's default binding would pin both to one (docs/guide/operations.md).
             "pod": {"terminationGracePeriodSeconds": 5,
                     "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}],
                     "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "Directory"}},
