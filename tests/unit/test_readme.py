@@ -7,25 +7,19 @@ test_demo_story.py) runs them against the cluster.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from types import ModuleType
 
 import pytest
 
 from tests.support import REPO_ROOT
+from tests.support.scripts import load_script
 
 README = (REPO_ROOT / "README.md").read_text()
 
 
 def load_demo() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("demo_cluster", REPO_ROOT / "scripts" / "demo_cluster.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["demo_cluster"] = mod     # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("demo_cluster")
 
 
 def test_readme_is_a_front_page_without_history():

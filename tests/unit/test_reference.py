@@ -4,22 +4,16 @@ registries. A page that differs from a fresh render is stale: change the source,
 `python scripts/gen_reference.py`."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import ModuleType
 
 import yaml
 
 from tests.support import REPO_ROOT
+from tests.support.scripts import load_script
 
 
 def load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_reference", REPO_ROOT / "scripts" / "gen_reference.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gen_reference"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gen_reference")
 
 
 def test_every_reference_page_matches_a_fresh_render():

@@ -6,8 +6,6 @@ what it printed.
 Own namespaces, release and free ports, so it neither needs nor touches a developer's demo run."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 import uuid
 from typing import Any
@@ -16,8 +14,8 @@ import pytest
 
 from sampler_pod.testing import net
 from tests.operator.node.test_node_tier import Api, assert_runs_project_image, post
-from tests.support import REPO_ROOT
 from tests.support import k8s as ks
+from tests.support.scripts import load_script
 
 pytestmark = pytest.mark.node
 k8s_node = ks.node_fixture()
@@ -25,11 +23,7 @@ WARM_BUDGET_S = 300      # issue #13: a warm ./scripts/demo.sh finishes in under
 
 
 def load_demo() -> Any:
-    spec = importlib.util.spec_from_file_location("demo_cluster", REPO_ROOT / "scripts" / "demo_cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["demo_cluster"] = mod     # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("demo_cluster")
 
 
 def test_demo_story_end_to_end(k8s_node, tmp_path):
