@@ -167,7 +167,7 @@ class Story:
         weights. The operator never rotates them (a replacement pod gets the same keys)."""
         var = "ADMIN" if admin else "KEY"
         if var not in self._keys:
-            self._keys[var] = self.quickstart.run(f"{var}=", self.shell_env(), extra=f'\nprintf %s "${var}"')
+            self._keys[var] = self.quickstart.value(var, self.shell_env())
         return self._keys[var]
 
     def shell_env(self) -> dict[str, str]:
@@ -522,6 +522,10 @@ class Quickstart:
                                f"{p.stderr.strip()[-2000:]}")
         self.ran.add(prefix)
         return p.stdout
+
+    def value(self, var: str, env: dict[str, str]) -> str:
+        """Run the README's `VAR=$(...)` line and return what it set."""
+        return self.run(f"{var}=", env, extra=f'\nprintf %s "${var}"')
 
     def check_all_run(self) -> None:
         skipped = {p for p, step in QUICKSTART_STEPS.items() if step is None}

@@ -55,7 +55,7 @@ def test_the_quickstart_is_the_demos_script_as_written():
     for prefix, step in demo.QUICKSTART_STEPS.items():
         if step is not None and prefix not in ("KEY=", "ADMIN="):
             assert f'quickstart.run("{prefix}"' in source, prefix
-    assert 'quickstart.run(f"{var}="' in source
+    assert "quickstart.value(var," in source
 
 
 def test_the_quickstart_follows_a_test_runs_own_names():
@@ -78,3 +78,30 @@ def test_a_readme_command_the_demo_cannot_run_is_refused():
     qs.ran = {"helm install "}
     with pytest.raises(RuntimeError, match="did not run"):
         qs.check_all_run()
+
+
+def test_the_key_lines_run_in_bash_as_written(tmp_path):
+    """The README's `KEY=$(kubectl ... | base64 -d)` lines, run the demo's way, against a stand-in kubectl
+    that answers what the API server would (the Secret's field, base64)."""
+    demo = load_demo()
+    fake = tmp_path / "kubectl"
+    fake.write_text('#!/bin/bash\ncase "$*" in\n  *admin-api-key*) printf %s YWRtaW4tMQ== ;;\n'
+                    '  *api-key*) printf %s a2V5LTE= ;;\nesac\n')
+    fake.chmod(0o755)
+    qs = demo.Quickstart(demo.StoryConfig(), demo.readme_quickstart(README))
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    assert (qs.value("KEY", env), qs.value("ADMIN", env)) == ("key-1", "admin-1")
+    fake.write_text("#!/bin/bash\necho 'secrets \"demo-sampler-keys\" not found' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="not found"):
+        qs.value("KEY", env)
+
+
+def test_helm_install_runs_from_the_repo_with_the_node_tiers_values_added(tmp_path):
+    demo = load_demo()
+    fake = tmp_path / "helm"
+    fake.write_text('#!/bin/bash\n[ -f "$3/Chart.yaml" ] || { echo "no chart at $3" >&2; exit 1; }\necho "$@"\n')
+    fake.chmod(0o755)
+    qs = demo.Quickstart(demo.StoryConfig(release="so-1", operator_namespace="ops-1"), demo.readme_quickstart(README))
+    out = qs.run("helm install ", {"PATH": f"{tmp_path}:/usr/bin:/bin"}, extra=" -f /tmp/values.json")
+    assert out.split() == ["install", "so-1", "charts/sampler-operator", "-n", "ops-1", "--create-namespace",
+                           "-f", "/tmp/values.json"]
