@@ -18,7 +18,7 @@ bench/faults_tally.py.
 
 `--cpu-hogs N` runs N busy loops beside the soak (its own section, "Faults under contention"): the
 two cores shared with other work stretch every fault and rollout, and orderings show up that a quiet
-box hides (the stale answer's second send meeting a stalled replica, docs/pool.md "Failover", was
+box hides (the stale answer's second send meeting a stalled replica, docs/design/failover.md, was
 found this way).
 """
 
@@ -41,7 +41,7 @@ from bench import faults_clients
 from bench.faults_pool import FAULTS, Event, Faults, Kubelet, Pool, Rollouts
 from bench.faults_tally import Row, Window, older_after_newer_count, table, tally, total
 from bench.gateway_rollout import checkpoints
-from bench.report import write_section
+from bench.report import RAW, write_section
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.gateway import run_gateway
 from tests.support.metrics import total as metric_total
@@ -213,7 +213,7 @@ def report(res: Result, sizes: Sizes) -> str:
                             for e in res.events)
     reasons = sorted(a.reasons.items(), key=lambda kv: -kv[1])
     lines = [
-        f"Commit {_commit()}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {res.elapsed_s:.0f} s; "
+        f"Run in {res.elapsed_s:.0f} s on 2 cores; "
         f"1-minute load average {res.loadavg[0]:.2f} at the start, {res.loadavg[1]:.2f} at the end.", "",
         f"Method: {sizes.replicas} fake-engine sampler processes (1 ms a token, {faults_clients.TOKENS[0]}-"
         f"{faults_clients.TOKENS[1]} tokens a request) behind a real gateway process (static discovery, "
@@ -257,6 +257,7 @@ def report(res: Result, sizes: Sizes) -> str:
                   + "; ".join(f"{n} x {why}" for why, n in reasons) + "."]
     if res.errors:
         lines += ["", "The harness itself failed: " + "; ".join(res.errors)]
+    lines += [RAW, f"Commit {_commit()}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC."]
     return "\n".join(lines) + "\n"
 
 

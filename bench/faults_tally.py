@@ -2,7 +2,7 @@
 its terminal answer sorted into ok, failed (as documented, or not) or lost.
 
 - **retried**: the answer carries `X-Sampler-Retried` (the gateway re-ran a sync sample whose replica
-  was lost while running it, docs/pool.md "Failover");
+  was lost while running it, docs/design/failover.md);
 - **resubmitted**: a future answered 410 (its replica lost or restarted, or, under Latest, its result
   on weights older than an answer already returned) and submitted again by the client, as the
   contract says: the request still ends in its own terminal answer;
@@ -25,7 +25,7 @@ from bench.faults_clients import Record
 from tests.support.closed_loop import Answer, older_after_newer
 
 SYNC = ("sample", "opt_out", "twinkle")
-# (status, error category) answers the docs name (docs/pool.md, docs/contract.md).
+# (status, error category) answers the docs name (docs/design/failover.md, docs/reference/contract.md).
 DOCUMENTED_5XX = {(502, "replica_lost"), (503, "no_replica"), (503, "aborted"), (504, "replica_timeout")}
 NONE = "none"
 

@@ -138,7 +138,7 @@ def vllm_pool(names: list[str], *flags: str) -> Iterator[dict[str, RunningServer
     """Real vLLM replicas, started one after another (two engines importing at once on 2 cores: minutes).
     Replica i's model is bound to core i (mod the cores): vLLM's default binds every engine's model
     to the same core here, and unbound (nobind) each engine runs a thread per core, both engines
-    spinning on both cores (~300-400 tok/s at c=32). See docs/pool.md, "CPU replicas sharing a node"."""
+    spinning on both cores (~300-400 tok/s at c=32). See docs/guide/operations.md, "CPU replicas sharing a node"."""
     cores = os.cpu_count() or 1
     with contextlib.ExitStack() as stack:
         yield {n: stack.enter_context(run_server(cached_tiny_model(), "--concurrent-task-limit", "512",

@@ -34,6 +34,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from bench.report import RAW
+
 MODES = ("Drain", "Abort", "Keep")
 # The message of a 503 whose answer the switch withheld twice (sampler_gateway/forward.py).
 WITHHELD_TWICE = "answered on weights"
@@ -191,7 +193,7 @@ def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s
     lengths = sorted({c.tokens for c in costs})
     per_mode = {m: sum(c.mode == m and c.tokens == lengths[0] for c in costs) for m in MODES}
     lines = [
-        "The pool's routing switch (docs/pool.md, \"One switch for all gateways\") under load, for real: "
+        "The pool's routing switch (docs/design/routing-switch.md) under load, for real: "
         "a kube-apiserver (envtest), the operator process, a SamplerPool of 2 sampler processes (fake engine, "
         "about 1 ms a token: the cost measured is the protocol's, not the engine's), 2 gateway processes "
         f"with kube discovery and their own routing Leases (`--routing-renew-s {renew_s:g}`, `--routing-lease-s "
@@ -200,7 +202,7 @@ def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s
         f"{len(costs)} rollouts step-N -> step-N+1 ("
         + ", ".join(f"{n} {m}" for m, n in per_mode.items())
         + (", for each length" if len(lengths) > 1 else "") + "; Drain and Abort with maxUnavailable 1; the modes "
-        f"shuffled within each round), run in {wall_s / 60:.1f} min at commit {commit}.",
+        f"shuffled within each round), run in {wall_s / 60:.1f} min.",
         "",
         "Definitions (bench/switch_cost.py): the **capacity dip** is the span from the last answer on the old label "
         "received by any client to the first answer on the new one, through any gateway: no gateway returned "
@@ -219,7 +221,8 @@ def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s
         f"1-minute load average before each rollout: {_range([c.loadavg for c in costs], '.2f')}; hypervisor "
         f"steal during each: {_range([c.steal for c in costs], '.1%')}.",
         "",
-        "Every rollout, in the order run:",
+        RAW,
+        f"Measured at commit {commit}. Every rollout, in the order run:",
         "",
         *per_rollout(costs),
     ]

@@ -1,4 +1,4 @@
-"""`Pool`: one SamplerPool seen through its gateway's admin routes (docs/pool.md, "Pushing weights").
+"""`Pool`: one SamplerPool seen through its gateway's admin routes (docs/guide/pool.md, "Pushing weights").
 
 The rollout's decisions are the operator's; this side only writes the pool's target and reads back
 how far it got. A push returns the pool object's generation; waiting means reading the rollout until

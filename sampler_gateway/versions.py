@@ -13,7 +13,7 @@ step-120 reports version 1); the label is the identity, and "newer" is an order 
 - last, labels known by neither, by when the gateway first saw them (from `/health` or in a
   response): a trainer pushing step-121 makes it appear after step-120. Labels first seen in the
   same refresh (a gateway starting in the middle of a rollout) rank by the replica's version, then
-  by name. Only this last tier is a memory of one process (docs/pool.md says when it holds).
+  by name. Only this last tier is a memory of one process (docs/design/routing-switch.md says when it holds).
 
 Policies:
 - `Any`: every ready, non-draining replica.

@@ -3,7 +3,8 @@
 #   ./scripts/demo.sh          set up (once), build the images (once), bring up the local cluster if needed,
 #                              helm install the chart, then narrate: a SamplerPool of 2 and its gateway come up,
 #                              sample through the gateway, an RL loop trains through it (examples/rl_loop.py),
-#                              one replica's pod is lost mid-run and the loop finishes unharmed (scripts/demo_cluster.py)
+#                              one replica's pod is lost mid-run and the loop finishes unharmed, then the README's
+#                              quickstart push; every README quickstart command is run as written (scripts/demo_cluster.py)
 #   ./scripts/demo.sh --local  the quick single-pod demo: one sampler process on 127.0.0.1, no Kubernetes
 # The cluster is the node tier (scripts/k8s/README.md): kubelet + dockerd + control plane in a private network
 # namespace with only `lo`, state in ${SAMPLER_CACHE_DIR:-~/.cache/sampler-operator}/k8s/node. It stays up

@@ -13,7 +13,14 @@ private network namespace by scripts/k8s/node-exec.sh; demo.sh brings the cluste
   6. the loop is unharmed: the gateway samples on the replica left, the operator brings the lost one back
      at the pool's weights and the next push waits for it; every step finishes, every batch at its
      step's weights, the reward up
-  7. `kubectl get sp,sr` and the Events
+  7. the README's push (`python -m sampler_client push ... --wait`), then `kubectl get sp,sr` and the Events
+
+The README's quickstart block is this story's script: every command in it is run here as written
+(`Quickstart`), with three node-tier differences, each said where it happens: helm gets the node tier's
+values file added, `pool.yaml` is the demo's pool (the tiny model, the CPU image, host network), and the
+`kubectl port-forward` line is not run (the gateway listens on the node's network: GATEWAY points there).
+A README command the story no longer runs fails the story (`Quickstart.check_all_run`) and a unit test
+(tests/unit/test_readme.py) checks the block's commands are the ones the story knows.
 
 The replica story this demo told before the pool (weights declared on a SamplerReplica, a write failing
 midway, the pod replaced at the declared weights) is tested on the node tier (tests/operator/node/
@@ -27,6 +34,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -36,11 +46,18 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+QUICKSTART_MARK = "<!-- quickstart: ./scripts/demo.sh runs these commands (scripts/demo_cluster.py) -->"
+# Each README quickstart command, by how it starts, and where the story runs it. None: not run (why: above).
+QUICKSTART_STEPS: dict[str, str | None] = {
+    "kubectl create namespace ": "0", "helm install ": "0", "kubectl apply ": "1", "kubectl get ": "2-7",
+    "KEY=": "3", "ADMIN=": "4", "kubectl port-forward ": None, "curl ": "3", "python -m sampler_client push ": "7",
+}
 CACHE = Path(os.environ.get("SAMPLER_CACHE_DIR") or Path.home() / ".cache" / "sampler-operator")
-CHART = ROOT / "charts" / "sampler-operator"
 IMAGES_LIST = CACHE / "images" / "images.list"
 STEPS = 7
 PROMPT = [1, 17, 42, 99, 123, 7]
@@ -73,6 +90,8 @@ class StoryResult:
     killed: dict[str, str] = field(default_factory=dict)          # the lost pod: replica, name, uid
     events: list[dict[str, Any]] = field(default_factory=list)
     final_status: dict[str, Any] = field(default_factory=dict)    # the pool's
+    readme_sample: dict[str, Any] = field(default_factory=dict)   # step 3: the README's curl, its answer
+    readme_push: dict[str, Any] = field(default_factory=dict)     # step 7: the README's push, its label and answer
     seconds: float = 0.0
 
 
@@ -87,6 +106,7 @@ class Story:
         self.replicas = [f"{self.pool}-0", f"{self.pool}-1"]
         self.victim = self.replicas[1]
         self._keys: dict[str, str] = {}
+        self.quickstart = Quickstart(cfg, readme_quickstart(README.read_text()))
         self._say_lock = threading.Lock()
 
     # ---------------------------------------------------------------- narration and small runners
@@ -108,7 +128,7 @@ class Story:
         return json.loads(self.kubectl(*args, "-o", "json"))
 
     def helm(self, *args: str, check: bool = True) -> str:
-        p = subprocess.run([self.helm_bin, *args], capture_output=True, text=True, timeout=300)
+        p = subprocess.run([self.helm_bin, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
         if check and p.returncode:
             raise RuntimeError(f"helm {' '.join(args)}: {p.stderr.strip()}")
         return p.stdout
@@ -136,21 +156,26 @@ class Story:
         return self.kjson("-n", self.cfg.namespace, "get", "sp", self.pool).get("status") or {}
 
     def get_tables(self) -> str:
-        # a fresh discovery cache: the CRDs may be newer than kubectl's cached API list
-        return self.kubectl("--cache-dir", str(CACHE / "demo" / "kube-cache"), "-n", self.cfg.namespace,
-                            "get", "sp,sr")
+        # the README's `kubectl get`, with a fresh discovery cache: the CRDs may be newer than kubectl's cached
+        # API list
+        return self.quickstart.run("kubectl get ", self.shell_env(),
+                                   extra=f" --cache-dir {shlex.quote(str(CACHE / 'demo' / 'kube-cache'))}")
 
     def key(self, admin: bool = False) -> str:
-        """The pool's key, read as docs/pool.md tells users: from the Secret the operator generated
+        """The pool's key, read by the README's `KEY=` / `ADMIN=` lines: from the Secret the operator generated
         (`<pool>-sampler-keys`; the demo's spec names none). The API key samples; the admin key pushes
         weights. The operator never rotates them (a replacement pod gets the same keys)."""
-        import base64
-        field_ = "admin-api-key" if admin else "api-key"
-        if field_ not in self._keys:
-            out = self.kubectl("-n", self.cfg.namespace, "get", "secret", f"{self.pool}-sampler-keys", "-o",
-                               f"jsonpath={{.data.{field_}}}")
-            self._keys[field_] = base64.b64decode(out).decode()
-        return self._keys[field_]
+        var = "ADMIN" if admin else "KEY"
+        if var not in self._keys:
+            self._keys[var] = self.quickstart.value(var, self.shell_env())
+        return self._keys[var]
+
+    def shell_env(self) -> dict[str, str]:
+        """What the README's commands find in their shell: kubectl, helm and the venv's python on PATH, the
+        gateway's address (the port-forward line's GATEWAY) and the keys read so far."""
+        path = [str(Path(b).parent) for b in (self.kubectl_bin, self.helm_bin) if os.sep in b]
+        path += [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+        return {**os.environ, "PATH": os.pathsep.join(path), "GATEWAY": self.gateway, **self._keys}
 
     @property
     def gateway(self) -> str:
@@ -177,7 +202,7 @@ class Story:
         cfg, r = self.cfg, StoryResult(pool=self.pool, replicas=list(self.replicas))
         self.clean()
         # the watched namespace first: the chart puts the operators' KopfPeering object there
-        self.kubectl("create", "namespace", cfg.namespace)
+        self.quickstart.run("kubectl create namespace ", self.shell_env())
         self.step(0, f"helm install {cfg.release} charts/sampler-operator -n {cfg.operator_namespace} "
                      f"(image {self.images['operator']})")
         self.install_operator()
@@ -189,8 +214,10 @@ class Story:
         os.chmod(cfg.checkpoints, 0o755)     # the replicas read it as their own user
         import yaml
 
-        self.say(self.kubectl("-n", cfg.namespace, "apply", "-f", "-",
-                              input=yaml.safe_dump(self.pool_body(model), sort_keys=False)).rstrip())
+        # the README's `kubectl apply -f pool.yaml`, pool.yaml being the demo's pool
+        with TemporaryDirectory() as d:
+            (Path(d) / "pool.yaml").write_text(yaml.safe_dump(self.pool_body(model), sort_keys=False))
+            self.say(self.quickstart.run("kubectl apply ", self.shell_env(), cwd=Path(d)).rstrip())
         self.gateway_token()
 
         self.step(2, "kubectl get sp,sr, while the operator creates the replicas, their pods and the gateway "
@@ -220,6 +247,14 @@ class Story:
                 self.say(f"  answered by {replica}: tokens {tokens(out)}  weights {out['weights_label']}")
             if len(seen) == 2:
                 break
+        out = self.quickstart.run("curl ", self.shell_env())
+        try:
+            r.readme_sample = json.loads(out)
+        except ValueError:
+            raise RuntimeError(f"the README's curl: not a sample's answer: {out[:500]}") from None
+        if "weights_label" not in r.readme_sample:
+            raise RuntimeError(f"the README's curl: not a sample's answer: {out[:500]}")
+        self.say(f"  the README's curl: tokens {tokens(r.readme_sample)}  weights {r.readme_sample['weights_label']}")
 
         self.step(4, f"a trainer's RL loop through the gateway, {cfg.loop_steps} updates (examples/rl_loop.py): "
                      "Tinker SDK samples -> reward -> torch step -> safetensors -> sampler_client push, wait")
@@ -227,7 +262,9 @@ class Story:
                  "weights (X-Sampler-Weights-Spans); each push is a rollout, one replica at a time")
         self.run_loop(r, model, show)
 
-        self.step(7, "kubectl get sp,sr, and the Events")
+        self.step(7, "the README's push (python -m sampler_client push ... --wait): the loop's last weights under "
+                     "the README's label; then kubectl get sp,sr, and the Events")
+        self.readme_push(r)
         t = self.get_tables()
         r.tables.append(t)
         self.say(t.rstrip())
@@ -237,6 +274,7 @@ class Story:
             self.say(f"  {e['type']:<8} {e['reason']:<18} {e['involvedObject']['kind']}/"
                      f"{e['involvedObject']['name']}: {e['message'][:110]}")
         r.final_status = self.pool_status()
+        self.quickstart.check_all_run()
         r.seconds = time.monotonic() - self.t0
         self.say(f"\ndone in {r.seconds:.0f}s. The cluster stays up: scripts/k8s/node-exec.sh kubectl -n "
                  f"{cfg.namespace} get sp,sr,pods ; stop it with `make cluster-down`.")
@@ -300,6 +338,20 @@ class Story:
         self.say(f"  every step finished; rewards {rewards}; every batch at its step's label; the lost replica "
                  f"{self.victim} is back on {self.status(self.victim).get('podName')}")
 
+    def readme_push(self, r: StoryResult) -> None:
+        """The README's push, run as written: its checkpoint is the loop's last one, copied to the path the
+        README names (the pods see cfg.checkpoints at /checkpoints), so the pool rolls out to its label."""
+        argv = shlex.split(self.quickstart.command("python -m sampler_client push "))
+        path, label = argv[argv.index("--checkpoint") + 1], argv[argv.index("--label") + 1]
+        if not path.startswith("/checkpoints/"):
+            raise RuntimeError(f"the README pushes {path}: the demo's pods see their checkpoints at /checkpoints")
+        dest = self.cfg.checkpoints / path.removeprefix("/checkpoints/")
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(self.cfg.checkpoints / f"{self.pool}-step-{self.cfg.loop_steps}", dest)
+        out = self.quickstart.run("python -m sampler_client push ", self.shell_env(), cwd=ROOT)
+        r.readme_push = {"label": label, "answer": json.loads(out)}
+        self.say(f"  pushed {label}: every replica serves it")
+
     # ---------------------------------------------------------------- pieces
     def clean(self) -> None:
         """A previous run's pool, replicas, release and namespaces go first (their pods hold the demo's host
@@ -353,8 +405,8 @@ class Story:
         vf = CACHE / "demo" / "values-node-tier.json"
         vf.parent.mkdir(parents=True, exist_ok=True)
         vf.write_text(json.dumps(values, indent=2))
-        out = self.helm("install", cfg.release, str(CHART), "-n", cfg.operator_namespace, "--create-namespace",
-                        "-f", str(vf))
+        # the README's helm install, plus the node tier's values (a real cluster needs none of them)
+        out = self.quickstart.run("helm install ", self.shell_env(), extra=f" -f {shlex.quote(str(vf))}")
         self.say("\n".join("  " + ln for ln in out.splitlines() if ln.strip()))
         # the chart's fullname (= its ServiceAccount): the release name when it contains the chart name
         sa = cfg.release if "sampler-operator" in cfg.release else f"{cfg.release}-sampler-operator"
@@ -383,7 +435,7 @@ class Story:
                 {"name": "checkpoints", "mountPath": "/checkpoints",
                  "source": {"hostPath": {"path": str(self.cfg.checkpoints), "type": "Directory"}}}]},
             # data only: the tiny model from the host's model cache; the code is the image's. Two CPU engines
-            # share the node's cores: vLLM's default binding would pin both to one (docs/pool.md).
+            # share the node's cores: vLLM's default binding would pin both to one (docs/guide/operations.md).
             "pod": {"terminationGracePeriodSeconds": 5,
                     "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}],
                     "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "Directory"}},
@@ -414,6 +466,71 @@ class Story:
             "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
             "metadata": {"name": f"{self.pool}-gateway-token",
                          "annotations": {"kubernetes.io/service-account.name": account}}}))
+
+
+# -------------------------------------------------------------------- the README's quickstart
+def readme_quickstart(readme: str) -> list[str]:
+    """The commands of the README's quickstart: the ```bash block after QUICKSTART_MARK, one command per
+    entry (a line ending in a backslash continues), a trailing `  # comment` dropped."""
+    if QUICKSTART_MARK not in readme:
+        raise ValueError(f"README.md has no quickstart block (the line {QUICKSTART_MARK!r})")
+    block = readme.split(QUICKSTART_MARK, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands: list[str] = []
+    current = ""
+    for line in block.splitlines():
+        line = re.sub(r"\s{2,}#.*$", "", line).rstrip()
+        current += line + "\n"
+        if not line.endswith("\\"):
+            if current.strip():
+                commands.append(current.strip())
+            current = ""
+    return commands
+
+
+class Quickstart:
+    """The README's quickstart commands, run by the story as written. A run in other namespaces (the
+    node-tier test's) has the README's names replaced by its own; with the defaults nothing is replaced."""
+
+    def __init__(self, cfg: StoryConfig, commands: list[str]) -> None:
+        default = StoryConfig()
+        names = {default.namespace: cfg.namespace, default.operator_namespace: cfg.operator_namespace,
+                 default.release: cfg.release}
+        self.commands: dict[str, str] = {}
+        for c in commands:
+            prefix = [p for p in QUICKSTART_STEPS if c.startswith(p)]
+            if len(prefix) != 1:
+                raise ValueError(f"README quickstart: the demo does not know how to run {c!r}")
+            if prefix[0] in self.commands:
+                raise ValueError(f"README quickstart: two commands start with {prefix[0]!r}")
+            for old, new in names.items():
+                # a name as a word of its own, not inside a path (charts/sampler-operator stays)
+                c = re.sub(rf"(?<![\w/.-]){re.escape(old)}(?![\w/.-])", new, c)
+            self.commands[prefix[0]] = c
+        if set(self.commands) != set(QUICKSTART_STEPS):
+            raise ValueError(f"README quickstart: missing {sorted(set(QUICKSTART_STEPS) - set(self.commands))}")
+        self.ran: set[str] = set()
+
+    def command(self, prefix: str) -> str:
+        return self.commands[prefix]
+
+    def run(self, prefix: str, env: dict[str, str], extra: str = "", cwd: Path = ROOT) -> str:
+        """Run the README's command (and `extra`, appended) in bash; its stdout. A failure raises."""
+        p = subprocess.run(["bash", "-o", "pipefail", "-c", "set -e\n" + self.commands[prefix] + extra], env=env,
+                           cwd=cwd, capture_output=True, text=True, timeout=900)
+        if p.returncode:
+            raise RuntimeError(f"README quickstart: `{self.commands[prefix]}` failed ({p.returncode}): "
+                               f"{p.stderr.strip()[-2000:]}")
+        self.ran.add(prefix)
+        return p.stdout
+
+    def value(self, var: str, env: dict[str, str]) -> str:
+        """Run the README's `VAR=$(...)` line and return what it set."""
+        return self.run(f"{var}=", env, extra=f'\nprintf %s "${var}"')
+
+    def check_all_run(self) -> None:
+        skipped = {p for p, step in QUICKSTART_STEPS.items() if step is None}
+        if missed := set(self.commands) - self.ran - skipped:
+            raise RuntimeError(f"README quickstart: the story did not run {sorted(missed)}")
 
 
 # -------------------------------------------------------------------- helpers

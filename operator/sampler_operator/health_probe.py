@@ -32,7 +32,7 @@ class HealthObservation:
     weights_version: int | None = None
     weights_label: str | None = None
     in_flight: int | None = None
-    # Declared-weights contract (docs/contract.md): where the current weights came from, the
+    # Declared-weights contract (docs/reference/contract.md): where the current weights came from, the
     # newest validated load (what a replacement must load), and the checkpoint whose write failed.
     weights_checkpoint: str | None = None
     weights_loaded_at: str | None = None

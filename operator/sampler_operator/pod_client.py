@@ -1,4 +1,4 @@
-"""The operator's calls to a sampler pod's weight routes (docs/sampler.md), with the replica's admin key.
+"""The operator's calls to a sampler pod's weight routes (docs/guide/sampler.md), with the replica's admin key.
 
 `outcome_of` is pure (status code + body -> outcome), so what the operator does with each answer
 is tested without sockets; the rest is the thin network part. Network trouble is an outcome

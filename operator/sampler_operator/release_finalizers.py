@@ -5,7 +5,7 @@ daemon: it must stop the daemon before the object goes), and the replica loop is
 operator removes it. So a SamplerReplica deleted while the operator is down, or a namespace deleted
 then (which deletes its replicas), stays `Terminating` for good. We keep the finalizer (it is how a
 running operator stops a replica's loop cleanly) and give the way out: this command, and the chart's
-`pre-delete` hook, which runs it at `helm uninstall` (docs/operator.md, "Deleting while the operator
+`pre-delete` hook, which runs it at `helm uninstall` (docs/guide/operator.md, "Deleting while the operator
 is down").
 
   default     only replicas already being deleted (a deletionTimestamp): what is stuck now

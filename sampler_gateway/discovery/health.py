@@ -1,4 +1,4 @@
-"""Read one replica's `/health` (docs/contract.md): ready iff `status == "ok"`, plus its weights.
+"""Read one replica's `/health` (docs/reference/contract.md): ready iff `status == "ok"`, plus its weights.
 
 A read that gets no answer (a timeout, a refused or broken connection) takes a ready replica out of
 routing only after `failure_threshold` in a row, as a kubelet's probe does: a replica under heavy

@@ -116,7 +116,7 @@ class HealthReport(BaseModel):
     stall: StallEvidence | None = None
 
 
-# The start of `/health`'s reason while a replica waits for weights it can load (docs/contract.md):
+# The start of `/health`'s reason while a replica waits for weights it can load (docs/reference/contract.md):
 # the operator matches on it (`CheckpointMissing`).
 INTENDED_UNAVAILABLE = "intended checkpoint unavailable"
 

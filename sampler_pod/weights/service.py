@@ -77,7 +77,7 @@ class LoadCheckpointRequest(BaseModel):
     step: int | None = Field(
         None, ge=0, description="The trainer's training step of these weights: reported as `weights_step` by "
                                 "/health and every answer, kept across a restart, and what gateways order "
-                                "labels by when no pool history does (docs/pool.md).")
+                                "labels by when no pool history does (docs/design/routing-switch.md).")
     timeout_s: float | None = Field(None, gt=0)
     in_flight: Literal["drain", "abort", "keep"] = Field(
         "drain", description="What happens to the samples in flight once the checkpoint passed validation: "
@@ -88,7 +88,7 @@ class LoadCheckpointRequest(BaseModel):
     kv: KvMode | None = Field(
         None, description="`in_flight: keep` only: the kept requests `keep` (default) the KV cache computed under "
                           "the old weights, or `recompute` it under the new ones when they resume.")
-    # TEST SEAM (documented in docs/sampler.md): only honoured with --enable-test-seams.
+    # TEST SEAM (documented in docs/guide/sampler.md): only honoured with --enable-test-seams.
     # The worker raises after writing this many tensors: a real mid-write failure.
     test_fail_after_tensors: int | None = Field(None, ge=0)
 

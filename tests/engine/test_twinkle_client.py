@@ -26,10 +26,10 @@ from tests.support.metrics import engine_steps_over, metric
 from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 from tests.support.twinkle import TwinkleClients
 
-KEY = "tml-your-key"  # the key docs/sampler.md's snippet uses
+KEY = "tml-your-key"  # the key docs/guide/sampler.md's snippet uses
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
-DOC = Path(__file__).resolve().parents[2] / "docs" / "sampler.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "guide" / "sampler.md"
 
 
 @dataclass

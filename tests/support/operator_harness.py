@@ -314,7 +314,7 @@ def ensure_watched(api: Any, op: OperatorProcess, namespace: str, timeout: float
     kopf discovers namespaces matching a glob through a namespaces watch; a namespace created
     right after the operator started can be missed until that namespace changes again (seen here
     with kopf 1.45 on the first namespace of a session). Touching the namespace (a label) makes
-    kopf look again. Documented in docs/operator.md as a known limitation with its workaround.
+    kopf look again. Documented in docs/guide/troubleshooting.md as a known limitation with its workaround.
     """
     line = f"Starting the watch-stream for samplerreplicas.v1alpha1.sampler.rl.dev in '{namespace}'"
     deadline = time.monotonic() + timeout

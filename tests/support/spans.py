@@ -1,4 +1,4 @@
-"""What a client can check of an answer's `weights_spans` (docs/sampler.md, "Weights spans"), for the
+"""What a client can check of an answer's `weights_spans` (docs/guide/sampler.md, "Weights spans"), for the
 pool's keep-mode tests: a sample that lived through an in-place update carries two spans, and the
 gateway's `Latest` policy judges it by the label of its LAST token. So the version order is checked on
 that label, read from the spans the client received, not on the answer's `weights_label` alone (which

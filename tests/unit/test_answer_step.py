@@ -1,5 +1,5 @@
 """Issue #24: every answer reports the training step of its weights where one is known, on every
-protocol, each where its wire has room (docs/contract.md): the native routes and Twinkle's `sample`
+protocol, each where its wire has room (docs/reference/contract.md): the native routes and Twinkle's `sample`
 in the body (`weights_step`, null when no load named a step), Tinker in the header
 `X-Sampler-Weights-Step` (its SDK builds frozen dataclasses of the wire's fields; absent when no
 step is known). In-process on the fake engine; through a gateway and the real Tinker SDK in

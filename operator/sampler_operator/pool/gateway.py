@@ -21,7 +21,7 @@ from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, MANAGED_BY, l
 from sampler_operator.settings import gateway_image
 
 LABEL_GATEWAY = "sampler.rl.dev/gateway"
-# spec.gateway.resources when unset (docs/pool.md).
+# spec.gateway.resources when unset (docs/guide/pool.md).
 DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 STARTUP_PROBE_FAILURES = 60  # x 2 s
 _KEY_ENV = frozenset({"SAMPLER_GATEWAY_API_KEY", "SAMPLER_GATEWAY_ADMIN_API_KEY"})

@@ -84,7 +84,7 @@ from sampler_operator.replica.weights_intent import INVALID
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
 ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
 ANNOTATION_DRAINING_SINCE = "sampler.rl.dev/draining-since"
-# The gateway acts on a drain mark on its watch event (well under 1 s, docs/pool.md); the mark's time
+# The gateway acts on a drain mark on its watch event (well under 1 s, docs/design/failover.md); the mark's time
 # has a resolution of 1 s. Before this, an idle replica may still be picked by a gateway that missed the mark.
 ROUTING_GRACE_S = 3.0
 # Replica phases that mean its pod serves nothing now and will not without a new start: such a

@@ -26,10 +26,10 @@ safe because a gateway that has not renewed its Lease AND re-read the pool withi
 returns no answer (it fences itself, by its own monotonic clock, from the start of its last complete
 renewal): a gateway that cannot be heard from is a gateway that returns nothing. So a switch takes at
 most one acknowledgement round trip when every gateway is live, and at most a Lease duration plus
-CLOCK_SKEW_S plus one controller step when one is dead or cut off (docs/pool.md).
+CLOCK_SKEW_S plus one controller step when one is dead or cut off (docs/design/routing-switch.md).
 
 A pool whose weights are not declared has no switch (`None`): its gateways keep the per-process
-order of labels (docs/pool.md says when that holds). The first switch goes through a fence too: a
+order of labels (docs/design/routing-switch.md says when that holds). The first switch goes through a fence too: a
 gateway started before it may have returned any label.
 """
 from __future__ import annotations

@@ -27,12 +27,12 @@ ANNOTATION_POD_GENERATION = f"{GROUP}/pod-generation"
 
 CONTAINER_NAME = "sampler"
 PORT_NAME = "http"
-# The sampler serialises engine start-up through a file lock (contract.md); the lock must live on
+# The sampler serialises engine start-up through a file lock (docs/reference/contract.md); the lock must live on
 # a volume that all containers of the pod share and that disappears with the pod: an emptyDir.
 LOCK_VOLUME = "startup-lock"
 LOCK_DIR = "/var/run/sampler"
 LOCK_PATH = f"{LOCK_DIR}/engine-startup.lock"
-# The replica's intended weights (docs/contract.md), on the same emptyDir: it survives a container
+# The replica's intended weights (docs/reference/contract.md), on the same emptyDir: it survives a container
 # restart, not a pod replacement. Always passed: the sampler has no default (one file per machine
 # would mix up two samplers on one host).
 STATE_PATH = f"{LOCK_DIR}/weights.json"
@@ -65,7 +65,7 @@ def selector_labels(owner_name: str) -> dict[str, str]:
 
 
 def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
-    """Command-line flags for `python -m sampler_pod`, following docs/contract.md."""
+    """Command-line flags for `python -m sampler_pod`, following docs/reference/contract.md."""
     e = spec.engine_args
     args = [
         "--model", spec.model,
@@ -120,7 +120,7 @@ def _probes(spec: SamplerReplicaSpec) -> dict[str, Any]:
                           "failureThreshold": h.failure_threshold},
         # Startup = engine start + loading the intended weights. It must end within
         # startupTimeoutSeconds, or the kubelet restarts the container: a hung engine start is
-        # bounded (docs/operator.md). Liveness only begins after it. `/startedz`, not `/readyz`: a
+        # bounded (docs/guide/operator.md). Liveness only begins after it. `/startedz`, not `/readyz`: a
         # pod whose intended checkpoint is gone has finished starting (it waits, unready, for a
         # load); restarting it would find the same missing files again, a restart loop.
         "startupProbe": {"httpGet": {"path": "/startedz", "port": PORT_NAME}, **base,
@@ -189,7 +189,7 @@ def template_hash(template: dict[str, Any]) -> str:
 
 
 def startup_weights_env(weights: WeightsRef | None, adapters: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The weights a new pod loads before it is ready (sampler flags `--initial-*`, docs/contract.md)."""
+    """The weights a new pod loads before it is ready (sampler flags `--initial-*`, docs/reference/contract.md)."""
     env: list[dict[str, str]] = []
     if weights is not None:
         env += [{"name": "SAMPLER_INITIAL_CHECKPOINT", "value": weights.checkpoint},

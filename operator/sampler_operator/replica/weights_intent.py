@@ -41,7 +41,7 @@ LOADED = "Loaded"
 INVALID = "InvalidCheckpoint"
 WRITE_FAILED = "WriteFailed"
 CHECKPOINT_MISSING = "CheckpointMissing"
-# The sampler's `/health` reason while it waits for weights it can load (docs/contract.md).
+# The sampler's `/health` reason while it waits for weights it can load (docs/reference/contract.md).
 UNAVAILABLE_PREFIX = "intended checkpoint unavailable:"
 # A checkpoint whose write failed midway on this many pods is not tried again on the next one.
 MAX_WRITE_ATTEMPTS = 2

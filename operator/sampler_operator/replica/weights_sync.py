@@ -120,6 +120,6 @@ async def _record(ctx: Context, cr: Mapping[str, Any], weights_fields: Mapping[s
 
 
 async def _api_key(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec) -> str | None:
-    """The admin key: loads and adapter changes are admin routes on the pod (docs/sampler.md)."""
+    """The admin key: loads and adapter changes are admin routes on the pod (docs/guide/sampler.md)."""
     ref = replica_keys(cr["metadata"]["name"], spec).admin
     return await ctx.kube.read_secret_key(cr["metadata"]["namespace"], ref.name, ref.key)

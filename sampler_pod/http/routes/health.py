@@ -3,7 +3,7 @@
 `/healthz` is liveness (only a dead engine fails it), `/readyz` readiness (only `ok` passes),
 `/startedz` the kubelet's startup probe (the start-up is over: serving, or waiting for a checkpoint
 it can load, which a restart would not bring), `/health` the full report the operator acts on.
-See docs/contract.md.
+See docs/reference/contract.md.
 """
 
 from __future__ import annotations

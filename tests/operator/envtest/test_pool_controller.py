@@ -93,7 +93,7 @@ def pool_status(api: Any, ns: str, name: str) -> dict[str, Any]:
 
 
 def pool_key(api: Any, ns: str, pool: str) -> str:
-    """The pool's generated client key, read as a user would (docs/pool.md)."""
+    """The pool's generated client key, read as a user would (docs/guide/pool.md)."""
     secret = api.core.read_namespaced_secret(f"{pool}-sampler-keys", ns)
     return base64.b64decode(secret.data["api-key"]).decode()
 

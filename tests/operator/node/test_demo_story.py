@@ -6,8 +6,6 @@ what it printed.
 Own namespaces, release and free ports, so it neither needs nor touches a developer's demo run."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 import uuid
 from typing import Any
@@ -16,8 +14,8 @@ import pytest
 
 from sampler_pod.testing import net
 from tests.operator.node.test_node_tier import Api, assert_runs_project_image, post
-from tests.support import REPO_ROOT
 from tests.support import k8s as ks
+from tests.support.scripts import load_script
 
 pytestmark = pytest.mark.node
 k8s_node = ks.node_fixture()
@@ -25,11 +23,7 @@ WARM_BUDGET_S = 300      # issue #13: a warm ./scripts/demo.sh finishes in under
 
 
 def load_demo() -> Any:
-    spec = importlib.util.spec_from_file_location("demo_cluster", REPO_ROOT / "scripts" / "demo_cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["demo_cluster"] = mod     # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("demo_cluster")
 
 
 def test_demo_story_end_to_end(k8s_node, tmp_path):
@@ -71,10 +65,12 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         assert first[:6] == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"], r.tables[0]
         assert any(not pool_row(t)["ready"] == 2 for t in r.tables), "no table showed the pool before it was Ready"
 
-        # 3. both replicas answered through the gateway, on the base weights, with the same greedy tokens
+        # 3. both replicas answered through the gateway, on the base weights, with the same greedy tokens;
+        #    so did the README's curl
         assert set(r.sampled_by) == {"demo-0", "demo-1"}, r.sampled_by
         assert all(s["weights_label"] == "base" and len(demo.tokens(s)) == 8 for s in r.samples)
         assert len({tuple(demo.tokens(s)) for s in r.samples}) == 1
+        assert r.readme_sample["weights_label"] == "base" and demo.tokens(r.readme_sample), r.readme_sample
 
         # 4.-6. the RL loop: every step finished, every batch at its step's label, the reward rose; a rollout
         #    was shown in progress (fewer replicas updated than desired, at a loop label)
@@ -91,8 +87,11 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         after_kill = r.loop_lines[pushed_1:]
         assert any(ln.startswith("step 1:") for ln in after_kill), r.loop_lines
         assert r.killed["uid"] not in {p.metadata.uid for p in api.live_pods(ns)}
+        # 7. the README's push, run as written, moved the whole pool to its label
+        final = r.readme_push["label"]
+        assert final == "step-1" and r.readme_push["answer"]["state"] == "Complete", r.readme_push
         v = api.status(ns, victim)
-        assert v["phase"] == "Ready" and v["weights"]["label"] == f"{pool}-step-{cfg.loop_steps}", v
+        assert v["phase"] == "Ready" and v["weights"]["label"] == final, v
         ev = api.events(ns, victim, "PodDeleted")
         assert ev and r.killed["name"] in ev[0].message, [e.message for e in ev]
         for c in crs:
@@ -100,15 +99,15 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
                                                                    ns), "sampler-cpu", "sampler")
         # ...and the pool ends whole at the last step's weights, as the API server says
         st = api.custom.get_namespaced_custom_object("sampler.rl.dev", "v1alpha1", ns, "samplerpools", pool)["status"]
-        assert (st["readyReplicas"], st["updatedReplicas"], st["targetLabel"]) == (2, 2, f"{pool}-step-3"), st
+        assert (st["readyReplicas"], st["updatedReplicas"], st["targetLabel"]) == (2, 2, final), st
         code, out = post(f"http://127.0.0.1:{cfg.gateway_port}/v1/sample",
                          {"prompts": [demo.PROMPT], "sampling_params": {"max_tokens": 8, "temperature": 0.0}},
                          key=story.key())
-        assert code == 200 and out["weights_label"] == f"{pool}-step-3", out
+        assert code == 200 and out["weights_label"] == final, out
 
         # 7. the Events the story showed are the API server's
         assert any(e["reason"] == "PodDeleted" for e in r.events)
-        assert pool_row(r.tables[-1]) == {"ready": 2, "desired": 2, "weights": f"{pool}-step-3", "updated": 2}
+        assert pool_row(r.tables[-1]) == {"ready": 2, "desired": 2, "weights": final, "updated": 2}
 
         print(f"[demo story] {elapsed:.0f}s (budget for a warm demo: {WARM_BUDGET_S}s)")
         assert elapsed < WARM_BUDGET_S

@@ -145,7 +145,7 @@ class Api:
 
     def key(self, ns: str, name: str, admin: bool = False) -> str:
         """A replica's API key (admin: its admin key), from where its status says it is (the generated
-        Secret here), read the way docs/operator.md tells users to."""
+        Secret here), read the way docs/guide/operator.md tells users to."""
         import base64
         ref = self.wait_status(ns, name, lambda s: s.get("adminApiKeySecretRef"), 60, "key refs in status")[
             "adminApiKeySecretRef" if admin else "apiKeySecretRef"]

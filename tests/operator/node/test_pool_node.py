@@ -269,7 +269,7 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
     template = _vllm_replica("t", base, model, root)["spec"]
     # Two CPU engines share this node's cores (no exclusive CPUs): vLLM's default binding pins every
     # engine's worker to the same core, and a replacement's engine start then stalls for minutes
-    # beside a busy engine (docs/pool.md, "CPU replicas sharing a node").
+    # beside a busy engine (docs/guide/operations.md, "CPU replicas sharing a node").
     template["pod"]["env"] = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]
     t0 = time.monotonic()
     apply_pool(api, ns, pool_body("rl", 2, template, gw_port, weights=weights(1)))
@@ -392,7 +392,7 @@ def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api
         stop.set()
         answers = loop.stop()
     assert_clean(answers, "scale 3 -> 2 under load", gw)
-    grace = marked["at"] + 1.0     # one gateway refresh at most (docs/pool.md)
+    grace = marked["at"] + 1.0     # one gateway refresh at most (docs/design/failover.md)
     late = [a for a in answers if a.replica == "dr-2" and a.sent > grace]
     assert not late, f"{len(late)} requests sent > 1 s after the drain mark reached dr-2"
     assert any(a.replica == "dr-2" for a in answers), "dr-2 took no load before the mark: nothing was tested"
