@@ -1,4 +1,4 @@
-"""Reproduce vLLM's CPU LoRA isolation bug with vLLM alone (docs/sampler.md, "LoRA isolation").
+"""Reproduce vLLM's CPU LoRA isolation bug with vLLM alone (docs/guide/sampler.md, "LoRA isolation").
 
 An `AsyncLLM` (the tiny model, float32, `enforce_eager`, `enable_lora`), greedy, one prompt: 4 requests
 per adapter and 4 without one, all at once; each answer is compared with the same request run alone

