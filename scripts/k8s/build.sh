@@ -10,6 +10,11 @@
 #   FORCE=1         rebuild the binaries even if the stamp matches
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
+# One build at a time per cache: scripts/test.sh's two chains both ask for the binaries (the second waits,
+# then finds them current in ~1 s).
+mkdir -p "$K8S_CACHE"
+exec 7>"$K8S_CACHE/.build.lock"
+flock -w 3600 7 || { echo "[k8s] could not lock $K8S_CACHE/.build.lock" >&2; exit 1; }
 T0=$(ts)
 apt_install "${K8S_BUILD_PKGS[@]}"
 mkdir -p "$K8S_BIN"
