@@ -7,7 +7,7 @@
   the native, Tinker and Twinkle routes (429 + Retry-After past it), for its whole life, streams
   included: the slot is freed when the response ends or the client goes away.
 - The per-request timeout (--request-timeout-s): past it the request is cancelled (vLLM aborts
-  its engine requests); a 504 if nothing was sent yet, else the stream ends there.
+  its engine requests); a 504 if nothing was sent yet, else the stream ends with an error event.
 - Every answer of a generating route names its weights: `X-Sampler-Weights-Version`, `-Label`
   and `-Step` headers (for a stream, the weights when it started), and `weights_spans` on each
   finished choice (`calls.py`).
@@ -42,6 +42,10 @@ def error_message(e: SamplerError) -> Message:
     return {"body": json.dumps(body).encode(), "status": e.status_code,
             "headers": [(b"content-type", b"application/json"),
                         *((k.lower().encode(), v.encode()) for k, v in e.headers.items())]}
+
+
+def sse_error(e: SamplerError) -> bytes:
+    return b"data: " + error_message(e)["body"] + b"\n\ndata: [DONE]\n\n"
 
 
 async def send_error(send: Send, e: SamplerError) -> None:
@@ -110,9 +114,13 @@ class OpenAIGuard:
             outcome = "aborted" if call.aborted else ("ok" if answer.status < 400 else "error")
         except TimeoutError:
             outcome = "timeout"
+            timed_out = RequestTimedOut(f"request timed out after {timeout:g}s (--request-timeout-s) and was aborted")
             if not answer.started:
-                await send_error(send, RequestTimedOut(f"request timed out after {timeout:g}s (--request-timeout-s) "
-                                                       "and was aborted"))
+                await send_error(send, timed_out)
+            elif answer.kind == "sse":
+                # A stream under way ends as vLLM ends a failed one: an error event, then [DONE]. Never a
+                # silent truncation (a gateway would read that as a lost replica).
+                await send({"type": "http.response.body", "body": sse_error(timed_out), "more_body": False})
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

@@ -253,3 +253,23 @@ def test_fuzzed_requests_over_the_openai_routes_get_no_5xx_and_every_admitted_on
     assert not figures.dropped, "\n".join(figures.dropped[:20])
     assert check.status_code == 200, check.text
     assert total(text, "sampler_requests_admitted_total") == total(text, "sampler_requests_finished_total") >= 1
+
+
+def test_a_stream_past_its_timeout_ends_with_an_error_event_and_frees_its_slot(tiny_model: Path) -> None:
+    """The stream has started (its first event is in), then the engine is frozen: at --request-timeout-s
+    the replica aborts it and ends the stream with an error event, never a silent truncation."""
+    with run_server(tiny_model, "--request-timeout-s", "3", "--enable-test-seams") as server:
+        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = sdk.models.list().data[0].id
+        stream = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "go on"}],
+                                             max_tokens=400, temperature=0.0, stream=True,
+                                             extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)                                        # started: the answer's head and first event are out
+        with engine_paused(server), pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert "timed out" in str(e.value.message), e.value.message
+        wait_until(lambda: httpx.get(server.url + "/health").json()["in_flight"] == 0, "the slot freed")
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "sampler_requests_finished_total", 0.0, outcome="timeout") == 1
