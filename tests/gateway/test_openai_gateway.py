@@ -213,3 +213,10 @@ def test_latest_is_judged_by_each_answers_weights_header(stubs: StubPool) -> Non
         assert (error["type"], error["code"]) == ("no_replica", 503)
         assert f"{newer}: already tried" in error["message"] and "newest returned 'step-2'" in error["message"]
         assert len([s for s in stubs.requests("/v1/completions") if b"step-1" in s.body]) == 1
+        # A stream is judged at its head, before the client has a byte: the same answer, and the stream
+        # dropped is closed (its replica's in-flight count back to 0).
+        r = httpx.post(gw.url + "/v1/completions", json={"stream": True, "stub_label": "step-1", "stub_hold": True},
+                       headers=AUTH, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "no_replica", r.text
+        assert stubs.gone.wait(30) and stubs.abandoned == [newer]
+        none_in_flight(gw)
