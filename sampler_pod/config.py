@@ -30,6 +30,10 @@ def _json_if_str(value: object) -> object:
         raise ValueError(f"not valid JSON ({e})") from None
 
 
+def _words_if_str(value: object) -> object:
+    return value.split() if isinstance(value, str) else value
+
+
 class InitialAdapter(BaseModel):
     """One LoRA adapter a starting server loads (after its initial checkpoint)."""
 
@@ -122,6 +126,16 @@ class ServerConfig(BaseModel):
         description="where the replica records the weights it must serve (survives a container restart, "
                     "on the pod's emptyDir); read at startup, it wins over the --initial-* flags. "
                     "Unset: no state file (a restart comes back at the --initial-* flags)")
+
+    # vLLM's OpenAI-compatible routes (sampler_pod/openai/): the `vllm serve` flags of the same names.
+    served_model_name: Annotated[list[str] | None, BeforeValidator(_words_if_str)] = Field(
+        None, description="the model name(s) the OpenAI-compatible routes answer to, first one in answers "
+                          "(default: --model); space-separated")
+    tool_call_parser: str | None = Field(
+        None, min_length=1, description="vLLM tool-call parser for /v1/chat/completions (e.g. hermes); "
+                                        "turns on automatic tool choice")
+    reasoning_parser: str | None = Field(
+        None, min_length=1, description="vLLM reasoning parser for /v1/chat/completions (e.g. deepseek_r1)")
 
     api_key: str | None = Field(None, description="API key required on every route but the probes")
     admin_api_key: str | None = Field(

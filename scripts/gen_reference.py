@@ -172,12 +172,18 @@ def _body(op: dict[str, Any], key: str) -> dict[str, Any] | None:
 
 
 def http_page() -> str:
+    from sampler_pod.openai.paths import OPENAI_PATHS
+
     spec = json.loads((ROOT / "docs" / "openapi.json").read_text())
     lines = [HEADER, "# HTTP API of the sampler", "",
              "Every route of `python -m sampler_pod`, read from [docs/openapi.json](../openapi.json) (generated "
              "from the app). The gateway serves the same routes in front of its replicas, plus its pool routes "
              "([the pool guide](../guide/pool.md)). Errors, auth and the `/health` contract: "
-             "[contract.md](contract.md).", ""]
+             "[contract.md](contract.md).", "",
+             "With the vLLM engine a replica also serves vLLM's own OpenAI-compatible API (vLLM's routers, "
+             "not in this spec): " + ", ".join(f"`{p}`" for p in OPENAI_PATHS) + "; what the replica adds to "
+             "them (the key, the shared admission limit, the weights of every answer): "
+             "[the sampler guide](../guide/sampler.md#vllms-openai-compatible-api).", ""]
     by_tag: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
     for path, methods in spec["paths"].items():
         for method, op in methods.items():

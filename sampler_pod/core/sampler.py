@@ -400,6 +400,52 @@ class SamplerCore:
         ticket, timeout, adapter = self.admit(req, future=True)
         return self.futures.submit(lambda: self._start(request_id, req, ticket, timeout, adapter), request_id)
 
+    # ------------------------------------------------------------------ requests this server does not parse
+    # vLLM's OpenAI routes (sampler_pod/openai/): vLLM parses and renders them; these put them under the
+    # same admission limit, weights lock and abort-mode loads as the native requests.
+
+    def admit_external(self, sequences: int) -> _Ticket:
+        """The same 503s and 429 as `admit`, against the same limits. End the ticket with `end`."""
+        self.require_serving()
+        try:
+            slot = self.admission.try_admit(sequences=sequences)
+        except SamplerError:
+            self.metrics.rejected.inc()
+            raise
+        self.metrics.admitted.inc()
+        return _Ticket(slot=slot, t0=time.monotonic())
+
+    def end(self, ticket: _Ticket, outcome: str) -> None:
+        self._end(ticket, outcome)
+
+    @contextlib.asynccontextmanager
+    async def engine_session(self, engine_id: str, deadline: float) -> AsyncIterator[Reading]:
+        """One engine request inside the weights' read side, as `_read_locked` + `_engine_call` run a
+        native one: it waits behind a write (until `deadline`), a drain load waits for it, an abort-mode
+        load aborts `engine_id` (the caller checks `reading.aborted_by`)."""
+        try:
+            waited = await self.lock.acquire_read(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise RequestTimedOut("timed out waiting for a weight load to finish") from None
+        try:
+            if waited > 0.001:
+                self.metrics.write_lock_wait.observe(waited)
+            with self.aborts.reading() as reading:
+                self.require_serving()
+                if not self.aborts.enter(reading, engine_id):
+                    raise Aborted(f"request {engine_id} was aborted by {reading.aborted_by} before it reached the "
+                                  "engine; resubmit it (it will run on the new weights)")
+                self._engine_running += 1
+                self.engine_running_max = max(self.engine_running_max, self._engine_running)
+                self.metrics.engine_running_max.set(self.engine_running_max)
+                try:
+                    yield reading
+                finally:
+                    self._engine_running -= 1
+                    self.aborts.left(reading, engine_id)
+        finally:
+            await self.lock.release_read()
+
     def _start(self, request_id: str, req: SampleRequest, ticket: _Ticket, timeout: float,
                adapter: AdapterRef | None) -> asyncio.Task[SampleResponse]:
         task = asyncio.ensure_future(self._run(request_id, req, ticket, timeout, adapter))

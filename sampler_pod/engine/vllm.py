@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
@@ -123,6 +124,13 @@ def engine_stats_logger(counters: EngineCounters) -> Any:
     return lambda vllm_config, engine_index: _Counter(vllm_config, engine_index)
 
 
+def weights_salt(version: int, client_salt: str | None) -> str:
+    """The prefix-cache salt of a request sent under weights `version`: blocks computed under other
+    weights are never reused. A client's own `cache_salt` (prime-rl sends its policy version) still
+    separates its requests from others' under the same weights."""
+    return f"w{version}" if not client_salt else f"w{version}:{client_salt}"
+
+
 # How many engine steps the test seams' trace keeps.
 TRACED_STEPS = 1024
 
@@ -227,29 +235,43 @@ class VllmEngine:
 
     async def generate(self, request_id: str, prompt: list[int], spec: GenerationSpec,
                        adapter: AdapterRef | None) -> GenerationOutput:
-        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
-        from vllm.outputs import STREAM_FINISHED
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         lora = LoRARequest(adapter.name, adapter.lora_id, adapter.path) if adapter else None
         # vLLM refuses n > 1 with greedy sampling; greedy samples are identical by
         # definition, so compute one and hand out n copies.
         copies, run_spec = (spec.n, replace(spec, n=1)) if spec.temperature == 0 and spec.n > 1 else (1, spec)
+        final = None
+        async for out in self.stream(request_id, TokensPrompt(prompt_token_ids=prompt),
+                                     self._sampling_params(run_spec), lora_request=lora):
+            final = out
+        assert final is not None
+        result = _convert(prompt, run_spec, final, self.version)
+        if copies > 1:
+            result.sequences = [replace(result.sequences[0]) for _ in range(copies)]
+        return result
+
+    async def stream(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """`AsyncLLM.generate` for this server's requests, native and OpenAI alike: the weights' salt
+        is set on the prompt (combined with a client's own `cache_salt`), and a keep-mode write's gate
+        is passed first. Yields vLLM's `RequestOutput`s; aborts the request when the caller goes away.
+        Engine failures come out as `EngineDead` / `EngineRejected`."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.outputs import STREAM_FINISHED
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         if not self._gate.is_set():
             await self._gate.wait()
         if self._broken is not None:
             raise EngineDead(self._broken)
+        prompt["cache_salt"] = weights_salt(self.version, prompt.get("cache_salt"))
         # `AsyncLLM.generate` less its generator: the same calls, but this side knows when the
         # request has been sent (the keep-mode gate above needs it).
-        final = None
         self._sending += 1
         self._sent.clear()
         try:
-            q = await self.llm.add_request(
-                request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=f"w{self.version}"),
-                self._sampling_params(run_spec), lora_request=lora)
+            q = await self.llm.add_request(request_id, prompt, params, **kwargs)
         except EngineDeadError as e:
             raise EngineDead(str(e) or "engine core died") from e
         except VLLMClientError as e:  # vLLM's own request validation: the client's fault
@@ -263,21 +285,18 @@ class VllmEngine:
                 # Drain without an await when an output is already there, as vLLM's generate does.
                 out = q.get_nowait() or await q.get()
                 if out is not STREAM_FINISHED:
-                    final = out
+                    yield out
                 if out.finished:
                     break
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             await self.llm.abort(q.request_id, internal=True)
             raise
         except EngineDeadError as e:
             raise EngineDead(str(e) or "engine core died") from e
         except VLLMClientError as e:
             raise EngineRejected(str(e)) from e
-        assert final is not None
-        result = _convert(prompt, run_spec, final, self.version)
-        if copies > 1:
-            result.sequences = [replace(result.sequences[0]) for _ in range(copies)]
-        return result
+        finally:
+            q.close()
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -403,7 +422,7 @@ class VllmEngine:
         await asyncio.to_thread(self.llm.shutdown)
 
 
-def _spans(c: Any, ntokens: int, current: int) -> list[VersionSpan]:
+def version_spans(c: Any, ntokens: int, current: int) -> list[VersionSpan]:
     """vLLM's weight-version spans of one sequence, as this server's version numbers. An empty
     sequence has no span in vLLM: it gets one empty span at the engine's current version."""
     spans = [VersionSpan(version=int(w.version) if w.version != "default" else 0, start=w.start, end=w.end)
@@ -426,7 +445,7 @@ def _convert(prompt: list[int], spec: GenerationSpec, out: Any, current_version:
                 )
         reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
         seqs.append(SequenceOutput(tokens=tokens, logprobs=lps, finish_reason=reason, top_logprobs=tops,
-                                   spans=_spans(c, len(tokens), current_version)))
+                                   spans=version_spans(c, len(tokens), current_version)))
     plp: list[float | None] | None = None
     topk: list[dict[int, float] | None] | None = None
     if spec.prompt_logprobs and out.prompt_logprobs is not None:

@@ -44,10 +44,13 @@ def _without_timeouts(case: Any) -> Any:
     return case
 
 
-def fuzz(base_url: str, examples_per_operation: int, timeout_s: float = 120.0) -> FuzzFigures:
-    schema = schemathesis.openapi.from_path(SPEC_PATH)
+def fuzz(base_url: str, examples_per_operation: int, timeout_s: float = 120.0,
+         spec: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> FuzzFigures:
+    """`spec`: an OpenAPI document to fuzz instead of the committed one (vLLM's OpenAI routes)."""
+    schema = schemathesis.openapi.from_path(SPEC_PATH) if spec is None else schemathesis.openapi.from_dict(spec)
     figures = FuzzFigures()
     session = requests.Session()
+    session.headers.update(headers or {})
     operations = [r.ok() for r in schema.get_all_operations()]
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
         for op in operations:

@@ -36,8 +36,8 @@ from tests.support import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "sampler_pod"
 # Rank of each layer: a module may import modules of the same or a lower rank.
-LAYERS = {"config": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "protocols": 4, "http": 5, "__main__": 6,
-          "__init__": 0}
+LAYERS = {"config": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "protocols": 4, "openai": 4, "http": 5,
+          "__main__": 6, "__init__": 0}
 
 # Every first-party top-level package (the operator's lives in operator/).
 FIRST_PARTY = ("sampler_common", "sampler_pod", "sampler_gateway", "sampler_client", "sampler_operator")

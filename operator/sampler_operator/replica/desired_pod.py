@@ -95,6 +95,13 @@ def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
         args.append("--enforce-eager")
     if e.enable_lora:
         args += ["--enable-lora", "--max-loras", str(e.max_loras), "--max-lora-rank", str(e.max_lora_rank)]
+    if e.served_model_name:
+        # One flag value: the sampler splits it on spaces, as `vllm serve` takes the names.
+        args += ["--served-model-name", " ".join(e.served_model_name)]
+    if e.tool_call_parser is not None:
+        args += ["--tool-call-parser", e.tool_call_parser]
+    if e.reasoning_parser is not None:
+        args += ["--reasoning-parser", e.reasoning_parser]
     for root in spec.checkpoints.allowed_roots:
         args += ["--checkpoint-root", root]
     return args + list(e.extra_args)

@@ -41,6 +41,10 @@ class EngineArgs(_Model):
     enable_lora: bool = Field(False, alias="enableLora")
     max_loras: int = Field(4, alias="maxLoras", ge=1)
     max_lora_rank: int = Field(16, alias="maxLoraRank", ge=1)
+    # vLLM's OpenAI-compatible routes on the replica (the sampler's flags of the same names).
+    served_model_name: list[str] = Field(default_factory=list, alias="servedModelName")
+    tool_call_parser: str | None = Field(None, alias="toolCallParser", min_length=1)
+    reasoning_parser: str | None = Field(None, alias="reasoningParser", min_length=1)
     extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
 
 

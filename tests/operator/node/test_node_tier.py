@@ -201,8 +201,9 @@ def assert_runs_project_image(pod: Any, image: str, container: str) -> None:
             p = v.host_path.path.rstrip("/") or "/"
             clash = [f for f in forbidden if f == p or f.startswith(p.rstrip("/") + "/") or p.startswith(f + "/")]
             assert not clash, f"pod {pod.metadata.name} mounts host Python/venv/repo via hostPath {p}: {clash}"
-    argv = " ".join([*(c.command or []), *(c.args or [])])
-    assert not any(f in argv for f in forbidden), argv
+    argv = [*(c.command or []), *(c.args or [])]
+    # By path, not by substring: a model under /tmp/freshcache is not inside a checkout at /tmp/fresh.
+    assert not [a for a in argv for f in forbidden if a == f or a.startswith(f + "/")], argv
     assert not any(e.name == "PYTHONPATH" for e in c.env or []), c.env
     d = docker_container(pod.metadata.name, container)
     labels = json.loads(subprocess.run(["docker", "image", "inspect", "-f", "{{json .Config.Labels}}", d["Image"]],

@@ -97,6 +97,20 @@ def test_args_follow_the_contract():
     assert "--max-model-len" not in sampler_args(spec())  # unset flags are left to the sampler's default
 
 
+def test_the_openai_routes_options_become_the_samplers_flags_and_parse_back():
+    """engineArgs.servedModelName/toolCallParser/reasoningParser -> the sampler's flags, which its own
+    parser reads back to the same values (sampler_pod.config)."""
+    from sampler_pod.config import parse_config
+
+    s = spec(engineArgs={"servedModelName": ["policy", "policy-alias"], "toolCallParser": "hermes",
+                         "reasoningParser": "deepseek_r1"})
+    a = sampler_args(s)
+    cfg = parse_config(a)
+    assert cfg.served_model_name == ["policy", "policy-alias"]
+    assert cfg.tool_call_parser == "hermes" and cfg.reasoning_parser == "deepseek_r1"
+    assert not {"--served-model-name", "--tool-call-parser", "--reasoning-parser"} & set(sampler_args(spec()))
+
+
 def test_api_key_comes_from_the_secret_via_env_never_argv():
     c = container(desired_pod(OWNER, spec(apiKeySecretRef={"name": "keys"}), 0))
     assert {"name": "SAMPLER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}} in c["env"]

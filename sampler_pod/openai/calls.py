@@ -1,0 +1,108 @@
+"""What one OpenAI request learned about its weights, and how it is written into the answer.
+
+`guard.py` opens an `OpenAICall` per request (a context variable, so vLLM's serving code in
+between needs no change); `engine_client.py` records each finished choice's weights spans on it.
+The answer then carries, per choice, `weights_spans`: `[{label, version, start, end}]` over the
+choice's output tokens, the same spans the native API reports. It is an extra field: the `openai`
+SDK keeps unknown fields (`choice.model_extra["weights_spans"]`). Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# The routes that generate (and so hold an admission slot and report weights).
+GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"})
+
+
+@dataclass
+class OpenAICall:
+    path: str
+    # When the request times out (time.monotonic()): a wait for the weights lock ends there too.
+    deadline: float
+    # choice index -> [(version, start, end)], as vLLM reports the finished choice.
+    spans: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # The newest weights version any token of this request came from (-1: none yet).
+    newest: int = -1
+    # Set when a weights load in abort mode cut this request short.
+    aborted: bool = False
+
+    def record(self, choice: int, spans: list[tuple[int, int, int]]) -> None:
+        self.spans[choice] = spans
+        if spans:
+            self.newest = max(self.newest, *(v for v, _, _ in spans))
+
+
+CURRENT: contextvars.ContextVar[OpenAICall | None] = contextvars.ContextVar("sampler_openai_call", default=None)
+
+
+def choice_index(path: str, request_id: str, n: int, output_index: int) -> int:
+    """The `choices[]` index of a vLLM output. /v1/completions runs one engine request per prompt,
+    `{request_id}-{prompt index}`, and numbers its choices prompt by prompt (prompt index * n +
+    output index); the other routes run one engine request."""
+    if path == "/v1/completions":
+        prompt = request_id.rsplit("-", 1)[-1]
+        if prompt.isdigit():
+            return int(prompt) * n + output_index
+    return output_index
+
+
+def sequences_of(body: Any) -> int:
+    """The sequences a request asks for, for the admission limit: `n` per prompt (a list prompt of
+    /v1/completions is one prompt per item). A body that is not understood counts as one: vLLM's
+    own validation answers it."""
+    if not isinstance(body, dict):
+        return 1
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = body.get("prompt")
+    prompts = 1
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        prompts = len(prompt)
+    return n * prompts
+
+
+Labeller = Callable[[int], str]
+
+
+def spans_field(spans: list[tuple[int, int, int]], label_of: Labeller) -> list[dict[str, Any]]:
+    return [{"label": label_of(v), "version": v, "start": s, "end": e} for v, s, e in spans]
+
+
+def with_spans(body: Any, call: OpenAICall, label_of: Labeller) -> Any:
+    """A JSON answer (or one streamed chunk) with `weights_spans` on every choice whose spans are
+    known (finished). Anything else is returned as it came."""
+    if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+        return body
+    for choice in body["choices"]:
+        if isinstance(choice, dict) and isinstance(choice.get("index"), int) and choice["index"] in call.spans:
+            if choice.get("finish_reason") is not None:
+                choice["weights_spans"] = spans_field(call.spans[choice["index"]], label_of)
+    return body
+
+
+def rewrite_sse(chunk: bytes, call: OpenAICall, label_of: Labeller) -> bytes:
+    """A chunk of an SSE stream with `weights_spans` added to each choice's final event. vLLM writes
+    whole `data: {...}\\n\\n` events per chunk; an event that is not JSON passes unchanged."""
+    if b'"finish_reason":"' not in chunk:  # no choice ends in this chunk (vLLM writes compact JSON)
+        return chunk
+    out = []
+    for event in chunk.split(b"\n\n"):
+        if event.startswith(b"data: ") and event != b"data: [DONE]":
+            try:
+                body = json.loads(event[6:])
+            except ValueError:
+                out.append(event)
+                continue
+            event = b"data: " + json.dumps(with_spans(body, call, label_of), separators=(",", ":")).encode()
+        out.append(event)
+    return b"\n\n".join(out)
+
+
+def tokens_of(call: OpenAICall) -> int:
+    """Output tokens of the finished choices (the `sampler_tokens` metric)."""
+    return sum(max((e for _, _, e in spans), default=0) for spans in call.spans.values())

@@ -1,0 +1,77 @@
+"""The engine vLLM's OpenAI serving layer talks to: the replica's `AsyncLLM`, with `generate` run
+under the replica's rules.
+
+vLLM's serving classes take an `EngineClient` and call `generate(prompt, params, request_id, ...)`
+once per engine request. Everything else (the tokenizer, the renderer, `model_config`, the LoRA
+calls of `/v1/models`) is the real `AsyncLLM`'s, reached through `__getattr__`. `generate` here:
+- runs inside the weights' read side (`SamplerCore.engine_session`): a drain load waits for it, an
+  abort-mode load aborts it (the answer is then a 503 `aborted`: resubmit), a request that arrives
+  during a write waits behind it, and a replica that is starting or uncertain refuses it;
+- goes through `VllmEngine.stream`: the keep-mode gate, and the weights' prefix-cache salt combined
+  with a client's own `cache_salt`;
+- records each finished choice's weights spans on the request's `OpenAICall` (`calls.py`).
+Failures become errors vLLM's handlers render with their status (`GracefulHTTPError`), in vLLM's
+error shape; vLLM's own request validation errors pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from sampler_common.errors import Aborted, SamplerError
+
+from ..core.sampler import SamplerCore
+from ..engine.base import EngineDead, EngineRejected
+from ..engine.vllm import VllmEngine, version_spans
+from .calls import CURRENT, choice_index
+
+
+def http_error(e: SamplerError) -> Exception:
+    """`e` as vLLM's serving layer renders a failure with its own status."""
+    from vllm.exceptions import GracefulHTTPError
+
+    error: Exception = GracefulHTTPError(f"{e.category}: {e.message}", HTTPStatus(e.status_code))
+    return error
+
+
+class GuardedEngineClient:
+    def __init__(self, engine: VllmEngine, core: SamplerCore) -> None:
+        self._engine = engine
+        self._core = core
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine.llm, name)
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        call = CURRENT.get()
+        deadline = call.deadline if call is not None else time.monotonic() + self._core.cfg.request_timeout_s
+        try:
+            async with self._core.engine_session(request_id, deadline) as reading:
+                last = None
+                async for out in self._engine.stream(request_id, prompt, sampling_params, **kwargs):
+                    last = out
+                    if call is not None:
+                        for c in out.outputs:
+                            if c.finish_reason is not None:
+                                spans = version_spans(c, len(c.token_ids), self._engine.version)
+                                call.record(choice_index(call.path, request_id, sampling_params.n, c.index),
+                                            [(s.version, s.start, s.end) for s in spans])
+                    yield out
+                if reading.aborted_by is not None and last is not None and any(
+                        c.finish_reason == "abort" for c in last.outputs):
+                    if call is not None:
+                        call.aborted = True
+                    raise Aborted(f"request {request_id} was aborted by {reading.aborted_by}; resubmit it "
+                                  "(it will run on the new weights)")
+        except SamplerError as e:
+            raise http_error(e) from e
+        except EngineRejected as e:
+            raise (e.__cause__ or e) from None
+        except EngineDead as e:
+            from sampler_common.errors import EngineUnavailable
+
+            raise http_error(EngineUnavailable(f"engine died: {e}")) from e
+
