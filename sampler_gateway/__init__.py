@@ -8,8 +8,8 @@ of endpoints plus an endpoint picker), adding what it lacks: a weights-version p
 name their replica.
 
 Read top-down: `config.py` -> `app.py` -> `forward.py` (the request's life: pick, send, retry)
--> `picker.py`, `versions.py`, `ids.py` (the pure decisions) -> `pool.py` (the state they read)
--> `discovery/` (where the replica set comes from). Every decision is a pure function; routes and
+-> `picker.py`, `versions.py`, `ids.py`, `sessions.py` (the pure decisions) -> `pool.py` (the
+state they read) -> `discovery/` (where the replica set comes from). Every decision is a pure function; routes and
 the pool only call them.
 """
 

@@ -28,7 +28,7 @@ from .http1 import Http1Client
 from .metrics import GatewayMetrics
 from .pool import Pool
 from .pool_object import PoolObject
-from .routes import health, native, tinker, twinkle
+from .routes import health, native, openai, tinker, twinkle
 from .routes import pool as pool_routes
 from .routing import RoutingLease, Switch
 from .served_by import ServedBy
@@ -90,12 +90,13 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     # Added last, so outermost: its time covers the other middlewares and the route (added_latency.py).
     app.add_middleware(AddedLatency, histogram=metrics.added_latency)
     install_error_handlers(app)
+    openai.install_error_shape(app)
     app.state.pool_object = pool_object
     app.include_router(health.router)
     app.include_router(pool_routes.router,
                        dependencies=[Depends(pool_routes.PoolAdminAuth(cfg.api_key, cfg.admin_api_key))])
     auth = [Depends(APIKeyAuth(cfg.api_key, cfg.admin_api_key).sampling)]
-    for router in (native.router, tinker.router, twinkle.router):
+    for router in (native.router, tinker.router, twinkle.router, openai.router):
         app.include_router(router, dependencies=auth)
     # Last: whatever else is under /api/v1 goes to any replica unchanged.
     app.add_api_route("/api/v1/{path:path}", tinker.anywhere, methods=ANY_METHOD, dependencies=auth,

@@ -69,6 +69,15 @@ class GatewayConfig(BaseModel):
     affinity_header: str = Field(
         "X-Sampler-Affinity", min_length=1,
         description="request header whose value (a GRPO group, a session id) prefers one replica")
+    session_header: str = Field(
+        "X-Session-ID", min_length=1,
+        description="request header naming a client's session on the OpenAI routes: its turns stay on the replica "
+                    "that answered the last one while it is eligible (sessions.py)")
+    session_table_size: int = Field(
+        100_000, ge=1, description="sessions remembered per gateway; past it the least recently used is forgotten "
+                                   "(its next turn goes to the least-loaded replica, as a first turn)")
+    session_expiry_s: float = Field(
+        3600.0, gt=0, description="a session with no turn for this long is forgotten (as past --session-table-size)")
     replica_capacity: int = Field(
         128, ge=1, description="in-flight requests per replica past which an affinity key spills over to another "
                                "replica (the replicas' --concurrent-task-limit)")

@@ -21,15 +21,21 @@
   whatever its state. If the replica is gone, lost, or no longer knows the id (it restarted), the
   caller gets `OwnerGone`, which each protocol renders as its own expired/resubmit answer.
 
+A streamed request (`stream=True`: an OpenAI `"stream": true`) lives the same life up to the head of
+its answer, judged by the weights label in its header: until then the client has no byte of it, so
+each reason to send it again holds as for a sync sample. Past the head the stream is the route's
+(routes/openai.py), and it keeps the replica's lease (its in-flight count) until it ends.
+
 Every exchange is bounded by a timeout derived from the request's own (its `timeout_s`, its
 long-poll) plus a grace, so nothing hangs on a stuck replica.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import GatewayConfig
 from .errors import NoReplica, ReplicaLost, ReplicaTimeout
@@ -37,6 +43,7 @@ from .ids import RoutedId
 from .metrics import GatewayMetrics
 from .pool import Pool
 from .replicas import ReplicaView
+from .sessions import SessionTable
 from .upstream import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
 
 # A reply's weights label, when it carries one (a successful sample); None otherwise.
@@ -82,16 +89,38 @@ class Gateway:
     pool: Pool
     upstream: Sender
     metrics: GatewayMetrics
+    sessions: SessionTable = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sessions = SessionTable(self.cfg.session_table_size, self.cfg.session_expiry_s)
 
 
 def weights_of(r: ReplicaView) -> str:
     return f"weights {r.weights_label!r}, version {r.weights_version}"
 
 
+def _discard(reply: Reply) -> None:
+    """An answer not returned (a stale one, sent again): a stream's connection closes, the replica stops."""
+    if reply.stream is not None:
+        reply.stream.close()
+
+
+async def _open(gw: Gateway, replica: ReplicaView, out: Outgoing) -> Reply:
+    """`upstream.open` under the replica's lease, which a stream keeps until it is closed: an open
+    stream is a request in flight, for least-loaded picks as for the replica."""
+    with contextlib.ExitStack() as lease:
+        lease.enter_context(gw.pool.lease(replica, "new"))
+        reply = await gw.upstream.open(replica, out)
+        if reply.stream is not None:
+            reply.stream.on_close(lease.pop_all().close)
+        return reply
+
+
 async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, prefer: str | None = None,
-                 resendable: bool = False, rerun: bool = False,
-                 label_of: LabelOf | None = None) -> tuple[ReplicaView, Reply]:
-    """`rerun`: a sync sample, re-run once elsewhere if its replica is lost while running it."""
+                 resendable: bool = False, rerun: bool = False, label_of: LabelOf | None = None,
+                 stream: bool = False) -> tuple[ReplicaView, Reply]:
+    """`rerun`: a sync sample, re-run once elsewhere if its replica is lost while running it.
+    `stream`: an event stream is returned at its head (`Reply.stream`; the caller closes it)."""
     tried: set[str] = set()
     label: str | None = None  # a retry stays on the weights the request was routed to
     lost: str | None = None   # the replica lost while running the request, when it is re-run
@@ -109,8 +138,11 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
                               f"weights {label!r} could run it again: {e.message}") from None
         tried.add(replica.name)
         try:
-            with gw.pool.lease(replica, "new"):
-                reply = await gw.upstream.send(replica, out)
+            if stream:
+                reply = await _open(gw, replica, out)
+            else:
+                with gw.pool.lease(replica, "new"):
+                    reply = await gw.upstream.send(replica, out)
         except NotStarted as e:
             gw.pool.mark_lost(replica, str(e))
             if not used.refused:
@@ -134,8 +166,13 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
             raise ReplicaTimeout(f"replica {replica.name} ({weights_of(replica)}) did not answer: {e}") from None
         got = label_of(reply) if label_of is not None and reply.status == 200 else None
         if got is not None:
-            await gw.pool.held(got)  # the pool's routing switch moving to it: wait, rather than run it again
+            try:
+                await gw.pool.held(got)  # the pool's routing switch moving to it: wait, rather than run it again
+            except BaseException:
+                _discard(reply)  # the client went away meanwhile: a stream's replica stops, its lease ends
+                raise
         if got is not None and not gw.pool.returned(replica, got):
+            _discard(reply)
             if not used.stale:
                 used.stale = True
                 label = None  # the policy now picks the newest weights

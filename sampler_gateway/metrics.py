@@ -37,6 +37,14 @@ class GatewayMetrics:
                              "take them (--no-replica-wait-s)", registry=r)
         self.gone = Counter("sampler_gateway_owner_gone", "Future/session requests whose owner is gone "
                             "(answered with the protocol's expired form)", registry=r)
+        self.sessions = Gauge("sampler_gateway_sessions", "Sessions (X-Session-ID) the gateway remembers the replica "
+                              "of (--session-table-size)", registry=r)
+        self.session_moves = Counter("sampler_gateway_session_moves", "Session turns answered by another replica "
+                                     "than the session's last one (it was lost, draining or left out by the "
+                                     "version policy); the session stays on the new one", registry=r)
+        self.streams_cut = Counter("sampler_gateway_streams_cut", "OpenAI streams the replica stopped sending "
+                                   "before their end (lost, or past the request's timeout): ended with an error "
+                                   "event", ["replica"], registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
         self.added_latency = Histogram(
             "sampler_gateway_added_latency_seconds", "Per forwarded request: its time in the gateway minus its "

@@ -8,7 +8,10 @@
 - `TimedOut`: no answer within the request's own timeout plus a grace: the replica is stuck.
 
 Bodies are read whole: sampling answers are JSON or protobuf of bounded size, and reading them
-lets the gateway check their weights label before the client sees a byte.
+lets the gateway check their weights label before the client sees a byte. The exception is an
+OpenAI stream (`open`): its head is read (the weights label is a header there), and its body is
+relayed as it arrives (`Stream`); once the client has a byte of it, a loss can only be reported in
+the stream, never undone by a second send (routes/openai.py).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 
-from .added_latency import exchanges
-from .http1 import ConnectFailed, ConnectionBroken, Http1Client
+from .added_latency import Exchanges, exchanges
+from .http1 import ConnectFailed, ConnectionBroken, Http1Client, StreamedResponse
 from .replicas import ReplicaView
 
 # Connection-level headers are the two hops' own business; never copied across the gateway.
@@ -64,11 +68,49 @@ class Outgoing:
         return Outgoing(self.method, self.path, self.body, (*kept, (name, value)), self.timeout_s)
 
 
+class Stream:
+    """The body of a streamed answer, read as the route relays it: each read bounded by the
+    request's deadline, a broken connection `Lost`, a deadline passed `TimedOut`. `close()` once done
+    (read to the end or not): it ends the exchange (its time counts as the replica's, as a whole
+    answer's would), releases the connection, and runs what waited for the end (the pool's lease)."""
+
+    def __init__(self, response: StreamedResponse, deadline: float, timeout_s: float, started: float,
+                 mine: Exchanges | None) -> None:
+        self._response, self._deadline, self._timeout_s = response, deadline, timeout_s
+        self._started, self._mine = started, mine
+        self._on_close: list[Callable[[], None]] = []
+        self.closed = False
+
+    async def next_chunk(self) -> bytes | None:
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                return await self._response.next_chunk()
+        except TimeoutError:
+            raise TimedOut(f"no end of the stream within {self._timeout_s:g}s") from None
+        except (ConnectionBroken, OSError) as e:
+            raise Lost(_describe(e)) from None
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        self._on_close.append(fn)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._response.close()
+        if self._mine is not None:
+            self._mine.add(time.perf_counter() - self._started)
+        for fn in self._on_close:
+            fn()
+
+
 @dataclass(frozen=True)
 class Reply:
     status: int
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    # A streamed answer's body, still to be read (`body` is then empty); None: `body` is the whole answer.
+    stream: Stream | None = field(default=None, compare=False)
 
     def header(self, name: str) -> str | None:
         name = name.lower()
@@ -101,6 +143,10 @@ class Sender(Protocol):
 
     async def send(self, replica: ReplicaView, out: Outgoing) -> Reply: ...
 
+    async def open(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        """As `send`, but a successful event stream is returned at its head, its body in `Reply.stream`."""
+        ...
+
 
 class Upstream:
     """The gateway's one HTTP client to its replicas (`http1.Http1Client`: keep-alive, pooled)."""
@@ -125,3 +171,40 @@ class Upstream:
             if mine is not None:
                 mine.add(time.perf_counter() - start)
         return Reply(r.status, forwardable(r.headers), r.body)
+
+    async def open(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        mine, start = exchanges(), time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + out.timeout_s
+        ended = True  # the exchange ends here unless a stream goes on with it
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    r = await self.client.stream(replica.url, out.method, out.path, (*out.headers, IDENTITY), out.body)
+            except ConnectFailed as e:
+                raise NotStarted(str(e)) from None
+            except TimeoutError:
+                raise TimedOut(f"no answer within {out.timeout_s:g}s") from None
+            except (ConnectionBroken, OSError) as e:
+                raise Lost(_describe(e)) from None
+            headers = forwardable(r.headers)
+            if r.status == 200 and "text/event-stream" in (_header(headers, "content-type") or ""):
+                ended = False
+                return Reply(r.status, headers, b"", Stream(r, deadline, out.timeout_s, start, mine))
+            # Anything else (an error, a JSON answer) is an ordinary answer, read whole.
+            try:
+                async with asyncio.timeout_at(deadline):
+                    body = await r.read()
+            except TimeoutError:
+                raise TimedOut(f"no answer within {out.timeout_s:g}s") from None
+            except (ConnectionBroken, OSError) as e:
+                raise Lost(_describe(e)) from None
+            finally:
+                r.close()
+            return Reply(r.status, headers, body)
+        finally:
+            if ended and mine is not None:
+                mine.add(time.perf_counter() - start)
+
+
+def _header(headers: tuple[tuple[str, str], ...], name: str) -> str | None:
+    return next((v for k, v in headers if k.lower() == name), None)

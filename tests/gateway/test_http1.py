@@ -187,3 +187,97 @@ async def test_a_replica_url_with_a_path_prefixes_every_request_and_only_http_is
     assert srv.requests[0].startswith(b"GET /r0/health HTTP/1.1\r\n")
     with pytest.raises(ValueError, match="plain http"):
         await Http1Client(connect_timeout_s=2).request("https://127.0.0.1:1", "GET", "/", (), b"")
+
+
+# ---------------------------------------------------------------- streamed answers (OpenAI's SSE)
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def test_a_streamed_answer_arrives_piece_by_piece_and_its_connection_is_reused() -> None:
+    go_on = asyncio.Event()
+
+    async def events(req: bytes, w: asyncio.StreamWriter) -> None:
+        await answer(SSE_HEAD + chunk(b"data: 1\n\n"), w)
+        await go_on.wait()  # the second event only once the client holds the first: no whole-body read
+        go_on.clear()
+        await answer(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n", w)
+
+    async with scripted(events) as srv:
+        client = Http1Client(connect_timeout_s=2)
+        for _ in range(2):
+            r = await client.stream(srv.url, "POST", "/v1/completions", (), b'{"stream": true}')
+            assert r.status == 200 and ("content-type", "text/event-stream") in r.headers
+            assert await r.next_chunk() == b"data: 1\n\n"
+            go_on.set()
+            assert await r.read() == b"data: [DONE]\n\n"
+            assert await r.next_chunk() is None
+            r.close()
+        client.close()
+    assert srv.connections == 1  # read to its end: reused
+
+
+async def test_a_stream_cut_mid_way_is_a_broken_connection_and_one_closed_early_is_not_reused() -> None:
+    async def cut(req: bytes, w: asyncio.StreamWriter) -> None:
+        await answer(SSE_HEAD + chunk(b"data: 1\n\n"), w)
+        w.close()  # the replica killed: no last chunk
+
+    async with scripted(cut) as srv:
+        client = Http1Client(connect_timeout_s=2)
+        r = await client.stream(srv.url, "POST", "/v1/completions", (), b"{}")
+        assert await r.next_chunk() == b"data: 1\n\n"
+        with pytest.raises(ConnectionBroken, match="closed before the answer was complete"):
+            await r.next_chunk()
+        r.close()
+        client.close()
+
+    reached = asyncio.Event()
+
+    async def forever(req: bytes, w: asyncio.StreamWriter) -> None:
+        await answer(SSE_HEAD + chunk(b"data: 1\n\n"), w)
+        reached.set()
+
+    async with scripted(forever) as srv:
+        client = Http1Client(connect_timeout_s=2)
+        r = await client.stream(srv.url, "POST", "/v1/completions", (), b"{}")
+        await reached.wait()
+        r.close()  # given up before its end (the client went away): the replica sees the connection go
+        await asyncio.wait_for(srv.closed_by_client.wait(), 10)
+        with pytest.raises(ConnectionBroken):
+            await r.next_chunk()
+        r = await client.stream(srv.url, "POST", "/v1/completions", (), b"{}")
+        r.close()
+        client.close()
+    assert srv.connections == 2
+
+
+async def test_a_slow_consumer_stops_the_socket_being_read_and_then_gets_every_byte() -> None:
+    from sampler_gateway.http1 import STREAM_HIGH_WATER
+
+    piece = b"x" * 65536
+    pieces = 3 * STREAM_HIGH_WATER // len(piece)
+
+    async def flood(req: bytes, w: asyncio.StreamWriter) -> None:
+        w.write(SSE_HEAD)
+        for _ in range(pieces):
+            w.write(chunk(piece))
+            await w.drain()
+        await answer(b"0\r\n\r\n", w)
+
+    async with scripted(flood) as srv:
+        client = Http1Client(connect_timeout_s=2)
+        r = await client.stream(srv.url, "GET", "/", (), b"")
+        assert r._conn is not None and (held := r._conn._stream) is not None
+        # Nothing taken yet: past the high-water mark the socket is no longer read...
+        async with asyncio.timeout(10):
+            while not held.paused:
+                await asyncio.sleep(0.001)  # the event loop reads meanwhile
+        assert STREAM_HIGH_WATER < held.buffered <= STREAM_HIGH_WATER + (1 << 18)  # (one socket read past it)
+        # ...and is read again as the consumer takes what it holds, to the last byte.
+        assert len(await r.read()) == pieces * len(piece)
+        r.close()
+        client.close()

@@ -1,0 +1,159 @@
+"""vLLM's OpenAI-compatible routes through the gateway, for the RL frameworks that speak only them
+(prime-rl, verifiers, SkyRL, rLLM, ART, AReaL, TRL): their rollouts run on a pool unchanged.
+
+Every replica serves these routes itself (vLLM's own serving layer, `sampler_pod/openai/`); the
+gateway only chooses the replica and passes bodies through as sent, both ways:
+
+- **Generating** (`/v1/completions`, `/v1/chat/completions`, `/inference/v1/generate`): new work,
+  as a native sync sample (`forward.to_new`): least loaded, the version policy judged on every
+  answer by its `X-Sampler-Weights-Label` header, re-run once if its replica is lost while running
+  it (not with `X-Sampler-No-Retry: 1`). With `X-Session-ID` (`--session-header`), a session's turns
+  stay on one replica (sessions.py). `"stream": true` is relayed event by event (`Relay`): until
+  its head the request lives as a sync one; past it a lost replica ends the stream with an error
+  event, never a silent truncation, and it is not run again (the client has part of it).
+- **Reads** (`/v1/models`, `/tokenize`, `/detokenize`): any eligible replica (they answer alike),
+  sent again if one is lost (they generate nothing).
+
+Every answer names its replica (`X-Sampler-Replica`); the replica's weights headers pass as sent.
+The gateway's own refusals (401, 503 `no_replica`, 502 `replica_lost`, 504) take vLLM's error shape
+on these paths (`install_error_shape`), as the replicas' answers do, so one client parses both.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from sampler_common.errors import SamplerError
+from sampler_common.http.errors import error_response
+
+from ..forward import Gateway, to_new, weights_of
+from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, wants_stream
+from ..replicas import ReplicaView
+from ..upstream import Lost, Reply, Stream, TimedOut
+from .common import (
+    LABEL_HEADER,
+    REPLICA_HEADER,
+    affinity_of,
+    gateway_of,
+    outgoing,
+    rerun_allowed,
+    respond,
+    timeout_of,
+)
+
+router = APIRouter(tags=["openai"])
+
+
+def _label(reply: Reply) -> str | None:
+    return reply.header(LABEL_HEADER)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    gw = gateway_of(request)
+    replica, reply = await to_new(gw, outgoing(request, b"", gw.cfg.control_timeout_s), resendable=True)
+    return respond(replica, reply)
+
+
+@router.post("/tokenize")
+@router.post("/detokenize")
+async def tokens(request: Request) -> Response:
+    gw, raw = gateway_of(request), await request.body()
+    replica, reply = await to_new(gw, outgoing(request, raw, gw.cfg.control_timeout_s),
+                                  affinity=affinity_of(request), resendable=True)
+    return respond(replica, reply)
+
+
+@router.post("/v1/completions")
+@router.post("/v1/chat/completions")
+@router.post("/inference/v1/generate")
+async def generate(request: Request) -> Response:
+    gw, raw = gateway_of(request), await request.body()
+    session = request.headers.get(gw.cfg.session_header) or None
+    owner = gw.sessions.owner(session, gw.pool.clock()) if session is not None else None
+    out = outgoing(request, raw, timeout_of(gw, None))
+    replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,
+                                  rerun=rerun_allowed(request), label_of=_label, stream=wants_stream(raw))
+    if session is not None and reply.status == 200:
+        if gw.sessions.bind(session, replica.name, gw.pool.clock()):
+            gw.metrics.session_moves.inc()
+        gw.metrics.sessions.set(len(gw.sessions))
+    if reply.stream is None:
+        return respond(replica, reply)
+    return Relay(gw, replica, reply, reply.stream)
+
+
+class Relay(Response):
+    """A replica's event stream passed on as it arrives, whole events only (openai_wire.py says why).
+    Its end: the replica's own, or, when the replica stops sending first (lost, or past the request's
+    timeout), an error event and `[DONE]`. The stream is closed however the relay ends (a client that
+    went away cancels it: the replica then sees its connection go, and stops)."""
+
+    def __init__(self, gw: Gateway, replica: ReplicaView, reply: Reply, stream: Stream) -> None:
+        # Not Response.__init__: it would set a Content-Length for the empty body (as StreamingResponse avoids).
+        self.gw, self.replica, self.stream, self.head_label = gw, replica, stream, _label(reply)
+        self.status_code = reply.status
+        self.media_type = reply.header("content-type")
+        self.background = None
+        ours = {REPLICA_HEADER.lower(), "content-type"}
+        self.init_headers({k: v for k, v in reply.headers if k.lower() not in ours} | {REPLICA_HEADER: replica.name})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        splitter, done = EventSplitter(), False
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            while True:
+                try:
+                    chunk = await self.stream.next_chunk()
+                except (Lost, TimedOut) as e:
+                    await send({"type": "http.response.body", "body": b"" if done else self._cut(e),
+                                "more_body": False})
+                    return
+                if chunk is None:
+                    # The replica ended it: an unterminated last event is its own, passed as sent.
+                    await send({"type": "http.response.body", "body": splitter.pending, "more_body": False})
+                    return
+                events = splitter.feed(chunk)
+                if events:
+                    done = done or ends_stream(events)
+                    self._returned(events)
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
+        finally:
+            self.stream.close()
+
+    def _returned(self, events: bytes) -> None:
+        """A stream that ended on newer weights than its head's (a Keep load moved it on) returned
+        them to the client: the version policy records it, as for a whole answer."""
+        for label in final_labels(events):
+            if label != self.head_label:
+                self.gw.pool.returned(self.replica, label)
+
+    def _cut(self, e: Lost | TimedOut) -> bytes:
+        r, gw = self.replica, self.gw
+        gw.metrics.streams_cut.labels(replica=r.name).inc()
+        if isinstance(e, TimedOut):
+            return error_event(f"replica {r.name} ({weights_of(r)}) did not end the stream: {e}", "replica_timeout",
+                               504)
+        gw.pool.mark_lost(r, str(e))
+        gw.metrics.lost.labels(replica=r.name).inc()
+        return error_event(f"replica {r.name} ({weights_of(r)}) was lost mid-stream: {e}; the stream is incomplete "
+                           "(a stream the client has part of is not run again)", "replica_lost", 502)
+
+
+PATHS = frozenset(getattr(route, "path", "") for route in router.routes)
+
+
+def install_error_shape(app: FastAPI) -> None:
+    """The gateway's own errors in vLLM's shape on these routes, in the sampler's everywhere else
+    (replacing the handler `install_error_handlers` put in place)."""
+
+    async def handler(request: Request, e: Exception) -> Response:
+        assert isinstance(e, SamplerError)
+        if request.scope["path"] not in PATHS:
+            return error_response(e)
+        return JSONResponse(error_body(e.message, e.category, e.status_code, e.field), status_code=e.status_code,
+                            headers=e.headers)
+
+    app.add_exception_handler(SamplerError, handler)
