@@ -45,7 +45,8 @@ def error_message(e: SamplerError) -> Message:
 
 
 def sse_error(e: SamplerError) -> bytes:
-    return b"data: " + error_message(e)["body"] + b"\n\ndata: [DONE]\n\n"
+    body: bytes = error_message(e)["body"]
+    return b"data: " + body + b"\n\ndata: [DONE]\n\n"
 
 
 async def send_error(send: Send, e: SamplerError) -> None:
