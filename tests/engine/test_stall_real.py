@@ -27,7 +27,7 @@ import pytest
 from sampler_pod.config import ServerConfig
 from tests.support.checkpoints import perturbed_checkpoint
 from tests.support.metrics import metric
-from tests.support.server import RunningServer, run_server, wait_until
+from tests.support.server import RunningServer, engine_paused, run_server, wait_until
 
 STALL_S = 5.0
 
@@ -100,8 +100,8 @@ C = 128
 def test_full_load_at_c128_with_a_keep_load_never_reports_a_stall(tiny_model: Path, tmp_path: Path) -> None:
     default_timeout = ServerConfig.model_fields["stall_timeout_s"].default
     perturbed_checkpoint(tiny_model, tmp_path / "step-1", seed=1)
-    with run_server(tiny_model, "--checkpoint-root", str(tmp_path), "--concurrent-task-limit", str(C)) as s, \
-            s.client() as c, ThreadPoolExecutor(C) as pool:
+    with run_server(tiny_model, "--checkpoint-root", str(tmp_path), "--concurrent-task-limit", str(C),
+                    "--enable-test-seams") as s, s.client() as c, ThreadPoolExecutor(C) as pool:
         seen: dict[str, int] = {}
         done = threading.Event()
 
@@ -114,12 +114,19 @@ def test_full_load_at_c128_with_a_keep_load_never_reports_a_stall(tiny_model: Pa
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            # Long prompts and long answers: prefills under full load, 96 requests queued behind 32.
-            pending = [pool.submit(s.post_alone, "/v1/sample", json={
-                "prompts": [[1 + (i + k) % 200 for k in range(128 + i)]],
-                "sampling_params": {"max_tokens": 200, "temperature": 1.0, "ignore_eos": True}}) for i in range(C)]
-            wait_until(lambda: metric(c.get("/metrics").text, "sampler_requests_in_flight") >= C / 2,
-                       "the load in flight")
+            # Long prompts and long answers: prefills under full load, 96 requests queued behind 32. All C
+            # are admitted with the engine frozen, so the load is full whatever the speed of the client
+            # (on a busy box, submitting took longer than the engine took to finish them), then it runs
+            # until one sample has a token: the keep load below lands mid-generation.
+            with engine_paused(s):
+                pending = [pool.submit(s.post_alone, "/v1/sample", json={
+                    "prompts": [[1 + (i + k) % 200 for k in range(128 + i)]],
+                    "sampling_params": {"max_tokens": 200, "temperature": 1.0, "ignore_eos": True}})
+                    for i in range(C)]
+                wait_until(lambda: metric(c.get("/metrics").text, "sampler_requests_in_flight") == C,
+                           "the whole load admitted")
+            wait_until(lambda: any(n >= 1 for n in c.get("/v1/test/engine/progress").json()["tokens"].values()),
+                       "a first token")
             load = c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "step-1",
                                                         "in_flight": "keep"})
             assert load.status_code == 200, load.text
