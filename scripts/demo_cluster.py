@@ -425,7 +425,9 @@ class Story:
     def pool_body(self, model: Path) -> dict[str, Any]:
         models = model.parent
         template = {
-            "model": str(model), "image": self.images["sampler-cpu"], "imagePullPolicy": "Never",
+            # the pods see the host's model cache at /models: not at its host path, which lies under the
+            # image's /root, a directory only root may cross (the sampler runs as a non-root uid)
+            "model": f"/models/{model.name}", "image": self.images["sampler-cpu"], "imagePullPolicy": "Never",
             "engine": "vllm", "hostNetwork": True, "port": self.cfg.replica_port,
             "engineArgs": {"dtype": "float32", "maxModelLen": 512, "maxNumSeqs": 32,
                            "kvCacheMemoryBytes": 64 << 20, "enforceEager": True},
@@ -440,7 +442,7 @@ class Story:
                     "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}],
                     "volumes": [{"name": "models", "hostPath": {"path": str(models), "type": "Directory"}},
                                 {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-                    "volumeMounts": [{"name": "models", "mountPath": str(models), "readOnly": True},
+                    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                                      {"name": "dshm", "mountPath": "/dev/shm"}]}}
         # Node-tier quirks, as the operator's: the gateway shares the node's network (no CNI; the API
         # server at 127.0.0.1, which the `kubernetes` Service cannot list as its endpoint) and mounts its

@@ -5,7 +5,9 @@ One controller per kind, as kubebuilder lays them out:
 - pool/: the SamplerPool controller (likewise).
 Shared by both: api_keys.py (the pods' keys), health_probe.py and pod_client.py (how we look at and
 talk to a pod), kube.py (the API calls), handlers.py (the kopf wiring), settings.py and __main__.py
-(how it runs); release_finalizers.py (a command: deleting replicas while no operator runs).
+(how it runs); pod_security.py (every created pod's security contexts and writable paths) and
+network_policy.py (the pools' and lone replicas' NetworkPolicies); release_finalizers.py (a command:
+deleting replicas while no operator runs).
 """
 
 GROUP = "sampler.rl.dev"

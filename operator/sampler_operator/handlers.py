@@ -24,6 +24,7 @@ import kopf
 from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION, metrics
 from sampler_operator import settings as operator_settings
 from sampler_operator.kube import Kube, load_config
+from sampler_operator.network_policy import OperatorPeer, PolicySettings
 from sampler_operator.pool.loop import PoolMemory
 from sampler_operator.pool.loop import step as pool_step
 from sampler_operator.pool.plan import ReplicaState
@@ -83,6 +84,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     operator_settings.apply(settings, config)
     memo.slots = ReplacementSlots(config.max_parallel_replacements)
     memo.allow_test_seams = config.allow_test_seams
+    memo.policies = PolicySettings(config.network_policies, OperatorPeer(config.operator_namespace))
     if config.allow_test_seams:
         logging.getLogger("sampler_operator").warning(
             "test seams allowed (SAMPLER_OPERATOR_ALLOW_TEST_SEAMS): for test clusters only")
@@ -154,7 +156,7 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
     key = (namespace, label_value(name))
     wake = _wakeups.setdefault(key, asyncio.Event())
     ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger,
-                  allow_test_seams=memo.allow_test_seams)
+                  allow_test_seams=memo.allow_test_seams, policies=memo.policies)
     mem = ReplicaMemory()
     try:
         while not stopped:
@@ -214,7 +216,7 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
                 # `body` is kopf's live view: the spec as of now, not as of the daemon's start.
                 delay = await pool_step(memo.kube, memo.session, name, namespace, uid, _plain(body["spec"]),
                                         body["metadata"].get("generation"), members.get(uid, []), mem, emit,
-                                        time.time(), _plain(body.get("status") or {}))
+                                        time.time(), _plain(body.get("status") or {}), memo.policies)
             except Exception as e:  # an API hiccup must not end the loop; state is in the API
                 logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
                 delay = 2.0

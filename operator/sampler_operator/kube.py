@@ -60,6 +60,7 @@ class Kube:
         self.apps = kubernetes.client.AppsV1Api(api_client)
         self.rbac = kubernetes.client.RbacAuthorizationV1Api(api_client)
         self.coordination = kubernetes.client.CoordinationV1Api(api_client)
+        self.networking = kubernetes.client.NetworkingV1Api(api_client)
 
     async def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
@@ -166,6 +167,8 @@ class Kube:
             "Deployment": (self.apps.create_namespaced_deployment, self.apps.patch_namespaced_deployment),
             "Role": (self.rbac.create_namespaced_role, self.rbac.patch_namespaced_role),
             "RoleBinding": (self.rbac.create_namespaced_role_binding, self.rbac.patch_namespaced_role_binding),
+            "NetworkPolicy": (self.networking.create_namespaced_network_policy,
+                              self.networking.patch_namespaced_network_policy),
         }[body["kind"]]
         try:
             await asyncio.to_thread(create, namespace, body, _preload_content=False)
@@ -173,3 +176,12 @@ class Kube:
             if e.status != 409:
                 raise
             await asyncio.to_thread(patch, body["metadata"]["name"], namespace, body, _preload_content=False)
+
+    async def delete_network_policy(self, namespace: str, name: str) -> None:
+        """Gone already is fine (a policy switched off twice, or collected with its owner)."""
+        try:
+            await asyncio.to_thread(self.networking.delete_namespaced_network_policy, name, namespace,
+                                    _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise

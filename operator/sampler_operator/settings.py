@@ -66,6 +66,11 @@ class OperatorConfig:
     # (tests, a laptop) fail to start.
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 0
+    # NetworkPolicies for pools and lone replicas (network_policy.py); each CR can still turn its own off.
+    network_policies: bool = True
+    # The operator's own namespace (the chart passes it from the downward API): the policies admit the
+    # operator's pods from there only. Unset (outside a cluster): its pods in any namespace.
+    operator_namespace: str | None = None
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -81,6 +86,8 @@ class OperatorConfig:
             gateway_image=gateway_image(),
             metrics_host=os.environ.get("SAMPLER_OPERATOR_METRICS_HOST") or cls.metrics_host,
             metrics_port=_port_setting("SAMPLER_OPERATOR_METRICS_PORT", cls.metrics_port),
+            network_policies=_env_bool("SAMPLER_OPERATOR_NETWORK_POLICIES", cls.network_policies),
+            operator_namespace=os.environ.get("SAMPLER_OPERATOR_NAMESPACE") or None,
         )
 
 

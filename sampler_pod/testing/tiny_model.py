@@ -76,7 +76,24 @@ def build_tiny_model(out: Path, *, seed: int = 0, hidden: int = 128, layers: int
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    readable_by_all(out)
     return out
+
+
+def readable_by_all(model_dir: Path) -> bool:
+    """Make a model directory readable by every uid (files 0644, directories 0755); True if a mode changed.
+
+    The sampler images run as a non-root uid (USER 1000:0, or any uid in group 0 under OpenShift), and the
+    pods mount this directory from the host read-only. Hugging Face's safetensors writer leaves
+    model.safetensors 0600 (it writes through a private temporary file), which only root could read:
+    a non-root engine then cannot load the model at all."""
+    changed = False
+    for p in [model_dir, *model_dir.rglob("*")]:
+        want = 0o755 if p.is_dir() else 0o644
+        if not p.is_symlink() and p.stat().st_mode & 0o777 != want:
+            p.chmod(want)
+            changed = True
+    return changed
 
 
 def cached_tiny_model(cache_dir: Path | None = None, **kw: Any) -> Path:
@@ -96,6 +113,8 @@ def cached_tiny_model(cache_dir: Path | None = None, **kw: Any) -> Path:
                 import shutil
                 shutil.rmtree(out)
             tmp.rename(out)
+        # A cache built before the models were made readable by every uid is fixed in place.
+        readable_by_all(out)
     return out
 
 

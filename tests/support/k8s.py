@@ -355,8 +355,17 @@ def host_python_paths(repo_root: str | None = None) -> list[str]:
 
 def model_volumes() -> tuple[list[dict], list[dict]]:
     """(volumes, volumeMounts) for the tiny-model cache: DATA only, hostPath read-only at its host path
-    (so a model path is the same on the host and in the pod). The code comes from the image."""
+    (so a model path is the same on the host and in the pod). The code comes from the image.
+
+    The sampler runs as a non-root uid (issue #33), and the image's /root is root's alone (0700): a
+    mount at a host path under /root (the default cache) could not be reached through it. So /root
+    becomes an emptyDir (any uid may cross it; the container runtime makes the mount's parents in
+    it, 0755): the path stays the host's, and the image's /root, which nothing of the sampler uses,
+    is hidden."""
     models = (CACHE_DIR / "models").resolve()
     vols = [{"name": "sampler-models", "hostPath": {"path": str(models), "type": "Directory"}}]
     mounts = [{"name": "sampler-models", "mountPath": str(models), "readOnly": True}]
+    if models.is_relative_to("/root"):
+        vols.append({"name": "sampler-models-parents", "emptyDir": {}})
+        mounts.append({"name": "sampler-models-parents", "mountPath": "/root"})
     return vols, mounts

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sampler_operator.pod_security import SAMPLER_HOME
 from tests.support import k8s as ks
 from tests.support.polling import Poller
 
@@ -179,11 +180,13 @@ class ProcessKubelet(Poller):
     def url(self, pod: str, port: int) -> str:
         return f"http://{self.ips[pod]}:{port}"
 
-    def _env(self, container: Any) -> dict[str, str]:
+    def _env(self, container: Any, home: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SAMPLER_")}
         for e in container.env or []:
             if e.value is not None:
-                env[e.name] = e.value
+                # The pod's writable HOME (an emptyDir there, pod_security.py) moves under the pod's workdir,
+                # as its lock does: the host's /home/sampler is nobody's to write.
+                env[e.name] = _under(e.value, SAMPLER_HOME, home / "home")
             elif e.value_from is not None and e.value_from.secret_key_ref is not None:
                 ref = e.value_from.secret_key_ref
                 secret = self.core.read_namespaced_secret(ref.name, self.namespace)
@@ -213,7 +216,7 @@ class ProcessKubelet(Poller):
             home = self.workdir / name
             home.mkdir(parents=True, exist_ok=True)
             log = open(home / "sampler.log", "ab")
-            self.procs[uid] = subprocess.Popen(self._argv(p, ip, home), env=self._env(p.spec.containers[0]),
+            self.procs[uid] = subprocess.Popen(self._argv(p, ip, home), env=self._env(p.spec.containers[0], home),
                                                stdout=log, stderr=subprocess.STDOUT)
             self.ips[name], self.uids[name] = ip, uid
             port = p.spec.containers[0].ports[0].container_port
@@ -228,6 +231,13 @@ class ProcessKubelet(Poller):
         for proc in self.procs.values():
             _stop_process(proc)
         self.procs.clear()
+
+
+def _under(value: str, prefix: str, moved: Path) -> str:
+    """`value` with the path `prefix` (itself or anything under it) moved to `moved`."""
+    if value == prefix or value.startswith(prefix + "/"):
+        return str(moved) + value[len(prefix):]
+    return value
 
 
 def _listening(ip: str, port: int) -> bool:

@@ -79,6 +79,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch]
+# the NetworkPolicies of pools and lone replicas (deleted when a CR or the chart turns them off)
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [services, serviceaccounts]
   verbs: [get, create, patch]

@@ -15,6 +15,7 @@ import hashlib
 import json
 from typing import Any
 
+from sampler_operator import pod_security
 from sampler_operator.api_keys import KeyRef
 from sampler_operator.pool.plan import pool_owner_ref
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, MANAGED_BY, label_value
@@ -29,6 +30,11 @@ _KEY_ENV = frozenset({"SAMPLER_GATEWAY_API_KEY", "SAMPLER_GATEWAY_ADMIN_API_KEY"
 
 def gateway_name(pool: str) -> str:
     return f"{pool}-gateway"
+
+
+def pod_labels(pool: str) -> dict[str, str]:
+    """The gateway pods' labels: its Deployment's and Service's selector, and its NetworkPolicy's."""
+    return {LABEL_GATEWAY: label_value(pool), "app.kubernetes.io/name": "sampler-gateway"}
 
 
 def _meta(pool: str, namespace: str, uid: str, name: str) -> dict[str, Any]:
@@ -53,7 +59,7 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     template = spec.get("template") or {}
     name = gateway_name(pool)
     port = int(gw.get("port", 8080))
-    selector = {LABEL_GATEWAY: label_value(pool), "app.kubernetes.io/name": "sampler-gateway"}
+    selector = pod_labels(pool)
     args = ["--pool", pool, "--namespace", namespace, "--discovery", "kube", "--host", "0.0.0.0",
             "--port", str(port), "--version-policy", routing.get("versionPolicy", "Latest"),
             "--affinity-header", affinity.get("header", "X-Sampler-Affinity"),
@@ -70,7 +76,8 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     # exactly the keys its replicas check.
     # The pod's name: its routing Lease's holder (sampler_gateway/routing.py, pool/routing.py).
     env.append({"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
-    env += [dict(v) for v in gw.get("env") or [] if v.get("name") not in _KEY_ENV]
+    user_env = [dict(v) for v in gw.get("env") or [] if v.get("name") not in _KEY_ENV]
+    env += pod_security.env(pod_security.GATEWAY_ENV, user_env) + user_env
     # On the node's network every replica shares the port (sampler_gateway/listen.py): declared, the
     # port would be a host port, and the scheduler would put one replica per node (a second one, or a
     # rolling update's new pod, Pending for good on a node it has). So none is declared there, and the
@@ -94,11 +101,14 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     }
     if not shared:
         container["ports"] = [{"name": "http", "containerPort": port}]
-    if gw.get("volumeMounts"):
-        container["volumeMounts"] = [dict(m) for m in gw["volumeMounts"]]
-    pod_spec: dict[str, Any] = {"serviceAccountName": name, "containers": [container]}
-    if gw.get("volumes"):
-        pod_spec["volumes"] = [dict(v) for v in gw["volumes"]]
+    # Restricted by default (pod_security.py): the root file system read-only, /tmp an emptyDir;
+    # spec.gateway.securityContext / containerSecurityContext loosen it, key by key, in the open.
+    volumes, mounts = pod_security.writable_volumes(pod_security.GATEWAY_WRITABLE)
+    container["volumeMounts"] = mounts + [dict(m) for m in gw.get("volumeMounts") or []]
+    container["securityContext"] = pod_security.container_security_context(gw.get("containerSecurityContext"))
+    pod_spec: dict[str, Any] = {"serviceAccountName": name, "containers": [container],
+                                "securityContext": pod_security.pod_security_context(gw.get("securityContext")),
+                                "volumes": volumes + [dict(v) for v in gw.get("volumes") or []]}
     if gw.get("hostNetwork"):
         # As a replica's pod: on the node's network, cluster DNS still first.
         pod_spec.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")

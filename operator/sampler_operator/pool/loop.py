@@ -16,6 +16,7 @@ from sampler_operator import metrics
 from sampler_operator.api_keys import fresh_values, missing_keys, read_command
 from sampler_operator.health_probe import HealthState, probe
 from sampler_operator.kube import Kube
+from sampler_operator.network_policy import PolicySettings, pool_policies, pool_policy_names
 from sampler_operator.pool.conditions import rollout_events
 from sampler_operator.pool.gateway import LABEL_GATEWAY, gateway_objects, objects_hash
 from sampler_operator.pool.plan import (
@@ -29,6 +30,7 @@ from sampler_operator.pool.plan import (
     leaving,
     plan,
     pool_keys,
+    pool_owner_ref,
     pool_status,
     replica_body,
     replica_index,
@@ -130,9 +132,11 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
 
 async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace: str, uid: str,
                raw_spec: dict[str, Any], generation: int | None, replicas: Iterable[ReplicaState],
-               mem: PoolMemory, emit: Emit, now: float, last_status: dict[str, Any] | None = None) -> float:
+               mem: PoolMemory, emit: Emit, now: float, last_status: dict[str, Any] | None = None,
+               policies: PolicySettings | None = None) -> float:
     """Returns the seconds until the next step. `last_status`: the pool's status as the API server
-    had it (after a restart, what the previous operator wrote)."""
+    had it (after a restart, what the previous operator wrote). `policies`: the operator's NetworkPolicy
+    settings (default: on, the operator's pods in any namespace)."""
     spec = PoolSpec.model_validate(raw_spec)
     existing = list(replicas)
     going = leaving(name, uid, spec, existing)
@@ -146,10 +150,15 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
         mem.keys_ensured = True
     keys = pool_keys(name, spec)
     gateway = gateway_objects(name, namespace, uid, raw_spec, keys.api, keys.admin)
-    if objects_hash(gateway) != mem.gateway_hash:
-        for obj in gateway:
+    pol = policies or PolicySettings()
+    netpols = pool_policies(name, namespace, pool_owner_ref(name, uid), raw_spec, pol.operator) if pol.enabled else []
+    if objects_hash(gateway + netpols) != mem.gateway_hash:
+        for obj in gateway + netpols:
             await kube.apply(namespace, obj)
-        mem.gateway_hash = objects_hash(gateway)
+        if not netpols:   # switched off (or never on): none of ours may stay behind
+            for policy in pool_policy_names(name):
+                await kube.delete_network_policy(namespace, policy)
+        mem.gateway_hash = objects_hash(gateway + netpols)
     for index in todo.create:
         await kube.create_replica(namespace, replica_body(name, namespace, uid, spec, index))
     for replica in todo.retire:

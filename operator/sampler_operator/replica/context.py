@@ -15,6 +15,7 @@ import aiohttp
 from sampler_operator import API_VERSION, KIND
 from sampler_operator.health_probe import HealthObservation
 from sampler_operator.kube import Kube
+from sampler_operator.network_policy import PolicySettings
 from sampler_operator.replica.desired_pod import Owner
 from sampler_operator.replica.fleet import ReplacementSlots
 from sampler_operator.replica.replacement_policy import Decision
@@ -31,6 +32,7 @@ class ReplicaMemory:
     last_observation: HealthObservation | None = None
     last_decision: Decision | None = None
     newest_body: dict[str, Any] | None = None   # what our last status PATCH returned
+    policy_hash: str | None = None              # the lone replica's NetworkPolicy as last written
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Context:
     emit: EventFn
     slots: ReplacementSlots = field(default_factory=lambda: ReplacementSlots("10%"))
     allow_test_seams: bool = False   # settings.OperatorConfig.allow_test_seams (seams.py)
+    policies: PolicySettings = field(default_factory=PolicySettings)   # network_policy.py
     clock: Callable[[], float] = time.time
     log: logging.Logger | logging.LoggerAdapter[Any] = field(default=log)
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sampler_operator import API_VERSION, GROUP, KIND
+from sampler_operator import API_VERSION, GROUP, KIND, pod_security
 from sampler_operator.api_keys import key_env, replica_keys
 from sampler_operator.replica.spec import SamplerReplicaSpec
 from sampler_operator.replica.weights_intent import WeightsRef
@@ -28,9 +28,10 @@ ANNOTATION_POD_GENERATION = f"{GROUP}/pod-generation"
 CONTAINER_NAME = "sampler"
 PORT_NAME = "http"
 # The sampler serialises engine start-up through a file lock (docs/reference/contract.md); the lock must live on
-# a volume that all containers of the pod share and that disappears with the pod: an emptyDir.
+# a volume that all containers of the pod share and that disappears with the pod: an emptyDir (one of the
+# pod's writable paths, pod_security.SAMPLER_WRITABLE).
 LOCK_VOLUME = "startup-lock"
-LOCK_DIR = "/var/run/sampler"
+LOCK_DIR = pod_security.SAMPLER_RUN_DIR
 LOCK_PATH = f"{LOCK_DIR}/engine-startup.lock"
 # The replica's intended weights (docs/reference/contract.md), on the same emptyDir: it survives a container
 # restart, not a pod replacement. Always passed: the sampler has no default (one file per machine
@@ -111,6 +112,8 @@ def _env(owner_name: str, spec: SamplerReplicaSpec) -> list[dict[str, Any]]:
     # Both keys, always: the user's Secrets or the generated one (api_keys.py). Never an open pod.
     env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"},
                                  *key_env(replica_keys(owner_name, spec))]
+    # HOME and the caches on the writable emptyDir (unless the user's env names them).
+    env += pod_security.env(pod_security.SAMPLER_ENV, spec.pod.env)
     return env + [dict(v) for v in spec.pod.env]
 
 
@@ -136,8 +139,8 @@ def _probes(spec: SamplerReplicaSpec) -> dict[str, Any]:
 
 
 def _volumes(spec: SamplerReplicaSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [{"name": LOCK_VOLUME, "emptyDir": {}}]
-    mounts: list[dict[str, Any]] = [{"name": LOCK_VOLUME, "mountPath": LOCK_DIR}]
+    # The root file system is read-only: every path the sampler and its libraries write is an emptyDir.
+    volumes, mounts = pod_security.writable_volumes(pod_security.SAMPLER_WRITABLE)
     for v in spec.checkpoints.volumes:
         volumes.append({"name": v.name, **v.source})
         mounts.append({"name": v.name, "mountPath": v.mount_path, "readOnly": v.read_only})
@@ -161,8 +164,11 @@ def pod_template(owner_name: str, spec: SamplerReplicaSpec) -> dict[str, Any]:
         "resources": {k: {r: str(q) for r, q in v.items()} for k, v in spec.resources.items() if v},
         "volumeMounts": mounts,
         **_probes(spec),
+        # Restricted by default; spec.pod.containerSecurityContext loosens it, key by key, in the open.
+        "securityContext": pod_security.container_security_context(spec.pod.container_security_context),
     }
     pod_spec: dict[str, Any] = {
+        "securityContext": pod_security.pod_security_context(spec.pod.security_context),
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",  # kubelet restarts a dead process; the operator swaps pods

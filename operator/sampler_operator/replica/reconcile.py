@@ -31,9 +31,11 @@ from sampler_operator.api_keys import (
     replica_keys,
 )
 from sampler_operator.health_probe import HealthObservation, HealthState, probe
+from sampler_operator.network_policy import policy_hash, replica_policy, replica_policy_name
 from sampler_operator.replica import seams
 from sampler_operator.replica.context import Context, ReplicaMemory, event_target, owner_of, test_pause
 from sampler_operator.replica.desired_pod import (
+    LABEL_POOL,
     desired_pod,
     owner_reference,
     pod_name,
@@ -228,6 +230,25 @@ async def ensure_keys(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaS
     return key_status(keys)
 
 
+async def ensure_policy(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, mem: ReplicaMemory) -> None:
+    """A lone replica's NetworkPolicy (network_policy.py), written when it changes; deleted when switched
+    off. A pool's replica has none of its own: the pool's policy covers its pod."""
+    meta = cr["metadata"]
+    if LABEL_POOL in (meta.get("labels") or {}):
+        return
+    on = ctx.policies.enabled and spec.network_policy.enabled
+    body = (replica_policy(meta["name"], meta["namespace"], owner_reference(owner_of(cr)), spec.port,
+                           spec.network_policy.from_, ctx.policies.operator) if on else None)
+    digest = policy_hash([body] if body else [])
+    if digest == mem.policy_hash:
+        return
+    if body is not None:
+        await ctx.kube.apply(meta["namespace"], body)
+    else:
+        await ctx.kube.delete_network_policy(meta["namespace"], replica_policy_name(meta["name"]))
+    mem.policy_hash = digest
+
+
 async def _create_pod(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, gen: int) -> dict[str, Any]:
     """A new pod starts at the replica's intended weights, never silently at the base model, and with
     its keys. Returns status fields for the caller's patch (where the keys are)."""
@@ -367,6 +388,7 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
     if cr["metadata"].get("deletionTimestamp"):
         return period
     namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    await ensure_policy(ctx, cr, spec, mem)
     pods = list(cached_pods)
     if needs_converge(cr, spec, pods):
         await converge(ctx, namespace, name, spec, mem)

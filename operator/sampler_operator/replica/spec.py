@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sampler_operator.pod_security import RESERVED_VOLUMES
+
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # A Hugging Face style id: "org/name" or "name", letters, digits, '-', '_', '.'.
@@ -121,6 +123,17 @@ class PodOverrides(_Model):
     volumes: list[dict[str, Any]] = Field(default_factory=list)
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
     env: list[dict[str, Any]] = Field(default_factory=list)
+    # Merged over the restricted defaults (pod_security.py), key by key: the documented way to loosen them.
+    security_context: dict[str, Any] = Field(default_factory=dict, alias="securityContext")
+    container_security_context: dict[str, Any] = Field(default_factory=dict, alias="containerSecurityContext")
+
+
+class NetworkPolicySpec(_Model):
+    """A lone SamplerReplica's NetworkPolicy (network_policy.py); a pool's replicas are covered by the pool's."""
+    enabled: bool = True
+    # NetworkPolicyPeers (namespaceSelector/podSelector/ipBlock) that may sample from the replica, besides
+    # the operator and the node.
+    from_: list[dict[str, Any]] = Field(default_factory=list, alias="from")
 
 
 class SamplerReplicaSpec(_Model):
@@ -143,6 +156,7 @@ class SamplerReplicaSpec(_Model):
     port: int = Field(8000, ge=1, le=65535)
     host_network: bool = Field(False, alias="hostNetwork")
     pod: PodOverrides = Field(default_factory=PodOverrides)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, alias="networkPolicy")
     # Declared weights: loaded IN PLACE through the pod's validated load route when they change
     # (never part of the pod template: a new checkpoint must not restart the engine).
     weights: DeclaredWeights | None = None
@@ -178,8 +192,8 @@ def _semantic_problems(spec: SamplerReplicaSpec) -> Iterator[str]:
         if not root.startswith("/"):
             yield f"spec.checkpoints.allowedRoots entry {root!r} must be an absolute path"
     names = [v.name for v in spec.checkpoints.volumes] + [v.get("name") for v in spec.pod.volumes]
-    if "startup-lock" in names:
-        yield "volume name 'startup-lock' is reserved by the operator"
+    for reserved in sorted(RESERVED_VOLUMES.intersection(str(n) for n in names)):
+        yield f"volume name {reserved!r} is reserved by the operator"
     if len(set(names)) != len(names):
         yield "volume names in spec.checkpoints.volumes and spec.pod.volumes must be unique"
     if spec.replacement.max_backoff_seconds < spec.replacement.backoff_seconds:

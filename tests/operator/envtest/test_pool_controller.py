@@ -148,7 +148,10 @@ def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any
                              "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}},
                             # its routing Lease's holder (#24)
                             {"name": "SAMPLER_GATEWAY_POD_NAME",
-                             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}}]
+                             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
+                            # HOME on its writable /tmp, a user name without a passwd entry (pod_security.py)
+                            {"name": "HOME", "value": "/tmp"}, {"name": "USER", "value": "sampler-gateway"},
+                            {"name": "LOGNAME", "value": "sampler-gateway"}]
         for kind in ("deployment", "service", "serviceaccount", "role", "rolebinding"):
             obj = ks.wait_for(lambda kind=kind: _get(k8s, ns, kind, "p-gateway"), 30, 0.2, f"gateway {kind}")
             assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid], kind

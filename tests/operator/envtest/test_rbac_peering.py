@@ -100,6 +100,10 @@ def test_least_privilege_rbac_and_peering(k8s, api, crd, tmp_path):
         ks.wait_for(lambda: k8s.kubectl("-n", ns, "get", "role,rolebinding,deployment,service,serviceaccount",
                                         "-l", "sampler.rl.dev/gateway=pl", "-o", "name").count("\n") == 5,
                     40, 0.2, "the pool's gateway objects")
+        # ...and the NetworkPolicies of the pool and of the lone replica (issue #33), with the chart's grant
+        want = {f"networkpolicy.networking.k8s.io/{n}" for n in ("pl-replicas", "pl-gateway", "r1-sampler")}
+        ks.wait_for(lambda: want <= set(k8s.kubectl("-n", ns, "get", "networkpolicies", "-o", "name").split()),
+                    40, 0.2, "the NetworkPolicies")
         assert not forbidden(low.logs())
     finally:
         kubelet.stop()

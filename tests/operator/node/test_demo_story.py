@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from sampler_pod.testing import net
-from tests.operator.node.test_node_tier import Api, assert_runs_project_image, post
+from tests.operator.node.test_node_tier import Api, assert_restricted, assert_runs_project_image, post
 from tests.support import k8s as ks
 from tests.support.scripts import load_script
 
@@ -97,6 +97,10 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         for c in crs:
             assert_runs_project_image(api.core.read_namespaced_pod(api.status(ns, c["metadata"]["name"])["podName"],
                                                                    ns), "sampler-cpu", "sampler")
+            # issue #33: the pool ran all this (sampling, pushes, a replacement) under the restricted contexts
+            assert_restricted(api.status(ns, c["metadata"]["name"])["podName"], uid=1000)
+        assert_restricted(gpod.metadata.name, "gateway", uid=1000)
+        assert_restricted(opod.metadata.name, "operator", uid=65532)
         # ...and the pool ends whole at the last step's weights, as the API server says
         st = api.custom.get_namespaced_custom_object("sampler.rl.dev", "v1alpha1", ns, "samplerpools", pool)["status"]
         assert (st["readyReplicas"], st["updatedReplicas"], st["targetLabel"]) == (2, 2, final), st

@@ -211,6 +211,27 @@ def assert_runs_project_image(pod: Any, image: str, container: str) -> None:
     assert labels.get("sampler-operator.inputs") == img.inputs, (labels, img)
 
 
+def assert_restricted(pod: str, container: str = "sampler", uid: int | None = None) -> dict[str, Any]:
+    """Issue #33: the container the kubelet started for `pod` runs as the restricted profile asks, as docker
+    and the kernel say (not the pod spec): a non-root uid (`uid` when given) in group 0, no capability, no
+    new privileges, a seccomp filter (docker's default profile: RuntimeDefault), a read-only root.
+    Returns the process's /proc status fields."""
+    d = docker_container(pod, container)
+    hc = d["HostConfig"]
+    assert hc["ReadonlyRootfs"] is True and hc["CapDrop"] and "ALL" in hc["CapDrop"] and not hc["CapAdd"], hc
+    opts = hc.get("SecurityOpt") or []
+    assert "no-new-privileges" in opts and not any("unconfined" in o for o in opts), opts
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{d['State']['Pid']}/status").read_text().splitlines()
+                  if ":" in line)
+    uids, gids = status["Uid"].split(), status["Gid"].split()
+    assert len(set(uids)) == 1 and int(uids[0]) != 0 and (uid is None or int(uids[0]) == uid), status["Uid"]
+    assert set(gids) == {"0"}, status["Gid"]
+    assert int(status["CapEff"].strip(), 16) == 0 and int(status["CapPrm"].strip(), 16) == 0, status["CapEff"]
+    assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", (status["NoNewPrivs"],
+                                                                                     status["Seccomp"])
+    return {k: v.strip() for k, v in status.items()}
+
+
 def new_namespace(api: Api, prefix: str = NS_PREFIX) -> str:
     ns = f"{prefix}{uuid.uuid4().hex[:6]}"
     api.core.create_namespace({"metadata": {"name": ns}})

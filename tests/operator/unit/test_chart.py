@@ -87,6 +87,26 @@ def test_allow_test_seams_reaches_the_operator_and_only_takes_a_boolean():
 
 
 @needs_helm
+@pytest.mark.parametrize("sets", [[], ["watch.allNamespaces=false", "watch.namespaces={a}"]])
+def test_network_policies_are_on_by_default_switchable_and_granted(sets):
+    """Issue #33: the operator makes NetworkPolicies unless the chart says no, knows its own namespace (the
+    policies admit its pods from there), and may create, patch and delete them (no list, no watch)."""
+    for value, docs in (("true", render(*sets)), ("false", render(*sets, "networkPolicy.enabled=false"))):
+        dep = next(d for d in docs if d["kind"] == "Deployment")
+        env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "SAMPLER_OPERATOR_NETWORK_POLICIES", "value": value} in env
+        assert {"name": "SAMPLER_OPERATOR_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in env
+        rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role")
+                 and "helm.sh/hook" not in d["metadata"].get("annotations", {}) for r in d["rules"]]
+        verbs = {v for r in rules if "networkpolicies" in r["resources"] for v in r["verbs"]}
+        assert verbs == {"get", "create", "patch", "delete"}, verbs
+    p = subprocess.run([ks.HELM, "template", "rel", str(CHART), "--set-string", "networkPolicy.enabled=yes"],
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and "networkPolicy" in p.stderr, p.stderr
+
+
+@needs_helm
 @pytest.mark.parametrize("sets, scope", [([], ["--all-namespaces"]),
                                          (["watch.allNamespaces=false", "watch.namespaces={a,b}"],
                                           ["--namespace=a", "--namespace=b"])])

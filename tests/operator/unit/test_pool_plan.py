@@ -268,7 +268,10 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
                          "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}},
                         {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY",
                          "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}},
-                        {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+                        {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        # HOME on its writable /tmp, and a user name without a passwd entry (pod_security.py)
+                        {"name": "HOME", "value": "/tmp"}, {"name": "USER", "value": "sampler-gateway"},
+                        {"name": "LOGNAME", "value": "sampler-gateway"}]
     assert dep["template"]["spec"]["serviceAccountName"] == "p-gateway"
     pod_labels = dep["template"]["metadata"]["labels"]
     assert objs["Service"]["spec"]["selector"] == dep["selector"]["matchLabels"] == pod_labels
@@ -303,8 +306,12 @@ def test_gateway_on_the_node_network_with_extra_env_and_volumes_keeps_its_key() 
     assert pod["containers"][0]["env"] == [
         {"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": keys.api.as_dict()}},
         {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": keys.admin.as_dict()}},
-        {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, extra[0]]
-    assert pod["volumes"] == [token] and pod["containers"][0]["volumeMounts"] == [mount]
+        {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "HOME", "value": "/tmp"}, {"name": "USER", "value": "sampler-gateway"},
+        {"name": "LOGNAME", "value": "sampler-gateway"}, extra[0]]
+    # the user's volume after the gateway's writable /tmp (pod_security.GATEWAY_WRITABLE)
+    assert pod["volumes"] == [{"name": "gateway-tmp", "emptyDir": {}}, token]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "gateway-tmp", "mountPath": "/tmp"}, mount]
 
 
 def test_a_template_without_keys_gets_one_generated_secret_for_the_whole_pool() -> None:
