@@ -197,7 +197,11 @@ def test_a_keep_load_during_16_streaming_chats_loses_none_and_spans_are_exact(en
     old_label, v0 = env.health()["weights_label"], env.health()["weights_version"]
     ok_before = metric(env.metrics(), "sampler_requests_finished_total", 0.0, outcome="ok")
     with env.http() as h, ThreadPoolExecutor(N) as pool:
-        streams = [pool.submit(stream_chat, env, i) for i in range(N)]
+        # All 16 are admitted with the engine frozen, so they run in one batch: on a busy box the client
+        # took longer to open 16 streams than the engine took to finish the first ones.
+        with engine_paused(env.server, AUTH):
+            streams = [pool.submit(stream_chat, env, i) for i in range(N)]
+            in_flight(env, N)
 
         def all_started() -> bool:
             tokens = h.get("/v1/test/engine/progress").json()["tokens"]
