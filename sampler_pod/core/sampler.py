@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -420,31 +420,49 @@ class SamplerCore:
 
     @contextlib.asynccontextmanager
     async def engine_session(self, engine_id: str, deadline: float) -> AsyncIterator[Reading]:
-        """One engine request inside the weights' read side, as `_read_locked` + `_engine_call` run a
-        native one: it waits behind a write (until `deadline`), a drain load waits for it, an abort-mode
-        load aborts `engine_id` (the caller checks `reading.aborted_by`)."""
+        """One engine request inside the weights' read side, as a native one runs (`_read_locked` +
+        `_engine_call`): it waits behind a write (until `deadline`), a drain load waits for it, an
+        abort-mode load aborts `engine_id` (the caller checks `reading.aborted_by`)."""
+        async with self._read_side(deadline, field=None) as reading:
+            self.require_serving()
+            with self._in_engine(reading, engine_id, engine_id):
+                yield reading
+
+    # ------------------------------------------------------------------ the read side, shared by both kinds
+
+    @contextlib.asynccontextmanager
+    async def _read_side(self, deadline: float, field: str | None) -> AsyncIterator[Reading]:
+        """Inside the weights lock's read side (waiting behind a writer until `deadline`), on the abort
+        board: what every request holds while its engine calls run."""
         try:
             waited = await self.lock.acquire_read(timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            raise RequestTimedOut("timed out waiting for a weight load to finish") from None
+            raise RequestTimedOut("timed out waiting for a weight load to finish", field=field) from None
         try:
             if waited > 0.001:
                 self.metrics.write_lock_wait.observe(waited)
+                self.write_lock_wait_max = max(self.write_lock_wait_max, waited)
+                self.metrics.write_lock_wait_max.set(self.write_lock_wait_max)
             with self.aborts.reading() as reading:
-                self.require_serving()
-                if not self.aborts.enter(reading, engine_id):
-                    raise Aborted(f"request {engine_id} was aborted by {reading.aborted_by} before it reached the "
-                                  "engine; resubmit it (it will run on the new weights)")
-                self._engine_running += 1
-                self.engine_running_max = max(self.engine_running_max, self._engine_running)
-                self.metrics.engine_running_max.set(self.engine_running_max)
-                try:
-                    yield reading
-                finally:
-                    self._engine_running -= 1
-                    self.aborts.left(reading, engine_id)
+                yield reading
         finally:
             await self.lock.release_read()
+
+    @contextlib.contextmanager
+    def _in_engine(self, reading: Reading, engine_id: str, request: str) -> Iterator[None]:
+        """One engine call, counted as running; refused when a load in abort mode is under way (never
+        hand the engine work it would have to abort)."""
+        if not self.aborts.enter(reading, engine_id):
+            raise Aborted(f"request {request} was aborted by {reading.aborted_by} before it reached the engine; "
+                          "resubmit it (it will run on the new weights)")
+        self._engine_running += 1
+        self.engine_running_max = max(self.engine_running_max, self._engine_running)
+        self.metrics.engine_running_max.set(self.engine_running_max)
+        try:
+            yield
+        finally:
+            self._engine_running -= 1
+            self.aborts.left(reading, engine_id)
 
     def _start(self, request_id: str, req: SampleRequest, ticket: _Ticket, timeout: float,
                adapter: AdapterRef | None) -> asyncio.Task[SampleResponse]:
@@ -487,24 +505,13 @@ class SamplerCore:
 
     async def _read_locked(self, request_id: str, req: SampleRequest, deadline: float,
                            adapter: AdapterRef | None) -> SampleResponse:
-        try:
-            waited = await self.lock.acquire_read(timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise RequestTimedOut("timed out waiting for a weight load to finish", field="timeout_s") from None
-        try:
-            if waited > 0.001:
-                self.metrics.write_lock_wait.observe(waited)
-                self.write_lock_wait_max = max(self.write_lock_wait_max, waited)
-                self.metrics.write_lock_wait_max.set(self.write_lock_wait_max)
-            with self.aborts.reading() as reading:
-                # The weights may have gone uncertain while we waited behind a writer.
-                engine = self.require_serving()
-                if adapter is not None and self.adapters.get(adapter.name) != adapter:
-                    raise InvalidRequest(f"adapter {adapter.name!r} was removed or replaced while queued",
-                                         field="adapter")
-                outputs = await self._generate_all(engine, reading, request_id, req, deadline, adapter)
-        finally:
-            await self.lock.release_read()
+        async with self._read_side(deadline, field="timeout_s") as reading:
+            # The weights may have gone uncertain while we waited behind a writer.
+            engine = self.require_serving()
+            if adapter is not None and self.adapters.get(adapter.name) != adapter:
+                raise InvalidRequest(f"adapter {adapter.name!r} was removed or replaced while queued",
+                                     field="adapter")
+            outputs = await self._generate_all(engine, reading, request_id, req, deadline, adapter)
         if reading.aborted_by is not None and any(s.finish_reason == "abort" for o in outputs for s in o.sequences):
             # Truncated by the load, not finished: a resubmit runs on the new weights.
             raise Aborted(f"request {request_id} was aborted by {reading.aborted_by}; resubmit it (it will run on "
@@ -557,18 +564,8 @@ class SamplerCore:
 
     async def _engine_call(self, engine: Engine, reading: Reading, rid: str, prompt: list[int], spec: Any,
                            adapter: AdapterRef | None) -> GenerationOutput:
-        if not self.aborts.enter(reading, rid):
-            # A load in abort mode is under way: never hand the engine work it would have to abort.
-            raise Aborted(f"request {rid.rsplit('-', 1)[0]} was aborted by {reading.aborted_by} before it reached "
-                          "the engine; resubmit it (it will run on the new weights)")
-        self._engine_running += 1
-        self.engine_running_max = max(self.engine_running_max, self._engine_running)
-        self.metrics.engine_running_max.set(self.engine_running_max)
-        try:
+        with self._in_engine(reading, rid, rid.rsplit("-", 1)[0]):
             return await engine.generate(rid, prompt, spec, adapter)
-        finally:
-            self._engine_running -= 1
-            self.aborts.left(reading, rid)
 
     async def _abort_and_wait(self, engine: Engine, ids: list[str], tasks: list[asyncio.Task[Any]]) -> None:
         """Abort unfinished engine calls and return only once they have really exited."""
