@@ -17,9 +17,10 @@ the stream, never undone by a second send (routes/openai.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,6 +139,19 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
 
+@contextlib.contextmanager
+def _failures(timeout_s: float) -> Iterator[None]:
+    """An exchange's failures as what they mean for a retry (the module docstring)."""
+    try:
+        yield
+    except ConnectFailed as e:
+        raise NotStarted(str(e)) from None
+    except TimeoutError:
+        raise TimedOut(f"no answer within {timeout_s:g}s") from None
+    except (ConnectionBroken, OSError) as e:
+        raise Lost(_describe(e)) from None
+
+
 class Sender(Protocol):
     """What the forwarding needs of the upstream: one exchange with one replica."""
 
@@ -158,15 +172,11 @@ class Upstream:
         # The replica's time, left out of the gateway's added latency (added_latency.py).
         mine, start = exchanges(), time.perf_counter()
         try:
-            async with asyncio.timeout(out.timeout_s):
-                # Identity encoding: the gateway reads answers (ids, weights labels) before passing them on.
-                r = await self.client.request(replica.url, out.method, out.path, (*out.headers, IDENTITY), out.body)
-        except ConnectFailed as e:
-            raise NotStarted(str(e)) from None
-        except TimeoutError:
-            raise TimedOut(f"no answer within {out.timeout_s:g}s") from None
-        except (ConnectionBroken, OSError) as e:
-            raise Lost(_describe(e)) from None
+            with _failures(out.timeout_s):
+                async with asyncio.timeout(out.timeout_s):
+                    # Identity encoding: the gateway reads answers (ids, weights labels) before passing them on.
+                    r = await self.client.request(replica.url, out.method, out.path, (*out.headers, IDENTITY),
+                                                  out.body)
         finally:
             if mine is not None:
                 mine.add(time.perf_counter() - start)
@@ -177,15 +187,9 @@ class Upstream:
         deadline = asyncio.get_running_loop().time() + out.timeout_s
         ended = True  # the exchange ends here unless a stream goes on with it
         try:
-            try:
+            with _failures(out.timeout_s):
                 async with asyncio.timeout_at(deadline):
                     r = await self.client.stream(replica.url, out.method, out.path, (*out.headers, IDENTITY), out.body)
-            except ConnectFailed as e:
-                raise NotStarted(str(e)) from None
-            except TimeoutError:
-                raise TimedOut(f"no answer within {out.timeout_s:g}s") from None
-            except (ConnectionBroken, OSError) as e:
-                raise Lost(_describe(e)) from None
             headers = forwardable(r.headers)
             if r.status == 200 and "text/event-stream" in (_header(headers, "content-type") or ""):
                 ended = False
