@@ -87,7 +87,7 @@ def weights_patch(pool: dict[str, Any], push: WeightsPush) -> dict[str, Any]:
     """The merge patch a valid push writes: the whole of `spec.weights` (a manifest or step not
     pushed is removed, not kept from the last push), and the old step annotation removed. It carries
     the resourceVersion the checks read, so a pool changed in between (its allowed roots, say)
-    refuses the write (409)."""
+    refuses the write (409), and the route reads and checks again (routes/pool.py)."""
     check_checkpoint(push.checkpoint, allowed_roots(pool))
     meta = pool.get("metadata") or {}
     return {

@@ -28,6 +28,12 @@ class PoolApiError(SamplerError):
     category = "pool_api"
 
 
+class StaleRead(Conflict):
+    """The pool changed between the read a write was checked against and the write (409 on its
+    resourceVersion). Mostly the operator's own status writes during a rollout: the push route
+    reads and checks again (`routes/pool.py`) before this reaches a trainer."""
+
+
 class PoolObject(Protocol):
     async def read(self) -> dict[str, Any]: ...
 
@@ -43,8 +49,8 @@ def _api_error(pool: str, namespace: str, status: int, reason: str, body: str | 
     if status == 404:
         return NotFound(f"SamplerPool {pool} not found in namespace {namespace}", field="pool")
     if status == 409:
-        return Conflict(f"SamplerPool {pool} changed while this push was checked; push again: {message}",
-                        field="pool")
+        return StaleRead(f"SamplerPool {pool} changed while this push was checked; push again: {message}",
+                         field="pool")
     if status == 422:
         return InvalidRequest(f"the API server refused the pool's new weights: {message}", field="body")
     return PoolApiError(f"the API server answered {status} for SamplerPool {pool}: {message}", field="pool")

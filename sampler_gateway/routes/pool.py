@@ -4,17 +4,25 @@ The decisions are `pool_admin.py`'s; the object is `pool_object.py`'s."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from sampler_common.errors import Forbidden, NotFound
 from sampler_common.http.auth import APIKeyAuth
 
-from ..pool_admin import parse_push, rollout_of, weights_patch
-from ..pool_object import PoolObject
+from ..pool_admin import WeightsPush, parse_push, rollout_of, weights_patch
+from ..pool_object import PoolObject, StaleRead
 from .common import json_object
 
 router = APIRouter(prefix="/v1/pool", tags=["pool"])
+
+# How many times a push re-reads the pool when it changed under the write. The operator writes the
+# pool's status many times per rollout, and each write moves its resourceVersion; a trainer pushing
+# while the last rollout settles would otherwise be told to push again (client-go's RetryOnConflict
+# does the same, with a similar bound).
+PUSH_ATTEMPTS = 5
 
 
 class PoolAdminAuth:
@@ -42,12 +50,22 @@ def _pool_object(request: Request) -> PoolObject:
     return obj
 
 
+async def _checked_write(obj: PoolObject, push: WeightsPush) -> dict[str, Any]:
+    # The push is checked against the very object it writes (its resourceVersion): a pool whose
+    # allowed roots changed in between is refused on the next read, never passed on a stale one.
+    return await obj.patch(weights_patch(await obj.read(), push))
+
+
 @router.post("/weights")
 async def push_weights(request: Request) -> Response:
     obj = _pool_object(request)
     push = parse_push(json_object(await request.body()))
-    written = await obj.patch(weights_patch(await obj.read(), push))
-    return JSONResponse(rollout_of(written))
+    for _ in range(PUSH_ATTEMPTS - 1):
+        try:
+            return JSONResponse(rollout_of(await _checked_write(obj, push)))
+        except StaleRead:
+            continue
+    return JSONResponse(rollout_of(await _checked_write(obj, push)))
 
 
 @router.get("/rollout")

@@ -6,6 +6,7 @@ real API server with a real operator: tests/operator/envtest/test_pool_push.py."
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
 from sampler_gateway.pool_admin import STEP_ANNOTATION, WeightsPush, rollout_of, weights_patch
+from sampler_gateway.pool_object import StaleRead
+from sampler_gateway.routes.pool import PUSH_ATTEMPTS
 from tests.support.asgi import call
 
 KEY, ADMIN = "tml-sample", "tml-admin"
@@ -99,19 +102,33 @@ def test_a_stopped_rollout_names_the_replica_and_its_reason() -> None:
 
 
 class MemoryPool:
-    """The pool object as the API server would keep it: a merge patch applied, generation bumped."""
+    """The pool object as the API server would keep it: a merge patch applied if it carries the
+    current resourceVersion (else 409), generation and resourceVersion bumped. `between` runs after
+    each read, as another writer (the operator) would between the gateway's read and its patch; it
+    says whether it wrote."""
 
-    def __init__(self, obj: dict[str, Any]) -> None:
-        self.obj, self.writes = obj, []  # type: ignore[var-annotated]
+    def __init__(self, obj: dict[str, Any], between: Callable[[dict[str, Any]], bool] | None = None) -> None:
+        self.obj, self.between, self.reads = obj, between, 0
+        self.writes: list[dict[str, Any]] = []
+
+    def _bump(self) -> None:
+        self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
 
     async def read(self) -> dict[str, Any]:
-        return copy.deepcopy(self.obj)
+        self.reads += 1
+        seen = copy.deepcopy(self.obj)
+        if self.between is not None and self.between(self.obj):
+            self._bump()
+        return seen
 
     async def patch(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body["metadata"]["resourceVersion"] != self.obj["metadata"]["resourceVersion"]:
+            raise StaleRead("SamplerPool w changed while this push was checked; push again", field="pool")
         self.writes.append(body)
         self.obj["spec"]["weights"] = {k: v for k, v in body["spec"]["weights"].items() if v is not None}
         self.obj["metadata"]["generation"] += 1
-        return await self.read()
+        self._bump()
+        return copy.deepcopy(self.obj)
 
 
 def app(pool: MemoryPool | None, *, admin: str | None = ADMIN) -> Any:
@@ -146,6 +163,45 @@ async def test_bad_input_is_a_4xx_naming_the_field_and_the_pool_is_unchanged(bod
     r = await call(app(pool), "POST", "/v1/pool/weights", body, headers=[("X-API-Key", ADMIN)])
     assert (r.status, r.json()["error"]["field"]) == (status, field), r.body
     assert pool.writes == []
+
+
+PUSH = {"checkpoint": "/ckpt/step-2", "version_label": "step-2"}
+
+
+async def test_a_push_reads_and_checks_again_when_the_operator_wrote_the_pool_in_between() -> None:
+    # The operator writes the pool's status throughout a rollout: each write moves its resourceVersion.
+    busy = iter(range(PUSH_ATTEMPTS - 1))
+
+    def status_write(obj: dict[str, Any]) -> bool:
+        if next(busy, None) is None:
+            return False
+        obj["status"]["observedGeneration"] = obj["metadata"]["generation"]
+        return True
+
+    pool = MemoryPool(pool_obj(), between=status_write)
+    r = await call(app(pool), "POST", "/v1/pool/weights", PUSH, headers=[("X-API-Key", ADMIN)])
+    assert r.status == 200, r.body
+    assert (pool.reads, len(pool.writes), pool.obj["spec"]["weights"]["versionLabel"]) == (PUSH_ATTEMPTS, 1, "step-2")
+
+
+async def test_a_pool_that_never_holds_still_is_a_409_naming_it_and_nothing_is_written() -> None:
+    pool = MemoryPool(pool_obj(), between=lambda obj: True)
+    r = await call(app(pool), "POST", "/v1/pool/weights", PUSH, headers=[("X-API-Key", ADMIN)])
+    assert (r.status, r.json()["error"]["category"], r.json()["error"]["field"]) == (409, "conflict", "pool"), r.body
+    assert "push again" in r.json()["error"]["message"]
+    assert (pool.reads, pool.writes) == (PUSH_ATTEMPTS, [])
+
+
+async def test_a_push_is_checked_against_the_pool_it_writes_not_the_one_first_read() -> None:
+    # The allowed roots change between the first read and its write: the re-read refuses the push.
+    def narrow(obj: dict[str, Any]) -> bool:
+        obj["spec"]["template"]["checkpoints"]["allowedRoots"] = ["/more/"]
+        return True
+
+    pool = MemoryPool(pool_obj(), between=narrow)
+    r = await call(app(pool), "POST", "/v1/pool/weights", PUSH, headers=[("X-API-Key", ADMIN)])
+    assert (r.status, r.json()["error"]["field"]) == (400, "checkpoint"), r.body
+    assert (pool.reads, pool.writes) == (2, [])
 
 
 async def test_the_sampling_key_is_403_a_wrong_key_401_on_both_routes() -> None:
