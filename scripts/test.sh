@@ -14,13 +14,13 @@
 #
 # Two chains run side by side, so that a fresh machine takes the longer chain, not their sum:
 #   the node chain  the Kubernetes binaries (a CPU-bound Go compile), the images (they need the venv's pip),
-#                   then, once the engine tier is over, the node tier (~20 min, mostly waiting on pods);
-#                   its lines start with "[node] ";
+#                   the node tier's fake-engine tests (beside the engine tier), then, once the engine tier
+#                   is over, its tests marked `vllm` (~17 min, mostly vLLM starts); its lines start with "[node] ";
 #   this shell      the venv, lint, the engine tier, then the unit, gateway and envtest tiers.
-# The engine tier never runs beside the node tier: both run vLLM engines on the same 2 cores. (The one run
-# that had them side by side failed a full-load test whose wait assumed the client submits faster than the
-# engine finishes, fixed since; running them apart costs about a minute.) The other tiers run fake engines and an
-# API server, light beside the node tier. The chains share nothing but the caches, each behind its lock
+# vLLM never runs in both chains at once: the engine tier and the node tier's `vllm` tests each run vLLM
+# engines on the same 2 cores. (The one run that had them side by side failed a full-load test whose wait
+# assumed the client submits faster than the engine finishes, fixed since.) Everything else runs fake engines
+# and an API server, light beside either. The chains share nothing but the caches, each behind its lock
 # (setup.sh's, k8s/build.sh's, images/build.sh's); the node tier runs in its own network namespace with its
 # own dockerd, so no port or daemon is shared.
 set -euo pipefail
@@ -46,9 +46,13 @@ node_chain() {
   bash scripts/k8s/build.sh
   bash scripts/setup.sh          # the venv this shell builds: waits on setup.sh's lock, then ~1 s
   bash scripts/images/build.sh
+  local failed=0
+  echo "=== node tier, fake engines (real kubelet, private netns; beside the engine tier)" >&2
+  bash scripts/k8s/test-node.sh -m "node and not vllm" -p no:cacheprovider --durations=0 || failed=1
   read -r _ <&5                  # the engine tier is over
-  echo "=== node tier (real kubelet, private netns)" >&2
-  bash scripts/k8s/test-node.sh -p no:cacheprovider --durations=0
+  echo "=== node tier, vLLM engines (real kubelet, private netns)" >&2
+  bash scripts/k8s/test-node.sh -m "node and vllm" -p no:cacheprovider --durations=0 || failed=1
+  return $failed
 }
 # Its own process group (job control on for this one job), so that an early exit stops all of it.
 set -m

@@ -17,7 +17,7 @@ from tests.operator.node.test_node_tier import Api, assert_restricted, assert_ru
 from tests.support import k8s as ks
 from tests.support.scripts import load_script
 
-pytestmark = pytest.mark.node
+pytestmark = [pytest.mark.node, pytest.mark.vllm]
 k8s_node = ks.node_fixture()
 WARM_BUDGET_S = 300      # issue #13: a warm ./scripts/demo.sh finishes in under 5 minutes
 

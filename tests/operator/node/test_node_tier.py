@@ -517,6 +517,7 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
                 pass
 
 
+@pytest.mark.vllm
 def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(api, ns, operator, tiny_model,
                                                                                tmp_path):
     """REAL vLLM engine in a kubelet-run pod. step-1 is loaded straight onto the pod over HTTP (as a trainer
@@ -601,6 +602,7 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(
     assert _close(logprobs, hf_prompt_logprobs(ckpt_root / "step-2", PROMPT)), logprobs
 
 
+@pytest.mark.vllm
 def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, operator, tiny_model, tmp_path):
     """REAL vLLM: kill the sampler's process after a load; the kubelet restarts the container, which reloads
     the same weights (the pod's state file on its emptyDir) before /readyz is ok again. Not replaced."""

@@ -39,6 +39,7 @@ from tests.operator.node.test_node_tier import (
     _checkpoints,
     _close,
     _vllm_replica,
+    assert_restricted,
     operator_for_module,
     post,
     project_image,
@@ -259,6 +260,7 @@ def assert_clean(answers: list[Answer], what: str, gw: Gateway) -> None:
 
 
 # ------------------------------------------------------------------------------------------ tests
+@pytest.mark.vllm
 @pytest.mark.timeout(1500)  # two vLLM starts (one a replacement) and four loads under load, on 2 cores
 def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns, operator, tiny_model, tmp_path):
     from tests.support.checkpoints import hf_prompt_logprobs
@@ -399,6 +401,7 @@ def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api
     # dr-2 was deleted only after its requests ended: none of them failed (assert_clean above).
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(1500)  # two vLLM starts and a rollout under load, on 2 cores
 def test_keep_rollout_under_load_on_real_vllm_continues_the_samples_in_flight(api, ns, operator, tiny_model, tmp_path):
     """Issue #22 acceptance 4: `rollout.mode: Keep` on a pool of 2 REAL vLLM replicas under a closed loop
@@ -456,6 +459,8 @@ def test_keep_rollout_under_load_on_real_vllm_continues_the_samples_in_flight(ap
     assert continued, "no sample lived through a keep load: nothing was tested"
     # In place: the same pods (none replaced), each load told Keep.
     assert {n: api.status(ns, n)["podName"] for n in pods} == pods
+    for pod in pods.values():  # issue #33: the Keep push ran under the restricted contexts (the default)
+        assert_restricted(pod)
     for n in pods:
         w = api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", n)["spec"]["weights"]
         assert (w["inFlight"], w.get("kv")) == ("Keep", "Keep"), w

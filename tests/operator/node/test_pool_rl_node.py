@@ -37,7 +37,7 @@ from tests.operator.node.test_pool_node import (
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 
-pytestmark = pytest.mark.node
+pytestmark = [pytest.mark.node, pytest.mark.vllm]
 k8s_node = ks.node_fixture()
 STEPS = 3
 

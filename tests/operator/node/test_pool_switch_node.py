@@ -58,7 +58,7 @@ from tests.support.closed_loop import older_after_newer
 from tests.support.spans import by_last_token, span_problems
 from tests.support.switch_clients import Clients, older_for_a_client
 
-pytestmark = pytest.mark.node
+pytestmark = [pytest.mark.node, pytest.mark.vllm]
 k8s_node = ks.node_fixture()
 
 POOL = "sw"

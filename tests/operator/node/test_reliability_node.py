@@ -54,7 +54,7 @@ from tests.operator.node.test_pool_node import (
 from tests.support import k8s as ks
 from tests.support.polling import Poller
 
-pytestmark = pytest.mark.node
+pytestmark = [pytest.mark.node, pytest.mark.vllm]
 k8s_node = ks.node_fixture()
 
 STALL_S = 10          # --stall-timeout-s: far above a canary's time on this tiny model, even on a busy node

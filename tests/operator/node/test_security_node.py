@@ -27,7 +27,7 @@ from tests.operator.node.test_node_tier import (  # noqa: F401  (fixtures: api, 
 )
 from tests.support import k8s as ks
 
-pytestmark = pytest.mark.node
+pytestmark = [pytest.mark.node, pytest.mark.vllm]
 k8s_node = ks.node_fixture()
 
 
