@@ -10,14 +10,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import aiohttp
 
 PROMPT_LEN = 16
 
 OneRequest = Callable[[int], Awaitable[int]]  # seed -> tokens generated
-
-if TYPE_CHECKING:
-    import aiohttp
 
 
 def prompt(seed: int) -> list[int]:

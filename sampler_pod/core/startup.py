@@ -46,12 +46,13 @@ def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineSta
                 engine = await start_under_lock(
                     cfg.startup_lock_path, cfg.startup_lock_timeout_s,
                     lambda: asyncio.to_thread(VllmEngine.create, model_dir, cfg))
-                if cfg.enable_lora:
-                    try:
+                try:
+                    await engine.require_seeded_chunks()
+                    if cfg.enable_lora:
                         await engine.require_lora_isolation()
-                    except Exception:
-                        await engine.shutdown()
-                        raise
+                except Exception:
+                    await engine.shutdown()
+                    raise
                 core.engine = engine
             log.info("engine ready: model=%s", model_dir)
             # What startup built (torch, vLLM, the engine client) lives as long as the process: frozen,

@@ -211,6 +211,13 @@ class VllmEngine:
         if problems:
             raise RuntimeError(f"--enable-lora refused: {problems[0]}")
 
+    async def require_seeded_chunks(self) -> None:
+        """Refuse to serve where a seeded request prefilled in chunks would kill the engine
+        (`seeded_chunks`): every worker must report its generators' rewind safe."""
+        problems = [p for p in await self.llm.collective_rpc("sampler_seeded_chunks") if p]
+        if problems:
+            raise RuntimeError(f"engine refused: {problems[0]}")
+
     def _sampling_params(self, spec: GenerationSpec) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-from . import lora_isolation
+from . import lora_isolation, seeded_chunks
 
 # vLLM imports this module in every worker process before it builds the model: the one hook that
-# runs there without a vLLM plugin package (lora_isolation says why the CPU LoRA ops need it).
+# runs there without a vLLM plugin package (lora_isolation and seeded_chunks say why they need it).
 lora_isolation.install()
+seeded_chunks.install()
 
 class InjectedWriteFailure(RuntimeError):
     """Raised by the documented test seam `fail_after_tensors`; never in production paths."""
@@ -128,6 +129,9 @@ class WeightLoaderExtension:
 
     def sampler_lora_isolation(self) -> str | None:
         return lora_isolation.status()
+
+    def sampler_seeded_chunks(self) -> str | None:
+        return seeded_chunks.status(self.model_runner)
 
     def sampler_param_checksum(self) -> float:
         model = self.model_runner.get_model()
