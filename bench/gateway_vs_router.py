@@ -41,6 +41,7 @@ from bench.rounds import System, ratios, run_rounds
 from bench.sampling_concurrency import MAX_TOKENS, http_session
 from sampler_pod.testing.net import free_port
 from tests.support.gateway import run_gateway
+from tests.support.server import stop
 
 FRONTS = ("direct", "gateway", "router")
 CONCURRENCY = 32
@@ -69,12 +70,7 @@ def vllm_router(urls: list[str]) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)  # the whole process group: vLLM's engine core outlives its parent by seconds
 
 
 async def completion(http: aiohttp.ClientSession, url: str, model: str, seed: int, max_tokens: int) -> int:

@@ -107,12 +107,7 @@ async def run(model: Path, rounds: int, concurrency: list[int], seed: int) -> di
                         load = os.getloadavg()[0]
                         cell_run = await run_cell(one, c, REQUESTS[c], next_seed, pid, MAX_TOKENS)
                         next_seed += REQUESTS[c]
-                        cell = out[workload][system][c]
-                        cell.toks_per_s.append(cell_run.toks_per_s)
-                        cell.cpu_per_1k.append(cell_run.cpu_per_1k)
-                        cell.loadavg.append(load)
-                        cell.failed.append(cell_run.failed)
-                        cell.steal.append(cell_run.steal)
+                        out[workload][system][c].add(cell_run, load)
                         print(f"  {workload:<12} c={c:>3} {system:<14} {cell_run.toks_per_s:8.0f} tok/s  "
                               f"load {load:.2f}  steal {cell_run.steal:.1%}  failed {cell_run.failed}", flush=True)
     return out

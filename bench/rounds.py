@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-from bench.load import OneRequest, run_cell
+from bench.load import CellRun, OneRequest, run_cell
 
 # A system: started on entry, stopped on exit; yields one request and the pid whose CPU is counted.
 System = Callable[[], AbstractAsyncContextManager[tuple[OneRequest, int]]]
@@ -38,6 +38,13 @@ class Cell:
     loadavg: list[float] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     steal: list[float] = field(default_factory=list)
+
+    def add(self, run: CellRun, load: float) -> None:
+        self.toks_per_s.append(run.toks_per_s)
+        self.cpu_per_1k.append(run.cpu_per_1k)
+        self.loadavg.append(load)
+        self.failed.append(run.failed)
+        self.steal.append(run.steal)
 
 
 Results = dict[str, dict[int, Cell]]
@@ -58,12 +65,7 @@ async def run_rounds(systems: dict[str, System], rounds: int, concurrency: list[
                     load = os.getloadavg()[0]
                     run = await run_cell(one, c, requests[c], next_seed, pid, tokens_per_request)
                     next_seed += requests[c]
-                    cell = results[name][c]
-                    cell.toks_per_s.append(run.toks_per_s)
-                    cell.cpu_per_1k.append(run.cpu_per_1k)
-                    cell.loadavg.append(load)
-                    cell.failed.append(run.failed)
-                    cell.steal.append(run.steal)
+                    results[name][c].add(run, load)
                     print(f"  c={c:>3} {name:<8} {run.toks_per_s:8.0f} tok/s  server cpu {run.cpu_per_1k:.3f} s/1k tok"
                           f"  load {load:.2f}  steal {run.steal:.1%}  failed {run.failed}", flush=True)
     return results

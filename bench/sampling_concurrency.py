@@ -58,7 +58,7 @@ from bench.report import write_section
 from bench.rounds import Results, System, cpu_table, loadavg_range, ratios, run_rounds, steal_range, throughput_table
 from sampler_pod.testing.net import free_port
 from sampler_pod.testing.tiny_model import cached_tiny_model
-from tests.support.server import CPU_ENGINE_ARGS, run_server
+from tests.support.server import CPU_ENGINE_ARGS, run_server, stop
 
 PLOT = DOCS / "bench-sampling-concurrency.png"
 MAX_TOKENS = 64
@@ -169,12 +169,7 @@ def vllm_server(model: Path, env: dict[str, str]) -> Iterator[tuple[str, subproc
             time.sleep(0.5)
         yield url, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)  # the whole process group: vLLM's engine core outlives its parent by seconds
 
 
 @contextlib.asynccontextmanager
