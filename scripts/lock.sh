@@ -2,7 +2,8 @@
 # Regenerate requirements/lock.txt: the whole dependency closure of the project's venv, every
 # distribution pinned `==` with its hashes, resolved by uv from the top-level requirements/*.txt.
 #
-#     bash scripts/lock.sh          # after editing a top-level file (docs/development.md, "Dependencies")
+#     bash scripts/lock.sh            # after editing a top-level file (docs/development.md, "Dependencies")
+#     bash scripts/lock.sh --upgrade  # every transitive pin to its newest allowed release
 #
 # scripts/setup.sh installs exactly this file (`pip install --no-deps --require-hashes`), the venv's
 # cache key is its hash, the images' locks are derived from it (scripts/images/lock.py) and
@@ -39,6 +40,12 @@ EXCLUDED=(torchvision torchaudio torchcodec triton)
 COMMON=(--python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes --no-header
         --annotation-style line --find-links "$WHEELS")
 MAIN="$(mktemp)"; SOLO="$(mktemp)"
+# The current lock's pins are uv's preferences (an existing output file is read as such): a new or
+# changed top-level requirement moves only what it forces, not every transitive pin that had a
+# release since. `--upgrade` re-resolves everything from scratch.
+if [[ "${1:-}" != "--upgrade" ]] && [[ -f "$OUT" ]]; then
+    sed '/^# --- twinkle-kit/,$d' "$OUT" > "$MAIN"
+fi
 (cd "$ROOT" && "$UV" pip compile --quiet "${COMMON[@]}" "${EXCLUDED[@]/#/--no-emit-package=}" -o "$MAIN" \
     requirements/runtime.txt requirements/test.txt requirements/tools.txt)
 (cd "$ROOT" && "$UV" pip compile --quiet "${COMMON[@]}" --no-deps -o "$SOLO" requirements/twinkle-client.txt)

@@ -4,44 +4,25 @@ route (models, completions with token ids / n / logprobs / return_token_ids, cha
 its weights, and sticky sessions (8 sessions x 6 turns) keep each session on one replica, spread
 over both, a drained replica's sessions moving once and staying.
 
-One module, its servers module-scoped: two engines start once (~15 s each on the CPU build)."""
+The pool is the engine tier's shared one (tests/engine/conftest.py, `openai_pool`): its two engines
+start once for this module and tests/engine/test_rl_framework_client.py."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
-from tests.support.gateway import RunningGateway, run_gateway, write_replicas
+from tests.support.gateway import write_replicas
 from tests.support.metrics import metric
-from tests.support.server import RunningServer, run_server
-
-KEY = "k-openai-real"
-NAMES = ("r0", "r1")
+from tests.support.openai_pool import KEY, NAMES
+from tests.support.openai_pool import OpenAIPool as Pool
 
 
-@dataclass
-class Pool:
-    servers: dict[str, RunningServer]
-    gw: RunningGateway
-    client: openai.OpenAI
-    model: str
-
-
-@pytest.fixture(scope="module")
-def pool(tiny_model: Path) -> Iterator[Pool]:
-    with contextlib.ExitStack() as stack:
-        servers = {n: stack.enter_context(run_server(tiny_model, "--api-key", KEY)) for n in NAMES}
-        gw = stack.enter_context(run_gateway({n: s.url for n, s in servers.items()}, "--api-key", KEY))
-        gw.wait_eligible(set(NAMES), timeout=60)
-        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        yield Pool(servers, gw, client, client.models.list().data[0].id)
+@pytest.fixture
+def pool(openai_pool: Pool) -> Pool:
+    return openai_pool
 
 
 def extra(obj: Any) -> dict[str, Any]:
