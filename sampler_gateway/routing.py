@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from sampler_common.rollout_trace import trace
+
 log = logging.getLogger(__name__)
 
 ACK_ANNOTATION = "sampler.rl.dev/routing-generation"  # sampler_operator.pool.routing.ACK_ANNOTATION
@@ -152,6 +154,8 @@ class KubeRoutingLease:
         self._leases, self._custom = client.CoordinationV1Api(), client.CustomObjectsApi()
         self._pool_uid: str | None = None
         self._version: str | None = None  # the Lease's resourceVersion last written
+        self._acked = -1  # the generation last written, for the trace
+        self._who, self._where = f"gateway/{holder}", f"{namespace}/{pool}"
 
     def _body(self, generation: int, renewed: dt.datetime) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": lease_name(self.holder), "namespace": self.namespace,
@@ -204,11 +208,19 @@ class KubeRoutingLease:
     async def renew(self) -> bool:
         """One renewal; True if what this gateway permits changed."""
         started = self.switch.clock()
-        await asyncio.to_thread(self._write, self.switch.generation, dt.datetime.now(dt.UTC))
+        acked = self.switch.generation
+        await asyncio.to_thread(self._write, acked, dt.datetime.now(dt.UTC))
+        if acked != self._acked:
+            self._acked = acked
+            trace(self._who, "ack.written", pool=self._where, gen=acked)
         pool = await asyncio.to_thread(self._read_pool)
         self._pool_uid = (pool.get("metadata") or {}).get("uid") or self._pool_uid
-        changed = self.switch.apply(routing_of(pool), started, self.duration_s)
+        routing = routing_of(pool)
+        changed = self.switch.apply(routing, started, self.duration_s)
         if changed:
+            if routing is not None and self.switch.routing is routing:
+                trace(self._who, "routing.seen", pool=self._where, gen=routing.generation, label=routing.label,
+                      phase=routing.phase, by="renewal")
             self.on_change()
         return changed
 
