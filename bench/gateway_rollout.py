@@ -241,9 +241,12 @@ def main() -> None:
     p.add_argument("--lease-s", type=int, default=10, help="the gateways' --routing-lease-s (their default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the modes' shuffled order")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument("--trace", action="store_true",
+                   help="the operator and the gateways log the rollout trace "
+                        "(read it: python -m bench.rollout_trace DIR)")
     a = p.parse_args()
     t0 = time.monotonic()
-    costs = run(a.rollouts, a.clients, a.renew_s, a.lease_s, a.seed, tuple(a.tokens))
+    costs = run(a.rollouts, a.clients, a.renew_s, a.lease_s, a.seed, tuple(a.tokens), a.trace)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     code = ["sampler_gateway", "operator", "sampler_pod", "sampler_common"]
     if subprocess.run(["git", "status", "--porcelain", "--", *code], capture_output=True, text=True).stdout.strip():

@@ -199,8 +199,9 @@ def _pool_key(core: Any, ns: str) -> str | None:
 
 
 @contextlib.contextmanager
-def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int) -> Iterator[Stack]:
-    """envtest + the operator + a pool of 2 sampler processes at labels[0] + 2 gateways, open on it."""
+def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int, trace: bool = False) -> Iterator[Stack]:
+    """envtest + the operator + a pool of 2 sampler processes at labels[0] + 2 gateways, open on it.
+    `trace`: the operator and the gateways log the rollout trace (sampler_common/rollout_trace.py)."""
     from sampler_pod.testing.tiny_model import cached_tiny_model
 
     ks.ensure_kubeconfig_env()
@@ -212,7 +213,8 @@ def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int) -> Ite
                         "-f", str(repo / "crds" / "samplerpool.yaml"))
         ks.wait_crd_established("samplerreplicas.sampler.rl.dev", cluster=cluster)
         ks.wait_crd_established("samplerpools.sampler.rl.dev", cluster=cluster)
-        op = OperatorProcess(cluster, ["sr-*"], workdir / "operator.log").start()
+        trace_env = {"SAMPLER_ROLLOUT_TRACE": "1"} if trace else {}
+        op = OperatorProcess(cluster, ["sr-*"], workdir / "operator.log", env=trace_env).start()
         es.callback(op.stop)
         op.wait_live()
 
@@ -241,9 +243,9 @@ def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int) -> Ite
                      "rollout": {"mode": "Drain", "maxUnavailable": 1}}})
         key = ks.wait_for(lambda: _pool_key(core, ns), 60, 0.2, "the pool's key")
         flags = ["--routing-renew-s", str(renew_s), "--routing-lease-s", str(lease_s)]
-        gateways = {name: es.enter_context(run_gateway(
-            None, "--pod-name", name, *flags, pool=POOL, namespace=ns,
-            env={**cluster.subprocess_env(), "SAMPLER_GATEWAY_API_KEY": key})) for name in ("gw-a", "gw-b")}
+        env = {**cluster.subprocess_env(), "SAMPLER_GATEWAY_API_KEY": key, **trace_env}
+        gateways = {name: es.enter_context(run_gateway(None, "--pod-name", name, *flags, pool=POOL, namespace=ns,
+                                                       env=env)) for name in ("gw-a", "gw-b")}
         ks.wait_for(lambda: open_at(custom, ns, labels[0]), OPEN_TIMEOUT_S, 0.1, f"the pool open at {labels[0]}")
         yield Stack(core, custom, ns, root, labels, key, gateways)
 
@@ -280,14 +282,14 @@ def schedule(rollouts: int, seed: int) -> list[str]:
 
 
 def run(rollouts: int, clients: int, renew_s: float, lease_s: int, seed: int,
-        lengths: tuple[int, ...] = TOKENS) -> list[SwitchCost]:
+        lengths: tuple[int, ...] = TOKENS, trace: bool = False) -> list[SwitchCost]:
     """The whole schedule once per sample length, one after the other on the same pool."""
     modes = schedule(rollouts, seed)
     labels = [f"step-{i}" for i in range(1, len(modes) * len(lengths) + 2)]
     workdir = Path(tempfile.mkdtemp(prefix="bench-switch-"))
     steps: list[Step] = []
     replies: list[Reply] = []
-    with stack(workdir, labels, renew_s, lease_s) as s:
+    with stack(workdir, labels, renew_s, lease_s, trace) as s:
         print(f"pool open at {labels[0]}; {len(modes)} rollouts per length; logs under {workdir}", flush=True)
         watch = RoutingWatch(s.custom, s.ns)
         try:
@@ -309,6 +311,7 @@ def run(rollouts: int, clients: int, renew_s: float, lease_s: int, seed: int,
             watch.stop()
             for name, gw in s.gateways.items():   # kept beside the logs: every counter, not only those reported
                 (workdir / f"metrics-{name}.txt").write_text(gw.metrics())
+                shutil.copyfile(gw.log_path, workdir / f"gateway-{name}.log")  # the trace's other half
     return costs(steps, replies, watch.seen, labels)
 
 

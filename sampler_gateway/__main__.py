@@ -7,6 +7,8 @@ import sys
 
 import uvicorn
 
+from sampler_common import rollout_trace
+
 from .app import create_app
 from .config import GatewayConfig, parse_config
 from .discovery.source import Source
@@ -52,6 +54,7 @@ def routing_lease_for(cfg: GatewayConfig) -> RoutingLease | None:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rollout_trace.enable_from_env()
     app = create_app(cfg, source_for(cfg), pool_object_for(cfg), routing_lease_for(cfg))
     # No proxy-headers middleware: the gateway reads no client address, and it ran on every request.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,

@@ -14,6 +14,8 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 
+from sampler_common.rollout_trace import trace
+
 from .config import GatewayConfig
 from .errors import NoReplica
 from .metrics import GatewayMetrics
@@ -42,6 +44,7 @@ class Pool:
         # The pool's routing switch (routing.py), with kube discovery: which labels may be returned
         # and routed to now. None: no switch (static discovery).
         self.switch: Switch | None = None
+        self._who = f"gateway/{cfg.pod_name or 'gateway'}"  # in the rollout trace
 
     # ---------------------------------------------------------------- what the policy reads
 
@@ -91,10 +94,15 @@ class Pool:
         gateway's Lease about to be renewed), wait for the switch to permit it, up to
         `--no-replica-wait-s`. An answer on the new weights that came back a moment early (a Keep
         load moved its last tokens on) is returned whole instead of run again."""
-        deadline = self.clock() + self.cfg.no_replica_wait_s
+        start = self.clock()
+        deadline = start + self.cfg.no_replica_wait_s
+        if not self._moving_to(label):
+            return
+        trace(self._who, "answer.held", label=label)
         while self._moving_to(label) and (left := deadline - self.clock()) > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
+        trace(self._who, "answer.released", label=label, waited_s=f"{self.clock() - start:.3f}")
 
     def _moving_to(self, label: str) -> bool:
         if self.switch is None:
@@ -196,11 +204,14 @@ class Pool:
             # The pool's switch forbids it now (a fence, or another label open): not returned; the
             # caller runs it again on a permitted label, or answers "resubmit" (forward.py).
             self.metrics.stale.labels(replica=replica.name).inc()
+            trace(self._who, "answer.withheld", label=label, replica=replica.name)
             return False
         if is_stale(label, self.cfg.version_policy, self.order, self.target):
             self.metrics.stale.labels(replica=replica.name).inc()
             return False
         self.order.note_returned(label, self.target)
+        if self.order.newest_returned != newest:
+            trace(self._who, "answer.first", label=label, replica=replica.name)
         if self.view is not view or self.order.newest_returned != newest or len(self.order.ranks) != known:
             self._notify()  # a new label, a newer one returned, a replica's new one: routing may change
         return True

@@ -11,6 +11,13 @@ enforce what it says. The Lease is written first so that a gateway that starts m
 by the controller before it reads the routing it will enforce: a controller that has not seen its
 Lease yet cannot have opened a label past what the gateway then reads.
 
+Between renewals the gateway also watches the pool: a newer `status.routing` is enforced the moment
+the watch delivers it (`Switch.learn`), and the renewal that acknowledges it runs at once, so a fence
+is acknowledged, and an opening returned, one API round trip after the controller writes it instead
+of up to one renewal interval later. What the watch delivers only moves the generation forward, as a
+renewal's read does; it never extends how long the gateway may serve (only a complete renewal does),
+so the self-fence below and the controller's wait for Leases are what they were without it.
+
 Self-fencing: a gateway returns nothing (`permitted` is empty) once its last complete renewal
 started more than the Lease's duration ago, by its own monotonic clock. The controller stops
 waiting for a Lease at renewTime + duration (+ a skew allowance): by then this gateway has stopped
@@ -24,14 +31,18 @@ its own order of labels (versions.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
+
+from sampler_common.rollout_trace import trace
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +131,21 @@ class Switch:
         self.valid_until = max(self.valid_until, started + duration_s)
         return changed or was_fenced
 
+    def learn(self, routing: Routing | None) -> bool:
+        """A routing read outside a renewal (the pool's watch): enforced if newer than the one
+        enforced, True then. How long this gateway may serve is not extended: only a complete
+        renewal (its Lease written, then the pool read) does that."""
+        if routing is None or routing.generation <= self.generation:
+            return False
+        self.routing = routing
+        return True
+
+
+# A watch of the pool ends (and is started again) this often: the API server's own limit on a quiet one.
+WATCH_TIMEOUT_S = 60
+# After a failed watch: wait this long before watching again (not a hot loop while the API server is away).
+WATCH_RETRY_S = 1.0
+
 
 class Renewer(Protocol):
     async def renew(self) -> bool: ...
@@ -136,8 +162,9 @@ def _micro(t: dt.datetime) -> str:
 
 
 class KubeRoutingLease:
-    """Renews this gateway's Lease and reads the pool's routing, every `renew_s` (at once again
-    after a change, so an acknowledgement costs one round trip, not one interval)."""
+    """Renews this gateway's Lease and reads the pool's routing, every `renew_s`, and at once after a
+    change: one it read, or one the pool's watch delivered (`heard`). So an acknowledgement costs one
+    API round trip after the controller's write, not up to one interval."""
 
     def __init__(self, pool: str, namespace: str, holder: str, duration_s: int, renew_s: float, switch: Switch,
                  on_change: Callable[[], None]) -> None:
@@ -152,6 +179,10 @@ class KubeRoutingLease:
         self._leases, self._custom = client.CoordinationV1Api(), client.CustomObjectsApi()
         self._pool_uid: str | None = None
         self._version: str | None = None  # the Lease's resourceVersion last written
+        self._acked = -1  # the generation last written, for the trace
+        self._wake = asyncio.Event()   # renew now: the watch delivered a newer routing
+        self._watching = threading.Event()   # cleared: the watch thread ends
+        self._who, self._where = f"gateway/{holder}", f"{namespace}/{pool}"
 
     def _body(self, generation: int, renewed: dt.datetime) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": lease_name(self.holder), "namespace": self.namespace,
@@ -204,22 +235,69 @@ class KubeRoutingLease:
     async def renew(self) -> bool:
         """One renewal; True if what this gateway permits changed."""
         started = self.switch.clock()
-        await asyncio.to_thread(self._write, self.switch.generation, dt.datetime.now(dt.UTC))
+        acked = self.switch.generation
+        await asyncio.to_thread(self._write, acked, dt.datetime.now(dt.UTC))
+        if acked != self._acked:
+            self._acked = acked
+            trace(self._who, "ack.written", pool=self._where, gen=acked)
         pool = await asyncio.to_thread(self._read_pool)
         self._pool_uid = (pool.get("metadata") or {}).get("uid") or self._pool_uid
-        changed = self.switch.apply(routing_of(pool), started, self.duration_s)
+        routing = routing_of(pool)
+        changed = self.switch.apply(routing, started, self.duration_s)
         if changed:
+            if routing is not None and self.switch.routing is routing:
+                trace(self._who, "routing.seen", pool=self._where, gen=routing.generation, label=routing.label,
+                      phase=routing.phase, by="renewal")
             self.on_change()
         return changed
 
-    async def run_forever(self) -> None:
-        while True:
+    def heard(self, routing: Routing | None) -> None:
+        """The pool's watch delivered `routing` (on the event loop): enforced at once when newer, and
+        the renewal that acknowledges it started now."""
+        if self.switch.learn(routing):
+            assert routing is not None
+            trace(self._who, "routing.seen", pool=self._where, gen=routing.generation, label=routing.label,
+                  phase=routing.phase, by="watch")
+            self.on_change()
+            self._wake.set()
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The pool's watch (a thread: the kubernetes client blocks). Each event's routing goes to
+        `heard` on the loop; a failed or ended watch starts again (with a fresh list: `heard` ignores
+        what it has already)."""
+        from kubernetes import watch
+
+        while self._watching.is_set():
             try:
-                changed = await self.renew()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the API server away: the self-fence bounds what that costs
-                log.warning("routing lease renewal failed: %s", e)
-                changed = False
-            if not changed:
-                await asyncio.sleep(self.renew_s)
+                w = watch.Watch()
+                for ev in w.stream(self._custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace,
+                                   PLURAL, field_selector=f"metadata.name={self.pool}",
+                                   timeout_seconds=WATCH_TIMEOUT_S, _request_timeout=WATCH_TIMEOUT_S + 5):
+                    obj = ev.get("object")
+                    if isinstance(obj, dict) and ev.get("type") in ("ADDED", "MODIFIED"):
+                        loop.call_soon_threadsafe(self.heard, routing_of(obj))
+                    if not self._watching.is_set():
+                        w.stop()
+            except Exception as e:  # the renewals still run: the watch only makes them sooner
+                log.warning("watch of pool %s for its routing failed: %s", self.pool, e)
+                time.sleep(WATCH_RETRY_S)
+
+    async def run_forever(self) -> None:
+        self._watching.set()
+        threading.Thread(target=self._watch, args=(asyncio.get_running_loop(),), daemon=True,
+                         name="watch-routing").start()
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    changed = await self.renew()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # the API server away: the self-fence bounds what that costs
+                    log.warning("routing lease renewal failed: %s", e)
+                    changed = False
+                if not changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.renew_s)
+        finally:
+            self._watching.clear()

@@ -11,6 +11,8 @@ import random
 
 import kopf
 
+from sampler_common import rollout_trace
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     clusterwide = args.all_namespaces or not namespaces
     standalone = args.standalone or not args.peering
     kopf.configure(verbose=args.verbose, debug=args.debug, log_prefix=True)  # lines name their object
+    rollout_trace.enable_from_env()
     from . import handlers  # noqa: F401  (registers the handlers with kopf)
     kopf.run(
         standalone=standalone,

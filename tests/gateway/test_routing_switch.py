@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -203,3 +204,75 @@ async def test_health_without_a_switch_says_so() -> None:
     async with app.router.lifespan_context(app):
         r = await call(app, "GET", "/health")
         assert r.status == 503 and r.json()["routing"] is None
+
+
+def test_a_routing_learned_from_the_watch_moves_forward_only_and_extends_nothing() -> None:
+    now = [100.0]
+    s = Switch(clock=lambda: now[0])
+    assert s.learn(Routing(3, "b", "Fence")) and s.generation == 3
+    assert s.permitted() == frozenset() and s.state()["self_fenced"]   # no renewal yet: still fenced by itself
+    assert s.apply(Routing(3, "b", "Fence"), 100.0, 10)                 # the renewal ends its own fence only
+    assert s.learn(Routing(4, "b", "Open")) and s.permitted() == {"b"}
+    # Older or the same: nothing changes (a watch that lags a renewal's read).
+    assert not s.learn(Routing(3, "b", "Fence")) and not s.learn(Routing(4, "b", "Open")) and s.generation == 4
+    assert not s.learn(None)
+    # What the watch delivers never keeps the gateway serving past its last renewal.
+    now[0] = 110.01
+    assert s.learn(Routing(5, "c", "Fence")) and s.learn(Routing(6, "c", "Open"))
+    assert s.permitted() == frozenset() and s.state()["self_fenced"]
+
+
+def test_a_newer_routing_from_the_watch_is_enforced_and_acknowledged_at_once() -> None:
+    """`heard` (the watch's event on the loop): the switch moves, requests waiting look again, and the
+    renewal that writes the acknowledgement starts now, not after the renewal interval."""
+    from sampler_gateway.routing import KubeRoutingLease
+
+    class Lease(KubeRoutingLease):
+        def __init__(self, switch: Switch, on_change: Callable[[], None]) -> None:  # no kubeconfig: no API
+            self.pool, self.namespace, self.holder = "p", "ns", "gw-a"
+            self.duration_s, self.renew_s, self.switch, self.on_change = 10, 3600.0, switch, on_change
+            self._wake, self._acked, self._who, self._where = asyncio.Event(), -1, "gateway/gw-a", "ns/p"
+            self._watching, self._pool_uid, self._version = threading.Event(), None, None
+            self.written: list[int] = []
+            self.pool_read: dict[str, Any] = {"status": {"routing": {"generation": 1, "label": "a", "phase": "Open"}}}
+            self.wrote = asyncio.Event()
+            self.loop: asyncio.AbstractEventLoop | None = None
+
+        def _write(self, generation: int, renewed: Any) -> None:
+            self.written.append(generation)
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self.wrote.set)
+
+        def _read_pool(self) -> dict[str, Any]:
+            return self.pool_read
+
+        def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+            pass  # the test plays the watch: it calls heard()
+
+    async def run() -> None:
+        moved: list[int] = []
+        switch = Switch()
+        lease = Lease(switch, lambda: moved.append(switch.generation))
+        lease.loop = asyncio.get_running_loop()
+
+        async def until(written: Callable[[], bool]) -> None:
+            while not written():
+                await lease.wrote.wait()
+                lease.wrote.clear()
+
+        task = asyncio.create_task(lease.run_forever())
+        try:
+            # Its first renewals: acknowledges 0, reads Open(1), acknowledges 1 at once; then waits an hour.
+            await until(lambda: lease.written == [0, 1])
+            lease.heard(Routing(1, "a", "Open"))       # what it has: nothing to do
+            lease.heard(Routing(2, "b", "Fence"))
+            assert switch.generation == 2 and switch.permitted() == frozenset() and moved == [1, 2]
+            lease.pool_read = {"status": {"routing": {"generation": 2, "label": "b", "phase": "Fence"}}}
+            await until(lambda: lease.written[-1] == 2)
+            assert lease.written == [0, 1, 2]
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(asyncio.wait_for(run(), 30))

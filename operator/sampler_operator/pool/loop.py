@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from sampler_common.rollout_trace import trace
 from sampler_operator import metrics
 from sampler_operator.api_keys import fresh_values, missing_keys, read_command
 from sampler_operator.health_probe import HealthState, probe
@@ -69,6 +70,15 @@ class PoolMemory:
     # replica -> when this loop marked it to leave (same reason; a mark the index still lacks after
     # INDEX_LAG_S was removed by someone: mark again).
     retired: dict[str, float] = field(default_factory=dict)
+    # Trace steps already told (sampler_common/rollout_trace.py): a step repeated on the same view
+    # tells of a fact once.
+    traced: set[str] = field(default_factory=set)
+
+
+def _trace_once(mem: PoolMemory, pool: str, step: str, key: str, **fields: object) -> None:
+    if key not in mem.traced:
+        mem.traced.add(key)
+        trace("operator", step, pool=pool, **fields)
 
 
 async def ensure_keys(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec, emit: Emit) -> None:
@@ -117,6 +127,9 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
     routing = next_routing(current, spec.target_label, serving, acknowledged)
     if routing is None:
         return None, []
+    if current is not None and current.phase == FENCE and acknowledged:
+        trace("operator", "routing.acknowledged", pool=f"{namespace}/{name}", gen=current.generation,
+              acks=",".join(f"{a.name}:{a.generation}" for a in acks))
     events = []
     if routing != current and routing.phase == FENCE:
         events.append(("Normal", "RoutingFence", f"routing generation {routing.generation}: every gateway stops "
@@ -197,6 +210,16 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     ]) for replica in todo.update_in_place))
     # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
     old = mem.status if mem.status is not None else last_status
+    where, target = f"{namespace}/{name}", spec.target_label
+    if target is not None:
+        _trace_once(mem, where, "pool.target", f"target {target}", label=target, mode=spec.rollout.mode)
+        for replica in todo.update + todo.update_in_place:
+            _trace_once(mem, where, "replica.spec_written", f"spec {target} {replica}", replica=replica,
+                        label=target)
+        for r in existing:
+            if r.owner_uid == uid and r.phase == "Ready" and not r.draining and r.label == target:
+                _trace_once(mem, where, "replica.routable", f"routable {target} {r.name}", replica=r.name,
+                            label=target)
     status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"),
                          (old or {}).get("weightsHistory"))
     routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now)
@@ -205,11 +228,17 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     if status != mem.status:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status
+        if routing is not None and routing_events:
+            trace("operator", f"routing.{routing['phase'].lower()}_written", pool=where, gen=routing["generation"],
+                  label=routing["label"], waiting=",".join(routing["waitingFor"]) or "-")
     # After the write: an Event never tells of a status the API server does not have.
     for type_, reason, message in [*rollout_events(old, status, batch, in_place), *routing_events]:
         emit(type_, reason, message)
     # Counted where the Events are, from the same two statuses: once per end (rollout_metrics.py).
-    metrics.rollouts_ended(namespace, label_value(name), rollout_ends(old, status))
+    ends = rollout_ends(old, status)
+    metrics.rollouts_ended(namespace, label_value(name), ends)
+    for end in ends:
+        trace("operator", "rollout.ended", pool=where, label=end.target, outcome=end.outcome)
     if routing is not None and routing["phase"] == FENCE:
         return FENCE_POLL_S
     if routing is not None and (routing["label"] != spec.target_label or routing["waitingFor"]):

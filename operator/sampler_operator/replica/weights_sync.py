@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sampler_common.rollout_trace import trace
 from sampler_operator.api_keys import replica_keys
 from sampler_operator.health_probe import HealthObservation
 from sampler_operator.pod_client import Outcome, PodAnswer, call
@@ -72,8 +73,11 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         return False
     await _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem)
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
+    who = f"{cr['metadata'].get('namespace')}/{cr['metadata'].get('name')}"
+    trace("operator", "load.started", replica=who, label=ref.version_label)
     answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", await _api_key(ctx, cr, spec),
                         declared_load_request(spec), LOAD_TIMEOUT_S)
+    trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.outcome is Outcome.TRANSIENT:
         ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
         return False
@@ -81,6 +85,7 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
     await _record(ctx, cr, declared_outcome(spec, result, answer.message), synced, mem)
+    trace("operator", "load.recorded", replica=who, label=ref.version_label, result=result)
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]
     ctx.emit(event_target(cr), event_type, f"Weights{result}",
              f"declared weights {ref.version_label!r} {verb}: {answer.message}"[:1000])
