@@ -36,7 +36,7 @@ import httpx
 
 from bench.gateway import _cell_header, _running, pct, vllm_pool
 from bench.load import prompt
-from bench.report import write_section
+from bench.report import publish
 from bench.rounds import System, ratios, run_rounds
 from bench.sampling_concurrency import MAX_TOKENS, http_session
 from sampler_pod.testing.net import free_port
@@ -172,11 +172,8 @@ def main() -> None:
     a = p.parse_args()
     sizes = (40, 64) if a.quick else (300, 384)
     out = asyncio.run(bench(a.rounds, *sizes, random.Random(a.seed)))
-    print("\n" + out)
-    if a.no_write or a.quick or a.rounds < 3:
-        print("(not written to docs/benchmarks.md: needs full sizes and >= 3 rounds)")
-        return
-    write_section("Gateway against vllm-router", out, "python -m bench.gateway_vs_router")
+    publish("Gateway against vllm-router", out, "python -m bench.gateway_vs_router",
+            publishable=not (a.no_write or a.quick or a.rounds < 3))
 
 
 if __name__ == "__main__":

@@ -65,3 +65,13 @@ def write_section(title: str, body: str, command: str) -> None:
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(text)
+
+
+def publish(title: str, body: str, command: str, *, publishable: bool) -> None:
+    """Print a run's section; write it to docs/benchmarks.md only for a run worth publishing (full
+    sizes, >= 3 rounds, not --no-write): a smoke run never replaces the current figures."""
+    print("\n" + body)
+    if not publishable:
+        print("(not written to docs/benchmarks.md: needs full sizes, >= 3 rounds and no --no-write)")
+        return
+    write_section(title, body, command)

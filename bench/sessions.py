@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.gateway import pct, vllm_pool
-from bench.report import write_section
+from bench.report import publish
 from bench.rounds import orders
 from bench.sampling_concurrency import http_session
 from tests.support.gateway import run_gateway
@@ -162,11 +162,8 @@ def main() -> None:
     a = p.parse_args()
     episodes = 8 if a.quick else EPISODES
     out = table(asyncio.run(bench(a.rounds, episodes, a.seed)), a.rounds, episodes)
-    print("\n" + out)
-    if a.no_write or a.quick or a.rounds < 3:
-        print("(not written to docs/benchmarks.md: needs full sizes and >= 3 rounds)")
-        return
-    write_section("Sessions", out, "python -m bench.sessions")
+    publish("Sessions", out, "python -m bench.sessions",
+            publishable=not (a.no_write or a.quick or a.rounds < 3))
 
 
 if __name__ == "__main__":
