@@ -401,8 +401,10 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
     # A pod waiting for a loadable checkpoint is synced too: a load is how it recovers.
     if obs is not None and (obs.state is HealthState.OK or checkpoint_missing(obs) is not None):
         pod = pick_current([p for p in pods if not p.deleting], cr.get("status") or {})
-        if pod is not None and pod.pod_ip and await sync_weights(ctx, newest(cr, mem), spec, pod.pod_ip, obs, mem):
-            return min(1.0, period)  # a load changed the pod: look at it again soon
+        if pod is not None and pod.pod_ip:
+            after = await sync_weights(ctx, newest(cr, mem), spec, pod.pod_ip, obs, mem)
+            if after is not None:
+                return min(after, period)  # a load changed the pod: look at it again soon (weights_sync.py)
     if decision is not None and decision.retry_after is not None:
         return max(0.1, min(period, decision.retry_after))
     return period

@@ -47,30 +47,38 @@ from sampler_operator.replica.weights_intent import (
 # large checkpoint. The pod bounds each phase itself; this only guards against a lost connection.
 LOAD_TIMEOUT_S = 1800.0
 ADAPTER_TIMEOUT_S = 600.0
+# After a change on the pod: look at it again this soon (its /health says what it serves now).
+LOOK_AGAIN_S = 1.0
+# After a declared load the pod took: at once. The replica's status reports the new label only from
+# that look, and the pool's routing switch waits for it (the rollout trace showed a whole second of
+# every rollout there, inside Keep's capacity dip). Once: the next step finds the load recorded.
+AFTER_LOAD_S = 0.0
 
 
 async def sync_weights(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
-                       obs: HealthObservation, mem: ReplicaMemory) -> bool:
-    """One sync step; True when it changed something on the pod (look at it again soon)."""
+                       obs: HealthObservation, mem: ReplicaMemory) -> float | None:
+    """One sync step; when it changed something on the pod, how soon to look at it again (else None)."""
     weights = (cr.get("status") or {}).get("weights") or {}
     if checkpoint_missing(obs) is not None:
-        return load_while_waiting(spec, weights) and await _load_declared(ctx, cr, spec, pod_ip, obs, mem)
+        if not load_while_waiting(spec, weights):
+            return None
+        return await _load_declared(ctx, cr, spec, pod_ip, obs, mem)
     if needs_declared_load(spec, weights):
         return await _load_declared(ctx, cr, spec, pod_ip, obs, mem)
     add, remove = adapter_changes(spec, weights, obs.adapters)
     if add or remove:
-        return await _sync_adapters(ctx, cr, spec, pod_ip, add, remove, mem)
-    return False
+        return LOOK_AGAIN_S if await _sync_adapters(ctx, cr, spec, pod_ip, add, remove, mem) else None
+    return None
 
 
 async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
-                         obs: HealthObservation, mem: ReplicaMemory) -> bool:
+                         obs: HealthObservation, mem: ReplicaMemory) -> float | None:
     ref = declared_ref(spec)
     assert ref is not None
     if obs.weights_label == ref.version_label and obs.weights_checkpoint == ref.checkpoint:
         # The pod started at these weights (a new pod loads undeclared-yet weights at startup).
         await _record(ctx, cr, declared_outcome(spec, LOADED, "loaded at pod startup"), None, mem)
-        return False
+        return None
     await _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem)
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
     who = f"{cr['metadata'].get('namespace')}/{cr['metadata'].get('name')}"
@@ -80,7 +88,7 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.outcome is Outcome.TRANSIENT:
         ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
-        return False
+        return None
     result, event_type = {Outcome.DONE: (LOADED, "Normal"), Outcome.INVALID: (INVALID, "Warning"),
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
@@ -89,7 +97,7 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]
     ctx.emit(event_target(cr), event_type, f"Weights{result}",
              f"declared weights {ref.version_label!r} {verb}: {answer.message}"[:1000])
-    return True
+    return AFTER_LOAD_S if result == LOADED else LOOK_AGAIN_S
 
 
 async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,

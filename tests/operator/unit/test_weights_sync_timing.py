@@ -1,0 +1,58 @@
+"""How soon the replica loop looks at its pod again after a weights sync (weights_sync.py): at once
+after a declared load the pod took, since the replica's status reports the new label only from that
+look and the pool's routing switch waits for it; a second later after any other change; not sooner
+than the health period when nothing changed."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from sampler_operator.pod_client import Outcome, PodAnswer
+from sampler_operator.replica import weights_sync
+from sampler_operator.replica.context import Context
+from sampler_operator.replica.weights_intent import LOADED, declared_outcome
+from tests.operator.unit.test_weights_intent import health, spec, step
+
+CR = {"metadata": {"name": "r", "namespace": "ns", "uid": "u"}, "status": {}}
+
+
+def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str, Any] = CR,
+         **spec_kw: Any) -> float | None:
+    """One sync of a pod serving `base` against spec.weights step-1 (or `spec_kw`); the pod answers
+    a load with `answer`; the status writes and Events are recorded nowhere."""
+    calls: list[str] = []
+
+    async def call(*args: Any, **_: Any) -> PodAnswer:
+        calls.append(args[4])
+        assert answer is not None, "no call to the pod was expected"
+        return answer
+
+    async def nothing(*_: Any, **__: Any) -> None:
+        return None
+
+    monkeypatch.setattr(weights_sync, "call", call)
+    monkeypatch.setattr(weights_sync, "_record", nothing)
+    monkeypatch.setattr(weights_sync, "_api_key", nothing)
+    ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
+    return asyncio.run(weights_sync.sync_weights(ctx, cr, spec(**({"weights": step(1)} | spec_kw)), "10.0.0.1",
+                                                 health(label="base"), None))  # type: ignore[arg-type]
+
+
+def test_a_load_the_pod_took_is_looked_at_again_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sync(monkeypatch, PodAnswer(Outcome.DONE, "loaded", 200)) == weights_sync.AFTER_LOAD_S == 0.0
+
+
+@pytest.mark.parametrize("outcome", [Outcome.INVALID, Outcome.WRITE_FAILED])
+def test_a_load_refused_or_failed_is_looked_at_again_a_second_later(monkeypatch: pytest.MonkeyPatch,
+                                                                   outcome: Outcome) -> None:
+    assert sync(monkeypatch, PodAnswer(outcome, "no", 400)) == weights_sync.LOOK_AGAIN_S == 1.0
+
+
+def test_a_load_that_did_not_happen_or_none_to_do_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sync(monkeypatch, PodAnswer(Outcome.TRANSIENT, "refused connection")) is None
+    # Acted on already (whatever came of it): no load, nothing changed, the loop's own period.
+    acted = {**CR, "status": {"weights": declared_outcome(spec(weights=step(1)), LOADED, "loaded")}}
+    assert sync(monkeypatch, None, acted) is None
