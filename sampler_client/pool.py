@@ -177,14 +177,20 @@ class Pool:
         pushed = Rollout.from_json(self._call("POST", "/v1/pool/weights", body))
         if not wait:
             return pushed
-        return self.wait(label, pushed.generation, timeout=timeout, progress=progress)
+        return self.wait(label, pushed.generation, timeout=timeout, progress=progress, pushed=pushed)
 
     def wait(self, label: str, generation: int | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
-             progress: Progress = True) -> Rollout:
-        """Wait for the rollout of `label` (pushed at pool `generation`) to complete."""
+             progress: Progress = True, pushed: Rollout | None = None) -> Rollout:
+        """Wait for the rollout of `label` (pushed at pool `generation`) to complete. `pushed`: the
+        push's own answer, reported first, so the progress always starts where the push left the pool
+        (a fast rollout can otherwise be Complete by the first read)."""
         deadline = time.monotonic() + timeout
         last: Rollout | None = None
         with _reporter(progress) as report:
+            if pushed is not None:
+                for line in progress_lines(None, pushed):
+                    report(line, pushed)
+                last = pushed
             while True:
                 try:
                     now = self.status()
