@@ -9,8 +9,13 @@ workload and concurrency, and is stopped before the next), systems in shuffled, 
 per cell. The same engine configuration on both sides (bench/sampling_concurrency.py's). "replica"
 runs twice per round ("replica" and "replica-again"): two identical systems, whose ratio is the A/A
 spread this box puts between equal things. Every request generates exactly MAX_TOKENS tokens
-(ignore_eos), seeded, temperature 1; the completions ask for the sampled token's logprob, the chats
+(ignore_eos), temperature 1, unseeded; the completions ask for the sampled token's logprob, the chats
 stream with usage in the last event (what is counted).
+
+Unseeded because vLLM 0.32's own server dies on seeded requests once a prefill is chunked (128
+streamed chats are enough): its CPU runner rewinds a seeded generator with `set_offset`, which CPU
+generators lack. The replica carries the fix (sampler_pod/engine/seeded_chunks.py); the reference
+server is stock vLLM, so the load avoids what crashes it.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ Workload = Callable[[aiohttp.ClientSession, str, str], OneRequest]
 def completions(http: aiohttp.ClientSession, url: str, model: str) -> OneRequest:
     async def one(seed: int) -> int:
         body = {"model": model, "prompt": prompt(seed), "max_tokens": MAX_TOKENS, "temperature": 1.0,
-                "seed": seed, "ignore_eos": True, "logprobs": 0}
+                "ignore_eos": True, "logprobs": 0}
         async with http.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             out = await r.json()
@@ -60,7 +65,7 @@ def chat_stream(http: aiohttp.ClientSession, url: str, model: str) -> OneRequest
         rng = random.Random(seed)
         text = " ".join(rng.choice(WORDS) for _ in range(PROMPT_LEN))
         body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
-                "temperature": 1.0, "seed": seed, "ignore_eos": True, "stream": True,
+                "temperature": 1.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         usage: dict[str, Any] | None = None
         async with http.post(url + "/v1/chat/completions", json=body) as r:
@@ -131,7 +136,8 @@ def table(out: dict[str, Results], rounds: int, concurrency: list[int]) -> str:
     lines = [
         f"Tiny model (random-weight Llama, vocab 512), float32, max_num_seqs {MAX_NUM_SEQS}, {MAX_TOKENS} tokens "
         f"per request (ignore_eos), {PROMPT_LEN}-token prompts (completions: token ids; chats: {PROMPT_LEN} words), "
-        f"temperature 1, seeded; {rounds} rounds, systems in shuffled, balanced orders, one engine alive at a "
+        "temperature 1, unseeded (vLLM's own server dies on seeded requests once a prefill is chunked; "
+        f"the replica carries the fix); {rounds} rounds, systems in shuffled, balanced orders, one engine alive at a "
         "time; aiohttp load generator on the same 2-core box. 1-minute load average before the cells: "
         f"{loadavg_range(every)}; hypervisor steal during the cells: {steal_range(every)}.",
     ]
