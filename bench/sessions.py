@@ -6,10 +6,13 @@ what sticky sessions buy in prefix-cache hits and tokens per second.
 One pool for the whole run: two real vLLM replicas (sized as bench/sampling_concurrency.py) and a gateway
 (static discovery, its default routing). A cell is 32 episodes at once, each 8 chat turns of growing
 context (every turn sends the whole conversation so far: the previous turns, the answers, a new user
-message), each turn 12 tokens (ignore_eos), seeded. "sticky" sends each episode's turns with its own
-`X-Session-ID`; "none" sends no header, so each turn goes to the least-loaded replica. The two run in
-balanced orders (bench/rounds.py), >= 3 rounds; every cell's conversations are its own (a cell-unique
-opening), so no cell reuses another's prefixes. Per cell:
+message), each turn 12 tokens (ignore_eos), seeded. The answers are drawn from the vocabulary's
+whole-word tokens (vLLM's `allowed_token_ids`): the random-weight model's other tokens do not survive
+being decoded into the conversation and encoded again, so a history carrying them would match no
+cached prefix past its first answer, with or without a session, which real models' answers do.
+"sticky" sends each episode's turns with its own `X-Session-ID`; "none" sends no header, so each turn goes to
+the least-loaded replica. The two run in balanced orders (bench/rounds.py), >= 3 rounds; every cell's
+conversations are its own (a cell-unique opening), so no cell reuses another's prefixes. Per cell:
 - the prefix-cache hit rate: the replicas' own vLLM counters (`vllm:prefix_cache_hits_total` /
   `vllm:prefix_cache_queries_total`, prompt tokens) summed over both, before and after;
 - tokens per second: generated tokens over the cell's wall time; and the p50 turn latency;
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from bench.gateway import pct, vllm_pool
 from bench.report import publish
 from bench.rounds import orders
 from bench.sampling_concurrency import http_session
+from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.gateway import run_gateway
 from tests.support.metrics import samples
 
@@ -55,6 +60,15 @@ class Results:
     cells: dict[str, list[CellResult]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
 
 
+def word_tokens() -> list[int]:
+    """The tiny tokenizer's whole-word tokens (a space, then letters): any sequence of them decodes to
+    text that encodes back to the same ids, so an answer carried in the history stays a cached prefix."""
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(cached_tiny_model()).get_vocab()
+    return sorted(i for piece, i in vocab.items() if re.fullmatch("\u0120[a-z]+", piece))
+
+
 async def prefix_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
     """(hits, queries) summed over the replicas: vLLM's own counters, in prompt tokens."""
     hits = queries = 0.0
@@ -67,7 +81,7 @@ async def prefix_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple
 
 
 async def episode(http: aiohttp.ClientSession, gw: str, model: str, cell: int, e: int, sticky: bool,
-                  latencies: list[float]) -> tuple[int, set[str]]:
+                  latencies: list[float], words: list[int]) -> tuple[int, set[str]]:
     """One episode's turns, one after another: (tokens generated, replicas that answered)."""
     rng = random.Random(cell * 1000 + e)
     messages: list[dict[str, str]] = []
@@ -78,7 +92,7 @@ async def episode(http: aiohttp.ClientSession, gw: str, model: str, cell: int, e
         messages.append({"role": "user",
                          "content": opening + " ".join(rng.choice(WORDS) for _ in range(WORDS_PER_TURN))})
         body = {"model": model, "messages": messages, "max_tokens": TOKENS, "temperature": 1.0,
-                "seed": cell * 100_000 + e * 100 + turn, "ignore_eos": True}
+                "seed": cell * 100_000 + e * 100 + turn, "ignore_eos": True, "allowed_token_ids": words}
         t = time.perf_counter()
         async with http.post(gw + "/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status == 200, await r.text()
@@ -91,12 +105,12 @@ async def episode(http: aiohttp.ClientSession, gw: str, model: str, cell: int, e
 
 
 async def run_cell(http: aiohttp.ClientSession, gw: str, urls: list[str], model: str, cell: int,
-                   sticky: bool, episodes: int) -> CellResult:
+                   sticky: bool, episodes: int, words: list[int]) -> CellResult:
     load = os.getloadavg()[0]
     hits0, queries0 = await prefix_counters(http, urls)
     latencies: list[float] = []
     t = time.perf_counter()
-    done = await asyncio.gather(*(episode(http, gw, model, cell, e, sticky, latencies) for e in range(episodes)),
+    done = await asyncio.gather(*(episode(http, gw, model, cell, e, sticky, latencies, words) for e in range(episodes)),
                                 return_exceptions=True)
     wall = time.perf_counter() - t
     hits1, queries1 = await prefix_counters(http, urls)
@@ -109,19 +123,20 @@ async def run_cell(http: aiohttp.ClientSession, gw: str, urls: list[str], model:
 
 async def bench(rounds: int, episodes: int, seed: int) -> Results:
     results = Results()
+    words = word_tokens()
     with vllm_pool(["v0", "v1"]) as servers, run_gateway({n: s.url for n, s in servers.items()}) as gw:
         gw.wait_eligible(set(servers))
         urls = [s.url for s in servers.values()]
         async with http_session() as http:
             async with http.get(gw.url + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
-            await run_cell(http, gw.url, urls, model, 0, True, 8)           # warm-up, not counted
+            await run_cell(http, gw.url, urls, model, 0, True, 8, words)           # warm-up, not counted
             cell = 0
             for rnd, order in enumerate(orders(list(SYSTEMS), rounds, random.Random(seed))):
                 print(f"round {rnd + 1}: {' '.join(order)}", flush=True)
                 for system in order:
                     cell += 1
-                    c = await run_cell(http, gw.url, urls, model, cell, system == "sticky", episodes)
+                    c = await run_cell(http, gw.url, urls, model, cell, system == "sticky", episodes, words)
                     results.cells[system].append(c)
                     print(f"  {system:<7} hit rate {c.hit_rate:.1%}  {c.toks_per_s:7.0f} tok/s  p50 {c.p50_ms:.0f} ms  "
                           f"one replica {c.one_replica}/{episodes}  load {c.loadavg:.2f}  failed {c.failed}",
@@ -146,7 +161,8 @@ def table(res: Results, rounds: int, episodes: int) -> str:
         f"(median {med(ratio):.2f}). Episodes that failed: {sum(c.failed for c in s + n)}.",
         "",
         f"{episodes} episodes at once per cell, {TURNS} chat turns each of growing context ({WORDS_PER_TURN} new "
-        f"words a turn, {TOKENS} tokens answered, ignore_eos, seeded), through a gateway over two real vLLM "
+        f"words a turn, {TOKENS} tokens answered from the whole-word tokens, ignore_eos, seeded), through "
+        "a gateway over two real vLLM "
         "replicas (tiny model, as in Sampling concurrency) on the same 2-core box; the hit rate is vLLM's own "
         f"(prompt tokens served from the prefix cache over prompt tokens), both replicas summed; {rounds} "
         f"rounds in balanced orders. 1-minute load average before the cells: {min(loads):.2f}-{max(loads):.2f}.",
