@@ -10,7 +10,7 @@ CACHE="${SAMPLER_CACHE_DIR:-$HOME/.cache/sampler-operator}"
 PY="${PYTHON:-python3}"
 # The venv is requirements/lock.txt, nothing more and nothing less (scripts/lock.sh writes it; a test
 # compares `pip freeze` with it). Bump VENV_RECIPE when the install steps below change.
-VENV_RECIPE=3
+VENV_RECIPE=4
 # Comment lines (the header, the "# via" notes) do not change what is installed: not in the key.
 HASH="$( (echo "$VENV_RECIPE"; grep -vE "^\s*#" "$ROOT/requirements/lock.txt") | sha256sum | cut -c1-16)"
 VENV="$CACHE/venv-$HASH"
@@ -20,18 +20,23 @@ mkdir -p "$CACHE"
 exec 9>"$CACHE/.setup.lock"
 flock -w 1800 9 || { echo "[setup] could not lock $CACHE/.setup.lock" >&2; exit 1; }
 if [[ ! -f "$VENV/.complete" ]]; then
-    echo "[setup] building venv $VENV from requirements/lock.txt (first run: ~8 min)" >&2
+    echo "[setup] building venv $VENV from requirements/lock.txt (first run: a few minutes)" >&2
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"
     # --no-deps: the lock is the whole closure, already resolved (with torchvision, torchaudio,
     # torchcodec and triton left out on purpose: scripts/lock.sh says why). --require-hashes: every
     # file is the one that was locked. The torch CPU wheel comes from $SAMPLER_TORCH_WHEELS (default
-    # /opt/wheels), as when the lock was made. (grep drops pip's warnings about this machine's
-    # optional local mirrors.)
+    # /opt/wheels), as when the lock was made.
+    # uv installs it (the lock pins uv too): it downloads in parallel and byte-compiles on every core,
+    # where pip took minutes on the fresh-machine critical path. pip installs uv itself first, from the
+    # lock's own pin and hashes. (grep drops pip's warnings about this machine's optional local mirrors.)
     WHEELS="${SAMPLER_TORCH_WHEELS:-/opt/wheels}"
     FIND=(); [[ -d "$WHEELS" ]] && FIND=(--find-links "$WHEELS")
-    "$VENV/bin/pip" install --quiet --no-deps --require-hashes "${FIND[@]}" -r "$ROOT/requirements/lock.txt" 2>&1 \
+    "$VENV/bin/pip" install --quiet --no-deps --require-hashes \
+        -r <(awk '/^uv==/ {p = 1} p {print} p && !/\\$/ {exit}' "$ROOT/requirements/lock.txt") 2>&1 \
         | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --no-deps --require-hashes --compile-bytecode \
+        "${FIND[@]}" -r "$ROOT/requirements/lock.txt"
     "$VENV/bin/python" -c "import twinkle_client.sampler, twinkle_client.manager" >&2
     "$VENV/bin/python" -c "import vllm, torch, fastapi, kopf, tinker; print('[setup] vllm', vllm.__version__, 'torch', torch.__version__)" >&2
     touch "$VENV/.complete"
