@@ -6,7 +6,7 @@ what sticky sessions buy in prefix-cache hits and tokens per second.
 One pool for the whole run: two real vLLM replicas (sized as bench/sampling_concurrency.py) and a gateway
 (static discovery, its default routing). A cell is 32 episodes at once, each 8 chat turns of growing
 context (every turn sends the whole conversation so far: the previous turns, the answers, a new user
-message), each turn 12 tokens (ignore_eos), seeded. The answers are drawn from the vocabulary's
+message of 8 words), each answer 32 tokens (ignore_eos), seeded. The answers are drawn from the vocabulary's
 whole-word tokens (vLLM's `allowed_token_ids`): the random-weight model's other tokens do not survive
 being decoded into the conversation and encoded again, so a history carrying them would match no
 cached prefix past its first answer, with or without a session, which real models' answers do.
@@ -41,7 +41,11 @@ from tests.support.gateway import run_gateway
 from tests.support.metrics import samples
 
 SYSTEMS = ("sticky", "none")
-EPISODES, TURNS, TOKENS, WORDS_PER_TURN = 32, 8, 12, 8
+# Answers long enough that a conversation spans several of the prefix cache's blocks by its end, and
+# still fits the replicas' max_model_len (512): vLLM's CPU backend caches whole blocks of BLOCK tokens
+# only (its default block size), so a short history is uncached whichever replica served it.
+EPISODES, TURNS, TOKENS, WORDS_PER_TURN = 32, 8, 32, 8
+BLOCK = 128
 WORDS = "the a of to and in is it you that he was for on are with as his they be at one have this".split()
 
 
@@ -51,6 +55,7 @@ class CellResult:
     toks_per_s: float
     p50_ms: float
     one_replica: int          # episodes whose turns all went to one replica
+    ideal: float              # the hit rate of a cache that kept every whole block of each episode's history
     loadavg: float
     failed: int = 0
 
@@ -81,12 +86,13 @@ async def prefix_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple
 
 
 async def episode(http: aiohttp.ClientSession, gw: str, model: str, cell: int, e: int, sticky: bool,
-                  latencies: list[float], words: list[int]) -> tuple[int, set[str]]:
-    """One episode's turns, one after another: (tokens generated, replicas that answered)."""
+                  latencies: list[float], words: list[int]) -> tuple[int, set[str], list[tuple[int, int]]]:
+    """One episode's turns, one after another: (tokens generated, replicas that answered, each turn's
+    (prompt, completion) tokens)."""
     rng = random.Random(cell * 1000 + e)
     messages: list[dict[str, str]] = []
     headers = {"X-Session-ID": f"c{cell}-e{e}"} if sticky else {}
-    tokens, replicas = 0, set()
+    tokens, replicas, usage = 0, set(), []
     for turn in range(TURNS):
         opening = f"cell {cell} episode {e}: " if turn == 0 else ""
         messages.append({"role": "user",
@@ -100,8 +106,17 @@ async def episode(http: aiohttp.ClientSession, gw: str, model: str, cell: int, e
             replicas.add(r.headers["X-Sampler-Replica"])
         latencies.append((time.perf_counter() - t) * 1000)
         tokens += int(out["usage"]["completion_tokens"])
+        usage.append((int(out["usage"]["prompt_tokens"]), int(out["usage"]["completion_tokens"])))
         messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""})
-    return tokens, replicas
+    return tokens, replicas, usage
+
+
+def ideal_hits(usage: list[tuple[int, int]]) -> tuple[int, int]:
+    """(hits, queries) of a cache that kept every whole block of the episode's history: each turn can
+    hit at most the whole blocks of the previous turn's prompt and answer (whose last token was sampled,
+    never computed: it has no KV)."""
+    hits = sum((p + c - 1) // BLOCK * BLOCK for p, c in usage[:-1])
+    return hits, sum(p for p, _ in usage)
 
 
 async def run_cell(http: aiohttp.ClientSession, gw: str, urls: list[str], model: str, cell: int,
@@ -115,9 +130,11 @@ async def run_cell(http: aiohttp.ClientSession, gw: str, urls: list[str], model:
     wall = time.perf_counter() - t
     hits1, queries1 = await prefix_counters(http, urls)
     ok = [d for d in done if not isinstance(d, BaseException)]
-    return CellResult(hit_rate=(hits1 - hits0) / max(queries1 - queries0, 1.0),
-                      toks_per_s=sum(tokens for tokens, _ in ok) / wall, p50_ms=pct(latencies, 50),
-                      one_replica=sum(1 for _, replicas in ok if len(replicas) == 1), loadavg=load,
+    ideal = [ideal_hits(usage) for _, _, usage in ok]
+    return CellResult(ideal=sum(h for h, _ in ideal) / max(sum(q for _, q in ideal), 1),
+                      hit_rate=(hits1 - hits0) / max(queries1 - queries0, 1.0),
+                      toks_per_s=sum(tokens for tokens, _, _ in ok) / wall, p50_ms=pct(latencies, 50),
+                      one_replica=sum(1 for _, replicas, _ in ok if len(replicas) == 1), loadavg=load,
                       failed=len(done) - len(ok))
 
 
@@ -138,7 +155,8 @@ async def bench(rounds: int, episodes: int, seed: int) -> Results:
                     cell += 1
                     c = await run_cell(http, gw.url, urls, model, cell, system == "sticky", episodes, words)
                     results.cells[system].append(c)
-                    print(f"  {system:<7} hit rate {c.hit_rate:.1%}  {c.toks_per_s:7.0f} tok/s  p50 {c.p50_ms:.0f} ms  "
+                    print(f"  {system:<7} hit rate {c.hit_rate:.1%} (ideal {c.ideal:.1%})  {c.toks_per_s:7.0f} tok/s  "
+                          f"p50 {c.p50_ms:.0f} ms  "
                           f"one replica {c.one_replica}/{episodes}  load {c.loadavg:.2f}  failed {c.failed}",
                           flush=True)
     return results
@@ -149,6 +167,7 @@ def table(res: Results, rounds: int, episodes: int) -> str:
     s, n = res.cells["sticky"], res.cells["none"]
     loads = [c.loadavg for cells in res.cells.values() for c in cells]
     ratio = [a.toks_per_s / b.toks_per_s for a, b in zip(s, n, strict=True)]
+    ideal = med(c.ideal for c in s + n)
     return "\n".join([
         "Median over rounds (per round in brackets):", "",
         "| | prefix-cache hit rate | tok/s | p50 turn latency | episodes on one replica |", "|---|---|---|---|---|",
@@ -157,15 +176,18 @@ def table(res: Results, rounds: int, episodes: int) -> str:
           f"{med(c.p50_ms for c in cells):.0f} ms | {med(c.one_replica for c in cells):.0f} of {episodes} |"
           for name, cells in (("with X-Session-ID", s), ("without", n))),
         "",
+        f"The most any routing could reach here: {ideal:.1%}, a cache that kept every whole block of each "
+        f"episode's history (vLLM's CPU backend caches whole blocks of {BLOCK} tokens, its default block size).",
+        "",
         f"Paired tok/s ratio with / without the header, per round: {', '.join(f'{r:.2f}' for r in ratio)} "
         f"(median {med(ratio):.2f}). Episodes that failed: {sum(c.failed for c in s + n)}.",
         "",
         f"{episodes} episodes at once per cell, {TURNS} chat turns each of growing context ({WORDS_PER_TURN} new "
-        f"words a turn, {TOKENS} tokens answered from the whole-word tokens, ignore_eos, seeded), through "
-        "a gateway over two real vLLM "
-        "replicas (tiny model, as in Sampling concurrency) on the same 2-core box; the hit rate is vLLM's own "
-        f"(prompt tokens served from the prefix cache over prompt tokens), both replicas summed; {rounds} "
-        f"rounds in balanced orders. 1-minute load average before the cells: {min(loads):.2f}-{max(loads):.2f}.",
+        f"words a turn, {TOKENS} tokens answered from the whole-word tokens, ignore_eos, seeded), through a "
+        "gateway over two real vLLM replicas (tiny model, as in Sampling concurrency) on the same 2-core box; the "
+        "hit rate is vLLM's own (prompt tokens served from the prefix cache over prompt tokens), both replicas "
+        f"summed; {rounds} rounds in balanced orders. 1-minute load average before the cells: "
+        f"{min(loads):.2f}-{max(loads):.2f}.",
     ]) + "\n"
 
 
