@@ -48,8 +48,9 @@ CONCURRENCY = 32
 
 
 @contextlib.contextmanager
-def vllm_router(urls: list[str]) -> Iterator[str]:
-    """`vllm-router` over `urls`: its base URL once it answers for a model (it checks its workers first)."""
+def vllm_router(urls: list[str]) -> Iterator[tuple[str, int]]:
+    """`vllm-router` over `urls`: (its base URL, its pid) once it answers for a model (it checks its workers
+    first)."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="bench-router-")) / "router.log"
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
@@ -68,7 +69,7 @@ def vllm_router(urls: list[str]) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vllm-router did not answer: {log.read_text()[-3000:]}")
             time.sleep(0.5)
-        yield url
+        yield url, proc.pid
     finally:
         stop(proc)  # the whole process group: vLLM's engine core outlives its parent by seconds
 
@@ -92,7 +93,7 @@ async def bench(rounds: int, latency_requests: int, throughput_requests: int, rn
     with vllm_pool(["v0", "v1"]) as servers, run_gateway({n: s.url for n, s in servers.items()}) as gw:
         gw.wait_eligible(set(servers))
         direct = [s.url for s in servers.values()]
-        with vllm_router(direct) as router:
+        with vllm_router(direct) as (router, router_pid):
             async with http_session() as http:
                 async with http.get(direct[0] + "/v1/models") as r:
                     model = (await r.json())["data"][0]["id"]
@@ -123,11 +124,14 @@ async def bench(rounds: int, latency_requests: int, throughput_requests: int, rn
                 async def spread(s: int) -> int:
                     return await completion(http, direct[s % 2], model, s, MAX_TOKENS)
 
+                pids = {"gateway": gw.proc.pid, "router": router_pid}
+
                 def via(front: str) -> System:
                     async def one(s: int) -> int:
                         return await completion(http, url[front], model, s, MAX_TOKENS)
-                    return lambda: _running(one, gw.proc.pid)
+                    return lambda: _running(one, pids[front])
 
+                # direct has no front: its CPU figure is the idle gateway's, and is not reported.
                 systems: dict[str, System] = {"direct": lambda: _running(spread, gw.proc.pid),
                                               "gateway": via("gateway"), "router": via("router")}
                 results = await run_rounds(systems, rounds, [CONCURRENCY], {CONCURRENCY: throughput_requests},
@@ -159,6 +163,9 @@ async def bench(rounds: int, latency_requests: int, throughput_requests: int, rn
         + ", ".join(f"{x:.2f}" for x in ratios(results, "gateway", "router", CONCURRENCY))
         + ". Requests whose connection broke (counted, not retried): "
         + ", ".join(f"{f} {sum(tput[f].failed)}" for f in FRONTS) + ".",
+        "",
+        "The front's own CPU per 1,000 tokens (its process, median over rounds): "
+        + ", ".join(f"{f} {med(tput[f].cpu_per_1k):.3f} s" for f in ("gateway", "router")) + ".",
     ]
     return "\n".join(lines) + "\n"
 
