@@ -18,6 +18,7 @@ CRD) and renders it back; the decisions on it are pure functions elsewhere (the 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -37,10 +38,14 @@ RUN_RE, LABEL_RE = re.compile(RUN_PATTERN), re.compile(LABEL_PATTERN)
 
 DEFAULT_MAX_VERSIONS_PER_RUN = 4
 DEFAULT_MAX_RUNS = 64
-# The CRD's maxima. They bound the pool object: 128 runs x 16 versions x ~0.5 KB is about 1 MB, under
-# etcd's 1.5 MiB limit for one object.
+# The CRD's maxima.
 MAX_VERSIONS_PER_RUN = 16
 MAX_RUNS = 128
+# What spec.adapters may take of the pool object, as compact JSON. etcd refuses an object over
+# 1.5 MiB, and the pool holds its template and status besides. A version with a two-file manifest is
+# about 0.3 KB, so the defaults (64 runs x 4 versions) take about 80 KB; the maxima (128 x 16) would
+# take about 600 KB, and long paths or manifests more: the budget, not the counts, is the bound.
+MAX_SPEC_BYTES = 512 * 1024
 
 
 class _Model(BaseModel):
@@ -126,6 +131,10 @@ class AdapterState(_Model):
     def engine_names(self) -> dict[str, tuple[str, AdapterVersion]]:
         """Every declared version by its engine name: what a replica's loaded adapters are read against."""
         return {v.engine_name(name): (name, v) for name, run in self.runs.items() for v in run.versions}
+
+    def spec_bytes(self) -> int:
+        """The size of `to_spec()` as compact JSON: what it adds to the pool object, roughly."""
+        return len(json.dumps(self.to_spec(), separators=(",", ":")))
 
     def to_spec(self) -> dict[str, Any]:
         """As the CRD holds it (camelCase; absent manifests left out)."""

@@ -20,6 +20,8 @@ before the state is written (planned: the push route loads it on one replica fir
 - the cap: a run keeps at most `maxVersionsPerRun` versions; a push past it drops the oldest
   unpinned ones. When only pinned versions are left to drop, the push is refused (409 naming
   `pinned`) rather than growing the pool object without bound.
+- the size: the declared adapters stay under `MAX_SPEC_BYTES` of the pool object (409 naming
+  `spec.adapters`): long paths and manifests cannot push the object past etcd's limit.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sampler_common.adapters import LABEL_PATTERN, RUN_PATTERN, AdapterRun, AdapterState, AdapterVersion
+from sampler_common.adapters import (
+    LABEL_PATTERN,
+    MAX_SPEC_BYTES,
+    RUN_PATTERN,
+    AdapterRun,
+    AdapterState,
+    AdapterVersion,
+)
 from sampler_common.errors import Conflict, InvalidRequest, validation_error
 
 from .adapter_names import base_names
@@ -106,8 +115,12 @@ def decide_push(state: AdapterState, push: AdapterPush, *, roots: list[str], mod
         versions.remove(oldest)
         dropped.append(oldest)
     runs = {**state.runs, push.run: AdapterRun(versions=tuple(versions))}
-    return PushDecision(state=state.model_copy(update={"runs": runs, "serial": serial}), version=version,
-                        dropped=tuple(dropped))
+    new = state.model_copy(update={"runs": runs, "serial": serial})
+    if new.spec_bytes() > MAX_SPEC_BYTES:
+        raise Conflict(f"run {push.run!r}: the pool's declared adapters would take {new.spec_bytes()} bytes, "
+                       f"over {MAX_SPEC_BYTES}; lower spec.adapters.maxVersionsPerRun or remove runs",
+                       field="spec.adapters")
+    return PushDecision(state=new, version=version, dropped=tuple(dropped))
 
 
 def adapters_patch(pool: dict[str, Any], decision: PushDecision, run: str) -> dict[str, Any]:

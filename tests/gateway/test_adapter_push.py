@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sampler_common.adapters import AdapterState, adapter_state
+from sampler_common.adapters import MAX_SPEC_BYTES, AdapterState, adapter_state
 from sampler_common.errors import Conflict, InvalidRequest, SamplerError
 from sampler_gateway.adapter_names import resolve
 from sampler_gateway.adapter_push import AdapterPush, adapters_patch, decide_push, parse_adapter_push
@@ -138,6 +138,18 @@ def test_a_new_run_past_max_runs_is_a_409_naming_run_and_an_existing_run_still_p
         decide_push(s, push("c", 1), roots=ROOTS, model=MODEL)
     assert e.value.field == "run"
     assert pushed(push("a", 2), state=s).runs["a"].newest.step == 2
+
+
+def test_a_push_past_the_size_budget_is_a_409_naming_spec_adapters() -> None:
+    """Counts alone do not bound the object: long paths and manifests do not pass the budget either."""
+    manifest = {f"shard-{i:05d}-of-99999.safetensors": "0" * 64 for i in range(40)}
+    s = AdapterState(max_versions_per_run=16, max_runs=128)
+    with pytest.raises(Conflict) as e:
+        for run in range(128):
+            for step in range(16):
+                s = decide_push(s, push(f"r{run}", step, sha256_manifest=manifest), roots=ROOTS, model=MODEL).state
+    assert e.value.field == "spec.adapters" and "over 524288" in e.value.message
+    assert s.spec_bytes() <= MAX_SPEC_BYTES
 
 
 def test_the_patch_writes_the_runs_versions_and_the_serial_only_with_the_read_resource_version() -> None:
