@@ -60,21 +60,22 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def check_checkpoint(checkpoint: str, allowed_roots: list[str]) -> None:
+def check_checkpoint(checkpoint: str, allowed_roots: list[str], field: str = "checkpoint") -> None:
     """The pod's own path rule (sampler_pod/weights/validation.py::resolve_confined), as far as a path
-    can be judged without its files: absolute, no `..`, under an allowed root; no roots, nothing."""
+    can be judged without its files: absolute, no `..`, under an allowed root; no roots, nothing.
+    Adapters are confined to the same roots (`field`: `path` for an adapter push)."""
     if not checkpoint.startswith("/"):
-        raise InvalidRequest(f"checkpoint {checkpoint!r}: must be an absolute path inside the replicas' pods",
-                             field="checkpoint")
+        raise InvalidRequest(f"{field} {checkpoint!r}: must be an absolute path inside the replicas' pods",
+                             field=field)
     if ".." in checkpoint.split("/"):
-        raise InvalidRequest(f"checkpoint {checkpoint!r}: '..' is not allowed", field="checkpoint")
+        raise InvalidRequest(f"{field} {checkpoint!r}: '..' is not allowed", field=field)
     if not allowed_roots:
-        raise InvalidRequest("checkpoint: the pool's template names no checkpoints.allowedRoots, so its replicas "
-                             "load no checkpoint", field="checkpoint")
+        raise InvalidRequest(f"{field}: the pool's template names no checkpoints.allowedRoots, so its replicas "
+                             "load no checkpoint or adapter", field=field)
     normal = posixpath.normpath(checkpoint)
     if not any(_inside(normal, root) for root in allowed_roots):
-        raise InvalidRequest(f"checkpoint {checkpoint!r} is outside the pool's checkpoints.allowedRoots "
-                             f"{allowed_roots}", field="checkpoint")
+        raise InvalidRequest(f"{field} {checkpoint!r} is outside the pool's checkpoints.allowedRoots "
+                             f"{allowed_roots}", field=field)
 
 
 def allowed_roots(pool: dict[str, Any]) -> list[str]:

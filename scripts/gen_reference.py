@@ -49,7 +49,7 @@ def _schema_type(s: dict[str, Any]) -> str:
 def _limits(s: dict[str, Any]) -> str:
     out = []
     for key, word in (("minimum", ">="), ("maximum", "<="), ("minLength", "length >="), ("maxLength", "length <="),
-                      ("minItems", "items >="), ("maxItems", "items <=")):
+                      ("minItems", "items >="), ("maxItems", "items <="), ("maxProperties", "keys <=")):
         if key in s:
             out.append(f"{word} {s[key]}")
     if "enum" in s:
@@ -69,6 +69,10 @@ def _fields(s: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any],
         yield from _fields(sub, p)
         if sub.get("type") == "array" and isinstance(sub.get("items"), dict):
             yield from _fields(sub["items"], p + "[]")
+        # A map of objects (spec.adapters.runs): its values' fields, under `<key>`.
+        values = sub.get("additionalProperties")
+        if isinstance(values, dict) and values.get("properties"):
+            yield from _fields(values, p + ".<key>")
 
 
 def crds_page() -> str:

@@ -190,7 +190,19 @@ def wake_pool_on_replica_event(body: kopf.Body, **_: Any) -> None:
         flag.set()
 
 
-@kopf.on.update(GROUP, VERSION, POOL_PLURAL, field="spec")
+def spec_unobserved(body: kopf.Body, **_: Any) -> bool:
+    """The pool's spec changed since its loop last wrote status: its generation moved past
+    `status.observedGeneration`."""
+    status = body.get("status") or {}
+    return bool(body.get("metadata", {}).get("generation") != status.get("observedGeneration"))
+
+
+# An event handler, not `on.update(field="spec")`: kopf keeps the last handled spec of a resource
+# with update handlers in an annotation, written again at every spec change. A pool's spec holds its
+# declared adapters (spec.adapters, written once per trainer step, docs/design/lora-pool.md): as an
+# annotation it would cost a second write per push and count against the 256 KiB an object's
+# annotations may hold. An event handler stores nothing.
+@kopf.on.event(GROUP, VERSION, POOL_PLURAL, when=spec_unobserved)
 def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
     flag = _pool_wakeups.get(uid or "")
     if flag is not None:

@@ -99,6 +99,10 @@ def test_a_trainer_pushes_weights_through_the_gateway(k8s: Any, api: Any, ns: st
         assert {o["status"]["weights"]["label"] for o in replicas_of(api, ns).values()} == {"step-2"}
         assert conditions(api, ns, "t")["Progressing"][:2] == ("False", "RolloutComplete")
         assert pool.status().target_label == "step-2"
+        # The push woke the pool's loop, and kopf kept no copy of the spec beside it (the wake-up is an
+        # event handler, tests/operator/unit/test_pool_wakeup.py): a pool's spec holds its adapters.
+        annotations = (_get(k8s, ns, "samplerpool", "t") or {})["metadata"].get("annotations") or {}
+        assert not [a for a in annotations if a.endswith("last-handled-configuration")], annotations
 
         # A checkpoint the first replica refuses: the client raises, naming replica, file and tensor.
         bad = cc.build_case("wrong_shape", root / "step-1", root=root, outside=tmp_path / "outside", name="step-bad")

@@ -56,6 +56,23 @@ def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: No
     assert k8s.kubectl_json("-n", ns, "get", "sp", "p1")["spec"]["replicas"] == 3
 
 
+def test_declared_adapters_take_their_defaults_and_parse_back(k8s: Any, pool_crd: None, quiet_ns: str) -> None:
+    """spec.adapters as the API server keeps it (defaults filled in) is what the gateway decides on."""
+    from sampler_common.adapters import adapter_state
+
+    version = {"label": "step-1", "step": 1, "path": "/ckpt/a/1", "serial": 1}
+    k8s.kubectl("-n", quiet_ns, "apply", "-f", "-",
+                input=pool("p2", adapters={"serial": 1, "runs": {"math-rl": {"versions": [version]}}}))
+    got = k8s.kubectl_json("-n", quiet_ns, "get", "sp", "p2")
+    assert got["spec"]["adapters"] == {"maxVersionsPerRun": 4, "maxRuns": 64, "serial": 1,
+                                       "runs": {"math-rl": {"versions": [{**version, "pinned": False}]}}}
+    state = adapter_state(got)
+    assert state.runs["math-rl"].newest.engine_name("math-rl") == "math-rl.1.1"
+    # A pool that declares no adapters gets no spec.adapters (nothing added to every existing pool).
+    k8s.kubectl("-n", quiet_ns, "apply", "-f", "-", input=pool("p3"))
+    assert "adapters" not in k8s.kubectl_json("-n", quiet_ns, "get", "sp", "p3")["spec"]
+
+
 @pytest.mark.parametrize("spec,field", [
     ({"routing": {"versionPolicy": "Newest"}}, "spec.routing.versionPolicy"),
     ({"rollout": {"mode": "Yolo"}}, "spec.rollout.mode"),
@@ -64,6 +81,13 @@ def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: No
     ({"replicas": -1}, "spec.replicas"),
     ({"weights": {"checkpoint": "relative/step-1", "versionLabel": "s"}}, "spec.weights.checkpoint"),
     ({"template": {"model": "/m"}}, "spec.template.image"),
+    ({"adapters": {"maxVersionsPerRun": 17}}, "spec.adapters.maxVersionsPerRun"),
+    # This API server names a list item's field without its index (versions.path).
+    ({"adapters": {"runs": {"a": {"versions": [{"label": "s", "step": 1, "path": "rel/a", "serial": 1}]}}}},
+     "spec.adapters.runs.a.versions.path"),
+    ({"adapters": {"runs": {"a": {"versions": [{"label": "s", "step": -1, "path": "/ckpt/a", "serial": 1}]}}}},
+     "spec.adapters.runs.a.versions.step"),
+    ({"adapters": {"runs": {"a": {"versions": []}}}}, "spec.adapters.runs.a.versions"),
 ])
 def test_schema_errors_name_the_field(k8s: Any, pool_crd: None, ns: str, spec: dict[str, Any], field: str) -> None:
     with pytest.raises(ks.CommandError) as e:

@@ -189,6 +189,20 @@ def test_abort_mode_reaches_each_replica_load_and_a_mode_change_alone_rolls_noth
                                                            "inFlight": "Abort"}
 
 
+def test_declared_adapters_roll_no_replica() -> None:
+    """A trainer pushes an adapter version every step (spec.adapters, docs/design/lora-pool.md): the
+    replicas load versions on demand, so the push must not reach their spec, or it would roll them."""
+    base = spec()
+    raw = base.model_dump(by_alias=True)
+    raw["adapters"] = {"serial": 1, "runs": {"a": {"versions": [{"label": "s1", "step": 1, "path": "/ckpt/a/1",
+                                                               "serial": 1}]}}}
+    pushed = PoolSpec.model_validate(raw)
+    assert "adapters" not in desired_replica_spec("p", pushed)
+    assert spec_hash(desired_replica_spec("p", pushed)) == spec_hash(desired_replica_spec("p", base))
+    settled = [at(base, f"p-{i}") for i in range(3)]
+    assert plan("p", UID, pushed, settled).empty()
+
+
 def test_keep_mode_updates_every_serving_replica_at_once_in_routing() -> None:
     """Keep costs each replica one engine pause, not its place in routing: no batches, no drain marks
     (maxUnavailable does not apply), every replica's load at once; a replica out of service still

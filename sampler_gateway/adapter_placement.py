@@ -1,0 +1,102 @@
+"""Which replica takes a request for one adapter version, and what it unloads to make room (pure;
+docs/design/lora-pool.md, "Placement").
+
+1. A **holder**: among the eligible replicas that hold the version (loaded, or being loaded for
+   another request), the least loaded. The version's weights and its cached prefixes are there.
+2. Else a replica that **loads it on demand**: the least loaded one with room, a free slot first,
+   else a slot whose least-recently-used version has no request in flight (it is unloaded first).
+   Versions the pool no longer declares go before any declared one, whatever their last use.
+3. With `capacity` (the gateway's `--replica-capacity`), holders at it spill over to step 2, as an
+   affinity key spills over in `picker.pick`: one hot version does not queue behind one replica
+   while another has room. Everyone at capacity: the least loaded holder, else loader.
+4. None of them: no placement (the caller waits for a change, as for any request without an
+   eligible replica, then answers 503 naming why).
+
+What holds whatever the inputs (tests/gateway/test_adapter_placement.py, property tests):
+- a version with a request in flight on a replica is never chosen to be unloaded there;
+- the chosen replica holds the version, or has room for it once the evictions are done: an adapter
+  request is never sent where it would be answered by the base model or another version;
+- a replica without LoRA slots (`slots` 0) is never chosen.
+
+`slots` is how many versions a replica may hold at once: its engine's `max_cpu_loras` (vLLM's own
+LRU of loaded adapters; past it vLLM would evict behind the gateway's back). `max_loras`, the
+versions one engine step may batch, bounds only how many run at once there, not what it holds.
+In-flight counts are the gateway's own (every request it has open, per replica and version); a
+replica's unload is also guarded on its own count (planned: `DELETE /v1/adapters/{name}` refused
+while that adapter has requests in flight), since another gateway's requests are not counted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaAdapters:
+    name: str
+    slots: int  # versions it may hold at once (max_cpu_loras); 0: LoRA not enabled
+    load: int  # requests in flight on the replica, all versions and the base model
+    # engine name -> when it was last used (monotonic; a larger value is more recent). Includes the
+    # versions being loaded now: they hold a slot and a request for them waits for the load.
+    loaded: Mapping[str, float] = field(default_factory=dict)
+    in_flight: Mapping[str, int] = field(default_factory=dict)  # engine name -> requests in flight
+
+
+@dataclass(frozen=True)
+class Placement:
+    replica: str
+    engine_name: str
+    load: bool  # the replica must load the version first
+    evict: tuple[str, ...] = ()  # versions to unload on it first, in this order
+
+
+def victims(replica: ReplicaAdapters, keep: str, declared: Collection[str]) -> tuple[str, ...] | None:
+    """The versions to unload on `replica` so that `keep` fits, or None when it cannot be made room
+    for: too few idle versions. Never one with a request in flight, never `keep` itself; versions no
+    longer declared first, then the least recently used."""
+    if replica.slots <= 0:
+        return None
+    need = len([n for n in replica.loaded if n != keep]) - replica.slots + 1
+    if need <= 0:
+        return ()
+    idle = [n for n in replica.loaded if n != keep and replica.in_flight.get(n, 0) <= 0]
+    idle.sort(key=lambda n: (n in declared, replica.loaded[n], n))
+    return tuple(idle[:need]) if len(idle) >= need else None
+
+
+def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Collection[str],
+          capacity: int | None = None, turn: int = 0) -> Placement | None:
+    """The placement of one request for `engine_name` among the eligible `replicas` (ready, not
+    draining, allowed by the version policy), or None when no replica can take it now."""
+    lora = [r for r in replicas if r.slots > 0]
+    holders = sorted((r for r in lora if engine_name in r.loaded), key=lambda r: (r.load, r.name))
+    loaders: list[tuple[ReplicaAdapters, tuple[str, ...]]] = []
+    for r in lora:
+        if engine_name in r.loaded:
+            continue
+        evict = victims(r, engine_name, declared)
+        if evict is not None:
+            loaders.append((r, evict))
+    # Least loaded; a free slot before an eviction; the rotating turn spreads ties on an idle pool.
+    loaders.sort(key=lambda re: (re[0].load, len(re[1]), re[0].name))
+
+    def first_holder() -> Placement:
+        tied = [r for r in holders if r.load == holders[0].load]
+        return Placement(tied[turn % len(tied)].name, engine_name, load=False)
+
+    def first_loader() -> Placement:
+        best = loaders[0]
+        tied = [re for re in loaders if (re[0].load, len(re[1])) == (best[0].load, len(best[1]))]
+        r, evict = tied[turn % len(tied)]
+        return Placement(r.name, engine_name, load=True, evict=evict)
+
+    if holders and (capacity is None or holders[0].load < capacity):
+        return first_holder()
+    if loaders and (capacity is None or loaders[0][0].load < capacity):
+        return first_loader()
+    if holders:
+        return first_holder()
+    if loaders:
+        return first_loader()
+    return None

@@ -1,0 +1,129 @@
+"""Where a request for one adapter version goes, and what is unloaded to make room for it
+(sampler_gateway/adapter_placement.py, pure). The invariants, as properties: a version with a request
+in flight is never unloaded, and the chosen replica holds the version or has room for it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sampler_gateway.adapter_placement import Placement, ReplicaAdapters, place, victims
+
+V = "a.5.9"  # the version asked for
+
+
+def r(name: str, load: int = 0, slots: int = 2, loaded: dict[str, float] | None = None,
+      in_flight: dict[str, int] | None = None) -> ReplicaAdapters:
+    return ReplicaAdapters(name, slots, load, loaded or {}, in_flight or {})
+
+
+def test_a_holder_is_chosen_over_an_idle_replica_with_room() -> None:
+    p = place(V, [r("r0"), r("r1", load=7, loaded={V: 1.0})], declared={V})
+    assert p == Placement("r1", V, load=False)
+
+
+def test_among_holders_the_least_loaded_and_ties_rotate() -> None:
+    hs = [r("r0", 3, loaded={V: 1}), r("r1", 1, loaded={V: 1}), r("r2", 1, loaded={V: 1})]
+    assert place(V, hs, declared={V}) == Placement("r1", V, load=False)
+    assert place(V, hs, declared={V}, turn=1) == Placement("r2", V, load=False)
+
+
+def test_no_holder_the_least_loaded_replica_with_a_free_slot_loads_it() -> None:
+    full = r("r0", 0, slots=1, loaded={"b.1.1": 5.0}, in_flight={"b.1.1": 1})
+    p = place(V, [full, r("r1", 4), r("r2", 2, loaded={"c.1.2": 1.0})], declared={V, "b.1.1", "c.1.2"})
+    assert p == Placement("r2", V, load=True)
+
+
+def test_a_free_slot_goes_before_an_eviction_at_equal_load() -> None:
+    evicting = r("r0", 1, slots=1, loaded={"b.1.1": 1.0})
+    assert place(V, [evicting, r("r1", 1)], declared={V, "b.1.1"}) == Placement("r1", V, load=True)
+    # A less loaded replica wins even if it must unload one first.
+    assert place(V, [evicting, r("r1", 2)], declared={V, "b.1.1"}) == Placement("r0", V, load=True,
+                                                                                 evict=("b.1.1",))
+
+
+def test_the_victim_is_the_least_recently_used_idle_version_and_undeclared_ones_go_first() -> None:
+    rep = r("r0", slots=3, loaded={"a.1.1": 1.0, "a.2.2": 2.0, "b.1.3": 3.0},
+            in_flight={"a.1.1": 2})
+    assert victims(rep, V, declared={"a.1.1", "a.2.2", "b.1.3"}) == ("a.2.2",)  # a.1.1 is older but busy
+    assert victims(rep, V, declared={"a.1.1", "a.2.2"}) == ("b.1.3",)  # no longer declared: first
+    assert victims(replace(rep, in_flight={"a.1.1": 1, "a.2.2": 1, "b.1.3": 1}), V, declared=()) is None
+    assert victims(replace(rep, slots=4), V, declared=()) == ()
+
+
+def test_a_replica_holding_more_than_its_slots_unloads_enough() -> None:
+    rep = r("r0", slots=1, loaded={"x.1.1": 1.0, "y.1.2": 2.0})
+    assert victims(rep, V, declared=()) == ("x.1.1", "y.1.2")
+
+
+def test_every_slot_busy_everywhere_is_no_placement() -> None:
+    busy = [r(f"r{i}", slots=1, loaded={f"b.{i}.{i}": 1.0}, in_flight={f"b.{i}.{i}": 1}) for i in range(3)]
+    assert place(V, busy, declared={V}) is None
+    assert place(V, [], declared={V}) is None
+
+
+def test_a_replica_without_lora_is_never_chosen() -> None:
+    assert place(V, [r("r0", slots=0)], declared={V}) is None
+    assert place(V, [r("r0", slots=0, loaded={V: 1.0}), r("r1", 9)], declared={V}) == Placement("r1", V, load=True)
+
+
+def test_holders_at_capacity_spill_over_to_a_replica_with_room_and_back_when_all_are_full() -> None:
+    hot = r("r0", 8, loaded={V: 1.0})
+    assert place(V, [hot, r("r1", 2)], declared={V}, capacity=8) == Placement("r1", V, load=True)
+    assert place(V, [hot, r("r1", 2)], declared={V}) == Placement("r0", V, load=False)  # no capacity: stay
+    assert place(V, [hot, r("r1", 9)], declared={V}, capacity=8) == Placement("r0", V, load=False)
+    # No holder, every loader at capacity: still the least loaded one (it queues there).
+    assert place(V, [r("r0", 9), r("r1", 8)], declared={V}, capacity=8) == Placement("r1", V, load=True)
+
+
+# ---------------------------------------------------------------------------- properties
+
+NAMES = ["a.1.1", "a.5.9", "b.1.2", "b.2.3", "c.1.4"]
+
+
+@st.composite
+def replica(draw: st.DrawFn, name: str) -> ReplicaAdapters:
+    slots = draw(st.integers(0, 3))
+    held = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=4))
+    return ReplicaAdapters(
+        name=name, slots=slots, load=draw(st.integers(0, 10)),
+        loaded={n: draw(st.floats(0, 100, allow_nan=False)) for n in held},
+        in_flight={n: draw(st.integers(0, 2)) for n in held})
+
+
+POOLS = st.integers(0, 4).flatmap(lambda k: st.tuples(*[replica(f"r{i}") for i in range(k)]))
+
+
+@settings(derandomize=True, max_examples=500, deadline=None)
+@given(POOLS, st.sampled_from(NAMES), st.sets(st.sampled_from(NAMES)), st.none() | st.integers(1, 10),
+       st.integers(0, 5))
+def test_placement_invariants(replicas: tuple[ReplicaAdapters, ...], want: str, declared: set[str],
+                              capacity: int | None, turn: int) -> None:
+    p = place(want, replicas, declared=declared, capacity=capacity, turn=turn)
+    holders = [x for x in replicas if x.slots > 0 and want in x.loaded]
+    if p is None:
+        # Nobody holds it, and nobody can be made room on without unloading a busy version.
+        assert not holders
+        for x in replicas:
+            if x.slots > 0:
+                assert len(x.loaded) >= x.slots
+                idle = [n for n in x.loaded if x.in_flight.get(n, 0) == 0]
+                assert len(x.loaded) - len(idle) >= x.slots
+        return
+    chosen = next(x for x in replicas if x.name == p.replica)
+    assert p.engine_name == want and chosen.slots > 0
+    # Never unloads a version with a request in flight, nor the one asked for.
+    for n in p.evict:
+        assert n in chosen.loaded and chosen.in_flight.get(n, 0) == 0 and n != want
+    # Once done, the replica holds the version within its slots: never the base model, never another.
+    after = (set(chosen.loaded) - set(p.evict)) | {want}
+    assert want in after
+    if p.load:
+        assert want not in chosen.loaded and len(after) <= chosen.slots
+    else:
+        assert want in chosen.loaded and not p.evict
+    # Without a capacity, a holder always wins.
+    if capacity is None and holders:
+        assert not p.load and chosen.load == min(h.load for h in holders)

@@ -1,0 +1,36 @@
+"""How a pool's loop learns of a spec change: an event handler filtered on `generation !=
+status.observedGeneration`, never an update handler. kopf keeps the last handled spec of a resource
+with change handlers (create, update, resume, delete) in an annotation, written again at each spec
+change; a pool's spec holds its declared adapters, pushed once per trainer step
+(docs/design/lora-pool.md), so that would be a second write per push and a copy of every run's
+versions in the object's annotations (256 KiB at most, all together)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from sampler_operator import POOL_PLURAL, handlers
+
+
+def _selects_pools(handler: Any) -> bool:
+    return bool(handler.selector.any_name == POOL_PLURAL or handler.selector.plural == POOL_PLURAL)
+
+
+def test_no_change_handler_selects_pools_so_kopf_keeps_no_copy_of_their_spec() -> None:
+    registry = kopf.get_default_registry()
+    assert not [h.id for h in registry._changing.get_all_handlers() if _selects_pools(h)]
+    # The wake-up is an event handler, and the pool's loop a daemon: neither stores anything.
+    assert "wake_pool_on_spec" in [h.id for h in registry._watching.get_all_handlers() if _selects_pools(h)]
+    assert "pool_loop" in [h.id for h in registry._spawning.get_all_handlers() if _selects_pools(h)]
+
+
+def test_the_loop_is_woken_while_the_spec_is_unobserved() -> None:
+    def body(generation: int, observed: int | None) -> Any:
+        return {"metadata": {"generation": generation},
+                "status": {} if observed is None else {"observedGeneration": observed}}
+
+    assert handlers.spec_unobserved(body(3, 2))  # a push (weights or adapters) not stepped on yet
+    assert handlers.spec_unobserved(body(1, None))  # a new pool
+    assert not handlers.spec_unobserved(body(3, 3))  # the loop's own status writes
