@@ -177,10 +177,10 @@ def test_a_gateway_cut_off_from_the_api_server_fences_itself_and_the_switch_open
     direct. Mid-rollout (Drain; b has seen the first replica's drain mark, the fence is not written
     yet) the forwarder is cut: b lives on and keeps serving its clients, but can neither renew its
     Lease nor read the pool. So b never acknowledges the fence, and its discovery no longer sees the
-    second replica's drain mark: b keeps sending work there and returning answers on the old label,
-    which the switch allows for as long as its Lease holds and no longer. A b whose self-fence failed
-    would return the old label after the pool opened the new one: the second replica cannot move on
-    before then, as a long sample sent through b just before the cut keeps it busy on the old label."""
+    second replica's drain mark: b keeps sending work there. A long sample sent through b just before
+    the cut runs there on the old label and ends well after the pool opened the new one (the
+    replica's load waits for it). The switch allows b the old label only while its Lease holds; then
+    b fences itself, and that sample must not be returned. A b whose self-fence failed returns it."""
     old, new = "step-1", "step-2"
     root = base_copies(tiny_model, tmp_path / "ckpt", [old, new])
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
@@ -252,44 +252,45 @@ def test_a_gateway_cut_off_from_the_api_server_fences_itself_and_the_switch_open
             answers_a, answers_b = clients_a.stop(), clients_b.stop()
             executor.shutdown(wait=False, cancel_futures=True)
 
+        every_a = [x for xs in answers_a.values() for x in xs]
+        every_b = [x for xs in answers_b.values() for x in xs]
         print(f"gateway b cut off: self-fenced {self_fenced - cut:.2f} s after the cut (Lease {LEASE_S} s), "
               f"the pool open at {new} {opened - cut:.2f} s after it (bound {LEASE_S + CLOCK_SKEW_S + 3.0} s); "
               f"restored: b enforced the routing {relearned - restored:.2f} s later, answered {new} "
-              f"{serves_new - restored:.2f} s later")
-        # The fence waited for b, which never acknowledged it, and opened once b's Lease had run out
-        # (its last renewal was before the cut), within the documented bound.
+              f"{serves_new - restored:.2f} s later; gateway a: {len(every_a)} answers, gateway b: {len(every_b)}, "
+              f"{sum(x.status == 503 for x in every_b)} of them 503")
+        # The order: no client of either gateway got an older label after a newer one. b returned `old`
+        # only while its Lease held (so before the pool opened `new`), and `new` only after it read the
+        # pool again.
+        for i, xs in [*answers_a.items(), *answers_b.items()]:
+            assert older_for_a_client(xs, [old, new]) == [], f"a client got older weights after newer: {i}"
+        assert older_after_newer(every_a + every_b, [old, new]) == []
+        late_old = [x for x in every_b if x.status == 200 and x.label == old
+                    and (x.received > opened or x.received > self_fenced + 1.0)]
+        assert not late_old, f"gateway b returned {old} after its Lease ran out: {late_old[:3]}"
+        sent, received, status, retry_after, doc = long_answer
+        assert received - sent >= LONG_S and received > opened, (received - sent, received - opened)
+        assert status != 200, f"gateway b returned {doc.get('weights_label')} after the pool opened {new} (long sample)"
+        early_new = [x for x in every_b if x.status == 200 and x.label == new and x.received < restored]
+        assert not early_new, f"gateway b returned {new} while cut off: {early_new[:3]}"
+
+        # The switch: the fence waited for b, which never acknowledged it, and opened once b's Lease had
+        # run out (its last renewal was before the cut), within the documented bound.
         assert "gw-b" in fence["waitingFor"], fence
         assert self_fenced - cut <= LEASE_S + 1.0, self_fenced - cut   # + /health's polling
         assert (fenced["routing"]["generation"], fenced["routing"]["label"], fenced["routing"]["phase"],
                 fenced["routing"]["valid_for_s"]) == (gen, old, "Open", 0), fenced
         assert LEASE_S - RENEW_S <= opened - cut <= LEASE_S + CLOCK_SKEW_S + 3.0, opened - cut
         assert any("not waited for, Lease expired: gw-b" in m for m in _messages(api, ns, "RoutingOpen"))
-        assert probe[0] == 503 and probe[1] == "1" and probe[2]["category"] == "no_replica", probe
-        assert "has not renewed its routing Lease" in probe[2]["message"], probe
-        assert (final["generation"], final["label"], final["phase"]) == (gen + 2, new, "Open"), final
-        assert (relearned_h["routing"]["label"], relearned_h["routing"]["phase"]) == (new, "Open"), relearned_h
-        assert lease
-
-        # a never failed; no client of either gateway got an older label after a newer one.
-        every_a = [x for xs in answers_a.values() for x in xs]
-        every_b = [x for xs in answers_b.values() for x in xs]
         failed_a = [(x.status, x.error) for x in every_a if x.status != 200]
         assert not failed_a, f"{len(failed_a)} of {len(every_a)} through gateway a failed: {failed_a[:5]}"
-        for i, xs in [*answers_a.items(), *answers_b.items()]:
-            assert older_for_a_client(xs, [old, new]) == [], f"a client got older weights after newer: {i}"
-        assert older_after_newer(every_a + every_b, [old, new]) == []
-        # b returned `old` only while its Lease held (checked before the pool opened `new`), and `new` only
-        # after it read the pool again; everything else it answered was the 503 of no replica it may use.
-        late_old = [x for x in every_b if x.status == 200 and x.label == old
-                    and (x.received > opened or x.received > self_fenced + 1.0)]
-        assert not late_old, f"gateway b returned {old} after its Lease ran out: {late_old[:3]}"
-        # The long sample ended on the old label after the pool opened the new one: not returned.
-        sent, received, status, retry_after, doc = long_answer
-        assert received - sent >= LONG_S and received > opened, (received - sent, received - opened)
+
+        # What b answered while fenced: 503 no_replica, Retry-After, naming its Lease (not the pool's
+        # fence, which it never read); the long sample too. Nothing but 200 and that 503 at any time.
         assert (status, retry_after, doc["error"]["category"]) == (503, "1", "no_replica"), long_answer
         assert "has not renewed its routing Lease" in doc["error"]["message"], long_answer
-        early_new = [x for x in every_b if x.status == 200 and x.label == new and x.received < restored]
-        assert not early_new, f"gateway b returned {new} while cut off: {early_new[:3]}"
+        assert probe[0] == 503 and probe[1] == "1" and probe[2]["category"] == "no_replica", probe
+        assert "has not renewed its routing Lease" in probe[2]["message"], probe
         other = [(x.status, x.retry_after, x.body.get("error")) for x in every_b if x.status != 200
                  and not (x.status == 503 and x.retry_after == "1" and x.body["error"]["category"] == "no_replica")]
         assert not other, f"gateway b answered something other than 200 or 503 no_replica: {other[:5]}"
@@ -297,8 +298,11 @@ def test_a_gateway_cut_off_from_the_api_server_fences_itself_and_the_switch_open
         assert fenced_503, "no client of gateway b was answered while it was fenced"
         assert all("has not renewed its routing Lease" in x.body["error"]["message"] for x in fenced_503), \
             {x.body["error"]["message"] for x in fenced_503}
-        print(f"gateway a: {len(every_a)} answers; gateway b: {len(every_b)} answers, "
-              f"{sum(x.status == 503 for x in every_b)} of them 503")
+
+        # Restored: b enforces the open routing and acknowledges it in its Lease.
+        assert (final["generation"], final["label"], final["phase"]) == (gen + 2, new, "Open"), final
+        assert (relearned_h["routing"]["label"], relearned_h["routing"]["phase"]) == (new, "Open"), relearned_h
+        assert lease
     finally:
         stack.close()
         kubelet.stop()
