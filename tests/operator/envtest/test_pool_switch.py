@@ -16,7 +16,8 @@ process kubelet, and gateway PROCESSES with kube discovery, each with its own ro
 - Issue #32 acceptance 2: one gateway cut off from the API server mid-rollout (its only path to it,
   a TCP forwarder, cut), alive and serving: it fences itself within its Lease, the switch opens
   without it within the same bound, and once the path is back it enforces the open routing and
-  serves the new label.
+  serves the new label; cut off before a push, it serves the opened label within a renewal and a
+  refresh of the path's return.
 """
 from __future__ import annotations
 
@@ -307,6 +308,50 @@ def test_a_gateway_cut_off_from_the_api_server_fences_itself_and_the_switch_open
         stack.close()
         kubelet.stop()
 
+
+def test_a_gateway_cut_off_before_a_push_serves_the_opened_label_once_it_hears_from_the_api_server(
+        k8s: Any, api: Any, ns: str, operator: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """Issue #32: gateway b is cut off before the trainer pushes, so its discovery keeps the old target
+    label; the pool opens the new one without b. Once the forwarder is restored, b's Lease renews and
+    its discovery lists again at once (KubeDiscovery.reconnect), so b answers the new label within a
+    renewal and a refresh, not at the end of its watches' backoff (up to 30 s): until they list again,
+    the old target ranks above the opened label and b, under Latest, answered 503."""
+    old, new = "step-1", "step-2"
+    root = base_copies(tiny_model, tmp_path / "ckpt", [old, new])
+    kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
+    stack = contextlib.ExitStack()
+    try:
+        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
+        api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body(
+            "s", 2, tpl, weights={"checkpoint": str(root / old), "versionLabel": old},
+            rollout={"mode": "Drain", "maxUnavailable": 1}))
+        key = _wait_key(api, ns)
+        proxy = stack.enter_context(tcp_proxy(*ks.apiserver_address(k8s.kubeconfig)))
+        start_gateway(stack, k8s, ns, key, "gw-a")
+        b = start_gateway(stack, k8s, ns, key, "gw-b", "--no-replica-wait-s", "2",
+                          kubeconfig=ks.kubeconfig_via(k8s.kubeconfig, proxy.port, tmp_path / "via-proxy.kubeconfig"))
+        ks.wait_for(lambda: open_at(api, ns, "s", old), 120, 0.1, f"the pool open at {old}")
+        clients_b = Clients([b.url], key, body, n=2).start()
+        try:
+            clients_b.wait_for(10, "load through gateway b")
+            proxy.cut()
+            roll(api, ns, root, new, "Drain")
+            ks.wait_for(lambda: open_at(api, ns, "s", new), 120, 0.05, f"the rollout to {new} complete")
+            assert b.health()["target_label"] == old, "gateway b heard of the push while cut off"
+            proxy.restore()
+            restored = time.monotonic()
+            ks.wait_for(lambda: any(x.status == 200 and x.label == new for x in clients_b.every()), 120, 0.02,
+                        f"an answer at {new} through gateway b")
+            serves_new = time.monotonic()
+        finally:
+            answers_b = clients_b.stop()
+        print(f"gateway b cut off before the push: answered {new} {serves_new - restored:.2f} s after the restore")
+        assert serves_new - restored <= RENEW_S + 2.0, serves_new - restored
+        for i, xs in answers_b.items():
+            assert older_for_a_client(xs, [old, new]) == [], f"a client got older weights after newer: {i}"
+    finally:
+        stack.close()
+        kubelet.stop()
 
 def _post(url: str, key: str, doc: dict[str, Any]) -> tuple[float, float, int, str | None, dict[str, Any]]:
     """(sent, received, status, Retry-After, body) of one POST /v1/sample."""
