@@ -63,6 +63,7 @@ ROLLOUTS = 5
 LONG_S = 15
 LONG_BODY = {"prompts": [[1, 17, 42, 3]], "num_samples": LONG_S,
              "sampling_params": {"max_tokens": 1000, "temperature": 1.0, "seed": 7, "ignore_eos": True}}
+HOLD_BODY = {**LONG_BODY, "num_samples": 2}   # at least 2 s
 
 
 def body(n: int) -> dict[str, Any]:
@@ -204,10 +205,18 @@ def test_a_gateway_cut_off_from_the_api_server_fences_itself_and_the_switch_open
         assert proxy.connections > 0, "gateway b did not reach the API server through the forwarder"
         clients_a = Clients([a.url], key, body, n=2).start()
         clients_b = Clients([b.url], key, body, n=2).start()
-        executor = ThreadPoolExecutor(1)
+        executor = ThreadPoolExecutor(3)
         try:
             clients_a.wait_for(10, "load through gateway a")
             clients_b.wait_for(10, "load through gateway b")
+            # Each replica busy for a few seconds as the rollout starts (a sample sent to it directly):
+            # the first one's load waits for it, so the fence comes seconds after that replica's drain
+            # mark, and the cut below, made once b has seen the mark, surely comes before the fence.
+            urls = [r["url"] for r in b.health()["replicas"]]
+            for url in urls:
+                executor.submit(_post, url, key, HOLD_BODY)
+            ks.wait_for(lambda: all(httpx.get(u + "/health", timeout=5).json()["in_flight"] >= 1 for u in urls),
+                        30, 0.01, "a sample in flight on each replica")
 
             roll(api, ns, root, new, "Drain")
             b.wait(lambda h: any(r["draining"] for r in h["replicas"]), "the rollout's first drain mark")
