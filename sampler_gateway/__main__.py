@@ -35,27 +35,31 @@ def pool_object_for(cfg: GatewayConfig) -> PoolObject | None:
     return KubePoolObject(cfg.pool, cfg.namespace)
 
 
-def routing_lease_for(cfg: GatewayConfig) -> RoutingLease | None:
-    """The pool's routing switch: with kube discovery only (a static pool has no SamplerPool)."""
+def routing_lease_for(cfg: GatewayConfig, source: Source | None = None) -> RoutingLease | None:
+    """The pool's routing switch: with kube discovery only (a static pool has no SamplerPool). Once its
+    Lease renews after failing, `source`'s watches list again at once (KubeDiscovery.reconnect)."""
     if cfg.discovery == "static":
         return None
     import os
     import socket
 
+    from .discovery.kube import KubeDiscovery
     from .routing import KubeRoutingLease
 
     # Unique per process when no pod name is given: two gateways sharing one Lease would each
     # overwrite the other's acknowledgement.
     holder = cfg.pod_name or f"{socket.gethostname()}-{os.getpid()}"[-200:]
+    reconnected = source.reconnect if isinstance(source, KubeDiscovery) else None
     return lambda switch, on_change: KubeRoutingLease(cfg.pool, cfg.namespace, holder, cfg.routing_lease_s,
-                                                      cfg.routing_renew_s, switch, on_change)
+                                                      cfg.routing_renew_s, switch, on_change, reconnected)
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rollout_trace.enable_from_env()
-    app = create_app(cfg, source_for(cfg), pool_object_for(cfg), routing_lease_for(cfg))
+    source = source_for(cfg)
+    app = create_app(cfg, source, pool_object_for(cfg), routing_lease_for(cfg, source))
     # No proxy-headers middleware: the gateway reads no client address, and it ran on every request.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             timeout_graceful_shutdown=10, timeout_keep_alive=75, proxy_headers=False)

@@ -167,7 +167,9 @@ class KubeRoutingLease:
     API round trip after the controller's write, not up to one interval."""
 
     def __init__(self, pool: str, namespace: str, holder: str, duration_s: int, renew_s: float, switch: Switch,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], reconnected: Callable[[], None] | None = None) -> None:
+        """`reconnected`: called when a renewal succeeds after one failed (the API server answers
+        again), so what else this gateway reads from it (discovery) need not wait out its backoff."""
         from kubernetes import client, config
 
         try:
@@ -176,6 +178,7 @@ class KubeRoutingLease:
             config.load_kube_config()
         self.pool, self.namespace, self.holder = pool, namespace, holder
         self.duration_s, self.renew_s, self.switch, self.on_change = duration_s, renew_s, switch, on_change
+        self.reconnected = reconnected
         self._leases, self._custom = client.CoordinationV1Api(), client.CustomObjectsApi()
         self._pool_uid: str | None = None
         self._version: str | None = None  # the Lease's resourceVersion last written
@@ -286,6 +289,7 @@ class KubeRoutingLease:
         self._watching.set()
         threading.Thread(target=self._watch, args=(asyncio.get_running_loop(),), daemon=True,
                          name="watch-routing").start()
+        failing = False
         try:
             while True:
                 self._wake.clear()
@@ -295,7 +299,12 @@ class KubeRoutingLease:
                     raise
                 except Exception as e:  # the API server away: the self-fence bounds what that costs
                     log.warning("routing lease renewal failed: %s", e)
-                    changed = False
+                    changed, failing = False, True
+                else:
+                    if failing and self.reconnected is not None:
+                        log.info("routing lease renewed again: the API server answers")
+                        self.reconnected()
+                    failing = False
                 if not changed:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.renew_s)

@@ -53,14 +53,21 @@ def _plain(obj: Any) -> dict[str, Any]:
 
 
 class _Watch(threading.Thread):
-    """List, then watch from that list's resourceVersion; on any error or expiry, list again."""
+    """List, then watch from that list's resourceVersion; on any error or expiry, list again. After a
+    failure it waits before listing again, longer after each (up to 30 s): kind to an API server in
+    trouble. `retry_now` ends that wait: the gateway has heard from the API server again (its routing
+    Lease renewed, routing.py), and a gateway that keeps a stale pool after that serves nothing new
+    (its target label, the order of labels) for the rest of the wait."""
+
+    first_backoff_s = 1.0
 
     def __init__(self, what: str, on_change: Callable[[], None], list_fn: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(daemon=True, name=f"watch-{what}")
         self.what, self.on_change, self.list_fn, self.kwargs = what, on_change, list_fn, kwargs
         self.items: dict[str, dict[str, Any]] = {}
         self.synced = threading.Event()
-        self._stop = threading.Event()
+        self._ending = threading.Event()   # not `_stop`: that is Thread.join's own method
+        self._retry = threading.Event()   # set: end the wait after a failure (stop, or retry_now)
         self._lock = threading.Lock()
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -70,11 +77,11 @@ class _Watch(threading.Thread):
     def run(self) -> None:
         from kubernetes import watch
 
-        backoff = 1.0
-        while not self._stop.is_set():
+        backoff = self.first_backoff_s
+        while not self._ending.is_set():
             try:
                 listed = _plain(self.list_fn(**self.kwargs))
-                backoff = 1.0
+                backoff = self.first_backoff_s
                 with self._lock:
                     self.items = {o["metadata"]["name"]: o for o in listed.get("items", [])}
                 self.synced.set()
@@ -92,15 +99,20 @@ class _Watch(threading.Thread):
                         else:
                             self.items[name] = obj
                     self.on_change()
-                    if self._stop.is_set():
+                    if self._ending.is_set():
                         w.stop()
             except Exception as e:  # the API server restarting, a network blip, no such CRD: list again
                 log.warning("watch of %s failed (again in %.0fs): %s", self.what, backoff, e)
-                self._stop.wait(backoff)
+                self._retry.wait(backoff)
+                self._retry.clear()
                 backoff = min(30.0, backoff * 2)
 
+    def retry_now(self) -> None:
+        self._retry.set()
+
     def stop(self) -> None:
-        self._stop.set()
+        self._ending.set()
+        self._retry.set()
 
 
 def in_pool(cr: dict[str, Any], pool: str) -> bool:
@@ -179,6 +191,12 @@ class KubeDiscovery:
 
     async def changed(self) -> None:
         await self._changes.wait()
+
+    def reconnect(self) -> None:
+        """The API server answers again (this gateway's routing Lease renewed after failing): the
+        watches waiting after a failure list again now, not at the end of their wait."""
+        for w in self._watches:
+            w.retry_now()
 
     def close(self) -> None:
         for w in self._watches:

@@ -29,6 +29,7 @@ class Answer:
     error: str | None = None
     retried: str | None = None  # X-Sampler-Retried: the replica lost while running it, when re-run
     gateway: str | None = None  # X-Sampler-Gateway: which of the pool's gateways answered
+    retry_after: str | None = None  # Retry-After, on a 503
 
     @property
     def stamped(self) -> bool:

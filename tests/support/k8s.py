@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -125,6 +126,24 @@ def kubectl(*args: str, kubeconfig: str | None = None, input: str | None = None,
     kc = kubeconfig or os.environ.get("KUBECONFIG")
     cmd = [binary] + ([f"--kubeconfig={kc}"] if kc else []) + list(args)
     return _run(cmd, input=input, check=check, timeout=timeout)
+
+
+def apiserver_address(kubeconfig: str) -> tuple[str, int]:
+    """(host, port) of the API server a kubeconfig written by control-plane-up.sh names (one cluster,
+    `server: https://HOST:PORT`)."""
+    m = re.search(r"^\s*server:\s*https://([^:/\s]+):(\d+)\s*$", Path(kubeconfig).read_text(), re.MULTILINE)
+    if m is None:
+        raise ValueError(f"{kubeconfig}: no `server: https://HOST:PORT` line")
+    return m.group(1), int(m.group(2))
+
+
+def kubeconfig_via(kubeconfig: str, port: int, out: Path) -> str:
+    """A copy of `kubeconfig` whose server is https://127.0.0.1:`port` (a forwarder in front of the API
+    server, tests/support/tcp_proxy.py): same CA and credentials, so TLS is checked as before."""
+    text = re.sub(r"^(\s*server:\s*)https://[^\s]+$", rf"\g<1>https://127.0.0.1:{port}", Path(kubeconfig).read_text(),
+                  flags=re.MULTILINE)
+    out.write_text(text)
+    return str(out)
 
 
 def load_kube_config(cluster: Cluster) -> None:

@@ -73,7 +73,7 @@ class Clients:
                     a = Answer(sent, time.monotonic(), r.status_code, doc.get("weights_label") if ok else None,
                                doc.get("weights_version") if ok else None, r.headers.get("x-sampler-replica"),
                                doc, None if ok else f"{url}: {r.text[:400]}", r.headers.get("x-sampler-retried"),
-                               r.headers.get("x-sampler-gateway"))
+                               r.headers.get("x-sampler-gateway"), r.headers.get("retry-after"))
                 except httpx.HTTPError as e:
                     a = Answer(sent, time.monotonic(), 0, None, None, None, {}, f"{url}: {type(e).__name__}: {e}")
                 error = a.body.get("error")
@@ -98,6 +98,11 @@ class Clients:
     def count(self) -> int:
         with self._lock:
             return sum(len(a) for a in self.answers.values())
+
+    def every(self) -> list[Answer]:
+        """Every answer so far, of every client."""
+        with self._lock:
+            return [a for xs in self.answers.values() for a in xs]
 
     def wait_for(self, more: int, what: str, timeout: float = 120) -> None:
         """Until `more` answers beyond those already in have come back (the load really runs)."""
