@@ -157,6 +157,15 @@ class Renewer(Protocol):
 RoutingLease = Callable[[Switch, Callable[[], None]], Renewer]
 
 
+def call_timeout_s(duration_s: float) -> float:
+    """How long one API call of a renewal may take: half the Lease's duration. On a silent network
+    (packets dropped, no reset) a call without a timeout hangs for as long as TCP takes to give up,
+    minutes, and the renewals behind it with it: the self-fence still holds (it goes by the clock),
+    but the gateway would come back that much later once the network does. A renewal slower than
+    half its Lease is worth nothing anyway."""
+    return max(1.0, duration_s / 2)
+
+
 def _micro(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -180,6 +189,7 @@ class KubeRoutingLease:
         self.duration_s, self.renew_s, self.switch, self.on_change = duration_s, renew_s, switch, on_change
         self.reconnected = reconnected
         self._leases, self._custom = client.CoordinationV1Api(), client.CustomObjectsApi()
+        self._timeout_s = call_timeout_s(duration_s)
         self._pool_uid: str | None = None
         self._version: str | None = None  # the Lease's resourceVersion last written
         self._acked = -1  # the generation last written, for the trace
@@ -206,16 +216,18 @@ class KubeRoutingLease:
         name = lease_name(self.holder)
         if self._version is None:
             try:
-                out = self._leases.read_namespaced_lease(name, self.namespace)
+                out = self._leases.read_namespaced_lease(name, self.namespace, _request_timeout=self._timeout_s)
                 self._version = out.metadata.resource_version
             except ApiException as e:
                 if e.status != 404:
                     raise
-                out = self._leases.create_namespaced_lease(self.namespace, self._body(generation, renewed))
+                out = self._leases.create_namespaced_lease(self.namespace, self._body(generation, renewed),
+                                                           _request_timeout=self._timeout_s)
                 self._version = out.metadata.resource_version
                 return
         try:
-            out = self._leases.replace_namespaced_lease(name, self.namespace, self._body(generation, renewed))
+            out = self._leases.replace_namespaced_lease(name, self.namespace, self._body(generation, renewed),
+                                                        _request_timeout=self._timeout_s)
             self._version = out.metadata.resource_version
         except ApiException:
             self._version = None  # changed or deleted under us: read it again next time
@@ -227,8 +239,8 @@ class KubeRoutingLease:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            obj: dict[str, Any] = self._custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                                            self.pool)
+            obj: dict[str, Any] = self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.pool, _request_timeout=self._timeout_s)
         except ApiException as e:
             if e.status != 404:
                 raise
