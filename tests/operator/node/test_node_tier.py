@@ -643,8 +643,8 @@ def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, op
 
 
 def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, operator, tiny_model):
-    """The engine start hangs (test seam); the kubelet's startup probe gives up on the container within
-    startupTimeoutSeconds + one probe period and restarts it (the operator leaves `starting` pods alone)."""
+    """The engine start hangs (test seam); the kubelet's startup probe on /readyz restarts the container
+    within startupTimeoutSeconds + one probe period (the operator leaves `starting` pods alone)."""
     port = ks.free_port()
     timeout_s = 12
     api.apply(ns, replica("dh", port, Path(tiny_model),
@@ -657,21 +657,11 @@ def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, op
         return cs is not None and cs.restart_count >= 1 and cs.last_state.terminated is not None and cs
     cs = ks.wait_for(restarted, 120, 0.5, "a container restart")
     term = cs.last_state.terminated
-
-    def pod_events() -> list[Any]:
-        return [e for e in api.core.list_namespaced_event(ns).items if e.involved_object.name == "dh-0"]
-
-    def killed_by_the_probe() -> Any:
-        return next((e for e in pod_events() if e.reason == "Killing" and "startup probe" in (e.message or "")), None)
-    kill = ks.wait_for(killed_by_the_probe, 30, 0.5, "the kubelet's Killing event for the startup probe")
-    events = [(e.reason, e.message, e.count) for e in pod_events()]
-    # What the probe's settings decide: when the kubelet gives up on the start (its Killing event), not
-    # when the process is gone: that also takes the process's own exit, up to the grace period, slower
-    # on a loaded box. The kubelet's timestamps have 1 s resolution.
-    decided = (kill.first_timestamp - term.started_at).total_seconds()
-    assert decided <= timeout_s + PERIOD + 1, (decided, term, events)
-    grace = api.core.read_namespaced_pod("dh-0", ns).spec.termination_grace_period_seconds
-    assert (term.finished_at - kill.first_timestamp).total_seconds() <= grace + 1, (term, events)
+    lived = (term.finished_at - term.started_at).total_seconds()
+    events = [(e.reason, e.message, e.count) for e in api.core.list_namespaced_event(ns).items
+              if e.involved_object.name == "dh-0"]
+    # The kubelet's timestamps have 1 s resolution.
+    assert lived <= timeout_s + PERIOD + 1, (lived, term, events)
     assert any(r == "Unhealthy" and "Startup probe failed" in (m or "") for r, m, _ in events), events
     assert api.status(ns, "dh").get("replacements") in (None, 0), "restarted by the kubelet, not replaced"
 
