@@ -34,12 +34,17 @@ class RWLock:
         return self._writers_waiting
 
     async def acquire_read(self, timeout: float | None = None) -> float:
-        """Enter as a reader; returns the seconds waited (the 'pause' a write imposed).
+        """Enter as a reader; returns the seconds a write held this reader out (0.0 when none did:
+        the time to take the condition's own mutex is not a write's pause, and on a busy event loop
+        it can pass a millisecond with no writer anywhere).
 
         Raises TimeoutError if a writer holds us out for longer than `timeout`.
         """
-        t0 = time.monotonic()
         async with self._cond:
+            if not self._writer_active and self._writers_waiting == 0:
+                self._readers += 1
+                return 0.0
+            t0 = time.monotonic()
             # asyncio.timeout around the wait only: the count below is changed with the
             # condition's lock held, so a timeout can never leak a half-entered reader.
             async with asyncio.timeout(timeout):

@@ -211,3 +211,30 @@ async def test_rwlock_cancelled_release_write_leaves_no_writer() -> None:
         await release
     assert not lock.writer_active
     assert await lock.acquire_read(timeout=1) >= 0
+
+
+async def test_rwlock_a_reader_kept_only_by_the_mutex_reports_no_write_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seconds `acquire_read` returns are a write's pause (the sampler's
+    sampler_write_lock_wait_seconds): a reader that only waited for the condition's own mutex, with
+    no writer anywhere, waited for no write, however slow the event loop."""
+    from types import SimpleNamespace
+
+    from sampler_pod.core import rwlock
+
+    now = [100.0]
+    monkeypatch.setattr(rwlock, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    lock = RWLock()
+    await lock._cond.acquire()          # someone else holds the mutex (a release waking writers)
+    reader = asyncio.create_task(lock.acquire_read(timeout=5))
+    await until(lambda: lock._cond._lock._waiters)  # the reader is queued on the mutex
+    now[0] += 0.5
+    lock._cond.release()
+    assert await reader == 0.0 and lock.readers == 1
+    # Held out by a writer, it reports the pause.
+    await lock.release_read()
+    await lock.acquire_write()
+    reader = asyncio.create_task(lock.acquire_read(timeout=5))
+    await until(lambda: lock._cond._waiters)         # waiting on the condition, behind the writer
+    now[0] += 0.25
+    await lock.release_write()
+    assert await reader == 0.25
