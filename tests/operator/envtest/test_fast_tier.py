@@ -104,7 +104,9 @@ def test_deleted_pod_is_recreated(api, ns, operator, kubelet):
     wait_phase(api, ns, "r1", "Ready")
     api.core.delete_namespaced_pod("r1-0", ns)
     ks.wait_for(lambda: [p.metadata.name for p in live_pods(api, ns)] == ["r1-1"], 20, 0.1, "pod r1-1")
-    st = wait_phase(api, ns, "r1", "Ready")
+    # Ready on the new pod: the old pod's Ready status stays until the operator writes the replacement.
+    st = ks.wait_for(lambda: (s := status(api, ns, "r1")).get("phase") == "Ready" and s.get("podName") == "r1-1"
+                     and s, 30, 0.1, "r1 Ready on r1-1")
     assert st["lastReplacement"]["reason"] == "PodDeleted" and st["lastReplacement"]["oldPod"] == "r1-0"
 
 
