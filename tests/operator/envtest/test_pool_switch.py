@@ -107,11 +107,7 @@ def test_one_switch_for_all_gateways_over_drain_abort_and_keep_rollouts_and_a_ga
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     try:
-        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
-        api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body(
-            "s", 2, tpl, weights={"checkpoint": str(root / labels[0]), "versionLabel": labels[0]},
-            rollout={"mode": "Drain", "maxUnavailable": 1}))
-        key = _wait_key(api, ns)
+        key = _create_pool(api, ns, tiny_model, root, labels[0], {"mode": "Drain", "maxUnavailable": 1})
         a = start_gateway(stack, k8s, ns, key, "gw-a")
         b = start_gateway(stack, k8s, ns, key, "gw-b")
         ks.wait_for(lambda: open_at(api, ns, "s", labels[0]), 120, 0.1, f"the pool open at {labels[0]}")
@@ -188,17 +184,13 @@ def test_a_gateway_cut_off_from_the_api_server_fences_itself_and_the_switch_open
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     try:
-        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
-        api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body(
-            "s", 2, tpl, weights={"checkpoint": str(root / old), "versionLabel": old},
-            rollout={"mode": "Drain", "maxUnavailable": 1, "drainTimeoutSeconds": 120}))
-        key = _wait_key(api, ns)
+        key = _create_pool(api, ns, tiny_model, root, old, {"mode": "Drain", "maxUnavailable": 1,
+                                                           "drainTimeoutSeconds": 120})
         proxy = stack.enter_context(tcp_proxy(*ks.apiserver_address(k8s.kubeconfig)))
         # a's clients wait through the fence, which waits for b's Lease (up to LEASE_S + CLOCK_SKEW_S + a
         # step): longer than the default --no-replica-wait-s would allow. b's 503s come after 2 s.
         a = start_gateway(stack, k8s, ns, key, "gw-a", "--no-replica-wait-s", "30")
-        b = start_gateway(stack, k8s, ns, key, "gw-b", "--no-replica-wait-s", "2",
-                          kubeconfig=ks.kubeconfig_via(k8s.kubeconfig, proxy.port, tmp_path / "via-proxy.kubeconfig"))
+        b = _gateway_via(proxy, stack, k8s, ns, key, tmp_path)
         ks.wait_for(lambda: open_at(api, ns, "s", old), 120, 0.1, f"the pool open at {old}")
         gen = routing(api, ns, "s")["generation"]
         b.wait(lambda h: h["routing"]["generation"] == gen and not h["routing"]["self_fenced"], f"Open({old}, {gen})")
@@ -330,15 +322,10 @@ def test_a_gateway_cut_off_before_a_push_serves_the_opened_label_once_it_hears_f
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     try:
-        tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
-        api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body(
-            "s", 2, tpl, weights={"checkpoint": str(root / old), "versionLabel": old},
-            rollout={"mode": "Drain", "maxUnavailable": 1}))
-        key = _wait_key(api, ns)
+        key = _create_pool(api, ns, tiny_model, root, old, {"mode": "Drain", "maxUnavailable": 1})
         proxy = stack.enter_context(tcp_proxy(*ks.apiserver_address(k8s.kubeconfig)))
         start_gateway(stack, k8s, ns, key, "gw-a")
-        b = start_gateway(stack, k8s, ns, key, "gw-b", "--no-replica-wait-s", "2",
-                          kubeconfig=ks.kubeconfig_via(k8s.kubeconfig, proxy.port, tmp_path / "via-proxy.kubeconfig"))
+        b = _gateway_via(proxy, stack, k8s, ns, key, tmp_path)
         ks.wait_for(lambda: open_at(api, ns, "s", old), 120, 0.1, f"the pool open at {old}")
         clients_b = Clients([b.url], key, body, n=2).start()
         try:
@@ -375,6 +362,22 @@ def _lease_ack(api: Any, ns: str, holder: str) -> int | None:
     lease = client.CoordinationV1Api(api.client).read_namespaced_lease(f"{holder}-routing", ns)
     raw = (lease.metadata.annotations or {}).get("sampler.rl.dev/routing-generation")
     return int(raw) if raw is not None else None
+
+
+def _create_pool(api: Any, ns: str, tiny_model: Path, root: Path, label: str, rollout: dict[str, Any]) -> str:
+    """The pool "s" of these tests: 2 replicas at `label` (a checkpoint under `root`), `rollout`; its key."""
+    tpl = template(ks.free_port(), model=str(tiny_model), checkpoints={"allowedRoots": [str(root)]})
+    api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body(
+        "s", 2, tpl, weights={"checkpoint": str(root / label), "versionLabel": label}, rollout=rollout))
+    return _wait_key(api, ns)
+
+
+def _gateway_via(proxy: Any, stack: contextlib.ExitStack, k8s: Any, ns: str, key: str,
+                 tmp_path: Path) -> RunningGateway:
+    """Gateway b: it reaches the API server only through `proxy` (the test cuts it), and answers 503
+    after 2 s without a replica it may use."""
+    return start_gateway(stack, k8s, ns, key, "gw-b", "--no-replica-wait-s", "2",
+                         kubeconfig=ks.kubeconfig_via(k8s.kubeconfig, proxy.port, tmp_path / "via-proxy.kubeconfig"))
 
 
 def _wait_key(api: Any, ns: str) -> str:
