@@ -178,7 +178,11 @@ class AdapterRouter:
                 if left <= 0:
                     self.metrics.no_replica.inc()
                     raise NoReplica(self._why_none(engine, replicas), self.cfg.retry_after_s)
-                await self.pool.changed(left)
+                self.metrics.waiting.inc()
+                try:
+                    await self.pool.changed(left)
+                finally:
+                    self.metrics.waiting.dec()
                 continue
             replica = next(r for r in replicas if r.name == p.replica)
             key = (replica.name, engine)
