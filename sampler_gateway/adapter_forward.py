@@ -17,21 +17,24 @@ The full weights' version policy judges every answer as for any new work (`Pool.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from .adapter_names import VersionTarget
 from .adapter_route import unknown_adapter
 from .errors import NoReplica, ReplicaLost, ReplicaTimeout
-from .forward import Gateway, LabelOf, SecondChances, resend_after_loss, weights_of, with_retried
+from .forward import Gateway, LabelOf, SecondChances, _discard, _open, resend_after_loss, weights_of, with_retried
 from .replicas import ReplicaView
 from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
 
 
 async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarget,
                      rewrite: Callable[[str], Outgoing], *, resendable: bool = False, rerun: bool = False,
-                     label_of: LabelOf | None = None) -> tuple[ReplicaView, Reply, VersionTarget]:
+                     label_of: LabelOf | None = None, stream: bool = False
+                     ) -> tuple[ReplicaView, Reply, VersionTarget]:
     """Place, load if needed, send `rewrite(engine name)`, judge the answer (module docstring).
-    Returns the replica, its answer and the version that answered."""
+    Returns the replica, its answer and the version that answered. `stream`: an event stream is
+    returned at its head (as `to_new`); the version stays counted in flight until it is closed."""
     router = gw.adapters
     tried: set[str] = set()
     label: str | None = None
@@ -40,9 +43,16 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
     placed_again = False
     while True:
         replica, key = await router.acquire(target, frozenset(tried), label)
+        held = False  # the version's count is the open stream's, released when it closes
         try:
-            with gw.pool.lease(replica, "new"):
-                reply = await gw.upstream.send(replica, rewrite(target.engine_name))
+            if stream:
+                reply = await _open(gw, replica, rewrite(target.engine_name))
+                if reply.stream is not None:
+                    reply.stream.on_close(functools.partial(router.release, key))
+                    held = True
+            else:
+                with gw.pool.lease(replica, "new"):
+                    reply = await gw.upstream.send(replica, rewrite(target.engine_name))
         except NotStarted as e:
             gw.pool.mark_lost(replica, str(e))
             tried.add(replica.name)
@@ -67,7 +77,8 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
         except TimedOut as e:
             raise ReplicaTimeout(f"replica {replica.name} ({weights_of(replica)}) did not answer: {e}") from None
         finally:
-            router.release(key)
+            if not held:
+                router.release(key)
         if unknown_adapter(reply, fieldname):
             router.forget(replica.name, target.engine_name)
             if not placed_again:
@@ -78,8 +89,13 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
             return replica, reply, target
         got = label_of(reply) if label_of is not None and reply.status == 200 else None
         if got is not None:
-            await gw.pool.held(got)
+            try:
+                await gw.pool.held(got)
+            except BaseException:
+                _discard(reply)
+                raise
             if not gw.pool.returned(replica, got):
+                _discard(reply)
                 if not used.stale:
                     used.stale = True
                     label = None
@@ -88,6 +104,7 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
                                 f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
         if reply.status == 200 and not resendable:
             if router.order.is_stale(target, gw.cfg.version_policy):
+                _discard(reply)
                 gw.metrics.stale.labels(replica=replica.name).inc()
                 newest = router.order.newest_returned.get(target.run)
                 if not used.stale:
