@@ -38,7 +38,16 @@ from sampler_common.adapters import AdapterState
 from sampler_common.errors import SamplerError
 
 from .adapter_health import HeldAdapter, ReplicaLora
-from .adapter_names import BaseTarget, RunOrder, Target, VersionTarget, base_names, resolve
+from .adapter_names import (
+    SAMPLER_WEIGHTS,
+    TINKER_PREFIX,
+    BaseTarget,
+    RunOrder,
+    Target,
+    VersionTarget,
+    base_names,
+    resolve,
+)
 from .adapter_placement import ReplicaAdapters, place
 from .config import GatewayConfig
 from .errors import NoReplica
@@ -140,6 +149,25 @@ class AdapterRouter:
         if any(name.lower() in base_names(m) for m in models):
             return BaseTarget()
         return resolve(name, self.state, models[0] if models else "", fieldname=fieldname)
+
+    def resolve_tinker(self, model_path: str) -> VersionTarget | None:
+        """A Tinker `model_path` naming one of the pool's versions: `tinker://<run>/sampler_weights/<label>`
+        of a declared run (404 naming `model_path` for a label it does not declare), or
+        `tinker://<engine name>` (what a sampling session created through the gateway carries).
+        None: not a pool adapter (a full-weights label pinned, `tinker://<anything>/<label>`): the
+        replica judges it, as without adapters."""
+        state = self.state
+        rest = model_path[len(TINKER_PREFIX):].strip("/") if model_path.startswith(TINKER_PREFIX) else None
+        if rest is None:
+            return None
+        by_engine = state.engine_names().get(rest)
+        if by_engine is not None:
+            return VersionTarget(run=by_engine[0], version=by_engine[1], pinned=True)
+        parts = rest.split("/")
+        if len(parts) == 3 and parts[1] == SAMPLER_WEIGHTS and parts[0] in state.runs:
+            target = resolve(model_path, state, "", fieldname="model_path")
+            return target if isinstance(target, VersionTarget) else None
+        return None
 
     # ------------------------------------------------------------------ placement
 
@@ -286,5 +314,10 @@ class AdapterRouter:
             return None
         v = target.version
         return {"run": target.run, "step": v.step, "label": v.label, "model": f"{target.run}@{v.step}",
-                "engine_name": target.engine_name, "pinned": target.pinned}
+                "model_path": tinker_path(target), "engine_name": target.engine_name, "pinned": target.pinned}
+
+
+def tinker_path(target: VersionTarget) -> str:
+    """The version's Tinker name, as a push answers it: `tinker://<run>/sampler_weights/<label>`."""
+    return f"{TINKER_PREFIX}{target.run}/{SAMPLER_WEIGHTS}/{target.version.label}"
 

@@ -29,7 +29,7 @@ from tests.support.gateway import Pool, RunningGateway, fake_replicas, run_gatew
 from tests.support.metrics import metric
 from tests.support.server import RunningServer, engine_paused
 
-KEY, ADMIN = "k-lora", "k-lora-admin"
+KEY, ADMIN = "tml-lora", "tml-lora-admin"
 AUTH, ADMIN_AUTH = {"X-API-Key": KEY}, {"X-API-Key": ADMIN}
 PROMPT = [1, 2, 3, 4]
 # (run, step, label, serial): the pool's declared versions.
@@ -280,3 +280,21 @@ def test_a_new_version_declared_is_what_the_run_names(env: Env) -> None:
         assert r.status_code == 200 and r.json()["adapter_version"]["engine_name"] == "a.3.5"
     finally:
         write_json(env.adapters_file, adapters_spec(env.adapter_dir, VERSIONS, missing=env.missing))
+
+
+def test_tinker_sdk_samples_exactly_the_version_its_model_path_names(env: Env) -> None:
+    """The real Tinker SDK's snapshot sampling client (`model_path` as a push answers it): its session
+    is created on a replica holding the version, and every sample is that version's."""
+    import tinker
+    from tinker import types
+
+    sc = tinker.ServiceClient(base_url=env.gw.url, api_key=KEY)
+    params = types.SamplingParams(max_tokens=8, temperature=0.0)
+    for label, (run, step) in [("step-1", ("a", 1)), ("step-2", ("b", 2)), ("step-1", ("b", 1))]:
+        client = sc.create_sampling_client(model_path=f"tinker://{run}/sampler_weights/{label}").result()
+        assert client.get_base_model() == httpx.get(env.pool.servers["r0"].url + "/health").json()["model"]
+        for _ in range(3):
+            result = client.sample(types.ModelInput.from_ints(PROMPT), 1, params).result(timeout=60)
+            assert result.sequences[0].tokens == env.oracle[ENGINE[run, step]], (run, step)
+    with pytest.raises(tinker.NotFoundError):
+        sc.create_sampling_client(model_path="tinker://a/sampler_weights/step-9").result()
