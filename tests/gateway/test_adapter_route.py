@@ -41,6 +41,8 @@ def engine(run: str, step: int, serial: int) -> str:
 
 
 ENGINE = {(r, s): engine(r, s, n) for r, s, _, n in VERSIONS}
+# A version pushed during a test (declared then, by rewriting the adapters file).
+NEWER = ("a", 3, "step-3", 5)
 
 
 def adapters_spec(path: Path, versions: list[tuple[str, int, str, int]], missing: Path | None = None) -> dict[str, Any]:
@@ -99,7 +101,7 @@ def lora_flags(root: Path) -> tuple[str, ...]:
 def oracle_tokens(server: RunningServer, adapter_dir: Path) -> dict[str | None, list[int]]:
     c = httpx.Client(base_url=server.url, timeout=60)
     out: dict[str | None, list[int]] = {}
-    for name in [None, *ENGINE.values()]:
+    for name in [None, *ENGINE.values(), engine(NEWER[0], NEWER[1], NEWER[3])]:
         if name is not None:
             r = c.post("/v1/adapters", json={"name": name, "path": str(adapter_dir)}, headers=ADMIN_AUTH)
             assert r.status_code == 200, r.text
@@ -272,7 +274,7 @@ def test_a_replica_that_dropped_the_version_gets_the_request_placed_again(env: E
 
 
 def test_a_new_version_declared_is_what_the_run_names(env: Env) -> None:
-    write_json(env.adapters_file, adapters_spec(env.adapter_dir, [*VERSIONS, ("a", 3, "step-3", 5)]))
+    write_json(env.adapters_file, adapters_spec(env.adapter_dir, [*VERSIONS, NEWER]))
     try:
         env.gw.wait(lambda h: httpx.post(env.gw.url + "/v1/sample", json=body("a@3"), headers=AUTH,
                                          timeout=60).status_code == 200, "a@3 declared")
@@ -298,3 +300,42 @@ def test_tinker_sdk_samples_exactly_the_version_its_model_path_names(env: Env) -
             assert result.sequences[0].tokens == env.oracle[ENGINE[run, step]], (run, step)
     with pytest.raises(tinker.NotFoundError):
         sc.create_sampling_client(model_path="tinker://a/sampler_weights/step-9").result()
+
+
+def test_latest_per_run_never_goes_back(env: Env) -> None:
+    """Under Latest, a `<run>` answer on step 2 that comes back after one on step 3 was returned is
+    not returned: it is run again, on step 3. A pinned `<run>@2` is always returned."""
+    servers = env.pool.servers
+    c = httpx.Client(base_url=env.gw.url, headers=AUTH, timeout=120)
+    assert c.post("/v1/sample", json=body("a@2")).status_code == 200
+    holder = next(r for r in servers if ENGINE["a", 2] in env.held(r))
+    results: dict[str, httpx.Response] = {}
+
+    def send(key: str, name: str) -> None:
+        results[key] = httpx.post(env.gw.url + "/v1/sample", json=body(name), headers=AUTH, timeout=120)
+
+    stale = env.gw_metric("sampler_gateway_stale_responses_total", replica=holder)
+    threads = [threading.Thread(target=send, args=("old", "a")), threading.Thread(target=send, args=("pinned", "a@2"))]
+    try:
+        with engine_paused(servers[holder], ADMIN_AUTH):
+            for t in threads:
+                t.start()
+            env.gw.wait(lambda h: sum(r["in_flight"] for r in h["replicas"] if r["name"] == holder) == 2,
+                        "both step-2 requests in flight")
+            # Step 3 is declared (a push): `a` now names it, and an answer on it goes back first.
+            write_json(env.adapters_file, adapters_spec(env.adapter_dir, [*VERSIONS, NEWER], missing=env.missing))
+            new = engine(NEWER[0], NEWER[1], NEWER[3])
+            env.gw.wait(lambda h: c.post("/v1/sample", json=body("a@3")).status_code == 200, "a@3 declared")
+            r = c.post("/v1/sample", json=body("a"))
+            assert r.status_code == 200 and r.json()["adapter_version"]["engine_name"] == new, r.text
+        for t in threads:
+            t.join(120)
+        old = results["old"]
+        assert old.status_code == 200, old.text
+        assert old.json()["adapter_version"]["step"] == 3 and tokens(old.json()) == env.oracle[new]
+        assert env.gw_metric("sampler_gateway_stale_responses_total", replica=holder) == stale + 1
+        pinned = results["pinned"]
+        assert pinned.status_code == 200 and tokens(pinned.json()) == env.oracle[ENGINE["a", 2]]
+    finally:
+        write_json(env.adapters_file, adapters_spec(env.adapter_dir, VERSIONS, missing=env.missing))
+        env.gw.wait(lambda h: c.post("/v1/sample", json=body("a@3")).status_code == 404, "a@3 no longer declared")
