@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from sampler_common.adapters import AdapterState
+from sampler_common.adapters import AdapterState, AdapterVersion
 from sampler_common.errors import SamplerError
 
 from .adapter_health import HeldAdapter, ReplicaLora
@@ -133,12 +133,20 @@ class AdapterRouter:
     unloading: set[Key] = field(default_factory=set)
     order: RunOrder = field(default_factory=RunOrder)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
+    _declared: tuple[AdapterState | None, dict[str, tuple[str, AdapterVersion]]] = (None, {})
 
     # ------------------------------------------------------------------ names
 
     @property
     def state(self) -> AdapterState:
         return self.pool.view.adapters or EMPTY
+
+    def declared(self) -> dict[str, tuple[str, AdapterVersion]]:
+        """Every declared version by engine name, computed once per declared state (per request otherwise)."""
+        state = self.state
+        if self._declared[0] is not state:
+            self._declared = (state, state.engine_names())
+        return self._declared[1]
 
     def base_models(self) -> list[str]:
         return sorted({r.model for r in self.pool.view.replicas if r.model})
@@ -160,7 +168,7 @@ class AdapterRouter:
         rest = model_path[len(TINKER_PREFIX):].strip("/") if model_path.startswith(TINKER_PREFIX) else None
         if rest is None:
             return None
-        by_engine = state.engine_names().get(rest)
+        by_engine = self.declared().get(rest)
         if by_engine is not None:
             return VersionTarget(run=by_engine[0], version=by_engine[1], pinned=True)
         parts = rest.split("/")
@@ -198,7 +206,7 @@ class AdapterRouter:
         placed_again = False
         while True:
             replicas = self.pool.allowed(exclude, label)
-            declared = self.state.engine_names()
+            declared = self.declared()
             p = place(engine, self._inputs(replicas), declared=declared, capacity=self.cfg.replica_capacity,
                       turn=next(self._turn))
             if p is None:
@@ -244,6 +252,7 @@ class AdapterRouter:
         else:
             self.in_flight.pop(key, None)
         self.last_used[key] = self.clock()
+        self._prune()
         self.pool.notify()  # a request waiting for a slot may have one now
 
     def forget(self, replica: str, engine: str) -> None:
@@ -284,27 +293,46 @@ class AdapterRouter:
                     self.metrics.adapter_unloads.labels(replica=replica.name, outcome="ok").inc()
                     self._held(replica.name, remove=victim)
                     continue
-                self.metrics.adapter_unloads.labels(replica=replica.name, outcome="in_flight").inc()
-                raise _PlaceAgain()
+                if reply.status == 409:
+                    self.metrics.adapter_unloads.labels(replica=replica.name, outcome="in_flight").inc()
+                    raise _PlaceAgain()
+                self.metrics.adapter_unloads.labels(replica=replica.name, outcome="refused").inc()
+                raise self._refused(reply, replica, f"unload adapter {victim} to make room for {engine}")
             v = target.version
             body: dict[str, object] = {"name": engine, "path": v.path}
             if v.sha256_manifest:
                 body["sha256_manifest"] = dict(v.sha256_manifest)
             reply = await self.upstream.send(replica, self._admin("POST", "/v1/adapters", orjson.dumps(body)))
-            category, message, fieldname = _error_of(reply) if reply.status != 200 else ("", "", None)
-            if reply.status == 200 or (reply.status == 409 and fieldname == "name"):
+            if reply.status == 200 or (reply.status == 409 and _error_of(reply)[2] == "name"):
                 self.metrics.adapter_loads.labels(replica=replica.name, outcome="ok").inc()
                 self._held(replica.name, add=engine)
                 return
             self.metrics.adapter_loads.labels(replica=replica.name, outcome="refused").inc()
-            raise LoadRefused(reply.status if 400 <= reply.status < 600 else 502, category,
-                              f"replica {replica.name} could not load adapter {target.run}@{v.step} "
-                              f"({v.label}, path {v.path}): {message}", fieldname)
+            raise self._refused(reply, replica, f"load adapter {target.run}@{v.step} ({v.label}, path {v.path})")
         finally:
             for victim in evict:
                 self.unloading.discard((replica.name, victim))
             self.loading.pop(key, None)
             self.pool.notify()
+
+    def _refused(self, reply: Reply, replica: ReplicaView, what: str) -> LoadRefused:
+        """A replica's refusal of a load or unload, as the request's answer. Its own 4xx (a file, a
+        tensor) passes with its status and field; a refusal of the gateway's admin key is the pool's
+        configuration, not the client's doing: 502."""
+        category, message, fieldname = _error_of(reply)
+        status = reply.status if 400 <= reply.status < 600 else 502
+        if status in (401, 403):
+            status, category, fieldname = 502, "pool_config", None
+            message = f"{message} (the gateway's --admin-api-key must be the replicas' admin key)"
+        return LoadRefused(status, category, f"replica {replica.name} could not {what}: {message}", fieldname)
+
+    def _prune(self) -> None:
+        """Forget the last use of versions the pool no longer declares (a long run pushes one per step)."""
+        declared = self.declared()
+        if len(self.last_used) <= 64 + 4 * len(declared):
+            return
+        for key in [k for k in self.last_used if k[1] not in declared and k not in self.in_flight]:
+            del self.last_used[key]
 
     # ------------------------------------------------------------------ answers
 

@@ -43,6 +43,7 @@ def engine(run: str, step: int, serial: int) -> str:
 ENGINE = {(r, s): engine(r, s, n) for r, s, _, n in VERSIONS}
 # A version pushed during a test (declared then, by rewriting the adapters file).
 NEWER = ("a", 3, "step-3", 5)
+FRESH = ("c", 1, "step-1", 6)
 
 
 def adapters_spec(path: Path, versions: list[tuple[str, int, str, int]], missing: Path | None = None) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def lora_flags(root: Path) -> tuple[str, ...]:
 def oracle_tokens(server: RunningServer, adapter_dir: Path) -> dict[str | None, list[int]]:
     c = httpx.Client(base_url=server.url, timeout=60)
     out: dict[str | None, list[int]] = {}
-    for name in [None, *ENGINE.values(), engine(NEWER[0], NEWER[1], NEWER[3])]:
+    for name in [None, *ENGINE.values(), *(engine(v[0], v[1], v[3]) for v in (NEWER, FRESH))]:
         if name is not None:
             r = c.post("/v1/adapters", json={"name": name, "path": str(adapter_dir)}, headers=ADMIN_AUTH)
             assert r.status_code == 200, r.text
@@ -339,3 +340,29 @@ def test_latest_per_run_never_goes_back(env: Env) -> None:
     finally:
         write_json(env.adapters_file, adapters_spec(env.adapter_dir, VERSIONS, missing=env.missing))
         env.gw.wait(lambda h: c.post("/v1/sample", json=body("a@3")).status_code == 404, "a@3 no longer declared")
+
+
+def test_concurrent_requests_for_a_version_being_loaded_wait_for_that_one_load(env: Env) -> None:
+    fresh = engine(FRESH[0], FRESH[1], FRESH[3])
+
+    def loads() -> float:
+        return sum(env.gw_metric("sampler_gateway_adapter_loads_total", replica=r, outcome="ok") for r in ("r0", "r1"))
+
+    c = httpx.Client(base_url=env.gw.url, headers=AUTH, timeout=60)
+    write_json(env.adapters_file, adapters_spec(env.adapter_dir, [*VERSIONS, FRESH], missing=env.missing))
+    try:
+        # A step run c does not have: "no such version" once c is declared ("no run 'c'" before), and no load.
+        env.gw.wait(lambda h: "no such version" in c.post("/v1/sample", json=body("c@7")).text, "run c declared")
+        before = loads()
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=env.gw.url, headers=AUTH, timeout=60) as ac:
+                return await asyncio.gather(*(ac.post("/v1/sample", json=body("c")) for _ in range(24)))
+
+        answers = asyncio.run(run())
+        assert all(r.status_code == 200 and tokens(r.json()) == env.oracle[fresh] for r in answers)
+        # Placed on one replica (holders first, far below capacity), loaded there once for all 24.
+        assert len({r.headers["x-sampler-replica"] for r in answers}) == 1
+        assert loads() - before == 1
+    finally:
+        write_json(env.adapters_file, adapters_spec(env.adapter_dir, VERSIONS, missing=env.missing))
