@@ -203,7 +203,7 @@ class AdapterRouter:
         slot when its requests end), then 503 naming why per replica."""
         engine = target.engine_name
         deadline = time.monotonic() + self.cfg.no_replica_wait_s
-        placed_again = False
+        refused: str | None = None  # the replica that refused to unload a victim (its 409): placed again, once
         while True:
             replicas = self.pool.allowed(exclude, label)
             declared = self.declared()
@@ -211,6 +211,12 @@ class AdapterRouter:
                       turn=next(self._turn))
             if p is None:
                 left = deadline - time.monotonic()
+                if refused is not None:
+                    self.metrics.no_replica.inc()
+                    why = self._why_none(engine, replicas) if replicas else "no other replica may take it"
+                    raise NoReplica(f"replica {refused} refused to unload a version to make room for {engine} "
+                                    f"(requests in flight on it there); {why}; retry",
+                                    self.cfg.retry_after_s)
                 if left <= 0:
                     self.metrics.no_replica.inc()
                     raise NoReplica(self._why_none(engine, replicas), self.cfg.retry_after_s)
@@ -235,10 +241,14 @@ class AdapterRouter:
                     await asyncio.shield(task)
             except _PlaceAgain:
                 self.release(key)
-                if placed_again:
-                    raise NoReplica(f"replica {replica.name} refused to unload a version to make room for {engine} "
-                                    "(requests in flight on it), twice; retry", self.cfg.retry_after_s) from None
-                placed_again = True
+                if refused is not None:
+                    self.metrics.no_replica.inc()
+                    raise NoReplica(f"replicas {refused} and {replica.name} refused to unload a version to make room "
+                                    f"for {engine} (requests in flight on them there); retry",
+                                    self.cfg.retry_after_s) from None
+                # Placed again elsewhere: this replica has requests on its versions that this gateway
+                # does not count (another gateway's, a future's).
+                refused, exclude = replica.name, exclude | {replica.name}
                 continue
             except BaseException:
                 self.release(key)

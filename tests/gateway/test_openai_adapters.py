@@ -105,3 +105,45 @@ def test_a_replica_that_no_longer_holds_the_version_is_not_the_answer(gw: Runnin
     assert raw.headers["x-sampler-adapter"] == "a@1"
     assert "a.1.1" in stubs.adapters[raw.headers["x-sampler-replica"]]
     assert metric(gw.metrics(), "sampler_gateway_adapter_replaced_total", 0.0, replica=holder) == 1.0
+
+
+def test_an_unload_the_replica_refuses_is_placed_again_and_nothing_is_unloaded(stubs: StubPool,
+                                                                              tmp_path: Path) -> None:
+    """The replica answers 409 to an unload (requests in flight on that version there that this
+    gateway does not count: another gateway's): the request is placed again elsewhere, and with
+    nowhere else to go it is a 503 naming the refusal; the version stays loaded."""
+    path = tmp_path / "adapters.json"
+    path.write_text(json.dumps(SPEC))
+    with run_gateway({"r0": stubs.urls["r0"]}, "--api-key", KEY, "--adapters-file", str(path), "--lora-slots", "1",
+                     "--refresh-interval-s", "60") as gw:
+        gw.wait_eligible({"r0"})
+        sdk(gw).completions.create(model="a@1", prompt=[1], max_tokens=2)
+        assert set(stubs.adapters["r0"]) == {"a.1.1"}
+        stubs.busy.add("a.1.1")
+        r = httpx.post(gw.url + "/v1/completions", json={"model": "b@1", "prompt": [1]}, headers=AUTH)
+        assert r.status_code == 503 and "refused to unload" in r.json()["error"]["message"], r.text
+        assert set(stubs.adapters["r0"]) == {"a.1.1"}
+        assert metric(gw.metrics(), "sampler_gateway_adapter_unloads_total", 0.0, replica="r0",
+                      outcome="in_flight") == 1.0
+        stubs.busy.clear()
+        raw = sdk(gw).completions.with_raw_response.create(model="b@1", prompt=[1], max_tokens=2)
+        assert raw.headers["x-sampler-adapter"] == "b@1" and set(stubs.adapters["r0"]) == {"b.1.3"}
+
+
+def test_a_refused_unload_is_placed_on_another_replica(gw: RunningGateway, stubs: StubPool) -> None:
+    # One version on each replica, both busy at the replicas but idle for this gateway.
+    sdk(gw).completions.create(model="a@1", prompt=[1], max_tokens=2)
+    sdk(gw).completions.create(model="b@1", prompt=[1], max_tokens=2)
+    assert sorted(n for held in stubs.adapters.values() for n in held) == ["a.1.1", "b.1.3"]
+    first = next(r for r, held in stubs.adapters.items() if "a.1.1" in held)
+    stubs.busy.add("a.1.1")
+    stubs.busy.add("b.1.3")
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "a@2", "prompt": [1]}, headers=AUTH)
+    # Both refused (once each at most): a 503; nothing unloaded.
+    assert r.status_code == 503, r.text
+    assert sorted(n for held in stubs.adapters.values() for n in held) == ["a.1.1", "b.1.3"]
+    stubs.busy.discard("b.1.3")
+    # Now one replica refuses and the other does not: whichever is tried first, a@2 lands where b.1.3 was.
+    raw = sdk(gw).completions.with_raw_response.create(model="a@2", prompt=[1], max_tokens=2)
+    assert raw.headers["x-sampler-adapter"] == "a@2" and raw.headers["x-sampler-replica"] != first
+    assert stubs.adapters[first] == {"a.1.1": "/ckpt/a/1"}

@@ -17,7 +17,8 @@ the next one answers), `stub_hold` (after the first event, the stream waits for 
 `stub_label` (the weights label the answer claims), `stub_status` (an error answer with that status).
 
 Adapters (issue #31), as a replica with LoRA: `POST /v1/adapters {name, path}` and `DELETE
-/v1/adapters/{name}` change what it holds (`pool.adapters`, by replica; /health lists them), and a
+/v1/adapters/{name}` change what it holds (`pool.adapters`, by replica; /health lists them; a delete
+of a name in `pool.busy` is the replica's 409: requests in flight on it), and a
 generating request whose `model` is neither the base model (`tiny`) nor an adapter it holds is
 vLLM's 404 "The model `x` does not exist.", never the base model's answer.
 
@@ -57,6 +58,8 @@ class StubPool:
     gone: threading.Event = field(default_factory=threading.Event)  # set on each abandoned stream
     lock: threading.Lock = field(default_factory=threading.Lock)
     adapters: dict[str, dict[str, str]] = field(default_factory=dict)  # replica -> adapter name -> path
+    # Adapters with requests in flight the gateway does not know of (another gateway's): their unload is a 409.
+    busy: set[str] = field(default_factory=set)
 
     def requests(self, path: str) -> list[Seen]:
         with self.lock:
@@ -111,7 +114,7 @@ async def _answer(pool: StubPool, name: str, path: str, body: bytes, reader: asy
         await writer.drain()
         return True
     if path.startswith("/v1/adapters"):
-        return await _adapters(held, path, body, writer)
+        return await _adapters(held, pool.busy, path, body, writer)
     if path == "/v1/models":
         writer.write(_json(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 512}]}))
         await writer.drain()
@@ -174,7 +177,7 @@ async def _answer(pool: StubPool, name: str, path: str, body: bytes, reader: asy
     return True
 
 
-async def _adapters(held: dict[str, str], path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+async def _adapters(held: dict[str, str], busy: set[str], path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
     if path == "/v1/adapters":
         req = json.loads(body)
         if req["name"] in held:
@@ -184,7 +187,10 @@ async def _adapters(held: dict[str, str], path: str, body: bytes, writer: asynci
             writer.write(_json(200, {"name": req["name"], "path": req["path"], "rank": 8}))
     else:
         name = path.rsplit("/", 1)[-1]
-        if held.pop(name, None) is None:
+        if name in busy:
+            writer.write(_json(409, {"error": {"category": "conflict", "message": f"adapter {name} has requests in "
+                                               "flight", "field": "name"}}))
+        elif held.pop(name, None) is None:
             writer.write(_json(404, {"error": {"category": "not_found", "message": "no adapter", "field": "name"}}))
         else:
             writer.write(_head(204, {"content-length": "0"}))
