@@ -14,8 +14,9 @@ replica's last `/health` (adapter_health.py) with this gateway's own news on top
 
 A load is the replica's `POST /v1/adapters {name, path, sha256_manifest}` with the admin key, after
 its victims' `DELETE /v1/adapters/{name}`. A 409 to a delete (the replica has requests in flight on
-that version: another gateway's, or a future) stops the load and the request is placed again, once.
-A 409 to the add naming `name` (already loaded: a /health older than a load) is a load done. Any
+that version: another gateway's, or a future) stops the load and the request is placed again, once,
+on another replica. A 409 to the add naming `name` (already loaded: a /health older than a load) is
+a load done; another 409 (the replica is full) places the request again as well. Any
 other refusal of the add (a directory deleted since its push: the replica's 400 naming the file) is
 the request's answer, with the run and path: never the base model in its place.
 
@@ -203,7 +204,8 @@ class AdapterRouter:
         slot when its requests end), then 503 naming why per replica."""
         engine = target.engine_name
         deadline = time.monotonic() + self.cfg.no_replica_wait_s
-        refused: str | None = None  # the replica that refused to unload a victim (its 409): placed again, once
+        # The replica that refused to make room (a 409 to an unload or to the add): placed again, once.
+        refused: str | None = None
         while True:
             replicas = self.pool.allowed(exclude, label)
             declared = self.declared()
@@ -214,8 +216,8 @@ class AdapterRouter:
                 if refused is not None:
                     self.metrics.no_replica.inc()
                     why = self._why_none(engine, replicas) if replicas else "no other replica may take it"
-                    raise NoReplica(f"replica {refused} refused to unload a version to make room for {engine} "
-                                    f"(requests in flight on it there); {why}; retry",
+                    raise NoReplica(f"replica {refused} refused to make room for {engine} (requests in flight on "
+                                    f"the version to unload there, or full); {why}; retry",
                                     self.cfg.retry_after_s)
                 if left <= 0:
                     self.metrics.no_replica.inc()
@@ -243,8 +245,8 @@ class AdapterRouter:
                 self.release(key)
                 if refused is not None:
                     self.metrics.no_replica.inc()
-                    raise NoReplica(f"replicas {refused} and {replica.name} refused to unload a version to make room "
-                                    f"for {engine} (requests in flight on them there); retry",
+                    raise NoReplica(f"replicas {refused} and {replica.name} refused to make room for {engine} "
+                                    "(requests in flight on the versions to unload there, or full); retry",
                                     self.cfg.retry_after_s) from None
                 # Placed again elsewhere: this replica has requests on its versions that this gateway
                 # does not count (another gateway's, a future's).
@@ -317,6 +319,11 @@ class AdapterRouter:
                 self.metrics.adapter_loads.labels(replica=replica.name, outcome="ok").inc()
                 self._held(replica.name, add=engine)
                 return
+            if reply.status == 409:
+                # Full (its `max_cpu_loras`: it holds more than this gateway knew, another gateway's
+                # loads, or it reports no slots and has fewer than --lora-slots): placed again elsewhere.
+                self.metrics.adapter_loads.labels(replica=replica.name, outcome="full").inc()
+                raise _PlaceAgain()
             self.metrics.adapter_loads.labels(replica=replica.name, outcome="refused").inc()
             raise self._refused(reply, replica, f"load adapter {target.run}@{v.step} ({v.label}, path {v.path})")
         finally:

@@ -46,7 +46,8 @@ class GatewayMetrics:
                                    "before their end (lost, or past the request's timeout): ended with an error "
                                    "event", ["replica"], registry=r)
         self.adapter_loads = Counter("sampler_gateway_adapter_loads", "Adapter versions loaded on a replica on demand, "
-                                     "by outcome (ok, refused: the replica's 4xx)", ["replica", "outcome"], registry=r)
+                                     "by outcome (ok; full: the replica's 409, placed again; refused: its other 4xx)",
+                                     ["replica", "outcome"], registry=r)
         self.adapter_unloads = Counter("sampler_gateway_adapter_unloads", "Adapter versions unloaded on a replica to "
                                        "make room, by outcome (ok, in_flight: its 409, placed again)",
                                        ["replica", "outcome"], registry=r)

@@ -121,7 +121,7 @@ def test_an_unload_the_replica_refuses_is_placed_again_and_nothing_is_unloaded(s
         assert set(stubs.adapters["r0"]) == {"a.1.1"}
         stubs.busy.add("a.1.1")
         r = httpx.post(gw.url + "/v1/completions", json={"model": "b@1", "prompt": [1]}, headers=AUTH)
-        assert r.status_code == 503 and "refused to unload" in r.json()["error"]["message"], r.text
+        assert r.status_code == 503 and "refused to make room" in r.json()["error"]["message"], r.text
         assert set(stubs.adapters["r0"]) == {"a.1.1"}
         assert metric(gw.metrics(), "sampler_gateway_adapter_unloads_total", 0.0, replica="r0",
                       outcome="in_flight") == 1.0
@@ -147,3 +147,25 @@ def test_a_refused_unload_is_placed_on_another_replica(gw: RunningGateway, stubs
     raw = sdk(gw).completions.with_raw_response.create(model="a@2", prompt=[1], max_tokens=2)
     assert raw.headers["x-sampler-adapter"] == "a@2" and raw.headers["x-sampler-replica"] != first
     assert stubs.adapters[first] == {"a.1.1": "/ckpt/a/1"}
+
+
+def test_a_replica_full_beyond_what_the_gateway_knew_places_the_request_elsewhere(gw: RunningGateway,
+                                                                                  stubs: StubPool) -> None:
+    """Each replica holds one adapter at most (the gateway counts one slot too): a version loaded
+    behind the gateway's back fills r's only slot; the add there is a 409 (full), and the request
+    goes to the other replica, never over a replica's capacity."""
+    stubs.capacity = 1
+    for name in ("a@1", "b@1"):
+        sdk(gw).completions.create(model=name, prompt=[1], max_tokens=2)
+    # Fill each replica behind the gateway's back: its /health (read once a minute here) does not say so.
+    for replica in stubs.adapters:
+        stubs.adapters[replica] = {"x.1.99": "/elsewhere"}
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "a@2", "prompt": [1]}, headers=AUTH)
+    assert r.status_code == 503 and "refused" in r.json()["error"]["message"], r.text
+    assert all(len(held) == 1 for held in stubs.adapters.values())
+    full = sum(metric(gw.metrics(), "sampler_gateway_adapter_loads_total", 0.0, replica=n, outcome="full")
+               for n in ("r0", "r1"))
+    assert full == 2.0  # each replica tried once
+    stubs.adapters["r1"] = {}
+    raw = sdk(gw).completions.with_raw_response.create(model="a@2", prompt=[1], max_tokens=2)
+    assert raw.headers["x-sampler-replica"] == "r1" and stubs.adapters["r1"] == {"a.2.2": "/ckpt/a/2"}

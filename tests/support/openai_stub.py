@@ -60,6 +60,8 @@ class StubPool:
     adapters: dict[str, dict[str, str]] = field(default_factory=dict)  # replica -> adapter name -> path
     # Adapters with requests in flight the gateway does not know of (another gateway's): their unload is a 409.
     busy: set[str] = field(default_factory=set)
+    # How many adapters each replica holds at most (its max_cpu_loras); an add past it is a 409.
+    capacity: int | None = None
 
     def requests(self, path: str) -> list[Seen]:
         with self.lock:
@@ -114,7 +116,7 @@ async def _answer(pool: StubPool, name: str, path: str, body: bytes, reader: asy
         await writer.drain()
         return True
     if path.startswith("/v1/adapters"):
-        return await _adapters(held, pool.busy, path, body, writer)
+        return await _adapters(held, pool, path, body, writer)
     if path == "/v1/models":
         writer.write(_json(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 512}]}))
         await writer.drain()
@@ -177,10 +179,15 @@ async def _answer(pool: StubPool, name: str, path: str, body: bytes, reader: asy
     return True
 
 
-async def _adapters(held: dict[str, str], busy: set[str], path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+async def _adapters(held: dict[str, str], pool: StubPool, path: str, body: bytes,
+                    writer: asyncio.StreamWriter) -> bool:
+    busy = pool.busy
     if path == "/v1/adapters":
         req = json.loads(body)
-        if req["name"] in held:
+        if pool.capacity is not None and req["name"] not in held and len(held) >= pool.capacity:
+            writer.write(_json(409, {"error": {"category": "conflict", "message": "full",
+                                               "field": "max_cpu_loras"}}))
+        elif req["name"] in held:
             writer.write(_json(409, {"error": {"category": "conflict", "message": "already loaded", "field": "name"}}))
         else:
             held[req["name"]] = req["path"]
