@@ -1,0 +1,67 @@
+"""What one replica's `/health` says about its LoRA adapters, read in ONE place (pure), with defaults.
+
+The replica reports (docs/reference/contract.md): `adapters`, a list of `{name, path}`, and, from
+the sampler that counts them, per adapter `in_flight` (its requests in flight there) and
+`last_used_at` (ISO-8601 UTC, null before its first use), and at the top level `lora_slots` (how
+many adapters it may hold at once: its `max_cpu_loras`, 0 without LoRA) and `max_loras`. An older
+sampler reports only the list: every missing field has a default here, so the gateway routes by
+adapter in front of either.
+
+- `lora_slots` missing: the replica's `max_loras` when it reports that (an older sampler's vLLM
+  then holds exactly that many), else None: unknown, the gateway's `--lora-slots` decides
+  (adapter_route.py).
+- `in_flight` missing: 0 (the gateway's own counts still protect what IT has in flight).
+- `last_used_at` missing or unreadable: None (never used: the first victim among idle ones).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HeldAdapter:
+    name: str  # the engine name (`<run>.<step>.<serial>` for a pool's versions)
+    in_flight: int = 0
+    last_used_at: float | None = None  # seconds since the epoch; None: not used since loaded
+
+
+@dataclass(frozen=True)
+class ReplicaLora:
+    slots: int | None  # None: the replica does not say (an older sampler)
+    adapters: tuple[HeldAdapter, ...] = ()
+
+    def names(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.adapters)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _epoch(value: Any) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (t if t.tzinfo is not None else t.replace(tzinfo=dt.UTC)).timestamp()
+
+
+def lora_of(health: Mapping[str, Any]) -> ReplicaLora:
+    """The LoRA part of a replica's `/health` body (module docstring: the defaults)."""
+    slots = _int(health.get("lora_slots"))
+    if slots is None:
+        slots = _int(health.get("max_loras"))
+    held = []
+    raw = health.get("adapters")
+    for entry in raw if isinstance(raw, list) else []:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            continue
+        held.append(HeldAdapter(name, _int(entry.get("in_flight")) or 0, _epoch(entry.get("last_used_at"))))
+    return ReplicaLora(slots, tuple(held))
