@@ -7,7 +7,8 @@
   validate_spec     a spec was created/changed: report semantic errors (and refused test seams) as a condition
   replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
   pool_members      an index of the SamplerReplicas owned by SamplerPools, by pool uid
-  wake_pool_*       a pool's replica or the pool's spec changed: wake that pool's loop now
+  wake_pool_*       a pool's replica or the pool's spec changed, or a gateway acknowledged the routing
+                    generation its loop waits for: wake that pool's loop now
   pool_loop         one long-lived task per SamplerPool: keys, create/drain/delete/roll its replicas, report
 """
 from __future__ import annotations
@@ -25,9 +26,11 @@ from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION, metrics
 from sampler_operator import settings as operator_settings
 from sampler_operator.kube import Kube, load_config
 from sampler_operator.network_policy import OperatorPeer, PolicySettings
+from sampler_operator.pool.gateway import LABEL_GATEWAY
 from sampler_operator.pool.loop import PoolMemory
 from sampler_operator.pool.loop import step as pool_step
 from sampler_operator.pool.plan import ReplicaState
+from sampler_operator.pool.routing import ACK_ANNOTATION, acknowledges, awaited_generation
 from sampler_operator.replica import seams
 from sampler_operator.replica.context import Context, ReplicaMemory
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
@@ -47,6 +50,9 @@ _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 
 # One wake-up flag per pool loop, keyed by the pool's uid.
 _pool_wakeups: dict[str, asyncio.Event] = {}
+# The pool loops that wait for gateways' acknowledgements: (namespace, the pool's label value, as its
+# gateways' Leases carry it) -> (the pool's uid, the routing generation awaited).
+_pool_awaits: dict[tuple[str, str], tuple[str, int]] = {}
 
 
 def _plain(value: Any) -> Any:
@@ -209,12 +215,26 @@ def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
         flag.set()
 
 
+# The gateways' routing Leases (sampler_gateway/routing.py; the API server filters them by label,
+# settings.apply). Without this the loop saw an acknowledgement only at its next poll while fenced
+# (FENCE_POLL_S, pool/loop.py): the last fifth of a second of every switch's dark span.
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={LABEL_GATEWAY: kopf.PRESENT})
+def wake_pool_on_ack(namespace: str | None, labels: Mapping[str, str], annotations: Mapping[str, str],
+                     **_: Any) -> None:
+    awaited = _pool_awaits.get((namespace or "", labels.get(LABEL_GATEWAY, "")))
+    if awaited is not None and acknowledges(annotations.get(ACK_ANNOTATION), awaited[1]):
+        flag = _pool_wakeups.get(awaited[0])
+        if flag is not None:
+            flag.set()
+
+
 @kopf.daemon(GROUP, VERSION, POOL_PLURAL, cancellation_backoff=2.0, cancellation_timeout=5.0)
 async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str | None, memo: Any,
                     logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
     assert namespace is not None and uid is not None  # SamplerPool is namespaced; every object has a uid
     members: kopf.Index[str, ReplicaState] = kwargs["pool_members"]
     wake = _pool_wakeups.setdefault(uid, asyncio.Event())
+    acks_key = (namespace, label_value(name))
     mem = PoolMemory()
     metrics.pool_started(namespace, label_value(name))
 
@@ -232,8 +252,15 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
             except Exception as e:  # an API hiccup must not end the loop; state is in the API
                 logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
                 delay = 2.0
+            awaited = awaited_generation((mem.status or {}).get("routing"))
+            if awaited is None:
+                _pool_awaits.pop(acks_key, None)
+            else:
+                _pool_awaits[acks_key] = (uid, awaited)
             await _sleep(delay, wake, stopped)
     finally:
+        if _pool_awaits.get(acks_key, (None,))[0] == uid:
+            del _pool_awaits[acks_key]
         metrics.pool_gone(namespace, label_value(name))
         if _pool_wakeups.get(uid) is wake:
             del _pool_wakeups[uid]
