@@ -40,6 +40,7 @@ from sampler_operator.replica.weights_intent import (
     declared_outcome,
     declared_ref,
     load_while_waiting,
+    loaded_weights,
     needs_declared_load,
 )
 
@@ -49,9 +50,10 @@ LOAD_TIMEOUT_S = 1800.0
 ADAPTER_TIMEOUT_S = 600.0
 # After a change on the pod: look at it again this soon (its /health says what it serves now).
 LOOK_AGAIN_S = 1.0
-# After a declared load the pod took: at once. The replica's status reports the new label only from
-# that look, and the pool's routing switch waits for it (the rollout trace showed a whole second of
-# every rollout there, inside Keep's capacity dip). Once: the next step finds the load recorded.
+# After a declared load the pod took: at once. The load's answer already put the new label in the
+# status (loaded_weights); that look confirms it from /health and fills in the rest (the pool's
+# routing switch waits for the label: the rollout trace once showed a whole second of every rollout
+# there, inside Keep's capacity dip). Once: the next step finds the load recorded.
 AFTER_LOAD_S = 0.0
 
 
@@ -92,7 +94,8 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     result, event_type = {Outcome.DONE: (LOADED, "Normal"), Outcome.INVALID: (INVALID, "Warning"),
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
-    await _record(ctx, cr, declared_outcome(spec, result, answer.message), synced, mem)
+    served = loaded_weights(answer.body, ref) if result == LOADED else {}
+    await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem)
     trace("operator", "load.recorded", replica=who, label=ref.version_label, result=result)
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]
     ctx.emit(event_target(cr), event_type, f"Weights{result}",

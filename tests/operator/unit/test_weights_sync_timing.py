@@ -20,9 +20,10 @@ CR = {"metadata": {"name": "r", "namespace": "ns", "uid": "u"}, "status": {}}
 
 
 def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str, Any] = CR,
-         **spec_kw: Any) -> float | None:
+         records: list[dict[str, Any]] | None = None, **spec_kw: Any) -> float | None:
     """One sync of a pod serving `base` against spec.weights step-1 (or `spec_kw`); the pod answers
-    a load with `answer`; the status writes and Events are recorded nowhere."""
+    a load with `answer`; the status.weights fields each write records go to `records`, the Events
+    nowhere."""
     calls: list[str] = []
 
     async def call(*args: Any, **_: Any) -> PodAnswer:
@@ -33,8 +34,12 @@ def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str
     async def nothing(*_: Any, **__: Any) -> None:
         return None
 
+    async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
+        if records is not None:
+            records.append(dict(weights_fields))
+
     monkeypatch.setattr(weights_sync, "call", call)
-    monkeypatch.setattr(weights_sync, "_record", nothing)
+    monkeypatch.setattr(weights_sync, "_record", record)
     monkeypatch.setattr(weights_sync, "_api_key", nothing)
     ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
     return asyncio.run(weights_sync.sync_weights(ctx, cr, spec(**({"weights": step(1)} | spec_kw)), "10.0.0.1",
@@ -56,3 +61,17 @@ def test_a_load_that_did_not_happen_or_none_to_do_changes_nothing(monkeypatch: p
     # Acted on already (whatever came of it): no load, nothing changed, the loop's own period.
     acted = {**CR, "status": {"weights": declared_outcome(spec(weights=step(1)), LOADED, "loaded")}}
     assert sync(monkeypatch, None, acted) is None
+
+
+def test_a_load_the_pod_took_reports_its_label_in_the_same_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The write recording the load's outcome also says what the pod serves now (from its answer), so
+    # the pool's switch need not wait for the replica loop's next /health and a second write.
+    records: list[dict[str, Any]] = []
+    answer = PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+    assert sync(monkeypatch, answer, records=records) == 0.0
+    assert records[-1] == {**declared_outcome(spec(weights=step(1)), LOADED, "ok"),
+                           "label": "step-1", "version": 2, "checkpoint": "/ckpt/step-1"}
+    # A refusal says nothing of what is served.
+    records.clear()
+    sync(monkeypatch, PodAnswer(Outcome.INVALID, "bad", 400), records=records)
+    assert "label" not in records[-1]
