@@ -30,7 +30,7 @@ from sampler_operator.pool.gateway import LABEL_GATEWAY
 from sampler_operator.pool.loop import PoolMemory
 from sampler_operator.pool.loop import step as pool_step
 from sampler_operator.pool.plan import ReplicaState
-from sampler_operator.pool.routing import ACK_ANNOTATION, acknowledges, awaited_generation
+from sampler_operator.pool.routing import ACK_ANNOTATION, acknowledges
 from sampler_operator.replica import seams
 from sampler_operator.replica.context import Context, ReplicaMemory
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
@@ -50,9 +50,9 @@ _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 
 # One wake-up flag per pool loop, keyed by the pool's uid.
 _pool_wakeups: dict[str, asyncio.Event] = {}
-# The pool loops that wait for gateways' acknowledgements: (namespace, the pool's label value, as its
-# gateways' Leases carry it) -> (the pool's uid, the routing generation awaited).
-_pool_awaits: dict[tuple[str, str], tuple[str, int]] = {}
+# Each pool loop's memory, by (namespace, the pool's label value, as its gateways' Leases carry it):
+# a Lease event wakes the loop when it acknowledges the generation the loop awaits (PoolMemory.awaited).
+_pool_awaits: dict[tuple[str, str], tuple[str, PoolMemory]] = {}
 
 
 def _plain(value: Any) -> Any:
@@ -221,9 +221,9 @@ def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={LABEL_GATEWAY: kopf.PRESENT})
 def wake_pool_on_ack(namespace: str | None, labels: Mapping[str, str], annotations: Mapping[str, str],
                      **_: Any) -> None:
-    awaited = _pool_awaits.get((namespace or "", labels.get(LABEL_GATEWAY, "")))
-    if awaited is not None and acknowledges(annotations.get(ACK_ANNOTATION), awaited[1]):
-        flag = _pool_wakeups.get(awaited[0])
+    loop = _pool_awaits.get((namespace or "", labels.get(LABEL_GATEWAY, "")))
+    if loop is not None and acknowledges(annotations.get(ACK_ANNOTATION), loop[1].awaited):
+        flag = _pool_wakeups.get(loop[0])
         if flag is not None:
             flag.set()
 
@@ -236,6 +236,7 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
     wake = _pool_wakeups.setdefault(uid, asyncio.Event())
     acks_key = (namespace, label_value(name))
     mem = PoolMemory()
+    _pool_awaits[acks_key] = (uid, mem)
     metrics.pool_started(namespace, label_value(name))
 
     def emit(type_: str, reason: str, message: str) -> None:
@@ -252,14 +253,9 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
             except Exception as e:  # an API hiccup must not end the loop; state is in the API
                 logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
                 delay = 2.0
-            awaited = awaited_generation((mem.status or {}).get("routing"))
-            if awaited is None:
-                _pool_awaits.pop(acks_key, None)
-            else:
-                _pool_awaits[acks_key] = (uid, awaited)
             await _sleep(delay, wake, stopped)
     finally:
-        if _pool_awaits.get(acks_key, (None,))[0] == uid:
+        if _pool_awaits.get(acks_key, (None, None))[1] is mem:
             del _pool_awaits[acks_key]
         metrics.pool_gone(namespace, label_value(name))
         if _pool_wakeups.get(uid) is wake:

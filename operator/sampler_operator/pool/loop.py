@@ -39,7 +39,14 @@ from sampler_operator.pool.plan import (
     spec_hash,
 )
 from sampler_operator.pool.rollout_metrics import rollout_ends
-from sampler_operator.pool.routing import FENCE, GatewayAck, Routing, next_routing, waiting_for
+from sampler_operator.pool.routing import (
+    FENCE,
+    GatewayAck,
+    Routing,
+    awaited_generation,
+    next_routing,
+    waiting_for,
+)
 from sampler_operator.replica.desired_pod import label_value
 from sampler_operator.replica.status import iso
 
@@ -73,6 +80,10 @@ class PoolMemory:
     # Trace steps already told (sampler_common/rollout_trace.py): a step repeated on the same view
     # tells of a fact once.
     traced: set[str] = field(default_factory=set)
+    # The routing generation whose acknowledgements this loop waits for (routing.awaited_generation):
+    # a gateway's Lease that says it wakes the loop (handlers.wake_pool_on_ack). Set before the status
+    # that starts the wait is written: a gateway may acknowledge before that write's answer is back.
+    awaited: int | None = None
 
 
 def _trace_once(mem: PoolMemory, pool: str, step: str, key: str, **fields: object) -> None:
@@ -225,6 +236,7 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now)
     if routing is not None:
         status["routing"] = routing
+    mem.awaited = awaited_generation(routing)
     if status != mem.status:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status

@@ -41,7 +41,8 @@ def test_a_gateways_acknowledgement_wakes_the_pool_loop_that_awaits_it(monkeypat
 
     flag = asyncio.Event()
     monkeypatch.setitem(handlers._pool_wakeups, "uid-1", flag)
-    monkeypatch.setitem(handlers._pool_awaits, ("ns", "pool"), ("uid-1", 4))
+    mem = handlers.PoolMemory(awaited=4)
+    monkeypatch.setitem(handlers._pool_awaits, ("ns", "pool"), ("uid-1", mem))
 
     def lease_event(namespace: str, pool: str, gen: str | None) -> None:
         ann = {handlers.ACK_ANNOTATION: gen} if gen is not None else {}
@@ -53,6 +54,10 @@ def test_a_gateways_acknowledgement_wakes_the_pool_loop_that_awaits_it(monkeypat
         assert not flag.is_set(), (namespace, pool, gen)
     lease_event("ns", "pool", "4")
     assert flag.is_set()
+    flag.clear()
+    mem.awaited = None   # open, every gateway heard: nothing awaited
+    lease_event("ns", "pool", "5")
+    assert not flag.is_set()
     # The Leases are watched, and only the gateways' (filtered by the API server, settings.apply).
     registry = kopf.get_default_registry()
     assert "wake_pool_on_ack" in [h.id for h in registry._watching.get_all_handlers()]
