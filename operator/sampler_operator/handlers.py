@@ -53,6 +53,21 @@ _pool_wakeups: dict[str, asyncio.Event] = {}
 # Each pool loop's memory, by (namespace, the pool's label value, as its gateways' Leases carry it):
 # a Lease event wakes the loop when it acknowledges the generation the loop awaits (PoolMemory.awaited).
 _pool_awaits: dict[tuple[str, str], tuple[str, PoolMemory]] = {}
+# Each pool loop's memory by the pool's uid: a replica's loop tells it of a load (tell_pool).
+_pool_mems: dict[str, PoolMemory] = {}
+
+
+def tell_pool(cr: Mapping[str, Any], label: str) -> None:
+    """A pool replica's pod answered a declared load with `label`: its pool's loop (in this process)
+    hears of it and steps now, before the replica's status write and its watch event reach it. The
+    pool's routing switch fences on it one status write sooner (pool/loop.py, serving_labels)."""
+    replica = ReplicaState.from_object(_plain(cr))
+    mem = _pool_mems.get(replica.owner_uid or "")
+    if mem is not None:
+        mem.loaded[replica.name] = (label, replica.label)
+        flag = _pool_wakeups.get(replica.owner_uid or "")
+        if flag is not None:
+            flag.set()
 
 
 def _plain(value: Any) -> Any:
@@ -162,7 +177,7 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
     key = (namespace, label_value(name))
     wake = _wakeups.setdefault(key, asyncio.Event())
     ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger,
-                  allow_test_seams=memo.allow_test_seams, policies=memo.policies)
+                  allow_test_seams=memo.allow_test_seams, policies=memo.policies, loaded=tell_pool)
     mem = ReplicaMemory()
     try:
         while not stopped:
@@ -237,6 +252,7 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
     acks_key = (namespace, label_value(name))
     mem = PoolMemory()
     _pool_awaits[acks_key] = (uid, mem)
+    _pool_mems[uid] = mem
     metrics.pool_started(namespace, label_value(name))
 
     def emit(type_: str, reason: str, message: str) -> None:
@@ -257,6 +273,8 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
     finally:
         if _pool_awaits.get(acks_key, (None, None))[1] is mem:
             del _pool_awaits[acks_key]
+        if _pool_mems.get(uid) is mem:
+            del _pool_mems[uid]
         metrics.pool_gone(namespace, label_value(name))
         if _pool_wakeups.get(uid) is wake:
             del _pool_wakeups[uid]

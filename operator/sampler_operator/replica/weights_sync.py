@@ -95,6 +95,8 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
     served = loaded_weights(answer.body, ref) if result == LOADED else {}
+    if served:
+        ctx.loaded(cr, ref.version_label)   # the pool's switch may fence now, not after the write below
     await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem)
     trace("operator", "load.recorded", replica=who, label=ref.version_label, result=result)
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]

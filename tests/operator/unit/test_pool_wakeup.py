@@ -61,3 +61,21 @@ def test_a_gateways_acknowledgement_wakes_the_pool_loop_that_awaits_it(monkeypat
     # The Leases are watched, and only the gateways' (filtered by the API server, settings.apply).
     registry = kopf.get_default_registry()
     assert "wake_pool_on_ack" in [h.id for h in registry._watching.get_all_handlers()]
+
+
+def test_a_pool_replicas_load_is_told_to_its_pool_loop_at_once(monkeypatch: Any) -> None:
+    import asyncio
+
+    flag, mem = asyncio.Event(), handlers.PoolMemory()
+    monkeypatch.setitem(handlers._pool_wakeups, "uid-1", flag)
+    monkeypatch.setitem(handlers._pool_mems, "uid-1", mem)
+
+    def replica(owner: str) -> dict[str, Any]:
+        return {"metadata": {"name": "p-0", "ownerReferences": [{"kind": "SamplerPool", "uid": owner,
+                                                                 "controller": True}]},
+                "status": {"weights": {"label": "step-1"}}}
+
+    handlers.tell_pool(replica("uid-2"), "step-2")   # another pool's (not run here): nothing
+    assert not flag.is_set() and mem.loaded == {}
+    handlers.tell_pool(replica("uid-1"), "step-2")
+    assert flag.is_set() and mem.loaded == {"p-0": ("step-2", "step-1")}   # and what its status said then

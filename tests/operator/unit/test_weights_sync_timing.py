@@ -20,11 +20,13 @@ CR = {"metadata": {"name": "r", "namespace": "ns", "uid": "u"}, "status": {}}
 
 
 def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str, Any] = CR,
-         records: list[dict[str, Any]] | None = None, **spec_kw: Any) -> float | None:
+         records: list[dict[str, Any]] | None = None, told: list[str] | None = None,
+         order: list[str] | None = None, **spec_kw: Any) -> float | None:
     """One sync of a pod serving `base` against spec.weights step-1 (or `spec_kw`); the pod answers
-    a load with `answer`; the status.weights fields each write records go to `records`, the Events
-    nowhere."""
+    a load with `answer`; the status.weights fields each write records go to `records`, the labels
+    told to the pool to `told`, both in `order`; the Events nowhere."""
     calls: list[str] = []
+    told = told if told is not None else []
 
     async def call(*args: Any, **_: Any) -> PodAnswer:
         calls.append(args[4])
@@ -37,11 +39,19 @@ def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str
     async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
         if records is not None:
             records.append(dict(weights_fields))
+        if order is not None:
+            order.append("record " + ("load" if "declaredResult" in weights_fields else "loading"))
+
+    def loaded(cr: Any, label: str) -> None:
+        told.append(label)
+        if order is not None:
+            order.append(f"told {label}")
 
     monkeypatch.setattr(weights_sync, "call", call)
     monkeypatch.setattr(weights_sync, "_record", record)
     monkeypatch.setattr(weights_sync, "_api_key", nothing)
-    ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
+    ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"),  # type: ignore[arg-type]
+                  loaded=loaded)
     return asyncio.run(weights_sync.sync_weights(ctx, cr, spec(**({"weights": step(1)} | spec_kw)), "10.0.0.1",
                                                  health(label="base"), None))  # type: ignore[arg-type]
 
@@ -75,3 +85,22 @@ def test_a_load_the_pod_took_reports_its_label_in_the_same_write(monkeypatch: py
     records.clear()
     sync(monkeypatch, PodAnswer(Outcome.INVALID, "bad", 400), records=records)
     assert "label" not in records[-1]
+
+
+def test_a_load_the_pod_took_is_told_to_the_pool_before_its_status_is_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    told: list[str] = []
+    records: list[dict[str, Any]] = []
+    answer = PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+    sync(monkeypatch, answer, records=records, told=told)
+    assert told == ["step-1"]
+    # The pool heard of it after the write saying "Loading" and before the one recording the load.
+    order: list[str] = []
+    sync(monkeypatch, answer, order=order)
+    assert order == ["record loading", "told step-1", "record load"]
+    # Nothing told for a refusal, a load that did not happen, or an answer naming no label.
+    for nothing in (PodAnswer(Outcome.INVALID, "bad", 400), PodAnswer(Outcome.TRANSIENT, "later"),
+                    PodAnswer(Outcome.DONE, "ok", 200, {})):
+        told.clear()
+        sync(monkeypatch, nothing, told=told)
+        assert told == [], nothing
