@@ -18,6 +18,7 @@ The pod stays the same pod: weights are not part of the pod template.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,11 +82,15 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         # The pod started at these weights (a new pod loads undeclared-yet weights at startup).
         await _record(ctx, cr, declared_outcome(spec, LOADED, "loaded at pod startup"), None, mem)
         return None
-    await _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem)
+    # The status says Loading before the load is sent; the key is read meanwhile (two API round trips
+    # at once: every pool rollout waits for the slowest replica's start).
+    _, key = await asyncio.gather(
+        _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem),
+        _api_key(ctx, cr, spec))
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
     who = f"{cr['metadata'].get('namespace')}/{cr['metadata'].get('name')}"
     trace("operator", "load.started", replica=who, label=ref.version_label)
-    answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", await _api_key(ctx, cr, spec),
+    answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
                         declared_load_request(spec), LOAD_TIMEOUT_S)
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.outcome is Outcome.TRANSIENT:

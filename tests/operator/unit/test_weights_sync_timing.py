@@ -104,3 +104,38 @@ def test_a_load_the_pod_took_is_told_to_the_pool_before_its_status_is_written(
         told.clear()
         sync(monkeypatch, nothing, told=told)
         assert told == [], nothing
+
+
+def test_the_loading_status_and_the_key_read_overlap_and_both_precede_the_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each waits for the other to have started: run one after the other, this would never end.
+    order: list[str] = []
+
+    async def run() -> float | None:
+        started = {"record": asyncio.Event(), "key": asyncio.Event()}
+
+        async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
+            if "declaredResult" not in weights_fields:   # the Loading write
+                started["record"].set()
+                await asyncio.wait_for(started["key"].wait(), 5)
+                order.append("loading written")
+
+        async def api_key(*_: Any) -> str:
+            started["key"].set()
+            await asyncio.wait_for(started["record"].wait(), 5)
+            order.append("key read")
+            return "k"
+
+        async def call(*args: Any, **_: Any) -> PodAnswer:
+            order.append(f"load sent with key {args[5]}")
+            return PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+
+        monkeypatch.setattr(weights_sync, "call", call)
+        monkeypatch.setattr(weights_sync, "_record", record)
+        monkeypatch.setattr(weights_sync, "_api_key", api_key)
+        ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
+        return await weights_sync.sync_weights(ctx, CR, spec(weights=step(1)), "10.0.0.1",  # type: ignore[arg-type]
+                                               health(label="base"), None)
+
+    assert asyncio.run(run()) == 0.0
+    assert sorted(order[:2]) == ["key read", "loading written"] and order[2] == "load sent with key k"
