@@ -78,6 +78,12 @@ async def rollout(request: Request) -> Response:
     return JSONResponse(rollout_of(await _pool_object(request).read()))
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A push whose trainer went away ends unheard: its outcome is read, not logged as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
 @router.post("/adapters")
 async def push_adapter(request: Request) -> Response:
     obj = _pool_object(request)
@@ -85,6 +91,7 @@ async def push_adapter(request: Request) -> Response:
     # Shielded, as a replica shields its weight writes: a trainer that hangs up mid-push leaves no
     # provisional copy loaded, and no write half done on its side.
     task = asyncio.ensure_future(carry_out(gateway_of(request), obj, push, PUSH_ATTEMPTS))
+    task.add_done_callback(_retrieved)
     try:
         return JSONResponse(await asyncio.shield(task))
     except ReplicaAnswer as e:

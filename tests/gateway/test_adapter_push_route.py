@@ -359,3 +359,19 @@ async def test_one_run_pushed_twice_at_one_step_one_lands_the_other_is_409_step(
     # a provisional name, never under z.5.1.
     assert set(holders(env, "z.5.1").values()) == {os.path.realpath(path)}
     assert no_provisional(env)
+
+
+async def test_a_trainer_that_hangs_up_mid_push_leaves_the_push_whole(clean: Env) -> None:
+    env = clean
+    pool = env.pool()
+    app = env.app(pool)
+    gone = asyncio.Event()
+    gone.set()  # the client goes away as soon as its body is read
+    async with app.router.lifespan_context(app):
+        r = await call(app, "POST", "/v1/pool/adapters", body(env, "h", 1), headers=ADMIN_HEADERS, disconnect=gone)
+        assert r.status is None  # no answer: the route was cancelled with its client
+        # ...but not the push: it is declared, loaded under its name, its provisional copy gone.
+        async with asyncio.timeout(60):
+            while not (pool.writes and holders(env, "h.1.1") and no_provisional(env)):
+                await asyncio.sleep(0.05)
+    assert declared(pool) == {"h": [(1, "step-1", str(env.root / "a1"), 1)]}
