@@ -1,60 +1,67 @@
-"""A replica's `/health` as placement reads it (pure): `ReplicaAdapters` from the JSON, every field
-defaulted, so a gateway works beside replicas that report less (docs/reference/contract.md).
+"""What one replica's `/health` says about its LoRA adapters, read in ONE place (pure), with defaults.
 
-What a replica reports, and what is assumed when it does not:
-- `lora_slots`: how many versions it may hold at once (its `max_cpu_loras`; 0 without LoRA). Missing
-  (a replica older than the field): its `max_loras`, which is what vLLM then holds; missing too:
-  LoRA taken as enabled with slots unknown (`UNKNOWN_SLOTS`): no eviction is planned for it, and the
-  replica's own refusal of an add past its limit is the bound.
-- `in_flight`: its requests in flight, all of them (every gateway's): the load placement compares.
-- `adapters[]`: each loaded adapter's `name`, `in_flight` (requests using it now; missing: 0) and
-  `last_used_at` (ISO-8601; null or missing: never used, so the first evicted among the idle).
+The replica reports (docs/reference/contract.md): `adapters`, a list of `{name, path}`, and, from
+the sampler that counts them, per adapter `in_flight` (its requests in flight there) and
+`last_used_at` (ISO-8601 UTC, null before its first use), and at the top level `lora_slots` (how
+many adapters it may hold at once: its `max_cpu_loras`, 0 without LoRA) and `max_loras`. An older
+sampler reports only the list: every missing field has a default here, so the gateway routes by
+adapter in front of either.
+
+- `lora_slots` missing: the replica's `max_loras` when it reports that (an older sampler's vLLM
+  then holds exactly that many), else None: unknown, the gateway's `--lora-slots` decides
+  (adapter_route.py).
+- `in_flight` missing: 0 (the gateway's own counts still protect what IT has in flight).
+- `last_used_at` missing or unreadable: None (never used: the first victim among idle ones).
 """
 
 from __future__ import annotations
 
-import datetime
+import datetime as dt
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from .adapter_placement import ReplicaAdapters
 
-# Slots of a replica that does not say: larger than any real max_cpu_loras.
-UNKNOWN_SLOTS = 1 << 20
-NEVER_USED = 0.0  # before any real timestamp
+@dataclass(frozen=True)
+class HeldAdapter:
+    name: str  # the engine name (`<run>.<step>.<serial>` for a pool's versions)
+    in_flight: int = 0
+    last_used_at: float | None = None  # seconds since the epoch; None: not used since loaded
+
+
+@dataclass(frozen=True)
+class ReplicaLora:
+    slots: int | None  # None: the replica does not say (an older sampler)
+    adapters: tuple[HeldAdapter, ...] = ()
+
+    def names(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.adapters)
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def _when(value: Any) -> float:
+def _epoch(value: Any) -> float | None:
     if not isinstance(value, str):
-        return NEVER_USED
+        return None
     try:
-        at = datetime.datetime.fromisoformat(value)
+        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        return NEVER_USED
-    if at.tzinfo is None:
-        at = at.replace(tzinfo=datetime.UTC)
-    return at.timestamp()
+        return None
+    return (t if t.tzinfo is not None else t.replace(tzinfo=dt.UTC)).timestamp()
 
 
-def replica_adapters(name: str, health: Mapping[str, Any]) -> ReplicaAdapters:
-    """Replica `name`'s adapters from its `/health` body (any JSON object; what is malformed is
-    read as missing)."""
+def lora_of(health: Mapping[str, Any]) -> ReplicaLora:
+    """The LoRA part of a replica's `/health` body (module docstring: the defaults)."""
     slots = _int(health.get("lora_slots"))
     if slots is None:
         slots = _int(health.get("max_loras"))
-    if slots is None:
-        slots = UNKNOWN_SLOTS
-    loaded: dict[str, float] = {}
-    in_flight: dict[str, int] = {}
-    entries = health.get("adapters")
-    for entry in entries if isinstance(entries, list) else []:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+    held = []
+    raw = health.get("adapters")
+    for entry in raw if isinstance(raw, list) else []:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
             continue
-        loaded[entry["name"]] = _when(entry.get("last_used_at"))
-        in_flight[entry["name"]] = max(_int(entry.get("in_flight")) or 0, 0)
-    return ReplicaAdapters(name=name, slots=max(slots, 0), load=max(_int(health.get("in_flight")) or 0, 0),
-                           loaded=loaded, in_flight=in_flight)
+        held.append(HeldAdapter(name, _int(entry.get("in_flight")) or 0, _epoch(entry.get("last_used_at"))))
+    return ReplicaLora(slots, tuple(held))

@@ -2,7 +2,7 @@
 in the SamplerPool's `spec.adapters`, and loaded where the push's `servable` asks before the answer
 (docs/design/lora-pool.md, "A push"). The decisions are pure and elsewhere: `adapter_push.decide_push`
 (may it be declared, and the state after), `adapter_placement.place` and `victims` (which replica,
-what it unloads first), `adapter_health.replica_adapters` (a replica's /health as placement reads it).
+what it unloads first), `replica_adapters` below (a replica's /health as placement reads it).
 
 The order, and why:
 1. **Read and decide** on the pool object as the API server holds it (its resourceVersion).
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from sampler_common.adapters import AdapterVersion, adapter_state
 
-from .adapter_health import replica_adapters
+from .adapter_health import lora_of
 from .adapter_placement import ReplicaAdapters, place, victims
 from .adapter_push import AdapterPush, adapters_patch, decide_push, push_answer
 from .errors import NoReplica, ReplicaLost, ReplicaTimeout
@@ -51,6 +51,24 @@ from .replicas import ReplicaView
 from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
 
 ADAPTERS = "/v1/adapters"
+# Slots of a replica whose /health does not say (an older sampler): larger than any real
+# max_cpu_loras, so no eviction is planned for it and its own refusal of an add is the bound.
+UNKNOWN_SLOTS = 1 << 20
+NEVER_USED = 0.0  # before any real last use: the first evicted among the idle
+
+
+def replica_adapters(name: str, health: Mapping[str, Any], own_load: int = 0) -> ReplicaAdapters:
+    """Placement's input from replica `name`'s /health body, read by `adapter_health.lora_of`
+    (every field defaulted): slots unknown are `UNKNOWN_SLOTS`; its load is its own `in_flight`
+    (every gateway's requests), or this gateway's count `own_load` when higher."""
+    lora = lora_of(health)
+    reported = health.get("in_flight")
+    load = reported if isinstance(reported, int) and not isinstance(reported, bool) and reported > 0 else 0
+    return ReplicaAdapters(name, slots=UNKNOWN_SLOTS if lora.slots is None else lora.slots,
+                           load=max(load, own_load),
+                           loaded={a.name: a.last_used_at if a.last_used_at is not None else NEVER_USED
+                                   for a in lora.adapters},
+                           in_flight={a.name: a.in_flight for a in lora.adapters})
 
 
 class ReplicaAnswer(Exception):
@@ -118,9 +136,7 @@ class Replicas:
                 reply = await self.send(r, "GET", "/health", timeout_s=self.gw.cfg.control_timeout_s)
             except (ReplicaLost, ReplicaTimeout):
                 return None
-            held = replica_adapters(r.name, reply.json or {})
-            own = self.gw.pool.in_flight.get(r.name, 0)
-            return held if held.load >= own else ReplicaAdapters(r.name, held.slots, own, held.loaded, held.in_flight)
+            return replica_adapters(r.name, reply.json or {}, self.gw.pool.in_flight.get(r.name, 0))
 
         return [h for h in await asyncio.gather(*(one(r) for r in replicas)) if h is not None]
 

@@ -4,7 +4,7 @@ else 409, as the API server does), in front of two REAL fake-engine sampler proc
 which validate and load the adapter files themselves. Every refusal names its field and leaves the
 pool object unchanged (its writes are counted) and no adapter behind on a replica. The same route
 against a real kube-apiserver, with a concurrent race: tests/operator/envtest/test_adapter_push_envtest.py.
-Also the one function that reads a replica's /health for placement (`adapter_health.replica_adapters`)."""
+Also the one function that makes a replica's /health placement's input (`pool_adapters.replica_adapters`)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import httpx
 import pytest
 
 from sampler_common.adapters import adapter_state
-from sampler_gateway.adapter_health import NEVER_USED, UNKNOWN_SLOTS, replica_adapters
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
+from sampler_gateway.pool_adapters import NEVER_USED, UNKNOWN_SLOTS, replica_adapters
 from sampler_gateway.pool_object import StaleRead
 from sampler_gateway.routes.pool import PUSH_ATTEMPTS
 from tests.support.asgi import call
@@ -55,6 +55,7 @@ def test_a_health_without_the_new_fields_falls_back_to_max_loras_then_unknown_sl
                                                                      {"a.1.1": 0})
     assert replica_adapters("r0", {**old, "max_loras": 4}).slots == 4
     assert replica_adapters("r0", {**old, "lora_slots": 0, "max_loras": 4}).slots == 0  # LoRA off: said so
+    assert replica_adapters("r0", old, own_load=5).load == 5  # this gateway counts more than it reported
 
 
 def test_a_malformed_health_is_read_as_missing_never_an_error() -> None:
