@@ -2,7 +2,7 @@
 kube-apiserver, the operator as a subprocess, REAL sampler processes (fake engine, LoRA on) run by the
 process kubelet, a gateway process with the Deployment's discovery, keys and RBAC. Every refusal
 through the real route (400 `run`/`path`/a field, 409 `step`/`version_label`/`pinned`, a replica's 400
-naming the file) leaves the pool object as it was (its resourceVersion read back); concurrent pushes
+naming the file) leaves the pool's spec as it was (its generation and spec.adapters read back); concurrent pushes
 race on the object's resourceVersion: two runs at once both land, one run twice at one step is one
 200 and one 409 naming `step`. Every branch in process: tests/gateway/test_adapter_push_route.py."""
 from __future__ import annotations
@@ -33,6 +33,10 @@ pytestmark = pytest.mark.envtest
 def _pool(api: Any, ns: str) -> dict[str, Any]:
     obj: dict[str, Any] = api.custom.get_namespaced_custom_object(G, V, ns, "samplerpools", "t")
     return obj
+
+
+def _spec_of(pool: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return pool["metadata"]["generation"], pool["spec"]["adapters"]
 
 
 def test_adapter_pushes_through_the_gateway_refusals_and_races(k8s: Any, api: Any, ns: str, operator: Any,
@@ -73,8 +77,9 @@ def test_adapter_pushes_through_the_gateway_refusals_and_races(k8s: Any, api: An
         ok = post(version("p", 1, "c1", pinned=True))
         assert ok.status_code == 200, ok.text
 
-        # Refused, each naming its field, the pool object unchanged (its resourceVersion).
-        before = _pool(api, ns)["metadata"]["resourceVersion"]
+        # Refused, each naming its field, the pool's spec unchanged: its generation (the resourceVersion
+        # also moves with the operator's status writes) and its declared adapters.
+        before = _spec_of(_pool(api, ns))
         refusals = [
             (version("a.b", 2, "a2"), 400, "run"),
             (version(tiny_model.name, 2, "a2"), 400, "run"),                 # a name of the base model
@@ -96,7 +101,7 @@ def test_adapter_pushes_through_the_gateway_refusals_and_races(k8s: Any, api: An
         with pytest.raises(RequestRefused) as e:
             pool.push_adapter("a", str(root / "bad"), "step-2", 2)
         assert e.value.status == 400 and "adapter_model.safetensors" in e.value.message
-        assert _pool(api, ns)["metadata"]["resourceVersion"] == before
+        assert _spec_of(_pool(api, ns)) == before
 
         # Races on the object's resourceVersion. Two runs at once: both land.
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
