@@ -23,7 +23,7 @@ from sampler_gateway.pool import Pool
 from sampler_gateway.pool_adapters import push_adapter
 from sampler_gateway.replicas import PoolView, ReplicaView
 from sampler_gateway.upstream import Outgoing, Reply
-from tests.gateway.test_adapter_push_route import MemoryPool
+from tests.support.memory_pool import MemoryPool
 
 
 @dataclass
@@ -143,7 +143,7 @@ async def test_every_slot_in_flight_is_a_503_naming_why_and_the_pool_unchanged()
     with pytest.raises(NoReplica) as e:
         await push_adapter(gateway({"r0": r0}), pool, PUSH, attempts=1)
     assert "r0: every slot holds a version with requests in flight" in e.value.message
-    assert (pool.writes, pool.obj, r0.adapters.keys()) == ([], before, {"x.1.1"})
+    assert (pool.writes, pool.obj, set(r0.adapters)) == ([], before, {"x.1.1"})
     assert deletes(r0) == []
 
 

@@ -12,7 +12,7 @@ import asyncio
 import copy
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,12 @@ from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
 from sampler_gateway.pool_adapters import NEVER_USED, UNKNOWN_SLOTS, replica_adapters
-from sampler_gateway.pool_object import StaleRead
 from sampler_gateway.routes.pool import PUSH_ATTEMPTS
 from tests.support.asgi import call
 from tests.support.checkpoints import make_lora_adapter
 from tests.support.gateway import Pool as Replicas
 from tests.support.gateway import fake_replicas
+from tests.support.memory_pool import MemoryPool
 
 KEY, ADMIN = "tml-sample", "tml-admin"
 ADMIN_HEADERS = [("X-API-Key", ADMIN)]
@@ -67,53 +67,6 @@ def test_a_malformed_health_is_read_as_missing_never_an_error() -> None:
 
 
 # ---------------------------------------------------------------------------- the route, in process
-
-
-def merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
-    """RFC 7386, as the API server applies `application/merge-patch+json`."""
-    for k, v in patch.items():
-        if v is None:
-            target.pop(k, None)
-        elif isinstance(v, dict) and isinstance(target.get(k), dict):
-            merge(target[k], v)
-        else:
-            target[k] = copy.deepcopy(v)
-
-
-class MemoryPool:
-    """The SamplerPool as the API server keeps it: a merge patch lands only at the current
-    resourceVersion (else 409); `between` runs after a read (another writer) and says if it wrote."""
-
-    def __init__(self, obj: dict[str, Any], between: Callable[[dict[str, Any]], bool] | None = None,
-                 together: int = 0) -> None:
-        self.obj, self.between, self.reads = obj, between, 0
-        self.writes: list[dict[str, Any]] = []
-        # The first `together` reads each wait for all of them: concurrent pushes read one state.
-        self.together, self._all_read = together, asyncio.Event()
-
-    def _bump(self) -> None:
-        self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
-
-    async def read(self) -> dict[str, Any]:
-        self.reads += 1
-        seen = copy.deepcopy(self.obj)
-        if self.reads <= self.together:
-            if self.reads == self.together:
-                self._all_read.set()
-            await self._all_read.wait()
-        if self.between is not None and self.between(self.obj):
-            self._bump()
-        return seen
-
-    async def patch(self, body: dict[str, Any]) -> dict[str, Any]:
-        await asyncio.sleep(0)  # a write is a round trip: another push may run meanwhile
-        if body["metadata"]["resourceVersion"] != self.obj["metadata"]["resourceVersion"]:
-            raise StaleRead("SamplerPool w changed while this push was checked; push again", field="pool")
-        self.writes.append(body)
-        merge(self.obj, {"spec": body["spec"]})
-        self.obj["metadata"]["generation"] += 1
-        self._bump()
-        return copy.deepcopy(self.obj)
 
 
 @dataclass
