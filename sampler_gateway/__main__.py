@@ -20,7 +20,7 @@ from .routing import RoutingLease
 
 def source_for(cfg: GatewayConfig) -> Source:
     if cfg.discovery == "static":
-        return StaticDiscovery(cfg.static_members(), cfg.replicas_file)
+        return StaticDiscovery(cfg.static_members(), cfg.replicas_file, cfg.adapters_file)
     from .discovery.kube import KubeDiscovery  # the kubernetes client only when it is used
 
     return KubeDiscovery(cfg.pool, cfg.namespace)

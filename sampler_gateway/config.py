@@ -38,6 +38,9 @@ class GatewayConfig(BaseModel):
         default_factory=list, description="a replica as NAME=URL (flag --replica, repeatable; env: comma-separated)")
     replicas_file: Path | None = Field(
         None, description='JSON list of {"name", "url", "draining"?}, re-read when it changes (static discovery)')
+    adapters_file: Path | None = Field(
+        None, description="static discovery: JSON of the pool's declared adapters, as the SamplerPool's spec.adapters "
+                          "(kube discovery reads them from the pool), re-read when it changes")
     refresh_interval_s: float = Field(
         0.5, gt=0, le=60.0, description="how often each replica's /health is read when nothing changes; a change of "
                                         "the replica set (a drain, a new replica) is acted on at once")
@@ -78,6 +81,9 @@ class GatewayConfig(BaseModel):
                                    "(its next turn goes to the least-loaded replica, as a first turn)")
     session_expiry_s: float = Field(
         3600.0, gt=0, description="a session with no turn for this long is forgotten (as past --session-table-size)")
+    lora_slots: int = Field(
+        4, ge=0, description="adapters a replica may hold at once when its /health does not say (an older sampler "
+                             "without lora_slots and max_loras): the sampler's default --max-loras")
     replica_capacity: int = Field(
         128, ge=1, description="in-flight requests per replica past which an affinity key spills over to another "
                                "replica (the replicas' --concurrent-task-limit)")

@@ -37,6 +37,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .adapter_route import AdapterRouter
 from .config import GatewayConfig
 from .errors import NoReplica, ReplicaLost, ReplicaTimeout
 from .ids import RoutedId
@@ -90,9 +91,11 @@ class Gateway:
     upstream: Sender
     metrics: GatewayMetrics
     sessions: SessionTable = field(init=False)
+    adapters: AdapterRouter = field(init=False)
 
     def __post_init__(self) -> None:
         self.sessions = SessionTable(self.cfg.session_table_size, self.cfg.session_expiry_s)
+        self.adapters = AdapterRouter(self.cfg, self.pool, self.upstream, self.metrics)
 
 
 def weights_of(r: ReplicaView) -> str:

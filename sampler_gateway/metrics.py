@@ -45,6 +45,15 @@ class GatewayMetrics:
         self.streams_cut = Counter("sampler_gateway_streams_cut", "OpenAI streams the replica stopped sending "
                                    "before their end (lost, or past the request's timeout): ended with an error "
                                    "event", ["replica"], registry=r)
+        self.adapter_loads = Counter("sampler_gateway_adapter_loads", "Adapter versions loaded on a replica on demand, "
+                                     "by outcome (ok; full: the replica's 409, placed again; refused: its other 4xx)",
+                                     ["replica", "outcome"], registry=r)
+        self.adapter_unloads = Counter("sampler_gateway_adapter_unloads", "Adapter versions unloaded on a replica to "
+                                       "make room, by outcome (ok, in_flight: its 409, placed again)",
+                                       ["replica", "outcome"], registry=r)
+        self.adapter_replaced = Counter("sampler_gateway_adapter_replaced", "Adapter requests placed again because "
+                                        "their replica no longer held the version (its unknown-adapter answer)",
+                                        ["replica"], registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
         self.added_latency = Histogram(
             "sampler_gateway_added_latency_seconds", "Per forwarded request: its time in the gateway minus its "

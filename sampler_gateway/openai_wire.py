@@ -87,3 +87,10 @@ def final_labels(events: bytes) -> list[str]:
             if isinstance(last, dict) and isinstance(last.get("label"), str):
                 labels.append(last["label"])
     return labels
+
+
+def model_cards(base: dict[str, Any], adapters: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """`GET /v1/models`' entries for a pool's adapters, in vLLM's ModelCard shape as vLLM lists a
+    LoRA adapter: the base model's card with the adapter's `id` (the name a client writes in
+    `model`), `root` its path and `parent` the base model's id (`adapters`: (name, path) pairs)."""
+    return [{**base, "id": name, "root": path, "parent": base.get("id")} for name, path in adapters]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 from sampler_common.rollout_trace import trace
 
+from .adapter_health import ReplicaLora
 from .config import GatewayConfig
 from .errors import NoReplica
 from .metrics import GatewayMetrics
@@ -167,16 +168,42 @@ class Pool:
             return None
         return label
 
-    def _pick(self, affinity: str | None, exclude: frozenset[str], label: str | None,
-              prefer: str | None) -> ReplicaView | None:
+    def allowed(self, exclude: frozenset[str] = frozenset(), label: str | None = None) -> list[ReplicaView]:
+        """The replicas a new request may go to now (`_pick`'s choice is among them; adapter
+        placement chooses among them too, adapter_route.py)."""
         label = self._returnable(label)
         cands = [r for r in self.candidates() if r.name not in exclude and (label is None or r.weights_label == label)]
         allowed, rejected = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)
         for r in rejected:
             self.metrics.rejected_by_version.labels(replica=r.name).inc()
+        return allowed
+
+    async def changed(self, timeout_s: float) -> None:
+        """Return at the next change that decides routing (`_notify`), or after `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), max(0.0, timeout_s))
+
+    def set_lora(self, name: str, lora: ReplicaLora) -> None:
+        """The gateway loaded or unloaded an adapter on replica `name`: fresher news than its last
+        /health (a later read says the same, or the replica's own answers correct it)."""
+        current = self.view.by_name.get(name)
+        if current is None:
+            return
+        updated = dataclasses.replace(current, lora=lora)
+        self.view = dataclasses.replace(self.view, replicas=tuple(updated if r.name == name else r
+                                                                  for r in self.view.replicas))
+        self._notify()
+
+    def _pick(self, affinity: str | None, exclude: frozenset[str], label: str | None,
+              prefer: str | None) -> ReplicaView | None:
+        allowed = self.allowed(exclude, label)
         owner = next((r for r in allowed if r.name == prefer), None)
         return owner or pick(allowed, self.in_flight, affinity=affinity, capacity=self.cfg.replica_capacity,
                              turn=next(self._turn))
+
+    def notify(self) -> None:
+        """Something placement reads changed (an adapter request ended: a victim may be free now)."""
+        self._notify()
 
     def _notify(self) -> None:
         """Wake the requests waiting for a replica (choose_within): something that decides routing changed."""

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sampler_common.adapters import AdapterState
+
+from .adapter_health import ReplicaLora
+
 
 @dataclass(frozen=True)
 class Member:
@@ -33,6 +37,11 @@ class ReplicaView:
     unanswered: int = 0
     # The training step of its weights, when its load named one (`weights_step` of /health).
     weights_step: int | None = None
+    # The base model it serves (`model` of /health): a request may name it instead of an adapter.
+    model: str | None = None
+    # Its LoRA adapters and slots as its last /health said (adapter_health.py); the gateway's own
+    # loads and unloads since are applied on top (adapter_route.py).
+    lora: ReplicaLora = field(default_factory=lambda: ReplicaLora(None))
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,8 @@ class PoolView:
     by_name: dict[str, ReplicaView] = field(default_factory=dict, compare=False, repr=False)
     # The pool's weights history (label, generation), when discovery reads a SamplerPool.
     history: tuple[tuple[str, int], ...] = ()
+    # The pool's declared adapters (`spec.adapters`), when discovery knows them; None: none declared.
+    adapters: AdapterState | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_name", {r.name: r for r in self.replicas})

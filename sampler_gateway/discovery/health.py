@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from ..adapter_health import ReplicaLora, lora_of
 from ..http1 import ConnectFailed, ConnectionBroken, Http1Client
 from ..replicas import Member, ReplicaView
 
@@ -35,6 +36,8 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
     label = last.weights_label if last is not None else None
     version = last.weights_version if last is not None else None
     step = last.weights_step if last is not None else None
+    model = last.model if last is not None else None
+    lora = last.lora if last is not None else ReplicaLora(None)
     try:
         async with asyncio.timeout(timeout_s):
             r = await client.request(member.url, "GET", "/health", (), b"")
@@ -45,14 +48,15 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
         unanswered = (last.unanswered if last is not None else 0) + 1
         if last is not None and last.ready and unanswered < failure_threshold:
             return ReplicaView(member.name, member.url, ready=True, draining=member.draining, weights_label=label,
-                               weights_version=version, unanswered=unanswered, weights_step=step)
+                               weights_version=version, unanswered=unanswered, weights_step=step, model=model,
+                               lora=lora)
         return ReplicaView(member.name, member.url, ready=False, draining=member.draining, weights_label=label,
                            weights_version=version, reason=f"/health unreachable ({unanswered} in a row): "
                                                            f"{type(e).__name__}: {e}"[:300], unanswered=unanswered,
-                           weights_step=step)
+                           weights_step=step, model=model, lora=lora)
     if not isinstance(body, dict):
         return ReplicaView(member.name, member.url, False, member.draining, label, version, "/health: not an object",
-                           weights_step=step)
+                           weights_step=step, model=model, lora=lora)
     status = body.get("status")
     lbl, ver, stp = body.get("weights_label"), body.get("weights_version"), body.get("weights_step")
     return ReplicaView(member.name, member.url, ready=status == "ok", draining=member.draining,
@@ -61,4 +65,5 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
                        # A label read afresh without a step has none (never the last label's step).
                        weights_step=stp if isinstance(stp, int) and not isinstance(stp, bool) else
                        (step if not isinstance(lbl, str) else None),
-                       reason=None if status == "ok" else f"{status}: {body.get('reason')}")
+                       reason=None if status == "ok" else f"{status}: {body.get('reason')}",
+                       model=body["model"] if isinstance(body.get("model"), str) else model, lora=lora_of(body))

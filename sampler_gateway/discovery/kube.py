@@ -27,6 +27,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from sampler_common.adapters import AdapterState, adapter_state
+from sampler_common.errors import Conflict
+
 from ..replicas import Member
 from .signal import ChangeSignal
 from .source import Membership
@@ -141,6 +144,18 @@ def history_of(pools: list[dict[str, Any]]) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def adapters_of(pools: list[dict[str, Any]], last: AdapterState | None) -> AdapterState | None:
+    """Pure: the pool's declared adapters (`spec.adapters`); None without a SamplerPool. A state a
+    hand edit made inconsistent is not routed by: the last one read stays (sampler_common/adapters.py)."""
+    for p in pools:
+        try:
+            return adapter_state(p)
+        except Conflict as e:
+            log.warning("pool %s: %s; routing keeps the adapters it last read", p["metadata"].get("name"), e.message)
+            return last
+    return None
+
+
 def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[Member, ...]:
     """Pure: the pool's members from the namespace's SamplerReplicas and the pool's pods (a replica
     without a pod IP is not a member: nothing can reach it, and its futures went with its last pod)."""
@@ -181,13 +196,19 @@ class KubeDiscovery:
         self._pool = _Watch("samplerpool", changed, custom.list_namespaced_custom_object, group=GROUP, version=VERSION,
                             namespace=namespace, plural=POOL_PLURAL, field_selector=f"metadata.name={pool}")
         self._watches = (self._replicas, self._pods, self._pool)
+        self._adapters: AdapterState | None = None
+        self._adapters_of: str | None = None  # the pool's resourceVersion they were parsed from
         for w in self._watches:
             w.start()
 
     async def membership(self) -> Membership:
         pools = self._pool.snapshot()
+        # Parsed once per version of the pool object: membership is read at every /health read landing.
+        version = next((p["metadata"].get("resourceVersion") for p in pools), None)
+        if version is None or version != self._adapters_of:
+            self._adapters, self._adapters_of = adapters_of(pools, self._adapters), version
         return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()),
-                          target_label=target_of(pools), history=history_of(pools))
+                          target_label=target_of(pools), history=history_of(pools), adapters=self._adapters)
 
     async def changed(self) -> None:
         await self._changes.wait()

@@ -53,7 +53,8 @@ def merge(membership: Membership, last: PoolView, reads: Reads | None = None) ->
         if view is not None:
             replicas.append(view)
     return PoolView(tuple(replicas), membership.target_label, membership.min_label,
-                    reads.started_at if reads is not None else last.started_at, history=membership.history)
+                    reads.started_at if reads is not None else last.started_at, history=membership.history,
+                    adapters=membership.adapters)
 
 
 def without_read(member: Member, last: ReplicaView | None) -> ReplicaView | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from sampler_common.adapters import AdapterState
+
 from ..replicas import Member
 
 
@@ -17,6 +19,8 @@ class Membership:
     min_label: str | None = None
     # The SamplerPool's `status.weightsHistory` as (label, generation): the order every gateway shares.
     history: tuple[tuple[str, int], ...] = ()
+    # The pool's declared adapters (its `spec.adapters`; static discovery: --adapters-file).
+    adapters: AdapterState | None = None
 
 
 class Source(Protocol):

@@ -4,6 +4,7 @@ the operator's job in a pool: refused here with a clear answer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -13,10 +14,12 @@ from fastapi.responses import Response
 from sampler_common.errors import Expired, NotFound
 
 from .. import ids
+from ..adapter_forward import to_version
+from ..adapter_names import VersionTarget
 from ..errors import NotThroughGateway
-from ..forward import OwnerGone, to_new, to_owner
+from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
-from ..upstream import Reply
+from ..upstream import Outgoing, Reply
 from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
@@ -30,13 +33,21 @@ def _label(reply: Reply) -> str | None:
     return label if isinstance(label, str) else None
 
 
-def _stamped(replica: ReplicaView, reply: Reply, routed_id: str | None) -> Response:
-    """Pass the answer on, its `request_id` replaced by the routed one, its weights in headers."""
+def _stamped(replica: ReplicaView, reply: Reply, routed_id: str | None,
+             adapter: tuple[str, dict[str, Any]] | None = None) -> Response:
+    """Pass the answer on, its `request_id` replaced by the routed one, its weights in headers;
+    `adapter`: the client's name for the adapter and the version that answered (adapter_route.py)."""
     body = reply.json
     if body is None:
         return respond(replica, reply)
     if routed_id is not None and "request_id" in body:
         body["request_id"] = routed_id
+    if adapter is not None and reply.status == 200:
+        # The replica names the engine's adapter it sampled; the client gets its own name back, and
+        # the version (run, step, label) beside weights_label. `engine_name` is what the replica used.
+        name, answered = adapter
+        body["adapter_version"] = {**answered, "engine_name": body.get("adapter")}
+        body["adapter"] = name
     version = body.get("weights_version")
     return respond(replica, reply, orjson.dumps(body), label=_label(reply),
                    version=version if isinstance(version, int) else None, step=step_of(body))
@@ -49,24 +60,56 @@ def _routed(field_value: Any) -> ids.RoutedId:
     return rid
 
 
+def _version(gw: Gateway, body: dict[str, Any]) -> tuple[str, VersionTarget] | None:
+    """The adapter version a native request names (`adapter`: a run, `<run>@<step>`, a tinker://
+    path; 404 naming `adapter` for anything the pool does not declare), None: the base model."""
+    name = body.get("adapter")
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise NotFound(f"adapter {name!r}: a run's name, <run>@<step> or a tinker:// path", field="adapter")
+    target = gw.adapters.resolve(name, "adapter")
+    return (name, target) if isinstance(target, VersionTarget) else None
+
+
+def _rewrite(out: Outgoing, body: dict[str, Any]) -> Callable[[str], Outgoing]:
+    return lambda engine: out.with_body(orjson.dumps({**body, "adapter": engine}))
+
+
+async def _new(request: Request, *, submit: bool) -> Response:
+    gw, raw = gateway_of(request), await request.body()
+    body = json_object(raw)
+    timeout = gw.cfg.control_timeout_s if submit else timeout_of(gw, body.get("timeout_s"))
+    out = outgoing(request, raw, timeout)
+    named = _version(gw, body)
+    adapter = None
+    if named is not None:
+        name, target = named
+        replica, reply, target = await to_version(gw, name, "adapter", target, _rewrite(out, body),
+                                                  resendable=submit, rerun=not submit and rerun_allowed(request),
+                                                  label_of=None if submit else _label)
+        version = gw.adapters.version_of(target)
+        adapter = (name, version) if version is not None else None
+    else:
+        if "adapter" in body and body["adapter"] is not None:
+            # A name of the base model: the replica samples the base model, as without it.
+            out = out.with_body(orjson.dumps({**body, "adapter": None}))
+        replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=submit,
+                                      rerun=not submit and rerun_allowed(request),
+                                      label_of=None if submit else _label)
+    inner = (reply.json or {}).get("request_id") if not submit or reply.status == 200 else None
+    return _stamped(replica, reply, ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None,
+                    adapter)
+
+
 @router.post("/sample")
 async def sample(request: Request) -> Response:
-    gw, raw = gateway_of(request), await request.body()
-    out = outgoing(request, raw, timeout_of(gw, json_object(raw).get("timeout_s")))
-    replica, reply = await to_new(gw, out, affinity=affinity_of(request), rerun=rerun_allowed(request),
-                                  label_of=_label)
-    inner = (reply.json or {}).get("request_id")
-    return _stamped(replica, reply, ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None)
+    return await _new(request, submit=False)
 
 
 @router.post("/sample/submit")
 async def submit(request: Request) -> Response:
-    gw, raw = gateway_of(request), await request.body()
-    json_object(raw)
-    out = outgoing(request, raw, gw.cfg.control_timeout_s)
-    replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
-    inner = (reply.json or {}).get("request_id") if reply.status == 200 else None
-    return _stamped(replica, reply, ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None)
+    return await _new(request, submit=True)
 
 
 async def _owned(request: Request, timeout_s: float | None) -> Response:

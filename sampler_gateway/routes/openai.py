@@ -21,6 +21,10 @@ on these paths (`install_error_shape`), as the replicas' answers do, so one clie
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -28,14 +32,17 @@ from starlette.types import Receive, Scope, Send
 from sampler_common.errors import SamplerError
 from sampler_common.http.errors import error_response
 
+from ..adapter_forward import to_version
+from ..adapter_names import VersionTarget
 from ..forward import Gateway, to_new, weights_of
-from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, wants_stream
+from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, model_cards, wants_stream
 from ..replicas import ReplicaView
 from ..upstream import Lost, Reply, Stream, TimedOut
 from .common import (
     LABEL_HEADER,
     REPLICA_HEADER,
     affinity_of,
+    ascii_header,
     gateway_of,
     outgoing,
     rerun_allowed,
@@ -52,9 +59,40 @@ def _label(reply: Reply) -> str | None:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
+    """A replica's own list (the base model), and with it every adapter the pool declares: each run
+    (`<run>`: its newest version) and each version (`<run>@<step>`), as `model` may name them."""
     gw = gateway_of(request)
     replica, reply = await to_new(gw, outgoing(request, b"", gw.cfg.control_timeout_s), resendable=True)
-    return respond(replica, reply)
+    state = gw.adapters.state
+    body = reply.json if reply.status == 200 and state.runs else None
+    data = body.get("data") if body is not None else None
+    if body is None or not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return respond(replica, reply)
+    names: list[tuple[str, str]] = []
+    for run_name in sorted(state.runs):
+        run = state.runs[run_name]
+        names.append((run_name, run.newest.path))
+        names += [(f"{run_name}@{v.step}", v.path) for v in run.versions]
+    # The replica's own adapter entries (engine names) are the pool's business, not a client's.
+    body["data"] = [data[0], *model_cards(data[0], names)]
+    return respond(replica, reply, orjson.dumps(body))
+
+
+def _adapter(gw: Gateway, raw: bytes) -> tuple[str, VersionTarget, dict[str, Any]] | None:
+    """The adapter version a generating request's `model` names, when the pool declares adapters
+    (404 naming `model` for a name it does not declare); None: the base model, or a pool without
+    adapters (the body then goes as sent, byte for byte, and the replica judges `model`)."""
+    if not gw.adapters.state.runs:
+        return None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not isinstance(body, dict):
+        return None
+    target = gw.adapters.resolve(name, "model")
+    return (name, target, body) if isinstance(target, VersionTarget) else None
 
 
 @router.post("/tokenize")
@@ -74,8 +112,17 @@ async def generate(request: Request) -> Response:
     session = request.headers.get(gw.cfg.session_header) or None
     owner = gw.sessions.owner(session, gw.pool.clock()) if session is not None else None
     out = outgoing(request, raw, timeout_of(gw, None))
-    replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,
-                                  rerun=rerun_allowed(request), label_of=_label, stream=wants_stream(raw))
+    named = _adapter(gw, raw)
+    if named is not None:
+        # Placed by adapter (the session's replica is not preferred: the version's holders are).
+        name, target, body = named
+        replica, reply, target = await to_version(
+            gw, name, "model", target, lambda engine: out.with_body(orjson.dumps({**body, "model": engine})),
+            rerun=rerun_allowed(request), label_of=_label, stream=body.get("stream") is True)
+        reply = _named(reply, gw.adapters.version_of(target))
+    else:
+        replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,
+                                      rerun=rerun_allowed(request), label_of=_label, stream=wants_stream(raw))
     if session is not None and reply.status == 200:
         if gw.sessions.bind(session, replica.name, gw.pool.clock()):
             gw.metrics.session_moves.inc()
@@ -83,6 +130,19 @@ async def generate(request: Request) -> Response:
     if reply.stream is None:
         return respond(replica, reply)
     return Relay(gw, replica, reply, reply.stream)
+
+
+ADAPTER_HEADER = "X-Sampler-Adapter"  # `<run>@<step>` of the version that answered
+ADAPTER_LABEL_HEADER = "X-Sampler-Adapter-Label"
+
+
+def _named(reply: Reply, version: dict[str, Any] | None) -> Reply:
+    """The answer's head names the adapter version that produced it (the body is vLLM's, as sent:
+    its `model` is the engine's name for the version)."""
+    if version is None or reply.status != 200:
+        return reply
+    return dataclasses.replace(reply, headers=(*reply.headers, (ADAPTER_HEADER, str(version["model"])),
+                                               (ADAPTER_LABEL_HEADER, ascii_header(str(version["label"])))))
 
 
 class Relay(Response):

@@ -8,10 +8,22 @@ samples again. Sessions are bookkeeping that any replica accepts; heartbeats and
 session id as the affinity key so they meet the same replica while the set is stable. Sampling
 sessions are self-describing on the replicas, so any replica serves them.
 Everything else under `/api/v1` goes to any eligible replica unchanged.
+
+**A pool's adapters** (issue #31): a `model_path` naming one of the pool's versions
+(`tinker://<run>/sampler_weights/<label>`, as a push answers it) is placed by adapter
+(adapter_route.py): `create_sampling_session` goes to a replica that holds the version (loading it
+there: the first samples pay no load), with the version's engine name as its `model_path`
+(`tinker://<run>.<step>.<serial>`), so the sampling session it mints names exactly that version on
+every replica; `asample` and `GET samplers/{id}` of such a session go to a holder of it too (loaded
+on demand), and the replica is sent the engine name. A label the run does not declare is a 404
+naming `model_path`, never the base model. Any other `model_path` (a full-weights label pinned)
+goes to any replica as before.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import orjson
@@ -19,7 +31,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from .. import ids
-from ..forward import OwnerGone, to_new, to_owner
+from ..adapter_forward import to_version
+from ..adapter_names import VersionTarget
+from ..adapter_route import tinker_path
+from ..forward import Gateway, OwnerGone, to_new, to_owner
+from ..replicas import ReplicaView
 from ..upstream import Reply
 from .common import LABEL_HEADER, affinity_of, gateway_of, json_object, outgoing, respond
 
@@ -37,12 +53,81 @@ def _label(reply: Reply) -> str | None:
     return reply.header(LABEL_HEADER)
 
 
+def session_model_path(sampling_session_id: object) -> str | None:
+    """The `model_path` a sampling session id carries. The replicas mint them self-describing, as
+    `ss-` + the URL-safe base64 (unpadded) of `{"s", "n", "b"?, "m"?}` (`m`: the model_path), so any
+    replica serves any session (sampler_pod/protocols/tinker.py); None when it carries none or is
+    not one (the replica answers for that)."""
+    if not isinstance(sampling_session_id, str) or not sampling_session_id.startswith("ss-"):
+        return None
+    raw = sampling_session_id[3:]
+    try:
+        ref = orjson.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
+    except (ValueError, binascii.Error, orjson.JSONDecodeError):
+        return None
+    m = ref.get("m") if isinstance(ref, dict) else None
+    return m if isinstance(m, str) else None
+
+
+def _version(gw: Gateway, body: dict[str, Any]) -> tuple[str, VersionTarget] | None:
+    """The pool's adapter version a sampling call names: its own `model_path`, else its session's."""
+    path = body.get("model_path")
+    if not isinstance(path, str):
+        path = session_model_path(body.get("sampling_session_id"))
+    if path is None or not gw.adapters.state.runs:
+        return None
+    target = gw.adapters.resolve_tinker(path)
+    return (path, target) if target is not None else None
+
+
+async def _to_version(request: Request, raw: bytes, body: dict[str, Any],
+                      named: tuple[str, VersionTarget]) -> tuple[ReplicaView, Reply]:
+    gw = gateway_of(request)
+    out = outgoing(request, raw, gw.cfg.control_timeout_s)
+    name, target = named
+    replica, reply, _ = await to_version(
+        gw, name, "model_path", target,
+        lambda engine: out.with_body(orjson.dumps({**body, "model_path": f"tinker://{engine}"})), resendable=True)
+    return replica, reply
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> Response:
+    raw = await request.body()
+    body = json_object(raw)
+    named = _version(gateway_of(request), body) if isinstance(body.get("model_path"), str) else None
+    if named is None:
+        return await anywhere(request)
+    replica, reply = await _to_version(request, raw, body, named)
+    return respond(replica, reply)
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request) -> Response:
+    gw = gateway_of(request)
+    path = session_model_path(sampler_id)
+    target = gw.adapters.resolve_tinker(path) if path is not None and gw.adapters.state.runs else None
+    if target is None:
+        return await anywhere(request)
+    out = outgoing(request, b"", gw.cfg.control_timeout_s)
+    replica, reply, _ = await to_version(gw, path or "", "model_path", target, lambda engine: out, resendable=True)
+    answer = reply.json if reply.status == 200 else None
+    if answer is not None and "model_path" in answer:
+        answer["model_path"] = tinker_path(target)  # the client's name for it, not the engine's
+        return respond(replica, reply, orjson.dumps(answer))
+    return respond(replica, reply)
+
+
 @router.post("/asample")
 async def asample(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
-    json_object(raw)
-    out = outgoing(request, raw, gw.cfg.control_timeout_s)
-    replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
+    sent = json_object(raw)
+    named = _version(gw, sent)
+    if named is not None:
+        replica, reply = await _to_version(request, raw, sent, named)
+    else:
+        out = outgoing(request, raw, gw.cfg.control_timeout_s)
+        replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
     body = reply.json if reply.status == 200 else None
     inner = body.get("request_id") if body else None
     if body is None or not isinstance(inner, str) or not inner:

@@ -16,6 +16,12 @@ which the stub also records, so tests check that): `stub_events` (events before 
 the next one answers), `stub_hold` (after the first event, the stream waits for the client to go),
 `stub_label` (the weights label the answer claims), `stub_status` (an error answer with that status).
 
+Adapters (issue #31), as a replica with LoRA: `POST /v1/adapters {name, path}` and `DELETE
+/v1/adapters/{name}` change what it holds (`pool.adapters`, by replica; /health lists them; a delete
+of a name in `pool.busy` is the replica's 409: requests in flight on it), and a
+generating request whose `model` is neither the base model (`tiny`) nor an adapter it holds is
+vLLM's 404 "The model `x` does not exist.", never the base model's answer.
+
 All replicas run on one event loop in a thread of the test process: they share what they saw.
 """
 
@@ -51,6 +57,11 @@ class StubPool:
     abandoned: list[str] = field(default_factory=list)
     gone: threading.Event = field(default_factory=threading.Event)  # set on each abandoned stream
     lock: threading.Lock = field(default_factory=threading.Lock)
+    adapters: dict[str, dict[str, str]] = field(default_factory=dict)  # replica -> adapter name -> path
+    # Adapters with requests in flight the gateway does not know of (another gateway's): their unload is a 409.
+    busy: set[str] = field(default_factory=set)
+    # How many adapters each replica holds at most (its max_cpu_loras); an add past it is a 409.
+    capacity: int | None = None
 
     def requests(self, path: str) -> list[Seen]:
         with self.lock:
@@ -98,10 +109,14 @@ async def _answer(pool: StubPool, name: str, path: str, body: bytes, reader: asy
                   writer: asyncio.StreamWriter) -> bool:
     """Answer one request; False when the connection is to close."""
     label = pool.labels[name]
+    held = pool.adapters.setdefault(name, {})
     if path == "/health":
-        writer.write(_json(200, {"status": "ok", "weights_label": label, "weights_version": 1}))
+        writer.write(_json(200, {"status": "ok", "weights_label": label, "weights_version": 1, "model": "tiny",
+                                 "adapters": [{"name": n, "path": p} for n, p in sorted(held.items())]}))
         await writer.drain()
         return True
+    if path.startswith("/v1/adapters"):
+        return await _adapters(held, pool, path, body, writer)
     if path == "/v1/models":
         writer.write(_json(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 512}]}))
         await writer.drain()
@@ -117,6 +132,12 @@ async def _answer(pool: StubPool, name: str, path: str, body: bytes, reader: asy
         status = status if isinstance(req, dict) else 400
         writer.write(_json(status, {"error": {"message": "stub refusal", "type": "BadRequestError", "param": None,
                                               "code": status}}, {"retry-after": "1"} if status == 429 else None))
+        await writer.drain()
+        return True
+    model = req.get("model")
+    if path != "/tokenize" and path != "/detokenize" and model not in (None, "tiny") and model not in held:
+        writer.write(_json(404, {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError",
+                                           "param": "model", "code": 404}}))
         await writer.drain()
         return True
     label = req.get("stub_label", label)
@@ -154,6 +175,32 @@ async def _answer(pool: StubPool, name: str, path: str, body: bytes, reader: asy
             return False
     final = {"choices": [{"index": 0, "text": "", "finish_reason": "length", "weights_spans": _spans(label, n)}]}
     writer.write(_chunk(b"data: " + json.dumps(final).encode() + b"\n\n") + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+async def _adapters(held: dict[str, str], pool: StubPool, path: str, body: bytes,
+                    writer: asyncio.StreamWriter) -> bool:
+    busy = pool.busy
+    if path == "/v1/adapters":
+        req = json.loads(body)
+        if pool.capacity is not None and req["name"] not in held and len(held) >= pool.capacity:
+            writer.write(_json(409, {"error": {"category": "conflict", "message": "full",
+                                               "field": "max_cpu_loras"}}))
+        elif req["name"] in held:
+            writer.write(_json(409, {"error": {"category": "conflict", "message": "already loaded", "field": "name"}}))
+        else:
+            held[req["name"]] = req["path"]
+            writer.write(_json(200, {"name": req["name"], "path": req["path"], "rank": 8}))
+    else:
+        name = path.rsplit("/", 1)[-1]
+        if name in busy:
+            writer.write(_json(409, {"error": {"category": "conflict", "message": f"adapter {name} has requests in "
+                                               "flight", "field": "name"}}))
+        elif held.pop(name, None) is None:
+            writer.write(_json(404, {"error": {"category": "not_found", "message": "no adapter", "field": "name"}}))
+        else:
+            writer.write(_head(204, {"content-length": "0"}))
     await writer.drain()
     return True
 

@@ -18,6 +18,7 @@ from sampler_operator.api_keys import fresh_values, missing_keys, read_command
 from sampler_operator.health_probe import HealthState, probe
 from sampler_operator.kube import Kube
 from sampler_operator.network_policy import PolicySettings, pool_policies, pool_policy_names
+from sampler_operator.pool.adapter_status import adapter_status
 from sampler_operator.pool.conditions import rollout_events
 from sampler_operator.pool.gateway import LABEL_GATEWAY, gateway_objects, objects_hash
 from sampler_operator.pool.plan import (
@@ -222,6 +223,9 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
                             label=target)
     status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"),
                          (old or {}).get("weightsHistory"))
+    adapters = adapter_status({"spec": raw_spec}, ((r.name, r.adapters) for r in existing if r.owner_uid == uid))
+    if adapters is not None:
+        status["adapters"] = adapters
     routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now)
     if routing is not None:
         status["routing"] = routing

@@ -231,6 +231,8 @@ class ReplicaState:
     # the pod about to be replaced, and must not count as verified at the new spec (nor go back in
     # routing, nor complete the rollout, only to start it again a moment later).
     observed: bool = True
+    # The adapter engine names its pod holds, as its status last said (pool/adapter_status.py).
+    adapters: tuple[str, ...] = ()
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
@@ -252,7 +254,8 @@ class ReplicaState:
                    leaving_since=_since(ann.get(ANNOTATION_DRAINING_SINCE)),
                    pod_ip=status.get("podIP") or None, port=port if isinstance(port, int) else None,
                    rejected=rejected, rejected_message=str(weights.get("declaredMessage") or "") if rejected else None,
-                   observed=generation is None or status.get("observedGeneration") == generation)
+                   observed=generation is None or status.get("observedGeneration") == generation,
+                   adapters=tuple(a for a in status.get("adapters") or () if isinstance(a, str)))
 
 
 def _since(text: Any) -> float | None:

@@ -95,6 +95,11 @@ def runtime_status(*, pod: PodView | None, observation: HealthObservation | None
         "observedGeneration": generation,
         "conditions": merge_conditions(old_status.get("conditions"), [c for c in conditions if c is not None]),
     }
+    if observation is not None and observation.answered:
+        # What the pod holds now: its pool's status shows where each adapter version is loaded.
+        out["adapters"] = sorted({str(a["name"]) for a in observation.adapters if a.get("name")})
+    elif pod is None or pod.name != old_status.get("podName"):
+        out["adapters"] = []
     if observation is not None and observation.answered and observation.weights_version is not None:
         out["weightsVersion"] = observation.weights_version
         out["weightsLabel"] = observation.weights_label

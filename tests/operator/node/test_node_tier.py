@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -643,8 +644,13 @@ def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, op
 
 
 def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, operator, tiny_model):
-    """The engine start hangs (test seam); the kubelet's startup probe on /readyz restarts the container
-    within startupTimeoutSeconds + one probe period (the operator leaves `starting` pods alone)."""
+    """The engine start hangs (test seam). The sampler gives up at --startup-timeout-s, counted from its
+    process's start, and exits 1; the kubelet restarts the container (its startup probe on /startedz
+    fails meanwhile; the operator leaves `starting` pods alone).
+
+    The deadline is timed by the server's own log line, not by the container's lifetime: after the
+    decision the process still shuts down (uvicorn, then the interpreter's teardown), which on this
+    loaded 2-core box has taken seconds, and that is not what the deadline bounds."""
     port = ks.free_port()
     timeout_s = 12
     api.apply(ns, replica("dh", port, Path(tiny_model),
@@ -657,13 +663,29 @@ def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, op
         return cs is not None and cs.restart_count >= 1 and cs.last_state.terminated is not None and cs
     cs = ks.wait_for(restarted, 120, 0.5, "a container restart")
     term = cs.last_state.terminated
-    lived = (term.finished_at - term.started_at).total_seconds()
+    log = api.core.read_namespaced_pod_log("dh-0", ns, previous=True, timestamps=True)
+    said = [line for line in log.splitlines() if "startup did not finish within --startup-timeout-s" in line]
+    assert len(said) == 1, log[-3000:]
+    decided = _log_stamp(said[0])
     events = [(e.reason, e.message, e.count) for e in api.core.list_namespaced_event(ns).items
               if e.involved_object.name == "dh-0"]
-    # The kubelet's timestamps have 1 s resolution.
-    assert lived <= timeout_s + PERIOD + 1, (lived, term, events)
+    # The kubelet's started_at is truncated to the second (the process started in the second after
+    # it), and the server's loop may answer its timer late by up to a probe period on this box.
+    after_start = (decided - term.started_at).total_seconds()
+    assert timeout_s <= after_start <= timeout_s + 1 + PERIOD, (after_start, said, term)
+    assert term.exit_code == 1, term
+    # Its shutdown is bounded by uvicorn's graceful timeout (10 s, sampler_pod/__main__.py).
+    assert (term.finished_at - decided).total_seconds() <= 10 + 1, (term, said)
     assert any(r == "Unhealthy" and "Startup probe failed" in (m or "") for r, m, _ in events), events
     assert api.status(ns, "dh").get("replacements") in (None, 0), "restarted by the kubelet, not replaced"
+
+
+def _log_stamp(line: str) -> datetime:
+    """The container runtime's stamp of a `timestamps=True` log line: RFC 3339 with up to 9 digits of
+    fraction and trailing zeros dropped (`2026-12-03T18:57:05.0351Z`); Python reads 6 at most."""
+    stamp = line.split(" ", 1)[0].removesuffix("Z")
+    whole, _, frac = stamp.partition(".")
+    return datetime.fromisoformat(f"{whole}.{(frac + '000000')[:6]}+00:00")
 
 
 # ------------------------------------------------------------------------------------------ declared weights

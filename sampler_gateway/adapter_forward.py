@@ -1,0 +1,121 @@
+"""A new request for one adapter version through the gateway: `forward.to_new`'s life, placed by
+adapter (adapter_route.py) instead of the picker.
+
+The client's name (`<run>`, `<run>@<step>`, a tinker:// path) was resolved to one version; the
+replica is sent the version's ENGINE name (`<run>.<step>.<serial>`) in its place (`rewrite`), so it
+samples exactly that version, and it answers "unknown adapter" rather than ever sample the base model
+for it. The reasons to send a request once more, each at most once:
+- a replica that never got it (refused connection), as for any new work;
+- a replica lost while running it, for a sync sample that may be re-run (`rerun`) or a submit;
+- the replica no longer holds the version (it was unloaded since: its 4xx naming the field): placed
+  again, loaded again;
+- under the pool's `Latest` policy, a `<run>` answer older than one already returned for that run
+  (`RunOrder`): re-resolved and run again on the newest version; a second such answer is a 503 the
+  client retries ("resubmit"). A pinned version's answers are always returned.
+The full weights' version policy judges every answer as for any new work (`Pool.returned`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from .adapter_names import VersionTarget
+from .adapter_route import unknown_adapter
+from .errors import NoReplica, ReplicaLost, ReplicaTimeout
+from .forward import Gateway, LabelOf, SecondChances, _discard, _open, resend_after_loss, weights_of, with_retried
+from .replicas import ReplicaView
+from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
+
+
+async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarget,
+                     rewrite: Callable[[str], Outgoing], *, resendable: bool = False, rerun: bool = False,
+                     label_of: LabelOf | None = None, stream: bool = False
+                     ) -> tuple[ReplicaView, Reply, VersionTarget]:
+    """Place, load if needed, send `rewrite(engine name)`, judge the answer (module docstring).
+    Returns the replica, its answer and the version that answered. `stream`: an event stream is
+    returned at its head (as `to_new`); the version stays counted in flight until it is closed."""
+    router = gw.adapters
+    tried: set[str] = set()
+    label: str | None = None
+    lost: str | None = None
+    used = SecondChances()
+    placed_again = False
+    while True:
+        replica, key = await router.acquire(target, frozenset(tried), label)
+        held = False  # the version's count is the open stream's, released when it closes
+        try:
+            if stream:
+                reply = await _open(gw, replica, rewrite(target.engine_name))
+                if reply.stream is not None:
+                    reply.stream.on_close(functools.partial(router.release, key))
+                    held = True
+            else:
+                with gw.pool.lease(replica, "new"):
+                    reply = await gw.upstream.send(replica, rewrite(target.engine_name))
+        except NotStarted as e:
+            gw.pool.mark_lost(replica, str(e))
+            tried.add(replica.name)
+            if not used.refused:
+                used.refused = True
+                gw.metrics.retried.labels(replica=replica.name).inc()
+                label = replica.weights_label
+                continue
+            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) refused the request, and so did "
+                              f"another replica tried before it: {e}") from None
+        except Lost as e:
+            gw.pool.mark_lost(replica, str(e))
+            tried.add(replica.name)
+            if resend_after_loss(used, resendable, rerun, replica.weights_label):
+                used.lost = True
+                (gw.metrics.retried if resendable else gw.metrics.rerun).labels(replica=replica.name).inc()
+                label, lost = replica.weights_label, replica.name
+                continue
+            gw.metrics.lost.labels(replica=replica.name).inc()
+            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) was lost while running the "
+                              f"request: {e}") from None
+        except TimedOut as e:
+            raise ReplicaTimeout(f"replica {replica.name} ({weights_of(replica)}) did not answer: {e}") from None
+        finally:
+            if not held:
+                router.release(key)
+        if unknown_adapter(reply, fieldname):
+            router.forget(replica.name, target.engine_name)
+            if not placed_again:
+                placed_again = True
+                gw.metrics.adapter_replaced.labels(replica=replica.name).inc()
+                continue
+            # Twice: the replica's own answer (a 4xx naming the field), never the base model.
+            return replica, reply, target
+        got = label_of(reply) if label_of is not None and reply.status == 200 else None
+        if got is not None:
+            try:
+                await gw.pool.held(got)
+            except BaseException:
+                _discard(reply)
+                raise
+            if not gw.pool.returned(replica, got):
+                _discard(reply)
+                if not used.stale:
+                    used.stale = True
+                    label = None
+                    continue
+                raise NoReplica(f"replica {replica.name} answered on weights {got!r}, older than "
+                                f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
+        if reply.status == 200 and not resendable:
+            if router.order.is_stale(target, gw.cfg.version_policy):
+                _discard(reply)
+                gw.metrics.stale.labels(replica=replica.name).inc()
+                newest = router.order.newest_returned.get(target.run)
+                if not used.stale:
+                    used.stale = True
+                    again = router.resolve(name, fieldname)
+                    if isinstance(again, VersionTarget):
+                        target = again
+                    continue
+                raise NoReplica(f"{fieldname} {name!r}: the answer ran on step {target.version.step} of run "
+                                f"{target.run!r}, older than step {newest} already returned; resubmit",
+                                gw.cfg.retry_after_s)
+            router.order.returned(target)
+        return replica, with_retried(reply, lost), target
+
