@@ -1,11 +1,9 @@
 """The pool's admin routes (admin key only): `POST /v1/pool/weights` sets the SamplerPool's
-`spec.weights` (the operator rolls them out), `GET /v1/pool/rollout` tells how far that went,
-`POST /v1/pool/adapters` declares a run's adapter version and loads it (`pool_adapters.py`).
-The decisions are `pool_admin.py`'s and `adapter_push.py`'s; the object is `pool_object.py`'s."""
+`spec.weights` (the operator rolls them out), `GET /v1/pool/rollout` tells how far that went.
+The decisions are `pool_admin.py`'s; the object is `pool_object.py`'s."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,12 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from sampler_common.errors import Forbidden, NotFound
 from sampler_common.http.auth import APIKeyAuth
 
-from ..adapter_push import parse_adapter_push
-from ..pool_adapters import ReplicaAnswer
-from ..pool_adapters import push_adapter as carry_out
 from ..pool_admin import WeightsPush, parse_push, rollout_of, weights_patch
 from ..pool_object import PoolObject, StaleRead
-from .common import REPLICA_HEADER, gateway_of, json_object
+from .common import json_object
 
 router = APIRouter(prefix="/v1/pool", tags=["pool"])
 
@@ -76,25 +71,3 @@ async def push_weights(request: Request) -> Response:
 @router.get("/rollout")
 async def rollout(request: Request) -> Response:
     return JSONResponse(rollout_of(await _pool_object(request).read()))
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A push whose trainer went away ends unheard: its outcome is read, not logged as lost."""
-    if not task.cancelled():
-        task.exception()
-
-
-@router.post("/adapters")
-async def push_adapter(request: Request) -> Response:
-    obj = _pool_object(request)
-    push = parse_adapter_push(json_object(await request.body()))
-    # Shielded, as a replica shields its weight writes: a trainer that hangs up mid-push leaves no
-    # provisional copy loaded, and no write half done on its side.
-    task = asyncio.ensure_future(carry_out(gateway_of(request), obj, push, PUSH_ATTEMPTS))
-    task.add_done_callback(_retrieved)
-    try:
-        return JSONResponse(await asyncio.shield(task))
-    except ReplicaAnswer as e:
-        # The replica's refusal as it sent it (a 400 naming the file and tensor), and who sent it.
-        return Response(e.reply.body, status_code=e.reply.status, headers={REPLICA_HEADER: e.replica},
-                        media_type=e.reply.header("content-type"))

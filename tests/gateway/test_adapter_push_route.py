@@ -1,4 +1,4 @@
-"""`POST /v1/pool/adapters` through the real route (sampler_gateway/routes/pool.py, pool_adapters.py):
+"""`POST /v1/pool/adapters` through the real route (sampler_gateway/routes/adapter_push.py, pool_adapters.py):
 the gateway in process over an in-memory pool object (a merge patch applied at its resourceVersion,
 else 409, as the API server does), in front of two REAL fake-engine sampler processes with LoRA on,
 which validate and load the adapter files themselves. Every refusal names its field and leaves the
