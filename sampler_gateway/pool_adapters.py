@@ -21,9 +21,10 @@ The order, and why:
 4. **Servable**: the provisional copy is unloaded, and the version is loaded under its engine name:
    `one`, on the least loaded replica with room unless a replica already holds it; `all`, also on
    every replica that holds a version of its run. Only now, declared, does its name exist anywhere,
-   always with the declared files. A failure here (a replica gone, no idle slot) is the push's
-   answer, with the version declared: the trainer sends the push again, which is a repeat (nothing
-   written) that loads again.
+   always with the declared files. The answer waits, too, for this gateway's own view of the pool
+   to declare it: a trainer's next request, through this gateway, is routed to it. A failure here (a
+   replica gone, no idle slot) is the push's answer, with the version declared: the trainer sends
+   the push again, which is a repeat (nothing written) that loads again.
 
 A repeat of the run's newest version writes nothing and goes to step 4 only: it answers as the
 first push did, once the version is servable again (a replica may have restarted since).
@@ -186,6 +187,21 @@ class Replicas:
         raise NoReplica(f"the replicas' adapters kept changing while {name} was being placed; push again",
                         self.gw.cfg.retry_after_s)
 
+    async def routable(self, name: str) -> None:
+        """Wait until this gateway routes `name`: its view of the pool (the watch of its SamplerPool)
+        declares it. A trainer samples right after its push, through the gateway it pushed to; the
+        watch that brings the write back takes milliseconds, but not none. Without a pool in its
+        discovery (static: `--adapters-file` or nothing) there is nothing to wait for."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gw.cfg.no_replica_wait_s
+        while (state := self.gw.pool.view.adapters) is not None and name not in state.engine_names():
+            left = deadline - loop.time()
+            if left <= 0:
+                raise NoReplica(f"{name} is declared and loaded, but this gateway's view of the pool has not "
+                                f"caught up within {self.gw.cfg.no_replica_wait_s:g}s; push again",
+                                self.gw.cfg.retry_after_s)
+            await self.gw.pool.changed(left)
+
     async def on_run_holders(self, name: str, version: AdapterVersion, run: str, declared: Collection[str]) -> None:
         """`servable: all`: load `name` on every eligible replica holding a version of `run`."""
         # Loads, then a read that finds them done; a replica whose adapters changed meanwhile
@@ -244,6 +260,7 @@ async def push_adapter(gw: Gateway, obj: PoolObject, push: AdapterPush, attempts
             await replicas.on_one(name, decision.version, declared)
             if push.servable == "all":
                 await replicas.on_run_holders(name, decision.version, push.run, declared)
+            await replicas.routable(name)
             return push_answer(push, decision.version)
         raise AssertionError("attempts must be at least 1")
     finally:

@@ -7,13 +7,16 @@ unloaded" is a call that never happened. Real replicas: tests/gateway/test_adapt
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import pytest
 
+from sampler_common.adapters import adapter_state
 from sampler_gateway.adapter_push import AdapterPush
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.errors import NoReplica
@@ -82,9 +85,9 @@ class Replicas:
         raise AssertionError("a push never streams")
 
 
-def gateway(replicas: dict[str, ScriptedReplica]) -> Gateway:
+def gateway(replicas: dict[str, ScriptedReplica], wait_s: float = 0) -> Gateway:
     cfg = GatewayConfig(pool="w", discovery="static", replicas=[f"{n}=http://127.0.0.1:9" for n in replicas],
-                        admin_api_key="tml-admin", no_replica_wait_s=0)
+                        admin_api_key="tml-admin", no_replica_wait_s=wait_s)
     metrics = GatewayMetrics()
     pool = Pool(cfg, metrics)
     pool.update(PoolView(replicas=tuple(ReplicaView(n, "http://127.0.0.1:9", ready=True, draining=False,
@@ -160,3 +163,28 @@ async def test_servable_all_makes_room_on_every_holder_of_the_run() -> None:
     assert answer["engine_name"] == "z.2.4"
     assert "z.2.4" in r0.adapters and "z.2.4" in r1.adapters
     assert "y.1.2" in r1.adapters  # in flight there: z's older version made the room instead
+
+
+async def test_the_answer_waits_until_this_gateways_view_of_the_pool_declares_the_version() -> None:
+    r0 = ScriptedReplica(slots=2)
+    gw = gateway({"r0": r0}, wait_s=30)
+    pool = pool_object()
+    gw.pool.update(dataclasses.replace(gw.pool.view, adapters=adapter_state(pool.obj)))  # its watch, before the push
+    task = asyncio.ensure_future(push_adapter(gw, pool, PUSH, attempts=1))
+    async with asyncio.timeout(10):
+        while "z.1.3" not in r0.adapters:  # written, and loaded under its name
+            await asyncio.sleep(0)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(pool.writes) == 1 and not task.done()  # ...but this gateway would not route it yet
+    gw.pool.update(dataclasses.replace(gw.pool.view, adapters=adapter_state(pool.obj)))  # the watch caught up
+    assert (await asyncio.wait_for(task, 10))["engine_name"] == "z.1.3"
+
+
+async def test_a_view_that_never_catches_up_is_a_503_saying_so_with_the_version_declared() -> None:
+    gw = gateway({"r0": ScriptedReplica(slots=2)})
+    pool = pool_object()
+    gw.pool.update(dataclasses.replace(gw.pool.view, adapters=adapter_state(pool.obj)))
+    with pytest.raises(NoReplica, match="this gateway's view of the pool has not caught up"):
+        await push_adapter(gw, pool, PUSH, attempts=1)
+    assert "z" in adapter_state(pool.obj).runs  # declared: sending the push again is a repeat

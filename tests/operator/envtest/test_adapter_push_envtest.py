@@ -73,6 +73,10 @@ def test_adapter_pushes_through_the_gateway_refusals_and_races(k8s: Any, api: An
         assert done == AdapterPushed(run="a", step=1, version_label="step-1", model="a@1",
                                      model_path="tinker://a/sampler_weights/step-1", engine_name="a.1.1",
                                      servable="one")
+        # Servable: the trainer's next request through this gateway is answered by that version.
+        r = httpx.post(gw.url + "/v1/sample", headers={"X-API-Key": key}, timeout=60, json={
+            "prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 2}, "adapter": done.model_path})
+        assert r.status_code == 200 and r.json()["adapter_version"]["engine_name"] == "a.1.1", r.text
         assert post(version("a", 1, "a1")).json() == dataclasses.asdict(done)  # a repeat answers the same
         ok = post(version("p", 1, "c1", pinned=True))
         assert ok.status_code == 200, ok.text
