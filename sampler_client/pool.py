@@ -8,8 +8,12 @@ replica serves the label) or stopped (a replica refused the checkpoint: `Rollout
 replica's own validation error, which names the file and tensor). A later push of other weights
 supersedes this one (`RolloutSuperseded`): the pool rolls towards the newest.
 
-Waiting polls `GET /v1/pool/rollout` (a cheap read of one object): a gateway that restarts meanwhile
-is read again until the deadline, as a trainer would want, since the rollout goes on without it.
+Waiting reads `GET /v1/pool/rollout` as a long poll: each read names the pool's `resource_version`
+last seen, and the gateway answers once the pool moved past it (the operator wrote a step of the
+rollout), so the trainer learns that its rollout completed when the operator writes it, not up to a
+poll interval later. A gateway without the long poll (its answers carry no `resource_version`) is
+read every `poll_interval_s`. A gateway that restarts meanwhile is read again until the deadline, as
+a trainer would want, since the rollout goes on without it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +33,9 @@ DEFAULT_TIMEOUT_S = 600.0
 # An adapter push answers once the version is loaded: a replica validates and loads the files first.
 ADAPTER_PUSH_TIMEOUT_S = 330.0
 POLL_INTERVAL_S = 0.5
+# How long one long-poll read may wait at the gateway for the pool to change (its limit is 20 s);
+# at most half the request's own timeout.
+LONG_POLL_S = 10.0
 
 # Where progress goes: a callable given each line, True (a tqdm bar on a terminal when tqdm is
 # installed, else lines on stderr) or False (nothing).
@@ -77,6 +85,8 @@ class Rollout:
     updated: int
     ready: int
     replicas: tuple[ReplicaRollout, ...]
+    # The pool object's version this was read at (None from a gateway without the long poll).
+    resource_version: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Rollout:
@@ -87,7 +97,7 @@ class Rollout:
                    checkpoint=d.get("checkpoint"), step=d.get("step"), state=str(d.get("state")),
                    reason=d.get("reason"), message=d.get("message"), stopped_replica=d.get("stopped_replica"),
                    desired=d.get("desired"), updated=int(d.get("updated") or 0), ready=int(d.get("ready") or 0),
-                   replicas=reps)
+                   replicas=reps, resource_version=d.get("resource_version"))
 
     def observed(self, generation: int | None) -> bool:
         """The operator has acted on the spec of `generation` (or a later one)."""
@@ -187,6 +197,13 @@ class Pool:
         """The pool's rollout now: its target, its state, and every replica's."""
         return Rollout.from_json(self._call("GET", "/v1/pool/rollout"))
 
+    def _next_status(self, after: str | None, wait_s: float) -> Rollout:
+        """The rollout once the pool is no longer at version `after` (a long poll of up to `wait_s`)."""
+        if after is None or wait_s <= 0:
+            return self.status()
+        query = urllib.parse.urlencode({"after": after, "wait_s": f"{wait_s:.3f}"})
+        return Rollout.from_json(self._call("GET", f"/v1/pool/rollout?{query}"))
+
     def push(self, checkpoint: str, label: str, step: int | None = None, *, wait: bool = True,
              timeout: float = DEFAULT_TIMEOUT_S, sha256_manifest: dict[str, str] | None = None,
              progress: Progress = True) -> Rollout:
@@ -236,13 +253,18 @@ class Pool:
                     report(line, pushed)
                 last = pushed
             while True:
+                seen = last.resource_version if last is not None else None
+                # A long poll when the gateway has one: the answer comes when the pool changes.
+                wait_s = min(LONG_POLL_S, self.request_timeout_s / 2, max(0.0, deadline - time.monotonic()))
+                moved = False
                 try:
-                    now = self.status()
+                    now = self._next_status(seen, wait_s)
                 except PoolError as e:
                     if isinstance(e, RequestRefused) and e.status < 500:
                         raise
                     report(f"gateway unavailable, reading again: {e}", last)
                 else:
+                    moved = now.resource_version is not None and now.resource_version != seen
                     if now.target_label != label:
                         raise RolloutSuperseded(label, now)
                     for line in progress_lines(last, now):
@@ -254,7 +276,8 @@ class Pool:
                         raise RolloutStopped(label, now)
                 if time.monotonic() >= deadline:
                     raise RolloutTimeout(label, timeout, last)
-                time.sleep(self.poll_interval_s)
+                if not moved:   # no long poll (or it ran out, or the gateway is away): read again later
+                    time.sleep(self.poll_interval_s)
 
 
 Report = Callable[[str, Rollout | None], None]

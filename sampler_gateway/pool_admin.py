@@ -98,6 +98,32 @@ def weights_patch(pool: dict[str, Any], push: WeightsPush) -> dict[str, Any]:
     }
 
 
+# The longest a rollout read waits for the pool to change (`GET /v1/pool/rollout?wait_s=`): well
+# under a client's request timeout (sampler_client's is 30 s) and the API server's watch limits.
+MAX_WAIT_S = 20.0
+
+
+class RolloutWait(BaseModel):
+    """`GET /v1/pool/rollout`'s query: with `after` (the `resource_version` of the last answer read)
+    and `wait_s`, the answer comes once the pool differs from that version, or after `wait_s`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    wait_s: float = Field(0.0, ge=0.0, le=MAX_WAIT_S, description="seconds to wait for a change of the pool")
+    after: str | None = Field(None, min_length=1, max_length=64, description="the resource_version last read")
+
+    @property
+    def waits(self) -> bool:
+        return self.after is not None and self.wait_s > 0
+
+
+def parse_rollout_wait(query: dict[str, str]) -> RolloutWait:
+    try:
+        return RolloutWait.model_validate(query)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
 def rollout_of(pool: dict[str, Any]) -> dict[str, Any]:
     """`GET /v1/pool/rollout`: the pool's rollout as the API server holds it."""
     meta, spec, status = pool.get("metadata") or {}, pool.get("spec") or {}, pool.get("status") or {}
@@ -128,4 +154,6 @@ def rollout_of(pool: dict[str, Any]) -> dict[str, Any]:
         "message": cond.get("message") if seen else None,
         "stopped_replica": stopped, "desired": spec.get("replicas"),
         "updated": status.get("updatedReplicas", 0), "ready": status.get("readyReplicas", 0), "replicas": replicas,
+        # What a reader passes back as `after` to wait for the next change (RolloutWait).
+        "resource_version": meta.get("resourceVersion"),
     }

@@ -6,7 +6,11 @@ watch cache: a push is checked against the object it then writes (its resourceVe
 rollout read just after a push must see that push. Both are rare (a trainer's step), so the extra
 round trip costs nothing that matters. The blocking kubernetes client runs in a thread.
 
-RBAC: get (the discovery's Role has it) and patch on this one pool only (`resourceNames`,
+A rollout read may wait for the pool's next write (`changed`: a watch of the one pool from the
+resourceVersion the reader last saw), so a trainer waiting for its push learns of each step when the
+operator writes it, not at its next poll.
+
+RBAC: get and watch (the discovery's Role has them) and patch on this one pool only (`resourceNames`,
 operator/sampler_operator/pool/gateway.py).
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any, Protocol
 
 from sampler_common.errors import Conflict, InvalidRequest, NotFound, SamplerError
@@ -38,6 +43,10 @@ class PoolObject(Protocol):
     async def read(self) -> dict[str, Any]: ...
 
     async def patch(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def changed(self, after: str, timeout_s: float) -> None:
+        """Return once the pool has a resourceVersion other than `after` (or may have: a watch that
+        cannot start from `after` returns at once), or after `timeout_s`."""
 
 
 def _api_error(pool: str, namespace: str, status: int, reason: str, body: str | None) -> SamplerError:
@@ -74,6 +83,27 @@ class KubePoolObject:
         # A merge patch: `null` removes a field (a manifest or step the new push does not have).
         return await asyncio.to_thread(self._call, self._api.patch_namespaced_custom_object, body,
                                        _content_type="application/merge-patch+json")
+
+    async def changed(self, after: str, timeout_s: float) -> None:
+        await asyncio.to_thread(self._watch_from, after, timeout_s)
+
+    def _watch_from(self, after: str, timeout_s: float) -> None:
+        """A watch of this one pool from `after`: its first event is the next write (a status write
+        of the operator, a push), so a rollout read waits on the API server's own notice of a change
+        instead of a client's fixed polls. Any failure (a version too old to watch from: 410) ends
+        the wait: the caller reads the pool again, which is never wrong."""
+        from kubernetes import watch
+
+        w = watch.Watch()
+        try:
+            for _ in w.stream(self._api.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
+                              field_selector=f"metadata.name={self.pool}", resource_version=after,
+                              timeout_seconds=max(1, math.ceil(timeout_s)), _request_timeout=timeout_s + 5):
+                break
+        except Exception:  # the read that follows tells the caller what the pool is
+            pass
+        finally:
+            w.stop()
 
     def _call(self, fn: Any, *body: dict[str, Any], **options: Any) -> dict[str, Any]:
         from kubernetes.client.exceptions import ApiException

@@ -7,7 +7,8 @@
   validate_spec     a spec was created/changed: report semantic errors (and refused test seams) as a condition
   replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
   pool_members      an index of the SamplerReplicas owned by SamplerPools, by pool uid
-  wake_pool_*       a pool's replica or the pool's spec changed: wake that pool's loop now
+  wake_pool_*       a pool's replica or the pool's spec changed, or a gateway acknowledged the routing
+                    generation its loop waits for: wake that pool's loop now
   pool_loop         one long-lived task per SamplerPool: keys, create/drain/delete/roll its replicas, report
 """
 from __future__ import annotations
@@ -25,9 +26,11 @@ from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION, metrics
 from sampler_operator import settings as operator_settings
 from sampler_operator.kube import Kube, load_config
 from sampler_operator.network_policy import OperatorPeer, PolicySettings
+from sampler_operator.pool.gateway import LABEL_GATEWAY
 from sampler_operator.pool.loop import PoolMemory
 from sampler_operator.pool.loop import step as pool_step
 from sampler_operator.pool.plan import ReplicaState
+from sampler_operator.pool.routing import ACK_ANNOTATION, acknowledges
 from sampler_operator.replica import seams
 from sampler_operator.replica.context import Context, ReplicaMemory
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
@@ -47,6 +50,24 @@ _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 
 # One wake-up flag per pool loop, keyed by the pool's uid.
 _pool_wakeups: dict[str, asyncio.Event] = {}
+# Each pool loop's memory, by (namespace, the pool's label value, as its gateways' Leases carry it):
+# a Lease event wakes the loop when it acknowledges the generation the loop awaits (PoolMemory.awaited).
+_pool_awaits: dict[tuple[str, str], tuple[str, PoolMemory]] = {}
+# Each pool loop's memory by the pool's uid: a replica's loop tells it of a load (tell_pool).
+_pool_mems: dict[str, PoolMemory] = {}
+
+
+def tell_pool(cr: Mapping[str, Any], label: str) -> None:
+    """A pool replica's pod answered a declared load with `label`: its pool's loop (in this process)
+    hears of it and steps now, before the replica's status write and its watch event reach it. The
+    pool's routing switch fences on it one status write sooner (pool/loop.py, serving_labels)."""
+    replica = ReplicaState.from_object(_plain(cr))
+    mem = _pool_mems.get(replica.owner_uid or "")
+    if mem is not None:
+        mem.loaded[replica.name] = (label, replica.label)
+        flag = _pool_wakeups.get(replica.owner_uid or "")
+        if flag is not None:
+            flag.set()
 
 
 def _plain(value: Any) -> Any:
@@ -156,7 +177,7 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
     key = (namespace, label_value(name))
     wake = _wakeups.setdefault(key, asyncio.Event())
     ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger,
-                  allow_test_seams=memo.allow_test_seams, policies=memo.policies)
+                  allow_test_seams=memo.allow_test_seams, policies=memo.policies, loaded=tell_pool)
     mem = ReplicaMemory()
     try:
         while not stopped:
@@ -209,13 +230,29 @@ def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
         flag.set()
 
 
+# The gateways' routing Leases (sampler_gateway/routing.py; the API server filters them by label,
+# settings.apply). Without this the loop saw an acknowledgement only at its next poll while fenced
+# (FENCE_POLL_S, pool/loop.py): the last fifth of a second of every switch's dark span.
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={LABEL_GATEWAY: kopf.PRESENT})
+def wake_pool_on_ack(namespace: str | None, labels: Mapping[str, str], annotations: Mapping[str, str],
+                     **_: Any) -> None:
+    loop = _pool_awaits.get((namespace or "", labels.get(LABEL_GATEWAY, "")))
+    if loop is not None and acknowledges(annotations.get(ACK_ANNOTATION), loop[1].awaited):
+        flag = _pool_wakeups.get(loop[0])
+        if flag is not None:
+            flag.set()
+
+
 @kopf.daemon(GROUP, VERSION, POOL_PLURAL, cancellation_backoff=2.0, cancellation_timeout=5.0)
 async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str | None, memo: Any,
                     logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
     assert namespace is not None and uid is not None  # SamplerPool is namespaced; every object has a uid
     members: kopf.Index[str, ReplicaState] = kwargs["pool_members"]
     wake = _pool_wakeups.setdefault(uid, asyncio.Event())
+    acks_key = (namespace, label_value(name))
     mem = PoolMemory()
+    _pool_awaits[acks_key] = (uid, mem)
+    _pool_mems[uid] = mem
     metrics.pool_started(namespace, label_value(name))
 
     def emit(type_: str, reason: str, message: str) -> None:
@@ -234,6 +271,10 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
                 delay = 2.0
             await _sleep(delay, wake, stopped)
     finally:
+        if _pool_awaits.get(acks_key, (None, None))[1] is mem:
+            del _pool_awaits[acks_key]
+        if _pool_mems.get(uid) is mem:
+            del _pool_mems[uid]
         metrics.pool_gone(namespace, label_value(name))
         if _pool_wakeups.get(uid) is wake:
             del _pool_wakeups[uid]

@@ -28,16 +28,19 @@ class PodAnswer:
     outcome: Outcome
     message: str
     http_status: int | None = None
+    # A 2xx answer's JSON object (a load's names what the pod serves now); None otherwise.
+    body: dict[str, Any] | None = None
 
 
 def outcome_of(http_status: int, body: bytes) -> PodAnswer:
     try:
-        err: Any = json.loads(body).get("error") if http_status >= 400 else None
-    except (ValueError, AttributeError):
-        err = None
+        doc: Any = json.loads(body)
+    except ValueError:
+        doc = None
+    err = doc.get("error") if isinstance(doc, dict) and http_status >= 400 else None
     message = str(err.get("message")) if isinstance(err, dict) else body[:500].decode(errors="replace")
     if 200 <= http_status < 300:
-        return PodAnswer(Outcome.DONE, "ok", http_status)
+        return PodAnswer(Outcome.DONE, "ok", http_status, doc if isinstance(doc, dict) else None)
     if http_status == 500 and isinstance(err, dict) and err.get("category") == "weight_write_failed":
         return PodAnswer(Outcome.WRITE_FAILED, message, http_status)
     # 401 (a key not yet mounted), 403 (a key that may not load: a misconfigured admin Secret),

@@ -123,5 +123,10 @@ def apply(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
         prefix=GROUP, key="last-handled-configuration")
     # Watch only our pods, filtered by the API server: not every pod of the cluster.
     settings.watching.label_selectors["v1", "pods"] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+    # Likewise only the pools' gateways' routing Leases (handlers.wake_pool_on_ack), not the nodes'
+    # heartbeats and every controller's election. (Imported here: pool.gateway imports this module.)
+    from sampler_operator.pool.gateway import LABEL_GATEWAY
+
+    settings.watching.label_selectors["coordination.k8s.io", "leases"] = LABEL_GATEWAY
     # Info-level lines stay in the log; posting each as an Event would cost an API call.
     settings.posting.level = cfg.post_events_from_level

@@ -1,5 +1,6 @@
 """The pool's admin routes (admin key only): `POST /v1/pool/weights` sets the SamplerPool's
-`spec.weights` (the operator rolls them out), `GET /v1/pool/rollout` tells how far that went.
+`spec.weights` (the operator rolls them out), `GET /v1/pool/rollout` tells how far that went (at once, or
+once the pool changed: a long poll).
 The decisions are `pool_admin.py`'s; the object is `pool_object.py`'s."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from sampler_common.errors import Forbidden, NotFound
 from sampler_common.http.auth import APIKeyAuth
 
-from ..pool_admin import WeightsPush, parse_push, rollout_of, weights_patch
+from ..pool_admin import WeightsPush, parse_push, parse_rollout_wait, rollout_of, weights_patch
 from ..pool_object import PoolObject, StaleRead
 from .common import json_object
 
@@ -70,4 +71,13 @@ async def push_weights(request: Request) -> Response:
 
 @router.get("/rollout")
 async def rollout(request: Request) -> Response:
-    return JSONResponse(rollout_of(await _pool_object(request).read()))
+    """With `?after=<resource_version>&wait_s=<s>`: a long poll, answered when the pool is no longer
+    at that version (the operator wrote its status, a push came) or after `wait_s`."""
+    wait = parse_rollout_wait(dict(request.query_params))
+    obj = _pool_object(request)
+    pool = await obj.read()
+    if wait.waits and (pool.get("metadata") or {}).get("resourceVersion") == wait.after:
+        assert wait.after is not None
+        await obj.changed(wait.after, wait.wait_s)
+        pool = await obj.read()
+    return JSONResponse(rollout_of(pool))

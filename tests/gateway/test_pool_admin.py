@@ -5,6 +5,8 @@ real API server with a real operator: tests/operator/envtest/test_pool_push.py."
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -110,6 +112,8 @@ class MemoryPool:
     def __init__(self, obj: dict[str, Any], between: Callable[[dict[str, Any]], bool] | None = None) -> None:
         self.obj, self.between, self.reads = obj, between, 0
         self.writes: list[dict[str, Any]] = []
+        self.waits: list[tuple[str, float]] = []   # (after, timeout_s) of each long poll's wait
+        self.waiting, self._written = asyncio.Event(), asyncio.Event()
 
     def _bump(self) -> None:
         self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
@@ -120,6 +124,19 @@ class MemoryPool:
         if self.between is not None and self.between(self.obj):
             self._bump()
         return seen
+
+    async def changed(self, after: str, timeout_s: float) -> None:
+        self.waits.append((after, timeout_s))
+        self.waiting.set()
+        if self.obj["metadata"]["resourceVersion"] == after:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._written.wait(), timeout_s)
+
+    def status_write(self, **status: Any) -> None:
+        """The operator writes the pool's status."""
+        self.obj["status"].update(status)
+        self._bump()
+        self._written.set()
 
     async def patch(self, body: dict[str, Any]) -> dict[str, Any]:
         if body["metadata"]["resourceVersion"] != self.obj["metadata"]["resourceVersion"]:
@@ -223,3 +240,39 @@ async def test_static_discovery_has_no_pool_object_404_naming_why() -> None:
         r = await call(app(None), method, path, {"checkpoint": "/ckpt/s", "version_label": "s"},
                        headers=[("X-API-Key", ADMIN)])
         assert r.status == 404 and "--discovery static" in r.json()["error"]["message"], r.body
+
+
+async def test_a_rollout_read_after_the_version_last_seen_waits_for_the_pools_next_write() -> None:
+    pool = MemoryPool(pool_obj(observedGeneration=3, targetLabel="step-1"))
+    auth = [("X-API-Key", ADMIN)]
+    first = await call(app(pool), "GET", "/v1/pool/rollout", headers=auth)
+    assert first.status == 200 and first.json()["resource_version"] == "41" and pool.waits == []
+    # A read of an older version is answered at once: the pool moved on since.
+    r = await call(app(pool), "GET", "/v1/pool/rollout?after=40&wait_s=15", headers=auth)
+    assert r.status == 200 and r.json()["resource_version"] == "41" and pool.waits == []
+    # A read of the current version waits for the next write, then answers what it wrote.
+    task = asyncio.ensure_future(call(app(pool), "GET", "/v1/pool/rollout?after=41&wait_s=15", headers=auth))
+    await pool.waiting.wait()
+    assert not task.done() and pool.waits == [("41", 15.0)]
+    pool.status_write(updatedReplicas=2)
+    r = await task
+    assert r.status == 200 and r.json()["resource_version"] == "42" and r.json()["updated"] == 2
+
+
+async def test_a_rollout_read_with_nothing_to_wait_for_never_waits() -> None:
+    pool = MemoryPool(pool_obj(observedGeneration=3, targetLabel="step-1"))
+    for query in ("", "?after=41", "?wait_s=5", "?after=41&wait_s=0"):
+        r = await call(app(pool), "GET", "/v1/pool/rollout" + query, headers=[("X-API-Key", ADMIN)])
+        assert r.status == 200 and r.json()["resource_version"] == "41", query
+    assert pool.waits == []
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    ("?after=41&wait_s=-1", "wait_s"), ("?after=41&wait_s=21", "wait_s"), ("?after=41&wait_s=soon", "wait_s"),
+    ("?after=&wait_s=1", "after"), ("?afterr=41", "afterr"),
+])
+async def test_a_bad_rollout_wait_is_a_400_naming_the_field(query: str, field: str) -> None:
+    pool = MemoryPool(pool_obj(observedGeneration=3, targetLabel="step-1"))
+    r = await call(app(pool), "GET", "/v1/pool/rollout" + query, headers=[("X-API-Key", ADMIN)])
+    assert r.status == 400 and r.json()["error"]["field"] == field, r.body
+    assert pool.waits == []

@@ -40,8 +40,9 @@ async def call(app: Any, method: str, path: str, body: bytes | Any = b"", *, chu
     else:
         parts = list(chunks)
         raw_headers += [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]
+    path, _, query = path.partition("?")
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
              "headers": raw_headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     reply = Reply()
     complete = asyncio.Event()

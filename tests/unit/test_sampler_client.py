@@ -71,6 +71,7 @@ class Scripted:
         self.reads, self.push_error, self.adapter_reply = reads, push_error, adapter_reply
         self.pushes: list[tuple[str | None, dict[str, Any]]] = []
         self.gets = 0
+        self.paths: list[str] = []   # each GET's path and query
 
 
 @contextlib.contextmanager
@@ -92,11 +93,15 @@ def gateway(script: Scripted) -> Iterator[str]:
             elif script.push_error is not None:
                 self._answer(*script.push_error)
             else:
-                self._answer(200, {**script.reads[0], "state": "Pending", "observed_generation": 4})
+                pushed = {**script.reads[0], "state": "Pending", "observed_generation": 4}
+                if "resource_version" in pushed:   # a gateway with the long poll: the push's own write
+                    pushed["resource_version"] = "pushed"
+                self._answer(200, pushed)
 
         def do_GET(self) -> None:  # noqa: N802
             read = script.reads[min(script.gets, len(script.reads) - 1)]
             script.gets += 1
+            script.paths.append(self.path)
             self._answer(200, read)
 
         def log_message(self, *args: Any) -> None:
@@ -137,6 +142,23 @@ def test_push_waits_for_the_rollout_and_tells_each_replica_change() -> None:
         "w-0: Updated (phase Ready, serving step-2)", "w-1: Updating (phase Ready, serving step-1)",
         "w-1: Updated (phase Ready, serving step-2)", "rollout Complete: 2/2 updated to step-2",
     ]
+
+
+@pytest.mark.timeout(60)
+def test_waiting_long_polls_from_the_version_last_read_and_never_sleeps_while_the_pool_moves() -> None:
+    def at(state: str, w0: tuple[str, str], w1: tuple[str, str], updated: int) -> dict[str, Any]:
+        return rollout(state, "step-2", [replica("w-0", *w0), replica("w-1", *w1)], updated=updated)
+
+    reads = [at("RollingOut", ("Updating", "step-1"), ("Updating", "step-1"), 0),
+             at("RollingOut", ("Updated", "step-2"), ("Updating", "step-1"), 1),
+             at("Complete", ("Updated", "step-2"), ("Updated", "step-2"), 2)]
+    script = Scripted([{**r, "resource_version": str(7 + i)} for i, r in enumerate(reads)])
+    with gateway(script) as url:
+        # A poll interval far beyond the test's timeout: any sleep between reads would fail it.
+        done = Pool(url, ADMIN, poll_interval_s=3600).push("/ckpt/step-2", "step-2", progress=False)
+    assert done.state == "Complete" and done.resource_version == "9"
+    assert script.paths == ["/v1/pool/rollout?after=pushed&wait_s=10.000", "/v1/pool/rollout?after=7&wait_s=10.000",
+                            "/v1/pool/rollout?after=8&wait_s=10.000"]
 
 
 def test_a_stopped_rollout_raises_naming_the_replica_and_its_reason() -> None:

@@ -86,11 +86,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [services, serviceaccounts]
   verbs: [get, create, patch]
-# the pool's gateways acknowledge its routing switch in Leases: `list` to read them, `delete` for
-# those of gateway pods long gone; get/create/update because the gateway's Role grants them
+# the pool's gateways acknowledge its routing switch in Leases: `list` to read them, `watch` to open
+# a fence on the last acknowledgement, `delete` for those of gateway pods long gone; get/create/update
+# because the gateway's Role grants them
 - apiGroups: [coordination.k8s.io]
   resources: [leases]
-  verbs: [get, list, create, update, delete]
+  verbs: [get, list, watch, create, update, delete]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, create, patch]

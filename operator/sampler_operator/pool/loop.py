@@ -40,7 +40,14 @@ from sampler_operator.pool.plan import (
     spec_hash,
 )
 from sampler_operator.pool.rollout_metrics import rollout_ends
-from sampler_operator.pool.routing import FENCE, GatewayAck, Routing, next_routing, waiting_for
+from sampler_operator.pool.routing import (
+    FENCE,
+    GatewayAck,
+    Routing,
+    awaited_generation,
+    next_routing,
+    waiting_for,
+)
 from sampler_operator.replica.desired_pod import label_value
 from sampler_operator.replica.status import iso
 
@@ -74,6 +81,14 @@ class PoolMemory:
     # Trace steps already told (sampler_common/rollout_trace.py): a step repeated on the same view
     # tells of a fact once.
     traced: set[str] = field(default_factory=set)
+    # The routing generation whose acknowledgements this loop waits for (routing.awaited_generation):
+    # a gateway's Lease that says it wakes the loop (handlers.wake_pool_on_ack). Set before the status
+    # that starts the wait is written: a gateway may acknowledge before that write's answer is back.
+    awaited: int | None = None
+    # replica -> (the label its pod answered a declared load with, the label its status said then),
+    # told by the replica's loop in this process (handlers.tell_pool) before its status says so;
+    # dropped once its status label moves (to that label, or anywhere), or the target does.
+    loaded: dict[str, tuple[str, str | None]] = field(default_factory=dict)
 
 
 def _trace_once(mem: PoolMemory, pool: str, step: str, key: str, **fields: object) -> None:
@@ -110,20 +125,33 @@ async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> in
     return obs.in_flight if isinstance(obs.in_flight, int) else None
 
 
+def serving_labels(uid: str, existing: Iterable[ReplicaState], loaded: dict[str, str]) -> list[str]:
+    """The labels served by the pool's replicas in routing (Ready, not draining), as the switch reads
+    them (pure): each one's status label, and the label its pod answered a load with when the loop
+    was told of it before the status (`PoolMemory.loaded`). Only the fence's start and the label an
+    opening names depend on this: the opening itself waits for every gateway's acknowledgement
+    whatever it says, and each gateway routes by what the replicas tell it."""
+    out = []
+    for r in existing:
+        if r.owner_uid == uid and r.phase == "Ready" and not r.draining:
+            out += [label for label in (r.label, loaded.get(r.name)) if label is not None]
+    return out
+
+
 async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec,
                        existing: list[ReplicaState], old_status: dict[str, Any] | None,
-                       now: float) -> tuple[dict[str, Any] | None, list[tuple[str, str, str]]]:
+                       now: float, loaded: dict[str, str] | None = None,
+                       ) -> tuple[dict[str, Any] | None, list[tuple[str, str, str]]]:
     """The pool's routing switch after this step (pool/routing.py) as its status field, and the Events
     telling of a move (posted after the status is written); deletes the Leases of gateway pods long
-    gone."""
+    gone. `loaded`: labels the replicas' loads answered, not in their status yet (serving_labels)."""
     leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
     acks = [GatewayAck.from_lease(lease) for lease in leases]
     for lease, ack in zip(leases, acks, strict=True):
         if ack.stale(now):
             await kube.delete_lease(namespace, lease["metadata"]["name"])
     current = Routing.from_status(old_status)
-    serving = [r.label for r in existing if r.owner_uid == uid and r.phase == "Ready" and not r.draining
-               and r.label is not None]
+    serving = serving_labels(uid, existing, loaded or {})
     acknowledged = current is None or not waiting_for(acks, current.generation, now)
     routing = next_routing(current, spec.target_label, serving, acknowledged)
     if routing is None:
@@ -226,9 +254,16 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     adapters = adapter_status({"spec": raw_spec}, ((r.name, r.adapters) for r in existing if r.owner_uid == uid))
     if adapters is not None:
         status["adapters"] = adapters
-    routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now)
+    # What a load answered counts until the replica's status moves (or the replica, or the target, does).
+    labels = {r.name: r.label for r in existing}
+    for replica, (label, before) in list(mem.loaded.items()):
+        if replica not in labels or labels[replica] != before or label != target:
+            del mem.loaded[replica]
+    routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now,
+                                                 {r: label for r, (label, _) in mem.loaded.items()})
     if routing is not None:
         status["routing"] = routing
+    mem.awaited = awaited_generation(routing)
     if status != mem.status:
         await kube.patch_pool_status(namespace, name, status)
         mem.status = status

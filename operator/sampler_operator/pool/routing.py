@@ -140,3 +140,28 @@ def next_routing(current: Routing | None, target: str | None, serving: Iterable[
         return current
     label = target if target is not None and target in served else current.label
     return Routing(current.generation + 1, label, OPEN)
+
+
+def awaited_generation(status_routing: dict[str, Any] | None) -> int | None:
+    """The generation whose acknowledgements the pool's loop waits for, from the `status.routing` it
+    last wrote: a fence's own (it opens on them), or an opening's while `waitingFor` still names a
+    gateway (reported, nothing waits on it but the status); None when nothing is awaited."""
+    current = Routing.from_status({"routing": status_routing})
+    if current is None:
+        return None
+    if current.phase == FENCE or (status_routing or {}).get("waitingFor"):
+        return current.generation
+    return None
+
+
+def acknowledges(annotation: Any, awaited: int | None) -> bool:
+    """Does a gateway's Lease whose ACK_ANNOTATION reads `annotation` acknowledge `awaited`? Then its
+    watch event wakes the pool's loop at once: the fence opens one API round trip after the last
+    acknowledgement is written instead of at the loop's next poll. Every other Lease event (a renewal
+    of a generation already counted, one still behind) changes no decision and wakes nothing."""
+    if awaited is None or not isinstance(annotation, str):
+        return False
+    try:
+        return int(annotation) >= awaited
+    except ValueError:
+        return False

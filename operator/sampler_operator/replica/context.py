@@ -45,6 +45,9 @@ class Context:
     policies: PolicySettings = field(default_factory=PolicySettings)   # network_policy.py
     clock: Callable[[], float] = time.time
     log: logging.Logger | logging.LoggerAdapter[Any] = field(default=log)
+    # A declared load the pod took, as its answer names it (the replica, the label): told to the
+    # replica's pool loop in this process at once (handlers.tell_pool), before the status write.
+    loaded: Callable[[Mapping[str, Any], str], None] = lambda cr, label: None
 
 
 async def test_pause(ctx: Context, stage: str) -> None:

@@ -197,6 +197,20 @@ def observed_weights(obs: HealthObservation | None, pod_name: str | None,
     return out
 
 
+def loaded_weights(answer: Mapping[str, Any] | None, ref: WeightsRef) -> dict[str, Any]:
+    """`status.weights` fields a load's own answer proves: the pod answered it after the write, naming
+    the label and version it serves from then on, so the status says so at once instead of at the
+    loop's next /health (observed_weights, which then confirms it). The pool's routing switch waits
+    for a replica in routing to report the target: a status write and a probe sooner. Nothing when
+    the answer does not name the label loaded (a pod that answers otherwise)."""
+    if not isinstance(answer, Mapping) or answer.get("weights_label") != ref.version_label:
+        return {}
+    version = answer.get("weights_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        return {}
+    return {"label": ref.version_label, "version": version, "checkpoint": ref.checkpoint}
+
+
 def declared_outcome(spec: SamplerReplicaSpec, result: str, message: str) -> dict[str, Any]:
     """The status.weights fields recording that the operator acted on the current spec.weights."""
     ref = declared_ref(spec)

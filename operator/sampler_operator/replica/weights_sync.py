@@ -18,6 +18,7 @@ The pod stays the same pod: weights are not part of the pod template.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ from sampler_operator.replica.weights_intent import (
     declared_outcome,
     declared_ref,
     load_while_waiting,
+    loaded_weights,
     needs_declared_load,
 )
 
@@ -49,9 +51,10 @@ LOAD_TIMEOUT_S = 1800.0
 ADAPTER_TIMEOUT_S = 600.0
 # After a change on the pod: look at it again this soon (its /health says what it serves now).
 LOOK_AGAIN_S = 1.0
-# After a declared load the pod took: at once. The replica's status reports the new label only from
-# that look, and the pool's routing switch waits for it (the rollout trace showed a whole second of
-# every rollout there, inside Keep's capacity dip). Once: the next step finds the load recorded.
+# After a declared load the pod took: at once. The load's answer already put the new label in the
+# status (loaded_weights); that look confirms it from /health and fills in the rest (the pool's
+# routing switch waits for the label: the rollout trace once showed a whole second of every rollout
+# there, inside Keep's capacity dip). Once: the next step finds the load recorded.
 AFTER_LOAD_S = 0.0
 
 
@@ -79,11 +82,15 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         # The pod started at these weights (a new pod loads undeclared-yet weights at startup).
         await _record(ctx, cr, declared_outcome(spec, LOADED, "loaded at pod startup"), None, mem)
         return None
-    await _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem)
+    # The status says Loading before the load is sent; the key is read meanwhile (two API round trips
+    # at once: every pool rollout waits for the slowest replica's start).
+    _, key = await asyncio.gather(
+        _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem),
+        _api_key(ctx, cr, spec))
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
     who = f"{cr['metadata'].get('namespace')}/{cr['metadata'].get('name')}"
     trace("operator", "load.started", replica=who, label=ref.version_label)
-    answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", await _api_key(ctx, cr, spec),
+    answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
                         declared_load_request(spec), LOAD_TIMEOUT_S)
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.outcome is Outcome.TRANSIENT:
@@ -92,7 +99,10 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     result, event_type = {Outcome.DONE: (LOADED, "Normal"), Outcome.INVALID: (INVALID, "Warning"),
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
-    await _record(ctx, cr, declared_outcome(spec, result, answer.message), synced, mem)
+    served = loaded_weights(answer.body, ref) if result == LOADED else {}
+    if served:
+        ctx.loaded(cr, ref.version_label)   # the pool's switch may fence now, not after the write below
+    await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem)
     trace("operator", "load.recorded", replica=who, label=ref.version_label, result=result)
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]
     ctx.emit(event_target(cr), event_type, f"Weights{result}",

@@ -19,7 +19,7 @@ from tests.support.checkpoints import make_lora_adapter
 from tests.support.gateway import run_gateway
 from tests.support.operator_harness import ProcessKubelet
 
-from .test_pool_controller import G, V, _get, pool_body, pool_status, template
+from .test_pool_controller import G, V, _get, pool_body, pool_status, replicas_of, template
 from .test_pool_push import _gateway_env
 
 pytestmark = pytest.mark.envtest
@@ -80,6 +80,29 @@ def test_the_gateway_routes_by_the_adapters_the_pool_declares(k8s: Any, api: Any
                                                      version("step-3", 3, adapter, 3)]}}}}})
         ks.wait_for(lambda: sample("a")["adapter_version"]["engine_name"] == "a.3.3", 30, 0.1, "a naming step 3")
         assert sample("a@1")["adapter_version"]["engine_name"] == "a.1.1"
+
+        # The pool's status says where each version is loaded, as the replicas' own /health says
+        # (the operator's probes), and `kubectl get sp` shows the run count.
+        def held() -> dict[str, list[str]]:
+            out: dict[str, list[str]] = {}
+            for name, obj in replicas_of(api, ns).items():
+                url = f"http://{obj['status']['podIP']}:{obj['spec']['port']}/health"
+                for a in httpx.get(url, timeout=10).json()["adapters"]:
+                    out.setdefault(a["name"], []).append(name)
+            return {k: sorted(v) for k, v in out.items()}
+
+        def reported() -> dict[str, list[str]]:
+            runs = (pool_status(api, ns, "t").get("adapters") or {}).get("byRun") or {}
+            return {v["engineName"]: v["loadedOn"] for v in runs.get("a", {}).get("versions", []) if v["loadedOn"]}
+
+        now = held()
+        assert {"a.1.1", "a.3.3"} <= set(now), now
+        ks.wait_for(lambda: reported() == held(), 30, 0.2, f"the pool's status at {held()}")
+        status = pool_status(api, ns, "t")["adapters"]
+        assert status["runs"] == 1 and status["byRun"]["a"]["newest"] == "step-3", status
+        header, row = k8s.kubectl("-n", ns, "get", "sp", "t").splitlines()[:2]
+        at = header.index("RUNS")  # columns are aligned; an empty one (WEIGHTS here) is blank
+        assert row[at:].split()[0] == "1", (header, row)
     finally:
         stack.close()
         kubelet.stop()

@@ -12,6 +12,8 @@ from sampler_operator.pool.routing import (
     OPEN,
     GatewayAck,
     Routing,
+    acknowledges,
+    awaited_generation,
     next_routing,
     waiting_for,
 )
@@ -84,3 +86,43 @@ def test_a_lease_with_garbage_is_read_as_not_acknowledged() -> None:
     obj["metadata"]["annotations"] = {ACK_ANNOTATION: "seven"}
     a = GatewayAck.from_lease(obj)
     assert a.generation is None and a.renewed is None and not a.live(0.0)
+
+
+def test_the_loop_awaits_a_fences_acknowledgements_and_an_openings_stragglers() -> None:
+    fence = Routing(5, "step-2", FENCE).as_status(["gw-a"])
+    assert awaited_generation(fence) == 5
+    assert awaited_generation(Routing(5, "step-2", FENCE).as_status()) == 5   # read the Leases till it opens
+    assert awaited_generation(Routing(6, "step-2", OPEN).as_status(["gw-b"])) == 6   # waitingFor to report
+    assert awaited_generation(Routing(6, "step-2", OPEN).as_status()) is None
+    assert awaited_generation(None) is None
+    assert awaited_generation({"generation": "x", "phase": FENCE}) is None   # hand-edited: nothing awaited
+
+
+def test_only_a_lease_acknowledging_the_awaited_generation_wakes_the_loop() -> None:
+    # Property over small generations: a Lease wakes the loop iff it says the awaited one or later.
+    for awaited in (None, 1, 2, 7):
+        for ann in (None, "", "x", "-1", "0", "1", "2", "6", "7", "8", 7):
+            want = (awaited is not None and isinstance(ann, str) and ann.lstrip("-").isdigit()
+                    and int(ann) >= awaited)
+            assert acknowledges(ann, awaited) is want, (ann, awaited)
+
+
+def test_the_switch_reads_a_loads_answer_for_replicas_in_routing_only() -> None:
+    from sampler_operator.pool.loop import serving_labels
+    from sampler_operator.pool.plan import ReplicaState
+
+    def r(name: str, label: str | None, phase: str = "Ready", draining: bool = False, owner: str = "u") -> ReplicaState:
+        return ReplicaState(name=name, owner_uid=owner, spec_hash="h", draining=draining, phase=phase, label=label)
+
+    replicas = [r("p-0", "step-1"), r("p-1", "step-1", draining=True), r("p-2", None, phase="Starting"),
+                r("p-3", "step-1", owner="other")]
+    assert serving_labels("u", replicas, {}) == ["step-1"]
+    # A load's answer told before the status: counted for a replica in routing, beside its status label...
+    assert serving_labels("u", replicas, {"p-0": "step-2"}) == ["step-1", "step-2"]
+    # ...and for no other (draining, not Ready, not the pool's), whatever it was told.
+    assert serving_labels("u", replicas, {"p-1": "step-2", "p-2": "step-2", "p-3": "step-2"}) == ["step-1"]
+    # So a Keep rollout fences as soon as the first pod answers its load, not after its status write.
+    opened = Routing(2, "step-1", OPEN)
+    assert next_routing(opened, "step-2", serving_labels("u", replicas, {}), True) == opened
+    assert next_routing(opened, "step-2", serving_labels("u", replicas, {"p-0": "step-2"}), True) == Routing(
+        3, "step-2", FENCE)

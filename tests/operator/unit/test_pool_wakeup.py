@@ -34,3 +34,48 @@ def test_the_loop_is_woken_while_the_spec_is_unobserved() -> None:
     assert handlers.spec_unobserved(body(3, 2))  # a push (weights or adapters) not stepped on yet
     assert handlers.spec_unobserved(body(1, None))  # a new pool
     assert not handlers.spec_unobserved(body(3, 3))  # the loop's own status writes
+
+
+def test_a_gateways_acknowledgement_wakes_the_pool_loop_that_awaits_it(monkeypatch: Any) -> None:
+    import asyncio
+
+    flag = asyncio.Event()
+    monkeypatch.setitem(handlers._pool_wakeups, "uid-1", flag)
+    mem = handlers.PoolMemory(awaited=4)
+    monkeypatch.setitem(handlers._pool_awaits, ("ns", "pool"), ("uid-1", mem))
+
+    def lease_event(namespace: str, pool: str, gen: str | None) -> None:
+        ann = {handlers.ACK_ANNOTATION: gen} if gen is not None else {}
+        handlers.wake_pool_on_ack(namespace=namespace, labels={handlers.LABEL_GATEWAY: pool}, annotations=ann)
+
+    for namespace, pool, gen in (("ns", "pool", "3"), ("ns", "pool", None), ("other", "pool", "4"),
+                                 ("ns", "other", "4")):
+        lease_event(namespace, pool, gen)   # behind, unsaid, another namespace's or pool's
+        assert not flag.is_set(), (namespace, pool, gen)
+    lease_event("ns", "pool", "4")
+    assert flag.is_set()
+    flag.clear()
+    mem.awaited = None   # open, every gateway heard: nothing awaited
+    lease_event("ns", "pool", "5")
+    assert not flag.is_set()
+    # The Leases are watched, and only the gateways' (filtered by the API server, settings.apply).
+    registry = kopf.get_default_registry()
+    assert "wake_pool_on_ack" in [h.id for h in registry._watching.get_all_handlers()]
+
+
+def test_a_pool_replicas_load_is_told_to_its_pool_loop_at_once(monkeypatch: Any) -> None:
+    import asyncio
+
+    flag, mem = asyncio.Event(), handlers.PoolMemory()
+    monkeypatch.setitem(handlers._pool_wakeups, "uid-1", flag)
+    monkeypatch.setitem(handlers._pool_mems, "uid-1", mem)
+
+    def replica(owner: str) -> dict[str, Any]:
+        return {"metadata": {"name": "p-0", "ownerReferences": [{"kind": "SamplerPool", "uid": owner,
+                                                                 "controller": True}]},
+                "status": {"weights": {"label": "step-1"}}}
+
+    handlers.tell_pool(replica("uid-2"), "step-2")   # another pool's (not run here): nothing
+    assert not flag.is_set() and mem.loaded == {}
+    handlers.tell_pool(replica("uid-1"), "step-2")
+    assert flag.is_set() and mem.loaded == {"p-0": ("step-2", "step-1")}   # and what its status said then

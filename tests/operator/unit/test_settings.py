@@ -22,6 +22,10 @@ def test_only_our_pods_are_watched():
     crs = Resource(group="sampler.rl.dev", version="v1alpha1", plural="samplerreplicas", kind="SamplerReplica")
     assert st.watching.label_selectors.collect(pods) == ["app.kubernetes.io/managed-by=sampler-operator"]
     assert st.watching.label_selectors.collect(crs) == []
+    # The gateways' routing Leases only (the pool's loop wakes on their acknowledgements), filtered
+    # by the API server: not every node's heartbeat.
+    leases = Resource(group="coordination.k8s.io", version="v1", plural="leases", kind="Lease", namespaced=True)
+    assert st.watching.label_selectors.collect(leases) == ["sampler.rl.dev/gateway"]
 
 
 def test_test_seams_are_off_by_default_and_the_setting_is_strict(monkeypatch):

@@ -21,6 +21,7 @@ from sampler_operator.replica.weights_intent import (
     declared_load_request,
     declared_outcome,
     load_while_waiting,
+    loaded_weights,
     needs_declared_load,
     observed_weights,
     startup_weights,
@@ -208,6 +209,18 @@ def test_outcome_of_a_load(code: int, body: bytes, outcome: Outcome) -> None:
     assert answer.outcome is outcome
     if outcome is Outcome.INVALID:
         assert answer.message == "f.safetensors: tensor t: bad shape"
+    # Only a 2xx answer's JSON object is kept (what the pod serves after a load).
+    assert answer.body == ({"weights_version": 2} if outcome is Outcome.DONE else None)
+
+
+def test_a_loads_answer_puts_the_label_it_names_in_the_status_at_once() -> None:
+    ref = WeightsRef("/ckpt/step-2", "step-2")
+    assert loaded_weights({"weights_label": "step-2", "weights_version": 3, "write_s": 0.01}, ref) == {
+        "label": "step-2", "version": 3, "checkpoint": "/ckpt/step-2"}
+    # Nothing it does not prove: another label, no version, not an object.
+    for answer in ({"weights_label": "step-1", "weights_version": 3}, {"weights_label": "step-2"},
+                   {"weights_label": "step-2", "weights_version": True}, None, ["step-2"]):
+        assert loaded_weights(answer, ref) == {}, answer  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------- fleet cap

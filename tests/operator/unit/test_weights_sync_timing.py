@@ -20,10 +20,13 @@ CR = {"metadata": {"name": "r", "namespace": "ns", "uid": "u"}, "status": {}}
 
 
 def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str, Any] = CR,
-         **spec_kw: Any) -> float | None:
+         records: list[dict[str, Any]] | None = None, told: list[str] | None = None,
+         order: list[str] | None = None, **spec_kw: Any) -> float | None:
     """One sync of a pod serving `base` against spec.weights step-1 (or `spec_kw`); the pod answers
-    a load with `answer`; the status writes and Events are recorded nowhere."""
+    a load with `answer`; the status.weights fields each write records go to `records`, the labels
+    told to the pool to `told`, both in `order`; the Events nowhere."""
     calls: list[str] = []
+    told = told if told is not None else []
 
     async def call(*args: Any, **_: Any) -> PodAnswer:
         calls.append(args[4])
@@ -33,10 +36,22 @@ def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str
     async def nothing(*_: Any, **__: Any) -> None:
         return None
 
+    async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
+        if records is not None:
+            records.append(dict(weights_fields))
+        if order is not None:
+            order.append("record " + ("load" if "declaredResult" in weights_fields else "loading"))
+
+    def loaded(cr: Any, label: str) -> None:
+        told.append(label)
+        if order is not None:
+            order.append(f"told {label}")
+
     monkeypatch.setattr(weights_sync, "call", call)
-    monkeypatch.setattr(weights_sync, "_record", nothing)
+    monkeypatch.setattr(weights_sync, "_record", record)
     monkeypatch.setattr(weights_sync, "_api_key", nothing)
-    ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
+    ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"),  # type: ignore[arg-type]
+                  loaded=loaded)
     return asyncio.run(weights_sync.sync_weights(ctx, cr, spec(**({"weights": step(1)} | spec_kw)), "10.0.0.1",
                                                  health(label="base"), None))  # type: ignore[arg-type]
 
@@ -56,3 +71,71 @@ def test_a_load_that_did_not_happen_or_none_to_do_changes_nothing(monkeypatch: p
     # Acted on already (whatever came of it): no load, nothing changed, the loop's own period.
     acted = {**CR, "status": {"weights": declared_outcome(spec(weights=step(1)), LOADED, "loaded")}}
     assert sync(monkeypatch, None, acted) is None
+
+
+def test_a_load_the_pod_took_reports_its_label_in_the_same_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The write recording the load's outcome also says what the pod serves now (from its answer), so
+    # the pool's switch need not wait for the replica loop's next /health and a second write.
+    records: list[dict[str, Any]] = []
+    answer = PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+    assert sync(monkeypatch, answer, records=records) == 0.0
+    assert records[-1] == {**declared_outcome(spec(weights=step(1)), LOADED, "ok"),
+                           "label": "step-1", "version": 2, "checkpoint": "/ckpt/step-1"}
+    # A refusal says nothing of what is served.
+    records.clear()
+    sync(monkeypatch, PodAnswer(Outcome.INVALID, "bad", 400), records=records)
+    assert "label" not in records[-1]
+
+
+def test_a_load_the_pod_took_is_told_to_the_pool_before_its_status_is_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    told: list[str] = []
+    records: list[dict[str, Any]] = []
+    answer = PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+    sync(monkeypatch, answer, records=records, told=told)
+    assert told == ["step-1"]
+    # The pool heard of it after the write saying "Loading" and before the one recording the load.
+    order: list[str] = []
+    sync(monkeypatch, answer, order=order)
+    assert order == ["record loading", "told step-1", "record load"]
+    # Nothing told for a refusal, a load that did not happen, or an answer naming no label.
+    for nothing in (PodAnswer(Outcome.INVALID, "bad", 400), PodAnswer(Outcome.TRANSIENT, "later"),
+                    PodAnswer(Outcome.DONE, "ok", 200, {})):
+        told.clear()
+        sync(monkeypatch, nothing, told=told)
+        assert told == [], nothing
+
+
+def test_the_loading_status_and_the_key_read_overlap_and_both_precede_the_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each waits for the other to have started: run one after the other, this would never end.
+    order: list[str] = []
+
+    async def run() -> float | None:
+        started = {"record": asyncio.Event(), "key": asyncio.Event()}
+
+        async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
+            if "declaredResult" not in weights_fields:   # the Loading write
+                started["record"].set()
+                await asyncio.wait_for(started["key"].wait(), 5)
+                order.append("loading written")
+
+        async def api_key(*_: Any) -> str:
+            started["key"].set()
+            await asyncio.wait_for(started["record"].wait(), 5)
+            order.append("key read")
+            return "k"
+
+        async def call(*args: Any, **_: Any) -> PodAnswer:
+            order.append(f"load sent with key {args[5]}")
+            return PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+
+        monkeypatch.setattr(weights_sync, "call", call)
+        monkeypatch.setattr(weights_sync, "_record", record)
+        monkeypatch.setattr(weights_sync, "_api_key", api_key)
+        ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
+        return await weights_sync.sync_weights(ctx, CR, spec(weights=step(1)), "10.0.0.1",  # type: ignore[arg-type]
+                                               health(label="base"), None)
+
+    assert asyncio.run(run()) == 0.0
+    assert sorted(order[:2]) == ["key read", "loading written"] and order[2] == "load sent with key k"
