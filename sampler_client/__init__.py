@@ -9,11 +9,14 @@ environment, without vLLM, kopf or the Kubernetes client (tests/unit/test_sample
     from sampler_client import Pool
     pool = Pool("http://policy-gateway:8080", admin_key)
     pool.push("/checkpoints/step-120", "step-120", step=120)   # returns once every replica serves it
+    pool.push_adapter("math-rl", "/checkpoints/math-rl/120", "step-120", 120).model_path  # a LoRA version
 
-Or `python -m sampler_client push URL --checkpoint ... --label ... --wait`.
+Or `python -m sampler_client push URL --checkpoint ... --label ... --wait`, and
+`python -m sampler_client push-adapter URL --run R --path P --label L --step N`.
 """
 
 from .pool import (
+    AdapterPushed,
     Pool,
     PoolError,
     ReplicaRollout,
@@ -25,6 +28,6 @@ from .pool import (
     progress_lines,
 )
 
-__all__ = ["Pool", "PoolError", "ReplicaRollout", "RequestRefused", "Rollout", "RolloutStopped",
+__all__ = ["AdapterPushed", "Pool", "PoolError", "ReplicaRollout", "RequestRefused", "Rollout", "RolloutStopped",
            "RolloutSuperseded", "RolloutTimeout", "progress_lines"]
 __version__ = "0.1.0"

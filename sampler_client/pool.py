@@ -1,4 +1,5 @@
-"""`Pool`: one SamplerPool seen through its gateway's admin routes (docs/guide/pool.md, "Pushing weights").
+"""`Pool`: one SamplerPool seen through its gateway's admin routes (docs/guide/pool.md, "Pushing weights"
+and "Pushing an adapter").
 
 The rollout's decisions are the operator's; this side only writes the pool's target and reads back
 how far it got. A push returns the pool object's generation; waiting means reading the rollout until
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 600.0
+# An adapter push answers once the version is loaded: a replica validates and loads the files first.
+ADAPTER_PUSH_TIMEOUT_S = 330.0
 POLL_INTERVAL_S = 0.5
 # How long one long-poll read may wait at the gateway for the pool to change (its limit is 20 s);
 # at most half the request's own timeout.
@@ -101,6 +104,27 @@ class Rollout:
         return generation is None or (self.observed_generation is not None and self.observed_generation >= generation)
 
 
+@dataclass(frozen=True)
+class AdapterPushed:
+    """`POST /v1/pool/adapters`, typed: the version as the pool declared it, servable when returned.
+    `model` names it on the OpenAI routes (`<run>@<step>`), `model_path` in Tinker's
+    `create_sampling_client(model_path=...)`; `engine_name` is what the replicas load it as."""
+
+    run: str
+    step: int
+    version_label: str
+    model: str
+    model_path: str
+    engine_name: str
+    servable: str  # one | all
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AdapterPushed:
+        return cls(run=str(d.get("run")), step=int(d.get("step") or 0), version_label=str(d.get("version_label")),
+                   model=str(d.get("model")), model_path=str(d.get("model_path")),
+                   engine_name=str(d.get("engine_name")), servable=str(d.get("servable")))
+
+
 class RolloutStopped(PoolError):
     """A replica refused the pushed weights; the pool goes on serving what it served before."""
 
@@ -147,14 +171,15 @@ class Pool:
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              timeout_s: float | None = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
         if self.admin_key:
             headers["X-API-Key"] = self.admin_key
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.request_timeout_s) as resp:
                 out: dict[str, Any] = json.loads(resp.read())
                 return out
         except urllib.error.HTTPError as e:
@@ -195,6 +220,25 @@ class Pool:
         if not wait:
             return pushed
         return self.wait(label, pushed.generation, timeout=timeout, progress=progress, pushed=pushed)
+
+    def push_adapter(self, run: str, path: str, label: str, step: int, *,
+                     sha256_manifest: dict[str, str] | None = None, pinned: bool = False,
+                     servable: str = "one", timeout: float = ADAPTER_PUSH_TIMEOUT_S) -> AdapterPushed:
+        """Declare version `label` (training `step`) of run `run`'s LoRA adapter, from the PEFT
+        directory `path` inside the replicas' pods. Returns once it is servable: loaded and routable on
+        one replica (`servable="one"`), or on every replica holding a version of the run (`"all"`).
+        A refusal raises `RequestRefused` and leaves the pool unchanged: a 400 naming `run`, `path`
+        or a field, the replica's 400 naming the file and tensor (rank, target modules, a corrupt
+        file), a 409 naming `step` (not newer than the run's newest), `version_label` or `pinned`.
+        Sending the same push again (a lost answer) answers as the first did."""
+        body: dict[str, Any] = {"run": run, "path": path, "version_label": label, "step": step}
+        if sha256_manifest is not None:
+            body["sha256_manifest"] = sha256_manifest
+        if pinned:
+            body["pinned"] = True
+        if servable != "one":
+            body["servable"] = servable
+        return AdapterPushed.from_json(self._call("POST", "/v1/pool/adapters", body, timeout_s=timeout))
 
     def wait(self, label: str, generation: int | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
              progress: Progress = True, pushed: Rollout | None = None) -> Rollout:

@@ -6,7 +6,7 @@ pool's admin key. The push is checked against the state it then writes (the read
 as `pool_admin.weights_patch`): two trainers, or a trainer and the operator's status writes, never
 interleave a check and a write. What is checked here is what the declared state and the path can
 tell; the adapter's files (rank, target modules, a corrupt or partial file) only a replica can check,
-before the state is written (planned: the push route loads it on one replica first).
+before the state is written (the push route loads it on one replica first: `pool_adapters.py`).
 
 - `run`: the syntax of `sampler_common.adapters.RUN_PATTERN`, not a name of the base model (a
   request for it would be ambiguous), and at most `maxRuns` runs (400 / 409 naming `run`);
@@ -27,7 +27,7 @@ before the state is written (planned: the push route loads it on one replica fir
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,12 +41,12 @@ from sampler_common.adapters import (
 )
 from sampler_common.errors import Conflict, InvalidRequest, validation_error
 
-from .adapter_names import base_names
+from .adapter_names import SAMPLER_WEIGHTS, TINKER_PREFIX, base_names
 from .pool_admin import check_checkpoint
 
 
 class AdapterPush(BaseModel):
-    """`POST /v1/pool/adapters` (planned route): one version of a run, in the sampler API's snake_case."""
+    """`POST /v1/pool/adapters`: one version of a run, in the sampler API's snake_case."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -56,6 +56,10 @@ class AdapterPush(BaseModel):
     step: int = Field(ge=0, description="the trainer's training step: orders the run's versions")
     sha256_manifest: dict[str, str] | None = Field(None, description="file -> sha256 each replica verifies")
     pinned: bool = Field(False, description="kept when the run's version cap drops older versions")
+    # What the push waits for; not part of the declared version (a repeat may ask for more).
+    servable: Literal["one", "all"] = Field(
+        "one", description="the push answers once the version is loaded and routable on one replica (`one`), or "
+                           "on every replica that holds a version of the run (`all`)")
 
 
 def parse_adapter_push(body: Any) -> AdapterPush:
@@ -132,3 +136,13 @@ def adapters_patch(pool: dict[str, Any], decision: PushDecision, run: str) -> di
     spec = decision.state.to_spec()
     return {"metadata": {"resourceVersion": meta.get("resourceVersion")},
             "spec": {"adapters": {"serial": spec["serial"], "runs": {run: spec["runs"][run]}}}}
+
+
+def push_answer(push: AdapterPush, version: AdapterVersion) -> dict[str, Any]:
+    """`POST /v1/pool/adapters`'s answer: how a client names the version from now on (`model` on the
+    OpenAI routes, `model_path` for Tinker's sampling client) and its engine name. A repeat of the
+    run's newest version answers the same (its declared version, not the request's copy)."""
+    return {"run": push.run, "step": version.step, "version_label": version.label,
+            "model": f"{push.run}@{version.step}",
+            "model_path": f"{TINKER_PREFIX}{push.run}/{SAMPLER_WEIGHTS}/{version.label}",
+            "engine_name": version.engine_name(push.run), "servable": push.servable}

@@ -28,7 +28,7 @@ from .http1 import Http1Client
 from .metrics import GatewayMetrics
 from .pool import Pool
 from .pool_object import PoolObject
-from .routes import health, native, openai, tinker, twinkle
+from .routes import adapter_push, health, native, openai, tinker, twinkle
 from .routes import pool as pool_routes
 from .routing import RoutingLease, Switch
 from .served_by import ServedBy
@@ -93,8 +93,9 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     openai.install_error_shape(app)
     app.state.pool_object = pool_object
     app.include_router(health.router)
-    app.include_router(pool_routes.router,
-                       dependencies=[Depends(pool_routes.PoolAdminAuth(cfg.api_key, cfg.admin_api_key))])
+    admin = [Depends(pool_routes.PoolAdminAuth(cfg.api_key, cfg.admin_api_key))]
+    for admin_router in (pool_routes.router, adapter_push.router):
+        app.include_router(admin_router, dependencies=admin)
     auth = [Depends(APIKeyAuth(cfg.api_key, cfg.admin_api_key).sampling)]
     for router in (native.router, tinker.router, twinkle.router, openai.router):
         app.include_router(router, dependencies=auth)

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from sampler_client import Pool, RequestRefused, Rollout, RolloutStopped, RolloutSuperseded, progress_lines
+from sampler_client import (
+    AdapterPushed,
+    Pool,
+    RequestRefused,
+    Rollout,
+    RolloutStopped,
+    RolloutSuperseded,
+    progress_lines,
+)
 from sampler_client.__main__ import main as cli
 from tests.support import REPO_ROOT
 
@@ -58,8 +66,9 @@ class Scripted:
     """A gateway's pool routes: the push answers `pushed` (or an error), each rollout read the next
     of `reads` (the last one repeats)."""
 
-    def __init__(self, reads: list[dict[str, Any]], push_error: tuple[int, dict[str, Any]] | None = None) -> None:
-        self.reads, self.push_error = reads, push_error
+    def __init__(self, reads: list[dict[str, Any]], push_error: tuple[int, dict[str, Any]] | None = None,
+                 adapter_reply: tuple[int, dict[str, Any]] = (404, {})) -> None:
+        self.reads, self.push_error, self.adapter_reply = reads, push_error, adapter_reply
         self.pushes: list[tuple[str | None, dict[str, Any]]] = []
         self.gets = 0
         self.paths: list[str] = []   # each GET's path and query
@@ -79,7 +88,9 @@ def gateway(script: Scripted) -> Iterator[str]:
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             script.pushes.append((self.headers.get("X-API-Key"), body))
-            if script.push_error is not None:
+            if self.path == "/v1/pool/adapters":
+                self._answer(*script.adapter_reply)
+            elif script.push_error is not None:
                 self._answer(*script.push_error)
             else:
                 pushed = {**script.reads[0], "state": "Pending", "observed_generation": 4}
@@ -196,3 +207,46 @@ def test_progress_lines_are_pure() -> None:
     assert progress_lines(a, a) == []
     b = Rollout.from_json(rollout("RollingOut", "s", [replica("w-0", "Updated", "s")], updated=1))
     assert progress_lines(a, b) == ["w-0: Updated (phase Ready, serving s)"]
+
+
+PUSHED: dict[str, Any] = {"run": "math-rl", "step": 120, "version_label": "step-120", "model": "math-rl@120",
+          "model_path": "tinker://math-rl/sampler_weights/step-120", "engine_name": "math-rl.120.7",
+          "servable": "one"}
+
+
+def test_push_adapter_sends_the_version_and_returns_it_typed() -> None:
+    script = Scripted([], adapter_reply=(200, PUSHED))
+    with gateway(script) as url:
+        pool = Pool(url, ADMIN)
+        done = pool.push_adapter("math-rl", "/ckpt/math-rl/120", "step-120", 120)
+        assert done == AdapterPushed(**PUSHED)
+        pool.push_adapter("math-rl", "/ckpt/math-rl/120", "step-120", 120, sha256_manifest={"a": "0" * 64},
+                          pinned=True, servable="all")
+    assert script.pushes == [
+        (ADMIN, {"run": "math-rl", "path": "/ckpt/math-rl/120", "version_label": "step-120", "step": 120}),
+        (ADMIN, {"run": "math-rl", "path": "/ckpt/math-rl/120", "version_label": "step-120", "step": 120,
+                 "sha256_manifest": {"a": "0" * 64}, "pinned": True, "servable": "all"})]
+
+
+def test_a_refused_adapter_push_raises_with_the_field_and_the_cli_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    err = (409, {"error": {"category": "conflict", "field": "step",
+                           "message": "step 3 of run 'math-rl' is not newer than its newest version, step 4"}})
+    script = Scripted([], adapter_reply=err)
+    with gateway(script) as url:
+        with pytest.raises(RequestRefused) as e:
+            Pool(url, ADMIN).push_adapter("math-rl", "/ckpt/m/3", "step-3", 3)
+        assert (e.value.status, e.value.field) == (409, "step") and "not newer" in str(e.value)
+        argv = ["push-adapter", url, "--admin-key", ADMIN, "--run", "math-rl", "--path", "/ckpt/m/3",
+                "--label", "step-3", "--step", "3"]
+        assert cli(argv) == 2
+        assert "409 conflict (step)" in capsys.readouterr().err
+
+
+def test_cli_push_adapter(capsys: pytest.CaptureFixture[str]) -> None:
+    script = Scripted([], adapter_reply=(200, {**PUSHED, "servable": "all"}))
+    with gateway(script) as url:
+        assert cli(["push-adapter", url, "--admin-key", ADMIN, "--run", "math-rl", "--path", "/ckpt/math-rl/120",
+                    "--label", "step-120", "--step", "120", "--servable", "all", "--pinned"]) == 0
+    assert json.loads(capsys.readouterr().out) == {**PUSHED, "servable": "all"}
+    assert script.pushes == [(ADMIN, {"run": "math-rl", "path": "/ckpt/math-rl/120", "version_label": "step-120",
+                                      "step": 120, "pinned": True, "servable": "all"})]

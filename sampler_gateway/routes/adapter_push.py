@@ -1,0 +1,40 @@
+"""`POST /v1/pool/adapters` (admin key, as the pool's other admin routes in `routes/pool.py`): declare
+a run's adapter version in the SamplerPool and load it until servable. The decision is
+`adapter_push.py`'s, the carrying out `pool_adapters.py`'s."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..adapter_push import parse_adapter_push
+from ..pool_adapters import ReplicaAnswer, push_adapter
+from .common import REPLICA_HEADER, gateway_of, json_object
+from .pool import PUSH_ATTEMPTS, _pool_object
+
+router = APIRouter(prefix="/v1/pool", tags=["pool"])
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A push whose trainer went away ends unheard: its outcome is read, not logged as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
+@router.post("/adapters")
+async def push(request: Request) -> Response:
+    obj = _pool_object(request)
+    body = parse_adapter_push(json_object(await request.body()))
+    # Shielded, as a replica shields its weight writes: a trainer that hangs up mid-push leaves no
+    # provisional copy loaded, and no write half done on its side.
+    task = asyncio.ensure_future(push_adapter(gateway_of(request), obj, body, PUSH_ATTEMPTS))
+    task.add_done_callback(_retrieved)
+    try:
+        return JSONResponse(await asyncio.shield(task))
+    except ReplicaAnswer as e:
+        # The replica's refusal as it sent it (a 400 naming the file and tensor), and who sent it.
+        return Response(e.reply.body, status_code=e.reply.status, headers={REPLICA_HEADER: e.replica},
+                        media_type=e.reply.header("content-type"))

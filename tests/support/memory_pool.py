@@ -1,0 +1,60 @@
+"""A SamplerPool object in memory, as the gateway's admin routes see the API server's (the
+`pool_object.PoolObject` port): a merge patch lands only at the current resourceVersion, else the
+409 `StaleRead`; generation and resourceVersion move with each write. The adapter push's tests use it
+(tests/gateway/test_adapter_push_route.py, test_adapter_push_loads.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from sampler_gateway.pool_object import StaleRead
+
+
+def merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """RFC 7386, as the API server applies `application/merge-patch+json`."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+
+
+class MemoryPool:
+    """The SamplerPool as the API server keeps it: a merge patch lands only at the current
+    resourceVersion (else 409); `between` runs after a read (another writer) and says if it wrote."""
+
+    def __init__(self, obj: dict[str, Any], between: Callable[[dict[str, Any]], bool] | None = None,
+                 together: int = 0) -> None:
+        self.obj, self.between, self.reads = obj, between, 0
+        self.writes: list[dict[str, Any]] = []
+        # The first `together` reads each wait for all of them: concurrent pushes read one state.
+        self.together, self._all_read = together, asyncio.Event()
+
+    def _bump(self) -> None:
+        self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
+
+    async def read(self) -> dict[str, Any]:
+        self.reads += 1
+        seen = copy.deepcopy(self.obj)
+        if self.reads <= self.together:
+            if self.reads == self.together:
+                self._all_read.set()
+            await self._all_read.wait()
+        if self.between is not None and self.between(self.obj):
+            self._bump()
+        return seen
+
+    async def patch(self, body: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(0)  # a write is a round trip: another push may run meanwhile
+        if body["metadata"]["resourceVersion"] != self.obj["metadata"]["resourceVersion"]:
+            raise StaleRead("SamplerPool w changed while this push was checked; push again", field="pool")
+        self.writes.append(body)
+        merge(self.obj, {"spec": body["spec"]})
+        self.obj["metadata"]["generation"] += 1
+        self._bump()
+        return copy.deepcopy(self.obj)
