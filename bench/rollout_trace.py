@@ -1,12 +1,19 @@
 """Read the rollout trace (sampler_common/rollout_trace.py) of a run: where each rollout's time went.
 
     python -m bench.rollout_trace DIR [--timelines N]
+    python -m bench.rollout_trace DIR --picture OUT.png [--mode Keep] [--rollout N]
 
 DIR holds `operator.log` and `gateway-*.log` (what `python -m bench.gateway_rollout --trace` leaves
 beside its figures). The lines of every log are merged by their wall-clock `t`; each rollout starts at
 the operator's `pool.target` (it saw the push) and runs to the next one. Printed: per rollout the
 offset of each milestone from that start, and the median over rollouts per mode; with
 `--timelines N`, the first N rollouts' merged lines (answers held and released summed, not listed).
+
+With `--picture`, one rollout (the Nth, from 1, of those in `--mode`, or of all) is drawn instead as a
+timeline (bench/plots.py rollout_timeline): one lane per process (the operator, each replica's load as
+the operator sees it, each gateway), each step a labelled point at its offset from `pool.target`, the
+fence shaded. The capacity dip is not drawn: it is defined by the last answer on the old label any
+client received (bench/switch_cost.py), and the trace logs no answer on the old label.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class Rollout:
     mode: str
     start: float
     steps: list[Step] = field(default_factory=list)
+    before: str = "?"  # the label the pool was moving from (the previous target)
 
     def first(self, step: str, **want: str) -> float | None:
         ts = [s.t for s in self.steps if s.step == step and all(s.fields.get(k) == v for k, v in want.items())]
@@ -90,10 +98,170 @@ def rollouts(steps: list[Step]) -> list[Rollout]:
     out: list[Rollout] = []
     for s in steps:
         if s.step == "pool.target" and s.who == "operator":
-            out.append(Rollout(s.fields.get("label", "?"), s.fields.get("mode", "?"), s.t))
+            before = out[-1].label if out else "?"
+            out.append(Rollout(s.fields.get("label", "?"), s.fields.get("mode", "?"), s.t, before=before))
         if out:
             out[-1].steps.append(s)
     return out[1:]  # the first target is the pool's creation, not a rollout
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One step drawn as a point: its offset from `pool.target` and what it says."""
+
+    ms: float
+    text: str
+    kind: str  # "load", "routing" or "answer": the point's colour
+
+
+@dataclass(frozen=True)
+class Span:
+    start_ms: float
+    end_ms: float
+    kind: str  # "load" (sent -> answered), "fenced" (a gateway saw Fence -> saw Open), "held" (an answer on Y, held)
+
+
+@dataclass
+class Lane:
+    name: str
+    marks: list[Mark] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+
+
+@dataclass
+class Timeline:
+    """One rollout laid out for a picture: lanes top to bottom, times in ms after `pool.target`."""
+
+    title: str
+    lanes: list[Lane]
+    fence: Span | None  # the operator's Fence(Y) written -> Open(Y) written, across every lane
+    dip: Span | None  # the capacity dip: None while the trace logs no answer on the old label
+    notes: list[str]
+
+
+def _short(name: str) -> str:
+    # the operator names a replica `namespace/name` in its load steps and `name` in its pool steps
+    return name.rsplit("/", 1)[-1]
+
+
+def timeline(r: Rollout) -> Timeline:
+    """Where each step of one rollout goes in the picture: the operator's pool steps on its lane, each
+    replica's spec, load and status steps on that replica's lane, each gateway's on its own."""
+    ms = {id(s): (s.t - r.start) * 1000 for s in r.steps}
+    fence_gen = next((s.fields.get("gen") for s in r.steps if s.step == "routing.fence_written"), None)
+    open_gen = next((s.fields.get("gen") for s in r.steps if s.step == "routing.open_written"), None)
+    operator = Lane("operator")
+    replicas: dict[str, Lane] = {}
+    gateways: dict[str, Lane] = {}
+    load_sent: dict[str, float] = {}
+    fenced_at: dict[str, float] = {}
+
+    def replica(s: Step) -> Lane:
+        name = _short(s.fields.get("replica", "?"))
+        return replicas.setdefault(name, Lane(f"replica {name}\n(operator's view)"))
+
+    for s in r.steps:
+        t = ms[id(s)]
+        if s.who == "operator":
+            if s.step == "pool.target":
+                operator.marks.append(Mark(t, f"push seen ({r.mode})", "routing"))
+            elif s.step == "routing.fence_written":
+                operator.marks.append(Mark(t, "Fence(Y) written", "routing"))
+            elif s.step == "routing.acknowledged":
+                operator.marks.append(Mark(t, "every ack seen", "routing"))
+            elif s.step == "routing.open_written":
+                operator.marks.append(Mark(t, "Open(Y) written", "routing"))
+            elif s.step == "rollout.ended":
+                operator.marks.append(Mark(t, "rollout ended", "routing"))
+            elif s.step == "replica.spec_written":
+                replica(s).marks.append(Mark(t, "spec written", "load"))
+            elif s.step == "load.started":
+                replica(s).marks.append(Mark(t, "load sent", "load"))
+                load_sent[_short(s.fields.get("replica", "?"))] = t
+            elif s.step == "load.answered":
+                outcome = s.fields.get("outcome", "DONE")
+                lane = replica(s)
+                lane.marks.append(Mark(t, "load answered" + ("" if outcome == "DONE" else f" {outcome}"), "load"))
+                sent = load_sent.pop(_short(s.fields.get("replica", "?")), None)
+                if sent is not None:
+                    lane.spans.append(Span(sent, t, "load"))
+            elif s.step == "load.recorded":
+                replica(s).marks.append(Mark(t, "status written", "load"))
+            elif s.step == "replica.routable":
+                replica(s).marks.append(Mark(t, "routable", "routing"))
+            continue
+        if not s.who.startswith("gateway/"):
+            continue
+        gw = s.who.split("/", 1)[1]
+        lane = gateways.setdefault(gw, Lane(f"gateway {gw}"))
+        gen = s.fields.get("gen")
+        if s.step == "routing.seen":
+            phase = s.fields.get("phase", "?")
+            lane.marks.append(Mark(t, f"saw {phase}", "routing"))
+            if phase == "Fence":
+                fenced_at[gw] = t
+            elif phase == "Open" and gw in fenced_at:
+                lane.spans.append(Span(fenced_at.pop(gw), t, "fenced"))
+        elif s.step == "ack.written":
+            phase = "Fence" if gen == fence_gen else "Open" if gen == open_gen else f"gen {gen}"
+            lane.marks.append(Mark(t, f"ack {phase}", "routing"))
+        elif s.step == "answer.first":
+            lane.marks.append(Mark(t, "first answer on Y", "answer"))
+        elif s.step == "answer.withheld":
+            lane.marks.append(Mark(t, "answer withheld", "answer"))
+        elif s.step == "answer.released":
+            # logged once, at the release, with how long it was held: the hold is drawn, not its two ends
+            lane.spans.append(Span(t - float(s.fields.get("waited_s", "0")) * 1000, t, "held"))
+    fw, ow = r.first("routing.fence_written"), r.first("routing.open_written")
+    fence = Span(fw * 1000, ow * 1000, "fence") if fw is not None and ow is not None else None
+    notes = ["capacity dip not drawn: the trace logs no answer on the old label, the dip's start"]
+    held = [sp for lane in gateways.values() for sp in lane.spans if sp.kind == "held"]
+    if held:
+        notes.append(f"{len(held)} answers on Y held, longest {max(h.end_ms - h.start_ms for h in held):.0f} ms")
+    lanes = [operator, *(replicas[k] for k in sorted(replicas)), *(gateways[k] for k in sorted(gateways))]
+    return Timeline(f"{r.mode} rollout X = {r.before} -> Y = {r.label}", lanes, fence, None, notes)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A mark's label: which row above its lane's line, and whether it reads left of its point."""
+
+    row: int
+    leftward: bool
+
+
+def place_labels(marks: list[Mark], ms_per_char: float, left_edge_ms: float, right_edge_ms: float,
+                 gap_chars: float = 1.0) -> list[Placed]:
+    """Rows for one lane's labels so that none overlaps another: in time order, each label goes to the
+    lowest row where it fits, reading right of its point or else left of it, and never past either edge
+    of the axes. Widths are estimated from the character count (the drawing's `ms_per_char`: its x range
+    over the characters that fit across the axes), with the label's " 123" (its offset in ms)."""
+    gap = gap_chars * ms_per_char
+    rows: list[list[tuple[float, float]]] = []
+    out: dict[int, Placed] = {}
+    for i in sorted(range(len(marks)), key=lambda i: marks[i].ms):
+        m = marks[i]
+        width = (len(m.text) + 4) * ms_per_char
+        sides = [(False, m.ms, m.ms + width), (True, m.ms - width, m.ms)]
+        sides = [c for c in sides if c[1] >= left_edge_ms and c[2] <= right_edge_ms] or sides[:1]
+        for k in range(len(rows) + 1):
+            if k == len(rows):
+                rows.append([])
+            free = [c for c in sides if all(c[2] + gap <= a or b + gap <= c[1] for a, b in rows[k])]
+            if free:
+                leftward, a, b = free[0]
+                rows[k].append((a, b))
+                out[i] = Placed(k, leftward)
+                break
+    return [out[i] for i in range(len(marks))]
+
+
+def pick(rs: list[Rollout], mode: str | None, n: int) -> Rollout:
+    """The Nth rollout (from 1) of those in `mode` (all when None)."""
+    of = [r for r in rs if mode is None or r.mode == mode]
+    if not 1 <= n <= len(of):
+        raise SystemExit(f"--rollout {n}: there are {len(of)} rollouts" + (f" in mode {mode}" if mode else ""))
+    return of[n - 1]
 
 
 def _fmt(v: float | None) -> str:
@@ -104,10 +272,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir", type=Path)
     p.add_argument("--timelines", type=int, default=0)
+    p.add_argument("--picture", type=Path, help="draw one rollout as a timeline into this PNG instead")
+    p.add_argument("--mode", choices=["Drain", "Abort", "Keep"], help="with --picture: a rollout of this mode")
+    p.add_argument("--rollout", type=int, default=1, help="with --picture: the Nth (from 1) rollout")
     a = p.parse_args()
     rs = rollouts(read([a.dir / "operator.log", *sorted(a.dir.glob("gateway-*.log"))]))
     if not rs:
         raise SystemExit(f"no rollout trace under {a.dir} (run with --trace)")
+    if a.picture:
+        from bench.plots import rollout_timeline  # matplotlib only when drawing
+
+        tl = timeline(pick(rs, a.mode, a.rollout))
+        rollout_timeline(a.picture, tl)
+        print(f"{tl.title}: {a.picture}")
+        return
     names = list(rs[0].milestones())
     modes = sorted({r.mode for r in rs})
     print("| milestone, s after the operator saw the push (median) | " + " | ".join(
