@@ -14,6 +14,7 @@ from .config import GatewayConfig, parse_config
 from .discovery.source import Source
 from .discovery.static import StaticDiscovery
 from .listen import shared_listener
+from .pool_events import EventSink
 from .pool_object import PoolObject
 from .routing import RoutingLease
 
@@ -33,6 +34,18 @@ def pool_object_for(cfg: GatewayConfig) -> PoolObject | None:
     from .pool_object import KubePoolObject
 
     return KubePoolObject(cfg.pool, cfg.namespace)
+
+
+def events_for(cfg: GatewayConfig) -> EventSink | None:
+    """Events on the SamplerPool (a load a replica refused): with kube discovery only."""
+    if cfg.discovery == "static":
+        return None
+    import os
+    import socket
+
+    from .pool_events import KubeEvents
+
+    return KubeEvents(cfg.pool, cfg.namespace, cfg.pod_name or f"{socket.gethostname()}-{os.getpid()}")
 
 
 def routing_lease_for(cfg: GatewayConfig, source: Source | None = None) -> RoutingLease | None:
@@ -59,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rollout_trace.enable_from_env()
     source = source_for(cfg)
-    app = create_app(cfg, source, pool_object_for(cfg), routing_lease_for(cfg, source))
+    app = create_app(cfg, source, pool_object_for(cfg), routing_lease_for(cfg, source), events_for(cfg))
     # No proxy-headers middleware: the gateway reads no client address, and it ran on every request.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             timeout_graceful_shutdown=10, timeout_keep_alive=75, proxy_headers=False)

@@ -54,6 +54,7 @@ from .config import GatewayConfig
 from .errors import NoReplica
 from .metrics import GatewayMetrics
 from .pool import Pool
+from .pool_events import LOAD_FAILED, EventSink, NoEvents
 from .replicas import ReplicaView
 from .upstream import Outgoing, Reply, Sender
 
@@ -112,7 +113,8 @@ class _PlaceAgain(Exception):
     """A victim's unload was refused (requests in flight on it there): place the request again."""
 
 
-def _error_of(reply: Reply) -> tuple[str, str, str | None]:
+def error_of(reply: Reply) -> tuple[str, str, str | None]:
+    """A replica's error answer: (category, message, field)."""
     err = (reply.json or {}).get("error")
     if isinstance(err, dict):
         f = err.get("field")
@@ -128,6 +130,8 @@ class AdapterRouter:
     upstream: Sender
     metrics: GatewayMetrics
     clock: Callable[[], float] = time.time  # last use: wall clock, as the replicas' `last_used_at`
+    # A load a replica refused is also an Event on the pool (pool_events.py): only a gateway sees it.
+    events: EventSink = field(default_factory=NoEvents)
     in_flight: dict[Key, int] = field(default_factory=dict)
     last_used: dict[Key, float] = field(default_factory=dict)
     loading: dict[Key, asyncio.Task[None]] = field(default_factory=dict)
@@ -315,7 +319,7 @@ class AdapterRouter:
             if v.sha256_manifest:
                 body["sha256_manifest"] = dict(v.sha256_manifest)
             reply = await self.upstream.send(replica, self._admin("POST", "/v1/adapters", orjson.dumps(body)))
-            if reply.status == 200 or (reply.status == 409 and _error_of(reply)[2] == "name"):
+            if reply.status == 200 or (reply.status == 409 and error_of(reply)[2] == "name"):
                 self.metrics.adapter_loads.labels(replica=replica.name, outcome="ok").inc()
                 self._held(replica.name, add=engine)
                 return
@@ -325,7 +329,9 @@ class AdapterRouter:
                 self.metrics.adapter_loads.labels(replica=replica.name, outcome="full").inc()
                 raise _PlaceAgain()
             self.metrics.adapter_loads.labels(replica=replica.name, outcome="refused").inc()
-            raise self._refused(reply, replica, f"load adapter {target.run}@{v.step} ({v.label}, path {v.path})")
+            refused = self._refused(reply, replica, f"load adapter {target.run}@{v.step} ({v.label}, path {v.path})")
+            self.events.warn(LOAD_FAILED, refused.message)
+            raise refused
         finally:
             for victim in evict:
                 self.unloading.discard((replica.name, victim))
@@ -336,7 +342,7 @@ class AdapterRouter:
         """A replica's refusal of a load or unload, as the request's answer. Its own 4xx (a file, a
         tensor) passes with its status and field; a refusal of the gateway's admin key is the pool's
         configuration, not the client's doing: 502."""
-        category, message, fieldname = _error_of(reply)
+        category, message, fieldname = error_of(reply)
         status = reply.status if 400 <= reply.status < 600 else 502
         if status in (401, 403):
             status, category, fieldname = 502, "pool_config", None

@@ -27,6 +27,7 @@ from .forward import Gateway
 from .http1 import Http1Client
 from .metrics import GatewayMetrics
 from .pool import Pool
+from .pool_events import EventSink, NoEvents
 from .pool_object import PoolObject
 from .routes import adapter_push, health, native, openai, tinker, twinkle
 from .routes import pool as pool_routes
@@ -38,10 +39,11 @@ ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
 def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | None = None,
-               routing_lease: RoutingLease | None = None) -> FastAPI:
+               routing_lease: RoutingLease | None = None, events: EventSink | None = None) -> FastAPI:
     """`pool_object`: the SamplerPool the admin routes write (kube discovery); None: they answer 404.
     `routing_lease`: makes this gateway's routing Lease from the pool's switch and what to call when it
-    moves (kube discovery, routing.py); None: no switch."""
+    moves (kube discovery, routing.py); None: no switch. `events`: where Events on the pool go
+    (pool_events.py; None: the log only)."""
     metrics = GatewayMetrics()
     pool = Pool(cfg, metrics)
     lease = None
@@ -53,7 +55,7 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # One HTTP client to the replicas, for requests and /health reads alike (http1.py: why its own).
         client = Http1Client(CONNECT_TIMEOUT_S)
-        app.state.gateway = Gateway(cfg, pool, Upstream(client), metrics)
+        app.state.gateway = Gateway(cfg, pool, Upstream(client), metrics, events or NoEvents())
         # One refresh before serving: a gateway that starts answers from a known replica set.
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, client, min(cfg.health_timeout_s, cfg.refresh_interval_s))

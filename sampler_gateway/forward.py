@@ -43,6 +43,7 @@ from .errors import NoReplica, ReplicaLost, ReplicaTimeout
 from .ids import RoutedId
 from .metrics import GatewayMetrics
 from .pool import Pool
+from .pool_events import EventSink, NoEvents
 from .replicas import ReplicaView
 from .sessions import SessionTable
 from .upstream import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
@@ -90,12 +91,13 @@ class Gateway:
     pool: Pool
     upstream: Sender
     metrics: GatewayMetrics
+    events: EventSink = field(default_factory=NoEvents)
     sessions: SessionTable = field(init=False)
     adapters: AdapterRouter = field(init=False)
 
     def __post_init__(self) -> None:
         self.sessions = SessionTable(self.cfg.session_table_size, self.cfg.session_expiry_s)
-        self.adapters = AdapterRouter(self.cfg, self.pool, self.upstream, self.metrics)
+        self.adapters = AdapterRouter(self.cfg, self.pool, self.upstream, self.metrics, events=self.events)
 
 
 def weights_of(r: ReplicaView) -> str:

@@ -11,7 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..adapter_push import parse_adapter_push
+from ..adapter_route import error_of
 from ..pool_adapters import ReplicaAnswer, push_adapter
+from ..pool_events import LOAD_FAILED
 from .common import REPLICA_HEADER, gateway_of, json_object
 from .pool import PUSH_ATTEMPTS, _pool_object
 
@@ -35,6 +37,9 @@ async def push(request: Request) -> Response:
     try:
         return JSONResponse(await asyncio.shield(task))
     except ReplicaAnswer as e:
+        gateway_of(request).events.warn(LOAD_FAILED, f"replica {e.replica} refused the push of run {body.run} "
+                                                     f"step {body.step} ({body.version_label}, path {body.path}): "
+                                                     f"{error_of(e.reply)[1]}")
         # The replica's refusal as it sent it (a 400 naming the file and tensor), and who sent it.
         return Response(e.reply.body, status_code=e.reply.status, headers={REPLICA_HEADER: e.replica},
                         media_type=e.reply.header("content-type"))

@@ -122,7 +122,10 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
              # Its routing Lease: the acknowledgement of the pool's routing switch (pool/routing.py).
              # Names are not known before the pod exists, so not by resourceNames; no list, watch
              # or delete: a gateway reads and writes its own Lease only.
-             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
+             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
+             # Events on its pool: a LoRA load a replica refused (sampler_gateway/pool_events.py). Create
+             # only: it never reads or changes another component's Events.
+             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, namespace, uid, name)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool, namespace, uid, name),

@@ -106,6 +106,16 @@ def test_adapter_pushes_through_the_gateway_refusals_and_races(k8s: Any, api: An
             pool.push_adapter("a", str(root / "bad"), "step-2", 2)
         assert e.value.status == 400 and "adapter_model.safetensors" in e.value.message
         assert _spec_of(_pool(api, ns)) == before
+        # The pool's owner sees it too: a Warning Event on the pool (`kubectl describe sp`).
+        def refused_events() -> list[Any]:
+            return [e for e in api.core.list_namespaced_event(ns).items if e.reason == "AdapterLoadFailed"
+                    and e.involved_object.kind == "SamplerPool" and e.involved_object.name == "t"]
+        events = ks.wait_for(refused_events, 30, 0.2, "the AdapterLoadFailed Event on the pool")
+        assert events[0].type == "Warning" and "adapter_model.safetensors" in events[0].message, events[0]
+        assert "run a step 2" in events[0].message
+        assert events[0].involved_object.uid == _pool(api, ns)["metadata"]["uid"]
+        described = k8s.kubectl("-n", ns, "describe", "sp", "t")
+        assert "AdapterLoadFailed" in described, described[-2000:]
 
         # Races on the object's resourceVersion. Two runs at once: both land.
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
