@@ -48,6 +48,10 @@ def test_initial_weights_from_flags_and_from_env() -> None:
     (["--enable-lora", "--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a"}]'], "--initial-adapters"),
     (["--test-hang-startup"], "--test-hang-startup needs --enable-test-seams"),
     (["--initial-step", "3"], "--initial-step needs --initial-checkpoint"),
+    (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "3"], "--max-cpu-loras (3) must be at least --max-loras"),
+    (["--max-cpu-loras", "0"], "max-cpu-loras"),
+    (["--enable-lora", "--checkpoint-root", "/ck", "--max-loras", "1", "--initial-adapters",
+      '[{"name": "a", "path": "p"}, {"name": "b", "path": "q"}]'], "more than --max-cpu-loras (1)"),
     (["--checkpoint-root", "/ck", "--initial-checkpoint", "s", "--initial-version-label", "s",
       "--initial-step", "-1"], "initial-step"),
 ])
