@@ -12,7 +12,7 @@ calls of `/v1/models`) is the real `AsyncLLM`'s, reached through `__getattr__`. 
 - records each finished choice's weights spans on the request's `OpenAICall` (`calls.py`);
 - for a request vLLM resolved to a LoRA adapter (its `model`, through `LoadedAdapters` below): runs
   it only if that very adapter is still loaded, and counts the request as using it. An adapter
-  removed since vLLM resolved the name is a 404 naming `model`: never sent with its stale id, which
+  removed since vLLM resolved the name is a 400 naming `model`: never sent with its stale id, which
   vLLM's worker would load again from its path behind the replica's back.
 Failures become errors vLLM's handlers render with their status (`GracefulHTTPError`), in vLLM's
 error shape; vLLM's own request validation errors pass through unchanged.
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from sampler_common.errors import Aborted, NotFound, SamplerError
+from sampler_common.errors import Aborted, SamplerError
 
 from ..core.sampler import SamplerCore
 from ..engine.base import EngineDead, EngineRejected
@@ -78,8 +78,12 @@ class GuardedEngineClient:
         if lora is not None:
             ref = self._core.adapters.get(lora.lora_name)
             if ref is None or ref.lora_id != lora.lora_int_id:
-                raise http_error(NotFound(f"adapter {lora.lora_name!r} was removed or replaced before the request "
-                                          f"reached the engine; loaded: {sorted(self._core.adapters)}", field="model"))
+                from vllm.exceptions import VLLMValidationError
+
+                # vLLM's own kind of client error, so its handlers render the field (`param`).
+                raise VLLMValidationError(f"adapter {lora.lora_name!r} was removed or replaced before the request "
+                                          f"reached the engine; loaded: {sorted(self._core.adapters)}",
+                                          parameter="model")
             if call is not None:
                 call.use_adapter(ref.name)  # no await since the check above
         try:
