@@ -34,13 +34,27 @@ def _words_if_str(value: object) -> object:
     return value.split() if isinstance(value, str) else value
 
 
+# What `/health` reports per adapter beside its name and path (core/health.py, `AdapterEntry`): how
+# it is used on this process, nothing a replacement loads.
+HEALTH_ONLY_ADAPTER_FIELDS = frozenset({"in_flight", "last_used_at"})
+
+
 class InitialAdapter(BaseModel):
-    """One LoRA adapter a starting server loads (after its initial checkpoint)."""
+    """One LoRA adapter a starting server loads (after its initial checkpoint). An entry of `/health`'s
+    `adapters` is one as it stands (docs/reference/contract.md: what a replacement is given), so the
+    use counts it also carries are dropped; any other unknown key is refused."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
     path: str = Field(..., min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_health_use(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if k not in HEALTH_ONLY_ADAPTER_FIELDS}
+        return value
 
 
 class ServerConfig(BaseModel):
