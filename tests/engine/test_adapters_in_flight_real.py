@@ -27,7 +27,7 @@ from tests.support.server import RunningServer, engine_paused, run_server, wait_
 
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]
 TOKENS = 12
-ADAPTERS = ("a", "b", "c", "d", "e")
+ADAPTERS = ("a", "b", "c", "d", "e", "text")
 
 
 @dataclass
@@ -132,6 +132,29 @@ def test_an_adapter_add_does_not_wait_for_samples_in_flight_and_they_finish_on_t
     assert r.status_code == 400 and r.json()["error"]["field"] == "adapter", r.text
     r = e.c.post("/v1/completions", json=completion("a"))
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_a_base_chat_request_is_never_given_an_adapter_named_like_its_content(env: Env) -> None:
+    """vLLM's chat route would pick a "default multimodal LoRA" for a base request: an adapter whose
+    name is a content part's type (`text`). Only `model` selects an adapter here."""
+    e = env
+    model = e.c.get("/v1/models").json()["data"][0]["id"]
+    chat = {"model": model, "max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "the quick brown fox"}]}]}
+
+    def ask(body: dict[str, Any]) -> list[int]:
+        r = e.c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    base = ask(chat)
+    assert add(e, "text").status_code == 200
+    try:
+        on_text = ask({**chat, "model": "text"})
+        assert on_text != base  # the adapter answers otherwise: the check below can fail
+        assert ask(chat) == base
+    finally:
+        assert e.c.delete("/v1/adapters/text").status_code == 204
 
 
 def test_an_add_past_max_cpu_loras_is_a_409_naming_it(env: Env) -> None:
