@@ -81,9 +81,10 @@ class GuardedEngineClient:
                 from vllm.exceptions import VLLMValidationError
 
                 # vLLM's own kind of client error, so its handlers render the field (`param`).
-                raise VLLMValidationError(f"adapter {lora.lora_name!r} was removed or replaced before the request "
-                                          f"reached the engine; loaded: {sorted(self._core.adapters)}",
-                                          parameter="model")
+                # "does not exist", as vLLM words an unknown model: a gateway places the request again.
+                raise VLLMValidationError(f"The model `{lora.lora_name}` does not exist any more: the adapter was "
+                                          "removed or replaced before the request reached the engine; loaded: "
+                                          f"{sorted(self._core.adapters)}", parameter="model")
             if call is not None:
                 call.use_adapter(ref.name)  # no await since the check above
         try:
