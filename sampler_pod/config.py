@@ -34,13 +34,27 @@ def _words_if_str(value: object) -> object:
     return value.split() if isinstance(value, str) else value
 
 
+# What `/health` reports per adapter beside its name and path (core/health.py, `AdapterEntry`): how
+# it is used on this process, nothing a replacement loads.
+HEALTH_ONLY_ADAPTER_FIELDS = frozenset({"in_flight", "last_used_at"})
+
+
 class InitialAdapter(BaseModel):
-    """One LoRA adapter a starting server loads (after its initial checkpoint)."""
+    """One LoRA adapter a starting server loads (after its initial checkpoint). An entry of `/health`'s
+    `adapters` is one as it stands (docs/reference/contract.md: what a replacement is given), so the
+    use counts it also carries are dropped; any other unknown key is refused."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(..., min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
     path: str = Field(..., min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_health_use(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if k not in HEALTH_ONLY_ADAPTER_FIELDS}
+        return value
 
 
 class ServerConfig(BaseModel):
@@ -102,7 +116,10 @@ class ServerConfig(BaseModel):
         description="allowed root for checkpoint/adapter paths (flag --checkpoint-root, repeatable; "
                     "env: colon-separated)")
     enable_lora: bool = Field(False, description="serve LoRA adapters")
-    max_loras: int = Field(4, ge=1, description="adapters loaded at once")
+    max_loras: int = Field(4, ge=1, description="adapters one engine step may batch (vLLM's LoRA slots)")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters held loaded at once, at least --max-loras (default: --max-loras); "
+                                "a load past it is refused (409), never an eviction vLLM would make on its own")
     max_lora_rank: int = Field(16, ge=1, description="largest adapter rank accepted")
 
     # The weights a starting server loads before it reports ready (the operator sets these on a
@@ -163,18 +180,31 @@ class ServerConfig(BaseModel):
             raise ValueError("--initial-step needs --initial-checkpoint (env SAMPLER_INITIAL_STEP)")
         if self.initial_checkpoint is not None and not self.checkpoint_roots:
             raise ValueError("--initial-checkpoint needs a --checkpoint-root (env SAMPLER_CHECKPOINT_ROOTS)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras}) "
+                             "(env SAMPLER_MAX_CPU_LORAS, SAMPLER_MAX_LORAS)")
         if self.initial_adapters and not self.enable_lora:
             raise ValueError("--initial-adapters needs --enable-lora")
         if self.initial_adapters and not self.checkpoint_roots:
             raise ValueError("--initial-adapters needs a --checkpoint-root (env SAMPLER_CHECKPOINT_ROOTS)")
         if self.initial_adapters and len({a.name for a in self.initial_adapters}) != len(self.initial_adapters):
             raise ValueError("--initial-adapters names an adapter twice")
+        if self.initial_adapters and len(self.initial_adapters) > self.lora_slots:
+            raise ValueError(f"--initial-adapters names {len(self.initial_adapters)} adapters, more than "
+                             f"--max-cpu-loras ({self.lora_slots}) lets this server hold")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             # One key for both would make every sampling client an admin, silently.
             raise ValueError("--admin-api-key must differ from --api-key (env SAMPLER_ADMIN_API_KEY, SAMPLER_API_KEY)")
         if self.test_hang_startup and not self.enable_test_seams:
             raise ValueError("--test-hang-startup needs --enable-test-seams")
         return self
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters this server holds at once: vLLM's `max_cpu_loras` (0 without --enable-lora)."""
+        if not self.enable_lora:
+            return 0
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
 FLAGS = Flags(ServerConfig, prog="python -m sampler_pod", description="Concurrent vLLM sampling server.",

@@ -33,6 +33,12 @@ class FailedWrite(BaseModel):
 class AdapterEntry(BaseModel):
     name: str
     path: str  # resolved, like IntendedWeights.checkpoint
+    # Requests in flight using it, on every route that can name it (core/adapter_use.py): while any
+    # is, `DELETE /v1/adapters/{name}` answers 409. Defaulted, as the fields below, so a reader
+    # written before them still parses the report.
+    in_flight: int = 0
+    # When a request using it was last admitted or ended (ISO-8601 UTC, `Z`); null before its first use.
+    last_used_at: str | None = None
 
 
 LABELS_KEPT = 1024
@@ -112,6 +118,10 @@ class HealthReport(BaseModel):
     in_flight: int
     limit: int
     model: str
+    # Adapters this replica may hold at once (--max-cpu-loras; a load past it is a 409), and how many
+    # one engine step may batch (--max-loras). Both 0 without --enable-lora.
+    lora_slots: int = 0
+    max_loras: int = 0
     # Set only with `engine_stalled`.
     stall: StallEvidence | None = None
 

@@ -47,6 +47,7 @@ from ..engine.base import (
 )
 from . import stall
 from .aborts import AbortBoard, Reading
+from .adapter_use import AdapterUse
 from .admission import AdmissionController, Slot
 from .futures import FutureStore
 from .health import AdapterEntry, HealthReport, StallEvidence, WeightsState, health_status
@@ -65,6 +66,8 @@ class _Ticket:
     slot: Slot
     t0: float
     ended: bool = False
+    # The adapter it uses, counted in `SamplerCore.adapter_use` until the request ends.
+    adapter: str | None = None
 
 # After an abort, how long the engine gets to confirm it let go before we cancel the call.
 ABORT_GRACE_S = 10.0
@@ -80,8 +83,11 @@ class SamplerCore:
     adapters: dict[str, AdapterRef] = field(default_factory=dict)
     lock: RWLock = field(default_factory=RWLock)
     # Every weight mutation holds this (drain, abort and keep loads, adapter changes): one at a time.
-    # Drain and abort loads then also take `lock`'s write side; a keep-mode load takes only this.
+    # Drain and abort loads then also take `lock`'s write side; a keep-mode load and an adapter change
+    # take only this (`adapter_mutation`): neither waits for the samples in flight.
     mutations: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Requests in flight per adapter and each adapter's last use (`/health`; guards an unload).
+    adapter_use: AdapterUse = field(default_factory=AdapterUse)
 
     model_dir: str | None = None
     # Set while a started engine still has to load the weights this replica must serve (startup):
@@ -137,8 +143,12 @@ class SamplerCore:
         return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
                             weights_checkpoint=w.checkpoint, weights_loaded_at=w.loaded_at, intended=w.intended,
                             failed_write=w.failed_write, weights_step=w.step,
-                            adapters=[AdapterEntry(name=n, path=self.adapters[n].path) for n in sorted(self.adapters)],
+                            adapters=[AdapterEntry(name=n, path=self.adapters[n].path,
+                                                   in_flight=self.adapter_use.in_flight(n),
+                                                   last_used_at=self.adapter_use.last_used_at(n))
+                                      for n in sorted(self.adapters)],
                             in_flight=self.admission.in_flight, limit=self.admission.limit, model=self.cfg.model,
+                            lora_slots=self.cfg.lora_slots, max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0,
                             stall=evidence)
 
     # ------------------------------------------------------------------ the stall watch
@@ -289,25 +299,27 @@ class SamplerCore:
             self.mutations.release()
 
     @contextlib.asynccontextmanager
-    async def write_locked(self, timeout: float, what: str, field: str | None = None) -> AsyncIterator[None]:
-        """The weights' write lock for a mutation. A lock that cannot be had in time is a 504
-        `load_timeout` naming what waited (nothing was changed), never a bare TimeoutError."""
-        deadline = time.monotonic() + timeout
-        timed_out = LoadTimedOut(f"{what}: in-flight samples did not drain within {timeout:g}s; nothing was changed",
-                                 field=field)
+    async def adapter_mutation(self, timeout: float, what: str, field: str | None = None) -> AsyncIterator[None]:
+        """The right to add or remove an adapter: `mutations` alone, never the weights' write lock.
+
+        vLLM's add_lora / remove_lora leave running requests alone (the base weights are untouched,
+        and a request names its adapter by id), so an adapter change need not wait for the samples in
+        flight, and does not: a load on demand must not cost every sample on the replica a drain.
+        What it must not do is run during a base-weights write, and every base-weights write (drain,
+        abort, keep, the startup restore) holds `mutations` from before its drain or stage until its
+        write is done. Holding `mutations` alone therefore excludes them all, and orders adapter
+        changes one at a time (their name checks and state-file writes see each other's results).
+        The read side was the other way: it excludes drain and abort writes but not a keep-mode
+        write, which takes no lock against samples, so it would still need `mutations` beside it.
+
+        Not had in `timeout`: a 504 `load_timeout` naming what waited (nothing was changed)."""
         try:
             await asyncio.wait_for(self.mutations.acquire(), timeout)
         except TimeoutError:
-            raise timed_out from None
+            raise LoadTimedOut(f"{what}: another weights change did not finish within {timeout:g}s; nothing was "
+                               "changed", field=field) from None
         try:
-            try:
-                await self.lock.acquire_write(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise timed_out from None
-            try:
-                yield
-            finally:
-                await self.lock.release_write()
+            yield
         finally:
             self.mutations.release()
 
@@ -379,7 +391,10 @@ class SamplerCore:
             self.metrics.rejected.inc()
             raise
         self.metrics.admitted.inc()
-        return _Ticket(slot=slot, t0=time.monotonic()), timeout, adapter
+        ticket = _Ticket(slot=slot, t0=time.monotonic())
+        if adapter is not None:
+            self.use_adapter(ticket, adapter.name)  # no await since it was found loaded: it still is
+        return ticket, timeout, adapter
 
     async def sample(self, req: SampleRequest) -> SampleResponse:
         """Synchronous form: admit, run, wait. The work runs in its own task, so a caller that goes
@@ -417,6 +432,12 @@ class SamplerCore:
 
     def end(self, ticket: _Ticket, outcome: str) -> None:
         self._end(ticket, outcome)
+
+    def use_adapter(self, ticket: _Ticket, name: str) -> None:
+        """Count `ticket`'s request as using adapter `name` until it ends (once per request)."""
+        if ticket.adapter is None and not ticket.ended:
+            ticket.adapter = name
+            self.adapter_use.begin(name)
 
     @contextlib.asynccontextmanager
     async def engine_session(self, engine_id: str, deadline: float) -> AsyncIterator[Reading]:
@@ -478,6 +499,8 @@ class SamplerCore:
             return
         ticket.ended = True
         ticket.slot.release()
+        if ticket.adapter is not None:
+            self.adapter_use.end(ticket.adapter)
         if outcome == "timeout":
             self.metrics.timed_out.inc()
         self.metrics.finished.labels(outcome=outcome).inc()

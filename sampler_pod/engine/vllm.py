@@ -191,6 +191,8 @@ class VllmEngine:
             seed=cfg.seed,
             enable_lora=cfg.enable_lora,
             max_loras=cfg.max_loras,
+            # The server refuses an add past it (weights/service.py): vLLM's own LRU never evicts.
+            max_cpu_loras=cfg.max_cpu_loras,
             max_lora_rank=cfg.max_lora_rank,
             worker_extension_cls="sampler_pod.engine.worker_extension.WeightLoaderExtension",
             enable_log_requests=False,

@@ -20,7 +20,7 @@ from sampler_common.http.auth import APIKeyAuth
 from ..config import ServerConfig
 from ..core.sampler import SamplerCore
 from ..engine.vllm import VllmEngine
-from .engine_client import GuardedEngineClient
+from .engine_client import GuardedEngineClient, LoadedAdapters
 from .guard import OpenAIGuard
 from .paths import OPENAI_PATHS as PATHS
 
@@ -47,6 +47,10 @@ def vllm_args(cfg: ServerConfig, model_dir: str) -> Namespace:
     return args
 
 
+def _no_default_mm_lora(request: Any) -> None:
+    return None
+
+
 @dataclass
 class OpenAIRoutes:
     app: Any  # FastAPI: vLLM's routers
@@ -57,6 +61,15 @@ class OpenAIRoutes:
 
         tasks = await engine.llm.get_supported_tasks()
         await init_app_state(GuardedEngineClient(engine, core), self.app.state, vllm_args(cfg, model_dir), tasks)
+        # The replica's adapters (POST /v1/adapters) are what `model` may name, as they come and go.
+        self.app.state.openai_serving_models.lora_requests = LoadedAdapters(core)
+        # Only `model` selects an adapter. vLLM's chat routes would also pick a "default multimodal
+        # LoRA": an adapter whose name equals a message content type (`text`, `image_url` -> `image`),
+        # for a request naming the base model. A replica has no --default-mm-loras, and a base request
+        # must never be answered by an adapter.
+        for serving in vars(self.app.state)["_state"].values():
+            if hasattr(serving, "_get_active_default_mm_loras"):
+                serving._get_active_default_mm_loras = _no_default_mm_lora
         self.guard.ready = True
         log.info("vLLM's OpenAI-compatible routes are up: %s", ", ".join(PATHS))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,8 @@ class OpenAICall:
     newest: int = -1
     # Set when a weights load in abort mode cut this request short.
     aborted: bool = False
+    # Counts this request as using an adapter until it ends (`SamplerCore.use_adapter` on its ticket).
+    use_adapter: Callable[[str], None] = field(default=lambda name: None)
 
     def record(self, choice: int, spans: list[tuple[int, int, int]]) -> None:
         self.spans[choice] = spans
@@ -67,6 +69,12 @@ def sequences_of(body: Any) -> int:
 
 
 Labeller = Callable[[int], str]
+
+
+def adapter_named(body: Any, loaded: Collection[str]) -> str | None:
+    """The loaded adapter a request's `model` names, if any (vLLM resolves the same name to it)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model in loaded else None
 
 
 def spans_field(spans: list[tuple[int, int, int]], label_of: Labeller) -> list[dict[str, Any]]:

@@ -9,7 +9,11 @@ calls of `/v1/models`) is the real `AsyncLLM`'s, reached through `__getattr__`. 
   during a write waits behind it, and a replica that is starting or uncertain refuses it;
 - goes through `VllmEngine.stream`: the keep-mode gate, and the weights' prefix-cache salt combined
   with a client's own `cache_salt`;
-- records each finished choice's weights spans on the request's `OpenAICall` (`calls.py`).
+- records each finished choice's weights spans on the request's `OpenAICall` (`calls.py`);
+- for a request vLLM resolved to a LoRA adapter (its `model`, through `LoadedAdapters` below): runs
+  it only if that very adapter is still loaded, and counts the request as using it. An adapter
+  removed since vLLM resolved the name is a 400 naming `model`: never sent with its stale id, which
+  vLLM's worker would load again from its path behind the replica's back.
 Failures become errors vLLM's handlers render with their status (`GracefulHTTPError`), in vLLM's
 error shape; vLLM's own request validation errors pass through unchanged.
 """
@@ -17,7 +21,7 @@ error shape; vLLM's own request validation errors pass through unchanged.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -37,6 +41,28 @@ def http_error(e: SamplerError) -> Exception:
     return error
 
 
+class LoadedAdapters(Mapping[str, Any]):
+    """vLLM's `OpenAIServingModels.lora_requests`, read live from the replica's loaded adapters
+    (`SamplerCore.adapters`): a `model` naming one reaches the engine as that adapter (its name, id
+    and path), `/v1/models` lists them, and any other name stays vLLM's 404 naming `model`, never the
+    base model. Read-only: vLLM's own load/unload routes are not served here."""
+
+    def __init__(self, core: SamplerCore) -> None:
+        self._core = core
+
+    def __getitem__(self, name: str) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        ref = self._core.adapters[name]
+        return LoRARequest(ref.name, ref.lora_id, ref.path)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._core.adapters))
+
+    def __len__(self) -> int:
+        return len(self._core.adapters)
+
+
 class GuardedEngineClient:
     def __init__(self, engine: VllmEngine, core: SamplerCore) -> None:
         self._engine = engine
@@ -48,6 +74,19 @@ class GuardedEngineClient:
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
         call = CURRENT.get()
         deadline = call.deadline if call is not None else time.monotonic() + self._core.cfg.request_timeout_s
+        lora = kwargs.get("lora_request")
+        if lora is not None:
+            ref = self._core.adapters.get(lora.lora_name)
+            if ref is None or ref.lora_id != lora.lora_int_id:
+                from vllm.exceptions import VLLMValidationError
+
+                # vLLM's own kind of client error, so its handlers render the field (`param`).
+                # "does not exist", as vLLM words an unknown model: a gateway places the request again.
+                raise VLLMValidationError(f"The model `{lora.lora_name}` does not exist any more: the adapter was "
+                                          "removed or replaced before the request reached the engine; loaded: "
+                                          f"{sorted(self._core.adapters)}", parameter="model")
+            if call is not None:
+                call.use_adapter(ref.name)  # no await since the check above
         try:
             async with self._core.engine_session(request_id, deadline) as reading:
                 last = None

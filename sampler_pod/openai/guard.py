@@ -8,6 +8,8 @@
   included: the slot is freed when the response ends or the client goes away.
 - The per-request timeout (--request-timeout-s): past it the request is cancelled (vLLM aborts
   its engine requests); a 504 if nothing was sent yet, else the stream ends with an error event.
+- A request whose `model` names a loaded LoRA adapter counts as using it until it ends (`/health`'s
+  per-adapter `in_flight`; an unload waits for none of them: it is refused).
 - Every answer of a generating route names its weights: `X-Sampler-Weights-Version`, `-Label`
   and `-Step` headers (for a stream, the weights when it started), and `weights_spans` on each
   finished choice (`calls.py`).
@@ -18,6 +20,7 @@ Errors here are in vLLM's OpenAI error shape, as vLLM's own are.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -30,7 +33,16 @@ from sampler_common.errors import EngineUnavailable, RequestTimedOut, SamplerErr
 from sampler_common.http.auth import APIKeyAuth
 
 from ..core.sampler import SamplerCore
-from .calls import CURRENT, GENERATING_PATHS, OpenAICall, rewrite_sse, sequences_of, tokens_of, with_spans
+from .calls import (
+    CURRENT,
+    GENERATING_PATHS,
+    OpenAICall,
+    adapter_named,
+    rewrite_sse,
+    sequences_of,
+    tokens_of,
+    with_spans,
+)
 
 
 def error_message(e: SamplerError) -> Message:
@@ -105,7 +117,11 @@ class OpenAIGuard:
             await send_error(send, e)
             return
         timeout = core.cfg.request_timeout_s
-        call = OpenAICall(path=scope["path"], deadline=ticket.t0 + timeout)
+        call = OpenAICall(path=scope["path"], deadline=ticket.t0 + timeout,
+                          use_adapter=functools.partial(core.use_adapter, ticket))
+        adapter = adapter_named(parsed, core.adapters)
+        if adapter is not None:
+            call.use_adapter(adapter)  # no await since `adapter_named` found it loaded
         token = CURRENT.set(call)
         answer = _Answer()
         outcome = "error"

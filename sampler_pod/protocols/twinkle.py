@@ -258,7 +258,8 @@ class TwinkleService:
 
 
 def translate_adapter_error(e: SamplerError) -> SamplerError:
-    field = {"name": "adapter_name", "path": "adapter_uri"}[e.field or "name"]
+    # Fields of POST /v1/adapters as this route's client names them; any other (`max_cpu_loras`) as it is.
+    field = {"name": "adapter_name", "path": "adapter_uri"}.get(e.field or "name", e.field)
     out = type(e).__new__(type(e))
     SamplerError.__init__(out, e.message, field=field, headers=e.headers)
     for k, v in vars(e).items():  # invalid_checkpoint errors carry code/file/tensor
@@ -309,8 +310,9 @@ async def capabilities(request: Request) -> Response:
 @router.get("/twinkle/capacity_info")
 async def capacity_info(request: Request) -> Response:
     core = _service(request).core
-    used = len(core.adapters)
-    return _json({"max_loras": core.cfg.max_loras, "used_loras": used, "free_loras": max(0, core.cfg.max_loras - used)})
+    # What an add is bounded by: the adapters this server holds at once (--max-cpu-loras).
+    used, slots = len(core.adapters), core.cfg.lora_slots
+    return _json({"max_loras": slots, "used_loras": used, "free_loras": max(0, slots - used)})
 
 
 @router.post("/twinkle/create_session", openapi_extra=openapi_body(_CreateSession))

@@ -30,6 +30,13 @@ Only an exception once the write has begun makes the weights uncertain; there is
 way back from that (a failed in-place reload leaves vLLM's parameters half-written and
 its engine core dead), so later loads are refused too and the operator replaces the pod
 with one that loads `intended` (reported by `/health`).
+
+Adapters: an add or a remove waits for no sample (`SamplerCore.adapter_mutation` says why it takes
+`mutations` and not the write lock), only for another weights change. The replica holds at most
+`--max-cpu-loras` adapters: an add past it is a 409 naming `max_cpu_loras`, never an eviction, so
+the pool's placement (which unloads first) stays the only evictor; vLLM's own LRU would otherwise
+drop an adapter behind the gateway's back. A remove while the adapter has requests in flight is a
+409 naming it, and nothing is unloaded (`core/adapter_use.py`).
 """
 
 from __future__ import annotations
@@ -388,8 +395,7 @@ class WeightsService:
         core, m = self.core, self.core.metrics
         require = core.require_engine if restoring else core.require_serving
         engine = require()
-        if req.name in core.adapters:
-            raise Conflict(f"adapter {req.name!r} is already loaded; remove it first", field="name")
+        self._check_room(req.name)
         try:
             v = await asyncio.to_thread(validate_lora_adapter, req.path, self.roots, max_rank=core.cfg.max_lora_rank,
                                         base_schema=self._schema(), sha256_manifest=req.sha256_manifest)
@@ -399,9 +405,8 @@ class WeightsService:
         # A fresh integer id per add: vLLM caches adapters by id, so re-adding a name
         # with new files must never hit the old cached weights.
         ref = AdapterRef(name=req.name, lora_id=next(self._lora_ids), path=str(v.path))
-        async with core.write_locked(core.cfg.load_timeout_s, f"adding adapter {req.name!r}"):
-            if req.name in core.adapters:
-                raise Conflict(f"adapter {req.name!r} is already loaded; remove it first", field="name")
+        async with core.adapter_mutation(core.cfg.load_timeout_s, f"adding adapter {req.name!r}", field="name"):
+            self._check_room(req.name)  # again: adds and removes may have run while we validated
             try:
                 await engine.add_adapter(ref)
             except Exception as e:
@@ -432,14 +437,35 @@ class WeightsService:
             raise EngineUnavailable(f"replica is starting: {core.restoring}", headers={"Retry-After": "5"})
         if name not in core.adapters:
             raise NotFound(f"no adapter named {name!r}", field="name")
-        async with core.write_locked(core.cfg.load_timeout_s, f"removing adapter {name!r}"):
+        self._check_idle(name)
+        async with core.adapter_mutation(core.cfg.load_timeout_s, f"removing adapter {name!r}", field="name"):
             if name in core.adapters:
+                # Again, and with no await from this check to the pop below: a request admitted for it
+                # while we waited keeps it, and none can be admitted for it after the check.
+                self._check_idle(name)
                 # Recorded first: if that fails, nothing was changed.
                 self._persist(adapters={n: r for n, r in core.adapters.items() if n != name})
             ref = core.adapters.pop(name, None)
+            core.adapter_use.forget(name)
             if ref is not None and core.engine is not None:
                 await core.engine.remove_adapter(ref)
         self.adapter_info.pop(name, None)
+
+    def _check_room(self, name: str) -> None:
+        """An add of `name` is possible now: not loaded yet, and a slot free (409 naming what is not)."""
+        core = self.core
+        if name in core.adapters:
+            raise Conflict(f"adapter {name!r} is already loaded; remove it first", field="name")
+        if len(core.adapters) >= core.cfg.lora_slots:
+            raise Conflict(f"cannot load adapter {name!r}: this server holds {len(core.adapters)} adapters, as many "
+                           f"as max_cpu_loras ({core.cfg.lora_slots}) allows; remove one first",
+                           field="max_cpu_loras")
+
+    def _check_idle(self, name: str) -> None:
+        n = self.core.adapter_use.in_flight(name)
+        if n:
+            raise Conflict(f"adapter {name!r} has {n} request(s) in flight; nothing was unloaded (remove it once "
+                           "they have ended)", field="name")
 
     def list_adapters(self) -> list[AdapterInfo]:
         return [self.adapter_info[n] for n in sorted(self.core.adapters) if n in self.adapter_info]

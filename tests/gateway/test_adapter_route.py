@@ -95,7 +95,8 @@ class Env:
 
 
 def lora_flags(root: Path) -> tuple[str, ...]:
-    return ("--api-key", KEY, "--admin-api-key", ADMIN, "--enable-lora", "--max-lora-rank", "16",
+    # One slot per replica (`lora_slots` in /health, as the gateway's --lora-slots): fewer than the versions.
+    return ("--api-key", KEY, "--admin-api-key", ADMIN, "--enable-lora", "--max-loras", "1", "--max-lora-rank", "16",
             "--checkpoint-root", str(root), "--enable-test-seams")
 
 
@@ -109,6 +110,8 @@ def oracle_tokens(server: RunningServer, adapter_dir: Path) -> dict[str | None, 
         r = c.post("/v1/sample", json=body(name), headers=AUTH)
         assert r.status_code == 200, r.text
         out[name] = tokens(r.json())
+        if name is not None:  # its one slot, for the next version
+            assert c.delete(f"/v1/adapters/{name}", headers=ADMIN_AUTH).status_code == 204
     assert len({tuple(t) for t in out.values()}) == len(out), "the fake engine's answers must tell versions apart"
     return out
 

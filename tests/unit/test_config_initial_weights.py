@@ -46,14 +46,28 @@ def test_initial_weights_from_flags_and_from_env() -> None:
       "--initial-sha256-manifest", "{not json"], "--initial-sha256-manifest"),
     (["--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a", "path": "p"}]'], "--enable-lora"),
     (["--enable-lora", "--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a"}]'], "--initial-adapters"),
+    (["--enable-lora", "--checkpoint-root", "/ck", "--initial-adapters", '[{"name": "a", "path": "p", "rank": 8}]'],
+     "--initial-adapters"),
     (["--test-hang-startup"], "--test-hang-startup needs --enable-test-seams"),
     (["--initial-step", "3"], "--initial-step needs --initial-checkpoint"),
+    (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "3"], "--max-cpu-loras (3) must be at least --max-loras"),
+    (["--max-cpu-loras", "0"], "max-cpu-loras"),
+    (["--enable-lora", "--checkpoint-root", "/ck", "--max-loras", "1", "--initial-adapters",
+      '[{"name": "a", "path": "p"}, {"name": "b", "path": "q"}]'], "more than --max-cpu-loras (1)"),
     (["--checkpoint-root", "/ck", "--initial-checkpoint", "s", "--initial-version-label", "s",
       "--initial-step", "-1"], "initial-step"),
 ])
 def test_bad_combinations_are_refused_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                       message: str) -> None:
     assert message in parse_error(capsys, argv)
+
+
+def test_an_adapter_entry_of_health_is_an_initial_adapter_as_it_stands() -> None:
+    """The operator passes a replacement the adapters `/health` reported, entries whole."""
+    entry = '[{"name": "a", "path": "/ck/a", "in_flight": 2, "last_used_at": "2026-01-01T00:00:00.000Z"}]'
+    cfg = parse_config(["--model", "m", "--enable-lora", "--checkpoint-root", "/ck", "--initial-adapters", entry],
+                       environ={})
+    assert cfg.initial_adapters == [InitialAdapter(name="a", path="/ck/a")]
 
 
 def test_hang_seam_is_accepted_with_the_seams_flag() -> None:

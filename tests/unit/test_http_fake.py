@@ -7,7 +7,6 @@ import asyncio
 import httpx
 import pytest
 
-from sampler_pod.engine.base import AdapterRef
 from tests.support import asgi
 from tests.support.bad_requests import BAD_REQUESTS, GOOD
 from tests.support.inproc import fake_client, fake_core, outcomes, until
@@ -217,18 +216,6 @@ async def test_submit_past_max_futures_is_a_429() -> None:
         r = await c.post("/v1/sample/submit", json=GOOD)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["category"] == "overloaded"
-
-
-async def test_adapter_write_lock_timeout_is_a_504_with_category() -> None:
-    core, _ = fake_core(enable_lora=True, load_timeout_s=0.05)
-    core.adapters["a"] = AdapterRef(name="a", lora_id=1, path="/nowhere")
-    await core.lock.acquire_read()  # a sample that will not finish in time
-    async with fake_client(core) as c:
-        r = await c.delete("/v1/adapters/a")
-    assert r.status_code == 504, r.text
-    assert r.json()["error"]["category"] == "load_timeout" and "adapter 'a'" in r.json()["error"]["message"]
-    assert "a" in core.adapters and core.lock.writers_waiting == 0
-    await core.lock.release_read()
 
 
 async def test_engine_pause_seam_holds_requests_in_flight_until_resume() -> None:

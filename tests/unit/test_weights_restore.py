@@ -128,7 +128,9 @@ def test_http_load_is_recorded_and_a_restart_comes_back_at_it(ck: Ckpts, referen
             assert h["weights_checkpoint"] == ck.real("step-1") and h["weights_loaded_at"].endswith("Z")
             assert h["intended"] == {"checkpoint": ck.real("step-1"), "version_label": "step-1",
                                      "sha256_manifest": None, "step": None}
-            assert h["adapters"] == [{"name": "policy", "path": ck.real("lora-a")}] and h["failed_write"] is None
+            # Restored, and unused yet by this process.
+            assert h["adapters"] == [{"name": "policy", "path": ck.real("lora-a"), "in_flight": 0,
+                                      "last_used_at": None}] and h["failed_write"] is None
             assert greedy(c) == reference["step-1"]
             assert greedy(c, "policy") == reference["step-1+policy"]
             if not flags:

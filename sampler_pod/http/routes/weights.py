@@ -40,12 +40,15 @@ async def list_adapters(request: Request) -> list[AdapterInfo]:
     return _service(request).list_adapters()
 
 
-@admin_router.post("/adapters", response_model=AdapterInfo)
+@admin_router.post("/adapters", response_model=AdapterInfo, responses={409: {
+    "description": "`conflict`: an adapter of that name is loaded (field `name`), or the server holds as many "
+                   "adapters as --max-cpu-loras allows (field `max_cpu_loras`); nothing was loaded"}})
 async def add_adapter(req: AddAdapterRequest, request: Request) -> AdapterInfo:
     return await asyncio.shield(asyncio.ensure_future(_service(request).add_adapter(req)))
 
 
-@admin_router.delete("/adapters/{name}", status_code=204)
+@admin_router.delete("/adapters/{name}", status_code=204, responses={409: {
+    "description": "`conflict` (field `name`): the adapter has requests in flight; nothing was unloaded"}})
 async def remove_adapter(name: str, request: Request) -> Response:
     await asyncio.shield(asyncio.ensure_future(_service(request).remove_adapter(name)))
     return Response(status_code=204)
