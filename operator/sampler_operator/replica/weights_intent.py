@@ -181,7 +181,11 @@ def observed_weights(obs: HealthObservation | None, pod_name: str | None,
         failed = out.get("failedWrite") or {}
         if failed and failed.get("versionLabel") == obs.weights_label:
             out["failedWrite"] = None  # the retry on a fresh pod succeeded
-        out["adapters"] = [dict(a) for a in obs.adapters]
+        # What a replacement pod loads at its start: names and paths only. The use counts /health
+        # adds (in_flight, last_used_at) change with every request: kept, they would rewrite the
+        # status at every probe.
+        out["adapters"] = [{"name": str(a["name"]), "path": str(a["path"])} for a in obs.adapters
+                           if a.get("name") and a.get("path")]
     intended = WeightsRef.from_health(obs.intended)
     if intended is not None:
         out["intended"] = intended.to_status()

@@ -24,6 +24,7 @@ from sampler_operator.replica.weights_intent import (
     loaded_weights,
     needs_declared_load,
     observed_weights,
+    startup_adapters,
     startup_weights,
     weights_synced,
 )
@@ -245,3 +246,16 @@ def test_slots_count_the_index_and_our_own_unseen_claims() -> None:
     slots.release(("ns", "r0"))   # its new pod is ok; the index has not caught up yet
     slots.claim(("ns", "r5"))     # not in the index yet either
     assert slots.in_progress() == {("ns", "r1"), ("ns", "r5")}
+
+
+def test_status_keeps_each_adapters_name_and_path_not_its_use_counts() -> None:
+    """/health's per-adapter `in_flight` and `last_used_at` change with every request: the status
+    (what a replacement pod loads at its start) keeps names and paths, and two probes that differ
+    only in use give the same status (no write)."""
+    a = {"name": "math.5.3", "path": f"{ROOT}/lora-5"}
+    busy = observed_weights(health(adapters=[{**a, "in_flight": 3, "last_used_at": "2026-12-03T20:00:00.000Z"}]),
+                            "r-0", {})
+    idle = observed_weights(health(adapters=[{**a, "in_flight": 0, "last_used_at": "2026-12-03T20:00:09.000Z"}]),
+                            "r-0", busy)
+    assert busy["adapters"] == idle["adapters"] == [a] and idle == busy
+    assert startup_adapters(spec(), idle) == [a]
