@@ -96,6 +96,8 @@ def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
         args.append("--enforce-eager")
     if e.enable_lora:
         args += ["--enable-lora", "--max-loras", str(e.max_loras), "--max-lora-rank", str(e.max_lora_rank)]
+        if e.max_cpu_loras is not None:
+            args += ["--max-cpu-loras", str(e.max_cpu_loras)]
     if e.served_model_name:
         # One flag value: the sampler splits it on spaces, as `vllm serve` takes the names.
         args += ["--served-model-name", " ".join(e.served_model_name)]

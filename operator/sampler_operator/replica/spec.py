@@ -42,6 +42,9 @@ class EngineArgs(_Model):
     seed: int = 0
     enable_lora: bool = Field(False, alias="enableLora")
     max_loras: int = Field(4, alias="maxLoras", ge=1)
+    # Adapters a replica may hold at once (vLLM's max_cpu_loras; at least maxLoras; default maxLoras):
+    # the slots a pool's gateways place versions in (docs/design/lora-pool.md).
+    max_cpu_loras: int | None = Field(None, alias="maxCpuLoras", ge=1)
     max_lora_rank: int = Field(16, alias="maxLoraRank", ge=1)
     # vLLM's OpenAI-compatible routes on the replica (the sampler's flags of the same names).
     served_model_name: list[str] = Field(default_factory=list, alias="servedModelName")
@@ -207,6 +210,10 @@ def _semantic_problems(spec: SamplerReplicaSpec) -> Iterator[str]:
             yield f"{field} {path!r} must be an absolute path under one of spec.checkpoints.allowedRoots"
     if spec.adapters and not spec.engine_args.enable_lora:
         yield "spec.adapters needs spec.engineArgs.enableLora: true"
+    e = spec.engine_args
+    if e.max_cpu_loras is not None and e.max_cpu_loras < e.max_loras:
+        yield (f"spec.engineArgs.maxCpuLoras ({e.max_cpu_loras}) must be at least spec.engineArgs.maxLoras "
+               f"({e.max_loras}): the adapters a step batches are held too")
     api, admin = spec.api_key_secret_ref, spec.admin_api_key_secret_ref
     if api is not None and admin is not None and (api.name, api.key) == (admin.name, admin.key):
         yield ("spec.adminApiKeySecretRef must name another key than spec.apiKeySecretRef "

@@ -18,7 +18,7 @@ from sampler_operator.replica.desired_pod import (
     sampler_args,
     template_hash,
 )
-from sampler_operator.replica.spec import parse_spec
+from sampler_operator.replica.spec import InvalidSpec, parse_spec
 
 OWNER = Owner(name="r1", namespace="ns", uid="uid-1")
 
@@ -194,3 +194,13 @@ def test_builder_is_pure():
 def test_long_names_fit_label_limits():
     v = label_value("x" * 200)
     assert len(v) <= 63 and v == label_value("x" * 200) and v != label_value("x" * 199)
+
+
+def test_lora_slots_reach_the_sampler_and_fewer_than_max_loras_is_refused() -> None:
+    lora = {"enableLora": True, "maxLoras": 2, "maxCpuLoras": 6}
+    args = container(desired_pod(OWNER, spec(engineArgs=lora), 0))["args"]
+    at = args.index("--max-cpu-loras")
+    assert args[at + 1] == "6" and args[args.index("--max-loras") + 1] == "2"
+    assert "--max-cpu-loras" not in container(desired_pod(OWNER, spec(engineArgs={"enableLora": True}), 0))["args"]
+    with pytest.raises(InvalidSpec, match=r"spec.engineArgs.maxCpuLoras \(1\) must be at least"):
+        spec(engineArgs={"enableLora": True, "maxLoras": 2, "maxCpuLoras": 1})
