@@ -46,7 +46,7 @@ def test_samplerpool_defaults_columns_and_scale(k8s: Any, api: Any, pool_crd: No
                                       "affinity": {"header": "X-Sampler-Affinity", "replicaCapacity": 128}}
     assert got["spec"]["gateway"] == {"replicas": 1, "port": 8080, "hostNetwork": False}
     header = k8s.kubectl("-n", ns, "get", "sp", "p1").splitlines()[0].split()
-    assert header == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"]
+    assert header == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "RUNS", "AGE"]
     # The status a pool controller reports (the status subresource): one of two replicas updated.
     api.custom.patch_namespaced_custom_object_status("sampler.rl.dev", "v1alpha1", ns, "samplerpools", "p1", {
         "status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 1, "targetLabel": "step-2"}})

@@ -62,7 +62,7 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         [gpod] = [p for p in api.live_pods(ns) if "gateway" in p.metadata.name]
         assert [c.image for c in gpod.spec.containers] == [story.images["operator"]]
         first = r.tables[0].split()
-        assert first[:6] == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"], r.tables[0]
+        assert first[:7] == ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "RUNS", "AGE"], r.tables[0]
         assert any(not pool_row(t)["ready"] == 2 for t in r.tables), "no table showed the pool before it was Ready"
 
         # 3. both replicas answered through the gateway, on the base weights, with the same greedy tokens;
@@ -123,7 +123,7 @@ def pool_row(table: str) -> dict[str, Any]:
     """The pool's row of a `kubectl get sp,sr` output (its first table), cut at the header's column starts
     (kubectl aligns them; a value not yet set, READY or WEIGHTS early on, is blank)."""
     header, row = table.splitlines()[:2]
-    cols = ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "AGE"]
+    cols = ["NAME", "READY", "DESIRED", "WEIGHTS", "UPDATED", "RUNS", "AGE"]
     at = [header.index(c) for c in cols] + [len(row) + 1]
     cell = {c: row[at[i]:at[i + 1]].strip().replace("<none>", "") for i, c in enumerate(cols)}
     assert cell["NAME"].endswith("/demo") or cell["NAME"] == "demo", table
