@@ -139,6 +139,26 @@ class Timeline:
     notes: list[str]
 
 
+# The steps drawn as a fixed mark: (label, kind). Steps that also open or close a span are drawn in
+# `timeline` itself.
+OPERATOR_MARKS = {
+    "routing.fence_written": ("Fence(Y) written", "routing"),
+    "routing.acknowledged": ("every ack seen", "routing"),
+    "routing.open_written": ("Open(Y) written", "routing"),
+    "rollout.ended": ("rollout ended", "routing"),
+}
+REPLICA_MARKS = {  # the operator's view of each replica's load
+    "replica.spec_written": ("spec written", "load"),
+    "load.started": ("load sent", "load"),
+    "load.recorded": ("status written", "load"),
+    "replica.routable": ("routable", "routing"),
+}
+GATEWAY_MARKS = {
+    "answer.first": ("first answer on Y", "answer"),
+    "answer.withheld": ("answer withheld", "answer"),
+}
+
+
 def _short(name: str) -> str:
     # the operator names a replica `namespace/name` in its load steps and `name` in its pool steps
     return name.rsplit("/", 1)[-1]
@@ -165,19 +185,8 @@ def timeline(r: Rollout) -> Timeline:
         if s.who == "operator":
             if s.step == "pool.target":
                 operator.marks.append(Mark(t, f"push seen ({r.mode})", "routing"))
-            elif s.step == "routing.fence_written":
-                operator.marks.append(Mark(t, "Fence(Y) written", "routing"))
-            elif s.step == "routing.acknowledged":
-                operator.marks.append(Mark(t, "every ack seen", "routing"))
-            elif s.step == "routing.open_written":
-                operator.marks.append(Mark(t, "Open(Y) written", "routing"))
-            elif s.step == "rollout.ended":
-                operator.marks.append(Mark(t, "rollout ended", "routing"))
-            elif s.step == "replica.spec_written":
-                replica(s).marks.append(Mark(t, "spec written", "load"))
-            elif s.step == "load.started":
-                replica(s).marks.append(Mark(t, "load sent", "load"))
-                load_sent[_short(s.fields.get("replica", "?"))] = t
+            elif s.step in OPERATOR_MARKS:
+                operator.marks.append(Mark(t, *OPERATOR_MARKS[s.step]))
             elif s.step == "load.answered":
                 outcome = s.fields.get("outcome", "DONE")
                 lane = replica(s)
@@ -185,10 +194,10 @@ def timeline(r: Rollout) -> Timeline:
                 sent = load_sent.pop(_short(s.fields.get("replica", "?")), None)
                 if sent is not None:
                     lane.spans.append(Span(sent, t, "load"))
-            elif s.step == "load.recorded":
-                replica(s).marks.append(Mark(t, "status written", "load"))
-            elif s.step == "replica.routable":
-                replica(s).marks.append(Mark(t, "routable", "routing"))
+            elif s.step in REPLICA_MARKS:
+                replica(s).marks.append(Mark(t, *REPLICA_MARKS[s.step]))
+                if s.step == "load.started":
+                    load_sent[_short(s.fields.get("replica", "?"))] = t
             continue
         if not s.who.startswith("gateway/"):
             continue
@@ -205,10 +214,8 @@ def timeline(r: Rollout) -> Timeline:
         elif s.step == "ack.written":
             phase = "Fence" if gen == fence_gen else "Open" if gen == open_gen else f"gen {gen}"
             lane.marks.append(Mark(t, f"ack {phase}", "routing"))
-        elif s.step == "answer.first":
-            lane.marks.append(Mark(t, "first answer on Y", "answer"))
-        elif s.step == "answer.withheld":
-            lane.marks.append(Mark(t, "answer withheld", "answer"))
+        elif s.step in GATEWAY_MARKS:
+            lane.marks.append(Mark(t, *GATEWAY_MARKS[s.step]))
         elif s.step == "answer.released":
             # logged once, at the release, with how long it was held: the hold is drawn, not its two ends
             lane.spans.append(Span(t - float(s.fields.get("waited_s", "0")) * 1000, t, "held"))
