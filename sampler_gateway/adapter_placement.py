@@ -6,6 +6,9 @@ docs/design/lora-pool.md, "Placement").
 2. Else a replica that **loads it on demand**: the least loaded one with room, a free slot first,
    else a slot whose least-recently-used version has no request in flight (it is unloaded first).
    Versions the pool no longer declares go before any declared one, whatever their last use.
+   Between replicas equally loaded that must each unload, the one whose victims were used least
+   recently: the pool's LRU version goes, not whichever replica the tie-break turn names (a
+   version just used on one replica is not unloaded while an older one idles on another).
 3. With `capacity` (the gateway's `--replica-capacity`), holders at it spill over to step 2, as an
    affinity key spills over in `picker.pick`: one hot version does not queue behind one replica
    while another has room. Everyone at capacity: the least loaded holder, else loader.
@@ -78,8 +81,14 @@ def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Co
         evict = victims(r, engine_name, declared)
         if evict is not None:
             loaders.append((r, evict))
-    # Least loaded; a free slot before an eviction; the rotating turn spreads ties on an idle pool.
-    loaders.sort(key=lambda re: (re[0].load, len(re[1]), re[0].name))
+    def staleness(r: ReplicaAdapters, evict: tuple[str, ...]) -> tuple[bool, float]:
+        # Unloading only undeclared versions beats any declared one; then the most recent use among
+        # the victims, least first.
+        return (any(n in declared for n in evict), max((r.loaded[n] for n in evict), default=0.0))
+
+    # Least loaded; a free slot before an eviction; the least recently used victims; the rotating
+    # turn spreads the ties left (an idle pool's free slots).
+    loaders.sort(key=lambda re: (re[0].load, len(re[1]), staleness(*re), re[0].name))
 
     def first_holder() -> Placement:
         tied = [r for r in holders if r.load == holders[0].load]
@@ -87,7 +96,8 @@ def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Co
 
     def first_loader() -> Placement:
         best = loaders[0]
-        tied = [re for re in loaders if (re[0].load, len(re[1])) == (best[0].load, len(best[1]))]
+        rank = (best[0].load, len(best[1]), staleness(*best))
+        tied = [re for re in loaders if (re[0].load, len(re[1]), staleness(*re)) == rank]
         r, evict = tied[turn % len(tied)]
         return Placement(r.name, engine_name, load=True, evict=evict)
 

@@ -53,6 +53,19 @@ def test_the_victim_is_the_least_recently_used_idle_version_and_undeclared_ones_
     assert victims(replace(rep, slots=4), V, declared=()) == ()
 
 
+def test_between_replicas_that_must_each_unload_the_pools_least_recently_used_version_goes() -> None:
+    # a.1.1 was just used on r1, a.2.2 idles since long on r0: whatever the tie-break turn, r0 unloads.
+    pool = [r("r0", slots=1, loaded={"a.2.2": 1.0}), r("r1", slots=1, loaded={"a.1.1": 9.0})]
+    for turn in range(4):
+        assert place(V, pool, declared={V, "a.1.1", "a.2.2"}, turn=turn) == Placement("r0", V, load=True,
+                                                                                        evict=("a.2.2",))
+    # A version no longer declared goes before any declared one, however recently used.
+    assert place(V, pool, declared={V, "a.2.2"}, turn=0) == Placement("r1", V, load=True, evict=("a.1.1",))
+    # Load still comes first: the less loaded replica unloads its fresher version.
+    busy = [replace(pool[0], load=1), pool[1]]
+    assert place(V, busy, declared={V, "a.1.1", "a.2.2"}) == Placement("r1", V, load=True, evict=("a.1.1",))
+
+
 def test_a_replica_holding_more_than_its_slots_unloads_enough() -> None:
     rep = r("r0", slots=1, loaded={"x.1.1": 1.0, "y.1.2": 2.0})
     assert victims(rep, V, declared=()) == ("x.1.1", "y.1.2")
@@ -124,6 +137,14 @@ def test_placement_invariants(replicas: tuple[ReplicaAdapters, ...], want: str, 
         assert want not in chosen.loaded and len(after) <= chosen.slots
     else:
         assert want in chosen.loaded and not p.evict
+    # Among loaders as loaded and unloading as many, the one whose victims were used least recently.
+    if p.load and capacity is None and not holders:
+        def stale(x: ReplicaAdapters, ev: tuple[str, ...]) -> tuple[bool, float]:
+            return (any(n in declared for n in ev), max((x.loaded[n] for n in ev), default=0.0))
+        for x in replicas:
+            ev = victims(x, want, declared) if want not in x.loaded else None
+            if x.slots > 0 and ev is not None and (x.load, len(ev)) == (chosen.load, len(p.evict)):
+                assert stale(chosen, p.evict) <= stale(x, ev)
     # Without a capacity, a holder always wins.
     if capacity is None and holders:
         assert not p.load and chosen.load == min(h.load for h in holders)
