@@ -13,8 +13,8 @@
 # Nothing is skipped for a missing dependency: SAMPLER_REQUIRE_K8S=1 turns that into a failure.
 #
 # Two chains run side by side, so that a fresh machine takes the longer chain, not their sum:
-#   the node chain  the Kubernetes binaries (a CPU-bound Go compile), the images (they need the venv's pip),
-#                   the node tier's fake-engine tests (beside the engine tier), then, once the engine tier
+#   the node chain  the Kubernetes binaries (a CPU-bound Go compile) and beside them the images (they need the
+#                   venv's pip), the node tier's fake-engine tests (beside the engine tier), then, once the engine tier
 #                   is over, its tests marked `vllm` (~17 min, mostly vLLM starts); its lines start with "[node] ";
 #   this shell      the venv, the engine tier, then lint and the unit, gateway and envtest tiers.
 # vLLM never runs in both chains at once: the engine tier and the node tier's `vllm` tests each run vLLM
@@ -43,9 +43,13 @@ mkfifo "$GO"
 exec 5<>"$GO"
 rm -f "$GO"   # the open descriptors keep the pipe; nothing is left behind
 node_chain() {
+  # The project's images beside the Kubernetes binaries: the compile is CPU-bound, the images mostly wait
+  # on the mirror, pip's cache and the disk (a debootstrap, a wheelhouse, `docker save` of 2.6 GB).
+  ( bash scripts/setup.sh        # the venv this shell builds (for pip): waits on setup.sh's lock, then ~1 s
+    bash scripts/images/build.sh ) &
+  local images=$!
   bash scripts/k8s/build.sh
-  bash scripts/setup.sh          # the venv this shell builds: waits on setup.sh's lock, then ~1 s
-  bash scripts/images/build.sh
+  wait "$images"
   local failed=0
   echo "=== node tier, fake engines (real kubelet, private netns; beside the engine tier)" >&2
   bash scripts/k8s/test-node.sh -m "node and not vllm" -p no:cacheprovider --durations=0 || failed=1
