@@ -34,20 +34,20 @@ gateway started before it may have returned any label.
 """
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# The Leases' reading is shared with the gateway, which writes them (sampler_common/gateway_leases.py).
+from sampler_common.gateway_leases import CLOCK_SKEW_S, STALE_LEASE_S, GatewayAck, waiting_for
+from sampler_common.gateway_leases import ROUTING_ACK as ACK_ANNOTATION
+
+__all__ = ["ACK_ANNOTATION", "CLOCK_SKEW_S", "FENCE", "OPEN", "STALE_LEASE_S", "GatewayAck", "Phase", "Routing",
+           "acknowledges", "next_routing", "waiting_for"]
+
 Phase = Literal["Open", "Fence"]
 OPEN: Phase = "Open"
 FENCE: Phase = "Fence"
-# The generation a gateway enforces, on its Lease (written by sampler_gateway/routing.py).
-ACK_ANNOTATION = "sampler.rl.dev/routing-generation"
-# How far the operator's clock may be ahead of a gateway's: a Lease is waited for this much longer.
-CLOCK_SKEW_S = 1.0
-# A Lease expired this long ago belongs to a gateway pod that is gone: deleted (they would pile up).
-STALE_LEASE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -72,51 +72,6 @@ class Routing:
     def as_status(self, waiting_for: Iterable[str] = ()) -> dict[str, Any]:
         return {"generation": self.generation, "label": self.label, "phase": self.phase,
                 "waitingFor": sorted(waiting_for)}
-
-
-@dataclass(frozen=True)
-class GatewayAck:
-    """What the controller reads of one gateway's Lease."""
-
-    name: str
-    generation: int | None  # the routing generation it enforces (None: not said yet)
-    renewed: float | None   # renewTime, epoch seconds
-    duration_s: float
-
-    @classmethod
-    def from_lease(cls, obj: dict[str, Any]) -> GatewayAck:
-        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
-        raw = (meta.get("annotations") or {}).get(ACK_ANNOTATION)
-        try:
-            gen: int | None = int(raw) if isinstance(raw, str) else None
-        except ValueError:
-            gen = None
-        duration = spec.get("leaseDurationSeconds")
-        return cls(name=str(spec.get("holderIdentity") or meta.get("name") or ""), generation=gen,
-                   renewed=_time(spec.get("renewTime")),
-                   duration_s=float(duration) if isinstance(duration, int) and duration > 0 else 0.0)
-
-    def live(self, now: float) -> bool:
-        return self.renewed is not None and now <= self.renewed + self.duration_s + CLOCK_SKEW_S
-
-    def stale(self, now: float) -> bool:
-        return self.renewed is None or now > self.renewed + self.duration_s + STALE_LEASE_S
-
-
-def _time(text: Any) -> float | None:
-    """A Lease's MicroTime ("2026-12-02T01:50:00.123456Z"); None when absent or unreadable."""
-    if not isinstance(text, str):
-        return None
-    try:
-        t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return (t if t.tzinfo else t.replace(tzinfo=dt.UTC)).timestamp()
-
-
-def waiting_for(acks: Iterable[GatewayAck], generation: int, now: float) -> list[str]:
-    """The live gateways that do not enforce `generation` yet (an expired Lease is not waited for)."""
-    return sorted(a.name for a in acks if a.live(now) and (a.generation is None or a.generation < generation))
 
 
 def next_routing(current: Routing | None, target: str | None, serving: Iterable[str],
