@@ -63,8 +63,9 @@ def routing_lease_for(cfg: GatewayConfig, source: Source | None = None) -> Routi
     # overwrite the other's acknowledgement.
     holder = cfg.pod_name or f"{socket.gethostname()}-{os.getpid()}"[-200:]
     reconnected = source.reconnect if isinstance(source, KubeDiscovery) else None
-    return lambda switch, on_change: KubeRoutingLease(cfg.pool, cfg.namespace, holder, cfg.routing_lease_s,
-                                                      cfg.routing_renew_s, switch, on_change, reconnected)
+    return lambda switch, on_change, adapters: KubeRoutingLease(
+        cfg.pool, cfg.namespace, holder, cfg.routing_lease_s, cfg.routing_renew_s, switch, on_change, adapters,
+        reconnected)
 
 
 def main(argv: list[str] | None = None) -> int:

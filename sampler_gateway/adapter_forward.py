@@ -103,7 +103,7 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
                 raise NoReplica(f"replica {replica.name} answered on weights {got!r}, older than "
                                 f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
         if reply.status == 200 and not resendable:
-            if router.order.is_stale(target, gw.cfg.version_policy):
+            if router.order.is_stale(target, gw.cfg.version_policy, router.state):
                 _discard(reply)
                 gw.metrics.stale.labels(replica=replica.name).inc()
                 newest = router.order.newest_returned.get(target.run)

@@ -16,8 +16,10 @@ another run's version: a resolved version is always one of the run the client na
 is routed, and every version's weights are fixed (each has its own engine name), so an answer is
 exactly as new as the version it was routed to. Two requests routed across a push can still come
 back out of order; under the `Latest` policy the older one is then not returned, as for full weights
-(`versions.is_stale`): a client never gets an answer on an older version of R after a newer one. A
-pinned request asked for its version and is always returned.
+(`versions.is_stale`): a client never gets an answer on an older version of R after a newer one. Nor
+once the gateway routes by a declared state with a newer step of R: another gateway may have returned
+it (and a push answers only once every gateway routes by it: adapter_acks.py). A pinned request
+asked for its version and is always returned.
 """
 
 from __future__ import annotations
@@ -117,12 +119,16 @@ class RunOrder:
 
     newest_returned: dict[str, int] = field(default_factory=dict)
 
-    def is_stale(self, target: VersionTarget, policy: VersionPolicy) -> bool:
-        """An answer not to return: `<run>` under Latest, on a step older than one already returned.
-        (MinVersion's floor is a full-weights label: for runs it is Any.)"""
+    def is_stale(self, target: VersionTarget, policy: VersionPolicy, declared: AdapterState | None = None) -> bool:
+        """An answer not to return: `<run>` under Latest, on a step older than one already returned,
+        or than the run's newest step in `declared` (the state this gateway routes by): another
+        gateway may have returned that step already (adapter_acks.py). (MinVersion's floor is a
+        full-weights label: for runs it is Any.)"""
         if target.pinned or policy != "Latest":
             return False
-        return target.version.step < self.newest_returned.get(target.run, -1)
+        run = declared.runs.get(target.run) if declared is not None else None
+        newest = run.newest.step if run is not None and run.versions else -1
+        return target.version.step < max(self.newest_returned.get(target.run, -1), newest)
 
     def returned(self, target: VersionTarget) -> None:
         if not target.pinned:

@@ -37,3 +37,15 @@ class NotThroughGateway(SamplerError):
 
     status_code = 400
     category = "invalid_request"
+
+
+class GatewaysBehind(SamplerError):
+    """A LoRA push declared its version, but some live gateway of the pool did not say it routes by
+    it within the bound (adapter_acks.py): the push is not answered as done. Sending it again is a
+    repeat, answered once they do."""
+
+    status_code = 503
+    category = "gateways_behind"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, field="gateways", headers={"Retry-After": str(retry_after_s)})

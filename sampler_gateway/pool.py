@@ -13,7 +13,10 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
+from sampler_common.adapters import AdapterState, adapter_state
+from sampler_common.errors import Conflict
 from sampler_common.rollout_trace import trace
 
 from .adapter_health import ReplicaLora
@@ -45,6 +48,9 @@ class Pool:
         # The pool's routing switch (routing.py), with kube discovery: which labels may be returned
         # and routed to now. None: no switch (static discovery).
         self.switch: Switch | None = None
+        # Called when the declared adapters this gateway routes by move on (its routing Lease says
+        # which it routes by: routing.py, adapter_acks.py).
+        self.on_adapters: Callable[[], None] | None = None
         self._who = f"gateway/{cfg.pod_name or 'gateway'}"  # in the rollout trace
 
     # ---------------------------------------------------------------- what the policy reads
@@ -64,7 +70,11 @@ class Pool:
             r = view.by_name.get(name)
             if r is None or (r.ready and view.started_at > at):
                 del self._lost[name]
+        view = self._newest_adapters(view)
+        moved = _serial(view.adapters) != _serial(self.view.adapters)
         self.view = view
+        if moved and self.on_adapters is not None:
+            self.on_adapters()
         self.order.set_history(dict(view.history))
         self.order.see(((r.weights_label, r.weights_version) for r in view.replicas
                         if r.ready and r.weights_label is not None),
@@ -78,6 +88,38 @@ class Pool:
         for state, n in states.items():
             self.metrics.replicas.labels(state=state).set(n)
         self._notify()
+
+    def _newest_adapters(self, view: PoolView) -> PoolView:
+        """`view` with the newer of its declared adapters and those routed by now: two readers of the
+        pool (discovery's watch and the routing Lease's renewals) can deliver them out of order, and
+        what a gateway routes `<run>` to must never move back (a run's steps only grow). A pool whose
+        `spec.adapters` was cleared by hand starts its serials over: restart its gateways then."""
+        if _serial(view.adapters) < _serial(self.view.adapters):
+            return dataclasses.replace(view, adapters=self.view.adapters)
+        return view
+
+    def declared_serial(self) -> int | None:
+        """The `spec.adapters.serial` of the declared adapters routed by now; None: no pool declares any."""
+        return None if self.view.adapters is None else self.view.adapters.serial
+
+    def learn_declared(self, pool: dict[str, Any]) -> bool:
+        """A SamplerPool object read by the routing Lease's renewal (or its watch): its declared
+        adapters are routed by at once when newer than those routed by now. So a gateway that renews
+        its Lease routes by adapters at least as new as its last renewal's read, whatever its
+        discovery's watch delivered: the acknowledgement it writes next is true (adapter_acks.py).
+        True when they moved on."""
+        try:
+            state = adapter_state(pool)
+        except Conflict:  # a hand edit broke it: discovery logs it and keeps the last good state
+            return False
+        if state.serial <= _serial(self.view.adapters):
+            return False
+        self.view = dataclasses.replace(self.view, adapters=state)
+        trace(self._who, "adapters.seen", serial=state.serial)
+        if self.on_adapters is not None:
+            self.on_adapters()
+        self._notify()
+        return True
 
     def _usable(self, r: ReplicaView) -> bool:
         return r.ready and not r.draining and r.name not in self._lost
@@ -300,3 +342,7 @@ class Pool:
                              f"{self.cfg.version_policy} (newest returned {self.order.newest_returned!r}, "
                              f"target {self.target!r})")
         return "no replica may take this request now: " + "; ".join(parts)
+
+
+def _serial(state: AdapterState | None) -> int:
+    return -1 if state is None else state.serial

@@ -25,6 +25,10 @@ The order, and why:
    to declare it: a trainer's next request, through this gateway, is routed to it. A failure here (a
    replica gone, no idle slot) is the push's answer, with the version declared: the trainer sends
    the push again, which is a repeat (nothing written) that loads again.
+5. **Every gateway routes by it** (kube discovery): the answer waits until each live gateway of the
+   pool says, in its routing Lease, that it routes by the declared state with this version
+   (adapter_acks.py): from the answer on, no gateway resolves `<run>` to an older step, nor returns
+   an older step's answer to it. A gateway still behind past the bound is a 503 naming it.
 
 A repeat of the run's newest version writes nothing and goes to step 4 only: it answers as the
 first push did, once the version is servable again (a replica may have restarted since).
@@ -40,11 +44,12 @@ from typing import Any
 import orjson
 
 from sampler_common.adapters import AdapterVersion, adapter_state
+from sampler_common.gateway_leases import CLOCK_SKEW_S
 
 from .adapter_health import lora_of
 from .adapter_placement import ReplicaAdapters, place, victims
 from .adapter_push import AdapterPush, adapters_patch, decide_push, push_answer
-from .errors import NoReplica, ReplicaLost, ReplicaTimeout
+from .errors import GatewaysBehind, NoReplica, ReplicaLost, ReplicaTimeout
 from .forward import Gateway
 from .pool_admin import allowed_roots
 from .pool_object import PoolObject, StaleRead
@@ -232,6 +237,17 @@ def _no_room(name: str, holdings: Sequence[ReplicaAdapters], replicas: dict[str,
     return f"no replica can load {name} now: " + ("; ".join(why) or "no eligible replica")
 
 
+async def every_gateway_routes(gw: Gateway, obj: PoolObject, version: AdapterVersion) -> None:
+    """Wait until every live gateway of the pool routes by `version` (adapter_acks.py), within the
+    bound after which a gateway that has not said so returns nothing anyway; else a 503 naming them."""
+    bound = gw.cfg.routing_lease_s + CLOCK_SKEW_S + gw.cfg.routing_renew_s
+    behind = await obj.gateways_behind(version.serial, bound)
+    if behind:
+        raise GatewaysBehind(f"version {version.label!r} (serial {version.serial}) is declared and servable, but "
+                             f"gateways {', '.join(behind)} did not say they route by it within {bound:g}s; push "
+                             f"again (a repeat is answered once they do)", gw.cfg.retry_after_s)
+
+
 async def push_adapter(gw: Gateway, obj: PoolObject, push: AdapterPush, attempts: int) -> dict[str, Any]:
     """The push, start to end (the module docstring); its answer, or an error: `ReplicaAnswer` (the
     replica's own), a 4xx from the decision, `StaleRead` after `attempts` writes lost."""
@@ -261,6 +277,7 @@ async def push_adapter(gw: Gateway, obj: PoolObject, push: AdapterPush, attempts
             if push.servable == "all":
                 await replicas.on_run_holders(name, decision.version, push.run, declared)
             await replicas.routable(name)
+            await every_gateway_routes(gw, obj, decision.version)
             return push_answer(push, decision.version)
         raise AssertionError("attempts must be at least 1")
     finally:

@@ -19,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sampler_common.errors import Conflict, InvalidRequest, NotFound, SamplerError
+
+if TYPE_CHECKING:
+    from .adapter_acks import KubeAdapterAcks
 
 GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerpools"
 
@@ -47,6 +50,10 @@ class PoolObject(Protocol):
     async def changed(self, after: str, timeout_s: float) -> None:
         """Return once the pool has a resourceVersion other than `after` (or may have: a watch that
         cannot start from `after` returns at once), or after `timeout_s`."""
+
+    async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
+        """Wait until every live gateway of the pool routes by declared adapters up to `serial`, at
+        most `timeout_s`; the gateways still behind then ([]: none). adapter_acks.py."""
 
 
 def _api_error(pool: str, namespace: str, status: int, reason: str, body: str | None) -> SamplerError:
@@ -75,6 +82,7 @@ class KubePoolObject:
             config.load_kube_config()
         self.pool, self.namespace = pool, namespace
         self._api = client.CustomObjectsApi()
+        self._acks: KubeAdapterAcks | None = None  # made at the first LoRA push
 
     async def read(self) -> dict[str, Any]:
         return await asyncio.to_thread(self._call, self._api.get_namespaced_custom_object)
@@ -86,6 +94,14 @@ class KubePoolObject:
 
     async def changed(self, after: str, timeout_s: float) -> None:
         await asyncio.to_thread(self._watch_from, after, timeout_s)
+
+    async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
+        if self._acks is None:
+            from .adapter_acks import KubeAdapterAcks
+            from .routing import label_value
+
+            self._acks = KubeAdapterAcks(label_value(self.pool), self.namespace)
+        return await self._acks.behind(serial, timeout_s)
 
     def _watch_from(self, after: str, timeout_s: float) -> None:
         """A watch of this one pool from `after`: its first event is the next write (a status write

@@ -42,12 +42,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+# The Lease's annotations and label, as the operator and a LoRA push read them.
+from sampler_common.gateway_leases import ADAPTERS_ACK, GATEWAY_LABEL
+from sampler_common.gateway_leases import ROUTING_ACK as ACK_ANNOTATION
 from sampler_common.rollout_trace import trace
 
 log = logging.getLogger(__name__)
 
-ACK_ANNOTATION = "sampler.rl.dev/routing-generation"  # sampler_operator.pool.routing.ACK_ANNOTATION
-GATEWAY_LABEL = "sampler.rl.dev/gateway"  # sampler_operator.pool.gateway.LABEL_GATEWAY: the controller lists by it
 GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerpools"
 
 Phase = Literal["Open", "Fence"]
@@ -147,14 +148,26 @@ WATCH_TIMEOUT_S = 60
 WATCH_RETRY_S = 1.0
 
 
+class DeclaredAdapters(Protocol):
+    """The declared adapters this gateway routes by (Pool): the serial its Lease acknowledges, and
+    what a renewal's read of the pool teaches it."""
+
+    def declared_serial(self) -> int | None: ...
+
+    def learn_declared(self, pool: dict[str, Any]) -> bool: ...
+
+
 class Renewer(Protocol):
     async def renew(self) -> bool: ...
+
+    def wake(self) -> None: ...
 
     async def run_forever(self) -> None: ...
 
 
-# Makes the gateway's Lease renewer from its switch and what to call when the switch moves.
-RoutingLease = Callable[[Switch, Callable[[], None]], Renewer]
+# Makes the gateway's Lease renewer from its switch, what to call when the switch moves, and the
+# declared adapters it routes by.
+RoutingLease = Callable[[Switch, Callable[[], None], DeclaredAdapters], Renewer]
 
 
 def call_timeout_s(duration_s: float) -> float:
@@ -176,9 +189,12 @@ class KubeRoutingLease:
     API round trip after the controller's write, not up to one interval."""
 
     def __init__(self, pool: str, namespace: str, holder: str, duration_s: int, renew_s: float, switch: Switch,
-                 on_change: Callable[[], None], reconnected: Callable[[], None] | None = None) -> None:
-        """`reconnected`: called when a renewal succeeds after one failed (the API server answers
-        again), so what else this gateway reads from it (discovery) need not wait out its backoff."""
+                 on_change: Callable[[], None], adapters: DeclaredAdapters,
+                 reconnected: Callable[[], None] | None = None) -> None:
+        """`adapters`: the declared adapters routed by; the Lease says their serial, and each read of
+        the pool (a renewal's, the watch's) hands them the pool object. `reconnected`: called when a
+        renewal succeeds after one failed (the API server answers again), so what else this gateway
+        reads from it (discovery) need not wait out its backoff."""
         from kubernetes import client, config
 
         try:
@@ -187,6 +203,7 @@ class KubeRoutingLease:
             config.load_kube_config()
         self.pool, self.namespace, self.holder = pool, namespace, holder
         self.duration_s, self.renew_s, self.switch, self.on_change = duration_s, renew_s, switch, on_change
+        self.adapters = adapters
         self.reconnected = reconnected
         self._leases, self._custom = client.CoordinationV1Api(), client.CustomObjectsApi()
         self._timeout_s = call_timeout_s(duration_s)
@@ -197,10 +214,12 @@ class KubeRoutingLease:
         self._watching = threading.Event()   # cleared: the watch thread ends
         self._who, self._where = f"gateway/{holder}", f"{namespace}/{pool}"
 
-    def _body(self, generation: int, renewed: dt.datetime) -> dict[str, Any]:
+    def _body(self, generation: int, serial: int | None, renewed: dt.datetime) -> dict[str, Any]:
+        annotations = {ACK_ANNOTATION: str(generation)}
+        if serial is not None:
+            annotations[ADAPTERS_ACK] = str(serial)
         meta: dict[str, Any] = {"name": lease_name(self.holder), "namespace": self.namespace,
-                                "labels": {GATEWAY_LABEL: label_value(self.pool)},
-                                "annotations": {ACK_ANNOTATION: str(generation)}}
+                                "labels": {GATEWAY_LABEL: label_value(self.pool)}, "annotations": annotations}
         if self._pool_uid is not None:  # collected with the pool
             meta["ownerReferences"] = [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "SamplerPool",
                                         "name": self.pool, "uid": self._pool_uid}]
@@ -210,7 +229,7 @@ class KubeRoutingLease:
                 "spec": {"holderIdentity": self.holder, "leaseDurationSeconds": self.duration_s,
                          "renewTime": _micro(renewed)}}
 
-    def _write(self, generation: int, renewed: dt.datetime) -> None:
+    def _write(self, generation: int, serial: int | None, renewed: dt.datetime) -> None:
         from kubernetes.client.exceptions import ApiException
 
         name = lease_name(self.holder)
@@ -221,12 +240,12 @@ class KubeRoutingLease:
             except ApiException as e:
                 if e.status != 404:
                     raise
-                out = self._leases.create_namespaced_lease(self.namespace, self._body(generation, renewed),
+                out = self._leases.create_namespaced_lease(self.namespace, self._body(generation, serial, renewed),
                                                            _request_timeout=self._timeout_s)
                 self._version = out.metadata.resource_version
                 return
         try:
-            out = self._leases.replace_namespaced_lease(name, self.namespace, self._body(generation, renewed),
+            out = self._leases.replace_namespaced_lease(name, self.namespace, self._body(generation, serial, renewed),
                                                         _request_timeout=self._timeout_s)
             self._version = out.metadata.resource_version
         except ApiException:
@@ -250,13 +269,16 @@ class KubeRoutingLease:
     async def renew(self) -> bool:
         """One renewal; True if what this gateway permits changed."""
         started = self.switch.clock()
-        acked = self.switch.generation
-        await asyncio.to_thread(self._write, acked, dt.datetime.now(dt.UTC))
+        acked, serial = self.switch.generation, self.adapters.declared_serial()
+        await asyncio.to_thread(self._write, acked, serial, dt.datetime.now(dt.UTC))
         if acked != self._acked:
             self._acked = acked
             trace(self._who, "ack.written", pool=self._where, gen=acked)
         pool = await asyncio.to_thread(self._read_pool)
         self._pool_uid = (pool.get("metadata") or {}).get("uid") or self._pool_uid
+        # Newer declared adapters are routed by before this renewal lets the gateway serve on: its
+        # next acknowledgement (at once: the adapters' hook wakes the loop) then says so truly.
+        self.adapters.learn_declared(pool)
         routing = routing_of(pool)
         changed = self.switch.apply(routing, started, self.duration_s)
         if changed:
@@ -265,6 +287,16 @@ class KubeRoutingLease:
                       phase=routing.phase, by="renewal")
             self.on_change()
         return changed
+
+    def wake(self) -> None:
+        """Renew now (on the event loop): what this gateway enforces moved on (its declared
+        adapters), and its Lease should say so one API round trip later, not at the next interval."""
+        self._wake.set()
+
+    def heard_pool(self, pool: dict[str, Any]) -> None:
+        """The pool's watch delivered `pool` (on the event loop): its routing and its declared adapters."""
+        self.adapters.learn_declared(pool)
+        self.heard(routing_of(pool))
 
     def heard(self, routing: Routing | None) -> None:
         """The pool's watch delivered `routing` (on the event loop): enforced at once when newer, and
@@ -290,7 +322,7 @@ class KubeRoutingLease:
                                    timeout_seconds=WATCH_TIMEOUT_S, _request_timeout=WATCH_TIMEOUT_S + 5):
                     obj = ev.get("object")
                     if isinstance(obj, dict) and ev.get("type") in ("ADDED", "MODIFIED"):
-                        loop.call_soon_threadsafe(self.heard, routing_of(obj))
+                        loop.call_soon_threadsafe(self.heard_pool, obj)
                     if not self._watching.is_set():
                         w.stop()
             except Exception as e:  # the renewals still run: the watch only makes them sooner

@@ -185,6 +185,29 @@ async def test_a_push_validates_declares_and_loads_the_version_and_a_repeat_answ
     assert len(holders(env, "math.3.1")) == 1
 
 
+async def test_a_push_waits_for_every_gateway_to_route_by_it_and_names_those_behind(clean: Env) -> None:
+    """Past its routable step the push waits for the pool's other gateways (adapter_acks.py, played
+    here by the pool object): it asks for the version's serial within the Lease bound, and a gateway
+    still behind is a 503 `gateways` naming it, with the version declared and servable; a repeat
+    answers once none is behind. (Against real Leases: tests/operator/envtest/test_adapter_acks_envtest.py.)"""
+    env = clean
+    pool = env.pool()
+    pool.gateways_still_behind = ["gw-b"]
+    b = body(env, "math", 3)
+    [r] = await push(env, pool, b)
+    assert r.status == 503 and r.json()["error"]["category"] == "gateways_behind", r.body
+    assert r.json()["error"]["field"] == "gateways" and "gw-b" in r.json()["error"]["message"], r.body
+    assert r.headers.get("retry-after"), r.headers
+    cfg = GatewayConfig(pool="w")
+    assert pool.ack_waits == [(1, cfg.routing_lease_s + 1.0 + cfg.routing_renew_s)]
+    assert declared(pool) == {"math": [(3, "step-3", str(env.root / "a1"), 1)]}
+    assert len(holders(env, "math.3.1")) == 1 and no_provisional(env)
+    pool.gateways_still_behind = []
+    [again] = await push(env, pool, b)
+    assert again.status == 200 and again.json()["engine_name"] == "math.3.1", again.body
+    assert len(pool.writes) == 1 and pool.ack_waits[-1][0] == 1
+
+
 PINNED_PAIR = {"maxVersionsPerRun": 2, "serial": 2, "runs": {"a": {"versions": [
     {"label": "step-1", "step": 1, "path": "/x/1", "serial": 1, "pinned": True},
     {"label": "step-2", "step": 2, "path": "/x/2", "serial": 2, "pinned": True}]}}}

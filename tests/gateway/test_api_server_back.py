@@ -14,6 +14,7 @@ import pytest
 
 from sampler_gateway.discovery.kube import _Watch
 from sampler_gateway.routing import KubeRoutingLease, Switch
+from tests.support.gateway import NoAdapters
 from tests.support.k8s import wait_for
 
 POOL = {"metadata": {"name": "p", "uid": "u"}, "status": {"routing": {"generation": 1, "label": "a", "phase": "Open"}}}
@@ -57,7 +58,7 @@ class _Lease(KubeRoutingLease):
     def __init__(self, switch: Switch, reconnected: Callable[[], None]) -> None:  # no kubeconfig
         self.pool, self.namespace, self.holder = "p", "ns", "gw-a"
         self.duration_s, self.renew_s, self.switch, self.on_change = 10, 0.01, switch, lambda: None
-        self.reconnected = reconnected
+        self.reconnected, self.adapters = reconnected, NoAdapters()
         self._wake, self._acked, self._who, self._where = asyncio.Event(), -1, "gateway/gw-a", "ns/p"
         self._watching, self._pool_uid, self._version = threading.Event(), None, None
         self.fail: list[bool] = []   # one entry per renewal to come; none left: succeed
@@ -65,7 +66,7 @@ class _Lease(KubeRoutingLease):
         self.ten = asyncio.Event()   # set at the 10th renewal
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def _write(self, generation: int, renewed: Any) -> None:
+    def _write(self, generation: int, serial: int | None, renewed: Any) -> None:
         fail = self.fail.pop(0) if self.fail else False
         self.renewals.append(not fail)
         if len(self.renewals) == 10:

@@ -125,6 +125,9 @@ class MemoryPool:
             self._bump()
         return seen
 
+    async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
+        return []
+
     async def changed(self, after: str, timeout_s: float) -> None:
         self.waits.append((after, timeout_s))
         self.waiting.set()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from sampler_gateway.routing import KubeRoutingLease, Switch, call_timeout_s
+from tests.support.gateway import NoAdapters
 
 
 class Recorder:
@@ -34,7 +35,7 @@ def lease(duration_s: int, leases: Recorder, custom: Recorder) -> KubeRoutingLea
     # Built without __init__, which loads a kubeconfig; the attributes are the ones __init__ sets.
     g = object.__new__(KubeRoutingLease)
     g.pool, g.namespace, g.holder, g.duration_s, g.renew_s = "p", "ns", "gw-a", duration_s, 1.0
-    g.switch, g.on_change, g.reconnected = Switch(), lambda: None, None
+    g.switch, g.on_change, g.reconnected, g.adapters = Switch(), lambda: None, None, NoAdapters()
     g._leases, g._custom, g._timeout_s = leases, custom, call_timeout_s(duration_s)
     g._pool_uid, g._version, g._acked = None, None, -1
     g._who, g._where = "gateway/gw-a", "ns/p"
@@ -50,8 +51,8 @@ def test_every_call_of_a_renewal_has_a_timeout_within_the_lease() -> None:
     custom = Recorder({"get_namespaced_custom_object": {"metadata": {"uid": "u"}}})
     g = lease(10, leases, custom)
     now = dt.datetime.now(dt.UTC)
-    g._write(0, now)      # no Lease yet: read (404), then create
-    g._write(0, now)      # then replace
+    g._write(0, None, now)      # no Lease yet: read (404), then create
+    g._write(0, 3, now)         # then replace
     g._read_pool()
     calls = leases.calls + custom.calls
     assert [name for name, _ in calls] == ["read_namespaced_lease", "create_namespaced_lease",

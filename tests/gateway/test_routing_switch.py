@@ -20,6 +20,7 @@ from sampler_gateway.pool import Pool
 from sampler_gateway.replicas import PoolView, ReplicaView
 from sampler_gateway.routing import Routing, Switch, permitted, routing_of
 from tests.support.asgi import call
+from tests.support.gateway import NoAdapters
 
 
 def rv(name: str, label: str) -> ReplicaView:
@@ -154,6 +155,9 @@ class FakeLease:
         switch.clock = lambda: now[0]
         self.routing: Routing | None = Routing(3, "step-2", "Fence")
 
+    def wake(self) -> None:
+        pass
+
     async def renew(self) -> bool:
         changed = self.switch.apply(self.routing, self.switch.clock(), 10)
         if changed:
@@ -168,7 +172,7 @@ async def test_health_reports_the_switch_it_enforces_and_its_self_fence() -> Non
     now = [100.0]
     leases: list[FakeLease] = []
 
-    def lease(switch: Switch, on_change: Callable[[], None]) -> FakeLease:
+    def lease(switch: Switch, on_change: Callable[[], None], adapters: object) -> FakeLease:
         leases.append(FakeLease(switch, on_change, now))
         return leases[-1]
 
@@ -231,6 +235,7 @@ def test_a_newer_routing_from_the_watch_is_enforced_and_acknowledged_at_once() -
         def __init__(self, switch: Switch, on_change: Callable[[], None]) -> None:  # no kubeconfig: no API
             self.pool, self.namespace, self.holder = "p", "ns", "gw-a"
             self.duration_s, self.renew_s, self.switch, self.on_change = 10, 3600.0, switch, on_change
+            self.adapters = NoAdapters()
             self._wake, self._acked, self._who, self._where = asyncio.Event(), -1, "gateway/gw-a", "ns/p"
             self._watching, self._pool_uid, self._version = threading.Event(), None, None
             self.written: list[int] = []
@@ -238,7 +243,7 @@ def test_a_newer_routing_from_the_watch_is_enforced_and_acknowledged_at_once() -
             self.wrote = asyncio.Event()
             self.loop: asyncio.AbstractEventLoop | None = None
 
-        def _write(self, generation: int, renewed: Any) -> None:
+        def _write(self, generation: int, serial: int | None, renewed: Any) -> None:
             self.written.append(generation)
             assert self.loop is not None
             self.loop.call_soon_threadsafe(self.wrote.set)

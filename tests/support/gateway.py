@@ -110,3 +110,13 @@ def fake_replicas(model: Path, names: list[str], *flags: str) -> Iterator[Pool]:
         for s in servers.values():
             wait_healthy(s.url, s.proc, s.log_path, timeout=120)
         yield Pool(servers)
+
+
+class NoAdapters:
+    """A routing Lease's declared adapters when a test plays none (routing.DeclaredAdapters)."""
+
+    def declared_serial(self) -> int | None:
+        return None
+
+    def learn_declared(self, pool: dict[str, Any]) -> bool:
+        return False

@@ -34,6 +34,10 @@ class MemoryPool:
         self.writes: list[dict[str, Any]] = []
         # The first `together` reads each wait for all of them: concurrent pushes read one state.
         self.together, self._all_read = together, asyncio.Event()
+        # The pool's other gateways, as a push's wait for their acknowledgement finds them: the names
+        # still behind at its end ([]: every one routes by the push), and each wait's (serial, timeout_s).
+        self.gateways_still_behind: list[str] = []
+        self.ack_waits: list[tuple[int, float]] = []
 
     def _bump(self) -> None:
         self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
@@ -58,3 +62,7 @@ class MemoryPool:
         self.obj["metadata"]["generation"] += 1
         self._bump()
         return copy.deepcopy(self.obj)
+
+    async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
+        self.ack_waits.append((serial, timeout_s))
+        return list(self.gateways_still_behind)

@@ -1,8 +1,9 @@
 """The pool's gateway as Kubernetes objects (pure): a Deployment running `python -m sampler_gateway`,
 a Service in front of it (the pool's single address), and the ServiceAccount, Role and RoleBinding
 its discovery needs (get/list/watch of the namespace's SamplerReplicas, SamplerPools and pods), plus
-`patch` on its own SamplerPool only (`resourceNames`), and get/create/update of Leases (its
-acknowledgement of the pool's routing switch, pool/routing.py): a trainer pushes weights through the gateway's
+`patch` on its own SamplerPool only (`resourceNames`), and get/list/watch/create/update of Leases
+(its acknowledgement of the pool's routing switch, pool/routing.py, and of the declared adapters it
+routes by, read by a LoRA push on another gateway): a trainer pushes weights through the gateway's
 admin route (`POST /v1/pool/weights`, sampler_gateway/pool_admin.py), which writes `spec.weights`.
 
 Every object is owned by the pool (garbage-collected with it). The gateway's flags carry what the
@@ -119,10 +120,12 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
              # operator holds patch on samplerpools itself: granting it is no escalation.)
              {"apiGroups": ["sampler.rl.dev"], "resources": ["samplerpools"], "resourceNames": [pool],
               "verbs": ["patch"]},
-             # Its routing Lease: the acknowledgement of the pool's routing switch (pool/routing.py).
-             # Names are not known before the pod exists, so not by resourceNames; no list, watch
-             # or delete: a gateway reads and writes its own Lease only.
-             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
+             # Its routing Lease: the acknowledgement of the pool's routing switch (pool/routing.py)
+             # and of the declared adapters it routes by. Names are not known before the pod exists,
+             # so not by resourceNames. list and watch: a LoRA push waits for the other gateways'
+             # acknowledgements (sampler_gateway/adapter_acks.py); no delete: it writes its own only.
+             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+              "verbs": ["get", "list", "watch", "create", "update"]},
              # Events on its pool: a LoRA load a replica refused (sampler_gateway/pool_events.py). Create
              # only: it never reads or changes another component's Events.
              {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]

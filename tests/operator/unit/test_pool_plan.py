@@ -292,10 +292,12 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
     granted = {(r, v, tuple(rule.get("resourceNames", ())))
                for rule in objs["Role"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
     # Reads for discovery; patch on its own pool only (a weights push), never on another pool; its
-    # own routing Lease (no list, watch or delete: it never reads another gateway's); Events, create only.
+    # own routing Lease, and list/watch of the others' (a LoRA push waits for their acknowledgement),
+    # no delete; Events, create only.
     assert granted == {(r, v, ()) for r in ("samplerreplicas", "samplerpools", "pods")
                        for v in ("get", "list", "watch")} | {("samplerpools", "patch", ("p",))} | {
-                           ("leases", v, ()) for v in ("get", "create", "update")} | {("events", "create", ())}
+                           ("leases", v, ()) for v in ("get", "list", "watch", "create", "update")} | {
+                           ("events", "create", ())}
     assert "hostNetwork" not in dep["template"]["spec"]
     # Never BestEffort; a slow start is not a dead gateway.
     assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}}
