@@ -86,7 +86,17 @@ class GatewayConfig(BaseModel):
                              "without lora_slots and max_loras): the sampler's default --max-loras")
     replica_capacity: int = Field(
         128, ge=1, description="in-flight requests per replica past which an affinity key spills over to another "
-                               "replica (the replicas' --concurrent-task-limit)")
+                               "replica (the replicas' --concurrent-task-limit); past it for every eligible "
+                               "replica, new requests wait their flow's turn (admission.py)")
+
+    # Fairness across flows once the pool is full (admission.py, fair_queue.py).
+    fair_shares: list[str] = Field(
+        default_factory=list, description="a run's share of turns as RUN=WEIGHT (flag --fair-share, repeatable; "
+                                          "env: comma-separated); every other flow has 1")
+    fair_queue_max: int = Field(
+        1024, ge=1, description="requests of one flow waiting for a turn past which that flow's next is a 429")
+    fair_wait_s: float = Field(
+        120.0, gt=0, description="a request waiting this long for a turn (the pool stayed full) is a 429")
 
     # Requests.
     api_key: str | None = Field(None, description="API key required on every route but the probes (forwarded as is)")
@@ -115,11 +125,26 @@ class GatewayConfig(BaseModel):
         if self.routing_renew_s * 2 > self.routing_lease_s:
             raise ValueError("--routing-renew-s must be at most half of --routing-lease-s (one failed renewal "
                              "must not fence the gateway)")
+        self.fair_shares_by_run()
         for r in self.replicas:
             name, sep, url = r.partition("=")
             if not sep or not name or not url.startswith(("http://", "https://")):
                 raise ValueError(f"--replica {r!r}: expected NAME=http://HOST:PORT")
         return self
+
+    def fair_shares_by_run(self) -> dict[str, float]:
+        """--fair-share RUN=WEIGHT, by run."""
+        out = {}
+        for entry in self.fair_shares:
+            run, sep, weight = entry.partition("=")
+            try:
+                share = float(weight)
+            except ValueError:
+                share = 0.0
+            if not sep or not run or not share > 0:
+                raise ValueError(f"--fair-share {entry!r}: expected RUN=WEIGHT with a positive weight")
+            out[run] = share
+        return out
 
     def static_members(self) -> list[tuple[str, str]]:
         """(name, url) of every --replica flag."""
@@ -128,7 +153,8 @@ class GatewayConfig(BaseModel):
 
 FLAGS = Flags(GatewayConfig, prog="python -m sampler_gateway", env_prefix=ENV_PREFIX,
               description="The pool's gateway: one address in front of its sampler replicas.",
-              flag_names={"replicas": "--replica"}, list_separator=",")  # URLs hold colons
+              flag_names={"replicas": "--replica", "fair_shares": "--fair-share"},
+              list_separator=",")  # URLs hold colons
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> GatewayConfig:

@@ -88,6 +88,10 @@ class FairQueue:
     def __len__(self) -> int:
         return sum(len(f.waiting) for f in self._flows.values())
 
+    def flows(self) -> list[str]:
+        """The flows with requests waiting."""
+        return list(self._flows)
+
     def waiting(self, flow: str) -> int:
         f = self._flows.get(flow)
         return len(f.waiting) if f else 0

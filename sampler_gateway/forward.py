@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .adapter_route import AdapterRouter
+from .admission import FairGate
 from .config import GatewayConfig
 from .errors import NoReplica, ReplicaLost, ReplicaTimeout
 from .ids import RoutedId
@@ -94,10 +95,16 @@ class Gateway:
     events: EventSink = field(default_factory=NoEvents)
     sessions: SessionTable = field(init=False)
     adapters: AdapterRouter = field(init=False)
+    gate: FairGate = field(init=False)
 
     def __post_init__(self) -> None:
         self.sessions = SessionTable(self.cfg.session_table_size, self.cfg.session_expiry_s)
         self.adapters = AdapterRouter(self.cfg, self.pool, self.upstream, self.metrics, events=self.events)
+        self.gate = FairGate(lambda: self.cfg.replica_capacity * len(self.pool.eligible()), self.metrics,
+                             max_waiting=self.cfg.fair_queue_max, wait_s=self.cfg.fair_wait_s,
+                             retry_after_s=self.cfg.retry_after_s, shares=self.cfg.fair_shares_by_run())
+        # A replica that became eligible (or came back) is room for the requests waiting their turn.
+        self.pool.on_room = self.gate.let_through
 
 
 def weights_of(r: ReplicaView) -> str:

@@ -33,6 +33,12 @@ class GatewayMetrics:
                              "returned (Latest), not returned", ["replica"], registry=r)
         self.no_replica = Counter("sampler_gateway_no_replica", "Requests answered 503: no eligible replica",
                                   registry=r)
+        self.fair_waiting = Gauge("sampler_gateway_fair_waiting", "New requests waiting for a turn while the pool is "
+                                  "full, by flow (a run, base, or id: every client fairness id), admission.py",
+                                  ["flow"], registry=r)
+        self.fair_refused = Counter("sampler_gateway_fair_refused", "New requests refused 429 while the pool was full, "
+                                    "by flow and why (queue_full: --fair-queue-max; waited_too_long: "
+                                    "--fair-wait-s)", ["flow", "why"], registry=r)
         self.waiting = Gauge("sampler_gateway_waiting_for_replica", "New requests waiting for a replica that may "
                              "take them (--no-replica-wait-s)", registry=r)
         self.gone = Counter("sampler_gateway_owner_gone", "Future/session requests whose owner is gone "

@@ -51,6 +51,8 @@ class Pool:
         # Called when the declared adapters this gateway routes by move on (its routing Lease says
         # which it routes by: routing.py, adapter_acks.py).
         self.on_adapters: Callable[[], None] | None = None
+        # Called at each change that decides routing: the fair gate's room may have grown (admission.py).
+        self.on_room: Callable[[], None] | None = None
         self._who = f"gateway/{cfg.pod_name or 'gateway'}"  # in the rollout trace
 
     # ---------------------------------------------------------------- what the policy reads
@@ -251,6 +253,8 @@ class Pool:
         """Wake the requests waiting for a replica (choose_within): something that decides routing changed."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+        if self.on_room is not None:
+            self.on_room()
 
     def owner(self, name: str) -> ReplicaView | None:
         """The replica named by a routed id, whatever its state (a draining or unready replica still

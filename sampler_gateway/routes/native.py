@@ -16,7 +16,9 @@ from sampler_common.errors import Expired, NotFound
 from .. import ids
 from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget
+from ..admission import cost_of
 from ..errors import NotThroughGateway
+from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Outgoing, Reply
@@ -82,6 +84,13 @@ async def _new(request: Request, *, submit: bool) -> Response:
     timeout = gw.cfg.control_timeout_s if submit else timeout_of(gw, body.get("timeout_s"))
     out = outgoing(request, raw, timeout)
     named = _version(gw, body)
+    flow = flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named is not None else None)
+    async with gw.gate.admit(flow, cost_of(body)):
+        return await _send_new(request, gw, out, body, named, submit)
+
+
+async def _send_new(request: Request, gw: Gateway, out: Outgoing, body: dict[str, Any],
+                    named: tuple[str, VersionTarget] | None, submit: bool) -> Response:
     adapter = None
     if named is not None:
         name, target = named

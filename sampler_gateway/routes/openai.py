@@ -34,6 +34,8 @@ from sampler_common.http.errors import error_response
 
 from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget
+from ..admission import openai_cost
+from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, to_new, weights_of
 from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, model_cards, wants_stream
 from ..replicas import ReplicaView
@@ -95,6 +97,15 @@ def _adapter(gw: Gateway, raw: bytes) -> tuple[str, VersionTarget, dict[str, Any
     return (name, target, body) if isinstance(target, VersionTarget) else None
 
 
+def _body_of(raw: bytes) -> dict[str, Any] | None:
+    """The body as an object, for its cost only (the replica judges it): None when it is not one."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
 @router.post("/tokenize")
 @router.post("/detokenize")
 async def tokens(request: Request) -> Response:
@@ -113,16 +124,27 @@ async def generate(request: Request) -> Response:
     owner = gw.sessions.owner(session, gw.pool.clock()) if session is not None else None
     out = outgoing(request, raw, timeout_of(gw, None))
     named = _adapter(gw, raw)
-    if named is not None:
-        # Placed by adapter (the session's replica is not preferred: the version's holders are).
-        name, target, body = named
-        replica, reply, target = await to_version(
-            gw, name, "model", target, lambda engine: out.with_body(orjson.dumps({**body, "model": engine})),
-            rerun=rerun_allowed(request), label_of=_label, stream=body.get("stream") is True)
-        reply = _named(reply, gw.adapters.version_of(target))
-    else:
-        replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,
-                                      rerun=rerun_allowed(request), label_of=_label, stream=wants_stream(raw))
+    flow = flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named is not None else None)
+    # Its place is held until the answer ends: a stream's last event, else the answer itself.
+    release = await gw.gate.enter(flow, openai_cost(named[2] if named is not None else _body_of(raw)))
+    streaming = False
+    try:
+        if named is not None:
+            # Placed by adapter (the session's replica is not preferred: the version's holders are).
+            name, target, body = named
+            replica, reply, target = await to_version(
+                gw, name, "model", target, lambda engine: out.with_body(orjson.dumps({**body, "model": engine})),
+                rerun=rerun_allowed(request), label_of=_label, stream=body.get("stream") is True)
+            reply = _named(reply, gw.adapters.version_of(target))
+        else:
+            replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,
+                                          rerun=rerun_allowed(request), label_of=_label, stream=wants_stream(raw))
+        if reply.stream is not None:
+            reply.stream.on_close(release)
+            streaming = True
+    finally:
+        if not streaming:
+            release()
     if session is not None and reply.status == 200:
         if gw.sessions.bind(session, replica.name, gw.pool.clock()):
             gw.metrics.session_moves.inc()

@@ -34,6 +34,8 @@ from .. import ids
 from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget
 from ..adapter_route import tinker_path
+from ..admission import cost_of
+from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Reply
@@ -123,11 +125,14 @@ async def asample(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
     sent = json_object(raw)
     named = _version(gw, sent)
-    if named is not None:
-        replica, reply = await _to_version(request, raw, sent, named)
-    else:
-        out = outgoing(request, raw, gw.cfg.control_timeout_s)
-        replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
+    # A future holds its place until the replica took it (admission.py).
+    async with gw.gate.admit(flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named else None),
+                             cost_of({"num_samples": sent.get("num_samples")})):  # one prompt
+        if named is not None:
+            replica, reply = await _to_version(request, raw, sent, named)
+        else:
+            out = outgoing(request, raw, gw.cfg.control_timeout_s)
+            replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
     body = reply.json if reply.status == 200 else None
     inner = body.get("request_id") if body else None
     if body is None or not isinstance(inner, str) or not inner:

@@ -18,6 +18,8 @@ from fastapi.responses import Response
 from sampler_common.errors import NotFound
 
 from .. import ids
+from ..admission import cost_of
+from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import OwnerGone, to_new, to_owner
 from ..upstream import Outgoing, Reply
 from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
@@ -95,10 +97,13 @@ async def sampler_call(model_id: str, op: str, request: Request) -> Response:
     out = outgoing(request, raw, timeout)
     if rid is not None:
         out = out.with_header(SESSION_HEADER, rid.inner)
-    replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
-                                  prefer=rid.replica if rid else None,
-                                  rerun=op == "sample" and rerun_allowed(request),
-                                  label_of=_label if op == "sample" else None)
     if op != "sample":
+        replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
+                                      prefer=rid.replica if rid else None)
         return respond(replica, reply)
+    body = json_object(raw)
+    async with gw.gate.admit(flow_of(request.headers.get(FAIRNESS_HEADER), None), cost_of(body, "inputs")):
+        replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
+                                      prefer=rid.replica if rid else None, rerun=rerun_allowed(request),
+                                      label_of=_label)
     return respond(replica, reply, label=_label(reply), step=step_of(reply.json))
