@@ -19,7 +19,9 @@ after a newer one either way. A replica last read not ready stays out until a re
 So a read counts only if nothing about its replica changed while it ran: its record (address,
 drain mark) is the same in the membership read before and after the reads, and the published view
 was not changed by news in between (a drain and its removal within one refresh leave the same
-record; the view still tells).
+record; the view still tells). The same holds for the adapters a replica holds: the gateway's own
+loads and unloads there are news, and a read that began before one does not undo it (adapter
+placement would send a version to a replica that no longer holds it, and unload the wrong one).
 """
 
 from __future__ import annotations
@@ -73,10 +75,16 @@ def without_read(member: Member, last: ReplicaView | None) -> ReplicaView | None
 
 
 def _counted(reads: Reads | None, member: Member, current: ReplicaView | None) -> ReplicaView | None:
-    """`member`'s read, if it was made on this record and no news changed its view while it ran."""
-    if reads is None or _record(reads.against.by_name.get(member.name)) != _record(current):
+    """`member`'s read, if it was made on this record and no news changed its view while it ran; its
+    adapters only if the gateway's own loads and unloads there (`Pool.set_lora`) did not change them
+    meanwhile: a read begun before a load says the replica still holds the version it unloaded."""
+    before = reads.against.by_name.get(member.name) if reads is not None else None
+    if reads is None or _record(before) != _record(current):
         return None
-    return reads.views.get(member)
+    view = reads.views.get(member)
+    if view is not None and current is not None and before is not None and current.lora != before.lora:
+        view = dataclasses.replace(view, lora=current.lora)
+    return view
 
 
 def _record(v: ReplicaView | None) -> tuple[str, bool] | None:

@@ -14,12 +14,13 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from sampler_gateway.adapter_health import HeldAdapter, ReplicaLora
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.merge import Reads, merge
 from sampler_gateway.discovery.refresh import refresh_forever
@@ -86,6 +87,22 @@ def test_merge_counts_a_read_only_if_nothing_changed_while_it_ran() -> None:
     drained = PoolView((rv("a"), rv("b", draining=True, ready=False)))
     view = merge(Membership((a, b)), drained, Reads({a: rv("a"), b: rv("b")}, PoolView((rv("a"), rv("b"))), 7.0))
     assert view.by_name["b"].draining and not view.by_name["b"].ready
+
+
+def test_a_read_begun_before_the_gateways_own_load_does_not_undo_it() -> None:
+    """The gateway unloaded b.1 on `a` and loaded a.1 there while a /health read ran: the read (begun
+    before) still lists b.1; placement must not send b.1 there nor unload a.1 on its word."""
+    a = Member("a", "http://a")
+    held_b = ReplicaLora(1, (HeldAdapter("b.1"),))
+    against = PoolView((replace(rv("a"), lora=held_b),))
+    news = replace(rv("a"), lora=ReplicaLora(1, (HeldAdapter("a.1"),)))   # Pool.set_lora meanwhile
+    stale = replace(rv("a", label="step-2"), lora=held_b)
+    view = merge(Membership((a,)), PoolView((news,)), Reads({a: stale}, against, started_at=7.0))
+    assert view.by_name["a"].lora == news.lora
+    assert view.by_name["a"].weights_label == "step-2"  # the rest of the read counts
+    # Without news in between, the read's adapters are taken as they are.
+    view = merge(Membership((a,)), against, Reads({a: stale}, against, started_at=7.0))
+    assert view.by_name["a"].lora == held_b
 
 
 # ---------------------------------------------------------------------------- the loop, in process
