@@ -36,6 +36,10 @@ RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 RUN_RE, LABEL_RE = re.compile(RUN_PATTERN), re.compile(LABEL_PATTERN)
 
+# A pool's gateway names the version a request runs on (its engine name) in this header, where the
+# protocol's own field names the run (Twinkle's `adapter_name`): the replica samples that version.
+POOL_ADAPTER_HEADER = "X-Sampler-Pool-Adapter"
+
 DEFAULT_MAX_VERSIONS_PER_RUN = 4
 DEFAULT_MAX_RUNS = 64
 # The CRD's maxima.

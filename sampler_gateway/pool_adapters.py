@@ -44,11 +44,12 @@ from typing import Any
 import orjson
 
 from sampler_common.adapters import AdapterVersion, adapter_state
+from sampler_common.errors import InvalidRequest, SamplerError
 from sampler_common.gateway_leases import CLOCK_SKEW_S
 
 from .adapter_health import lora_of
 from .adapter_placement import ReplicaAdapters, place, victims
-from .adapter_push import AdapterPush, adapters_patch, decide_push, push_answer
+from .adapter_push import AdapterPush, adapters_patch, decide_push, parse_adapter_push, push_answer
 from .errors import GatewaysBehind, NoReplica, ReplicaLost, ReplicaTimeout
 from .forward import Gateway
 from .pool_admin import allowed_roots
@@ -283,3 +284,37 @@ async def push_adapter(gw: Gateway, obj: PoolObject, push: AdapterPush, attempts
     finally:
         if validated is not None:
             await replicas.unload_quietly(*validated)
+
+
+# A push's refusal as Twinkle's add_adapter_to_sampler names its fields.
+_TWINKLE_FIELDS = {"run": "adapter_name", "version_label": "adapter_name", "path": "adapter_uri"}
+
+
+async def push_next_version(gw: Gateway, obj: PoolObject, name: Any, uri: Any, manifest: Any,
+                            attempts: int = 5) -> dict[str, Any]:
+    """Twinkle's `add_adapter_to_sampler(adapter_name, adapter_uri)` on a pool: the next version of
+    run `adapter_name` (its step one above the run's newest, labelled `step-<step>`), pushed as
+    `push_adapter` does. A push of the same run landing in between moves the step on: decided again."""
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest("adapter_name is required: on a pool it names the run the adapter is a version of",
+                             field="adapter_name")
+    if not isinstance(uri, str) or not uri or uri.startswith("twinkle://"):
+        raise InvalidRequest("adapter_uri is required: a PEFT LoRA directory under the pool's "
+                             "checkpoints.allowedRoots (twinkle:// URIs need Twinkle's checkpoint store)",
+                             field="adapter_uri")
+    for attempt in range(attempts):
+        run = adapter_state(await obj.read()).runs.get(name)
+        step = run.newest.step + 1 if run is not None and run.versions else 0
+        body: dict[str, Any] = {"run": name, "path": uri, "version_label": f"step-{step}", "step": step}
+        if manifest is not None:
+            body["sha256_manifest"] = manifest
+        try:
+            return await push_adapter(gw, obj, parse_adapter_push(body), attempts)
+        except SamplerError as e:
+            if e.field == "step" and attempt + 1 < attempts:
+                continue
+            if e.field in _TWINKLE_FIELDS:
+                e.message = f"{_TWINKLE_FIELDS[e.field]} {e.message}"
+                e.field = _TWINKLE_FIELDS[e.field]
+            raise
+    raise AssertionError("attempts must be at least 1")

@@ -11,18 +11,38 @@ expired session: 404 `Unknown session` (the client's heartbeat thread logs it an
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
+from sampler_common.adapters import POOL_ADAPTER_HEADER
 from sampler_common.errors import NotFound
 
 from .. import ids
+from ..adapter_forward import to_version
+from ..adapter_names import VersionTarget
 from ..admission import cost_of
 from ..fair_queue import FAIRNESS_HEADER, flow_of
-from ..forward import OwnerGone, to_new, to_owner
+from ..forward import Gateway, OwnerGone, to_new, to_owner
+from ..pool_adapters import ReplicaAnswer, push_next_version
+from ..pool_object import PoolObject
 from ..upstream import Outgoing, Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
+from .adapter_push import _retrieved
+from .common import (
+    REPLICA_HEADER,
+    affinity_of,
+    gateway_of,
+    json_object,
+    outgoing,
+    rerun_allowed,
+    respond,
+    step_of,
+    timeout_of,
+)
+from .pool import PoolAdminAuth
 
 router = APIRouter(prefix="/api/v1", tags=["twinkle"])
 SESSION_HEADER = "X-Twinkle-Session-Id"
@@ -87,6 +107,44 @@ async def get_session(session_id: str, request: Request) -> Response:
     return await _session_owned(request, rid, out.with_path(f"/api/v1/twinkle/sessions/{rid.inner}"))
 
 
+def _pool_version(gw: Gateway, body: dict[str, Any]) -> tuple[str, VersionTarget] | None:
+    """The pool's adapter version a Twinkle sample names: its `adapter_name` is a run the pool
+    declares (`<run>`, or `<run>@<step>` pinned; 404 naming `adapter_name` for a step it does not
+    declare). None: any other name, which stays the session's own adapter on its replica, as today."""
+    name = body.get("adapter_name")
+    if not isinstance(name, str) or not name or name.split("@", 1)[0] not in gw.adapters.state.runs:
+        return None
+    target = gw.adapters.resolve(name, "adapter_name")
+    return (name, target) if isinstance(target, VersionTarget) else None
+
+
+@router.post(SAMPLER + "/add_adapter_to_sampler")
+async def add_adapter_to_sampler(model_id: str, request: Request) -> Response:
+    """On a pool (kube discovery), a push of run `adapter_name`: its next version, from `adapter_uri`,
+    declared and loaded as `POST /v1/pool/adapters` does (the admin key, validated on a replica first;
+    its refusals named as Twinkle's fields), so every replica can serve it and the session's samples
+    naming it are placed by adapter. Without a pool object (static discovery): the session's
+    replica loads it, as a replica does."""
+    obj: PoolObject | None = request.app.state.pool_object
+    if obj is None:
+        return await sampler_call(model_id, "add_adapter_to_sampler", request)
+    gw = gateway_of(request)
+    await PoolAdminAuth(gw.cfg.api_key, gw.cfg.admin_api_key)(request)
+    body = json_object(await request.body())
+    # Shielded, as the push route is: a client that hangs up leaves the push whole.
+    task = asyncio.ensure_future(push_next_version(gw, obj, body.get("adapter_name"), body.get("adapter_uri"),
+                                                   body.get("sha256_manifest")))
+    task.add_done_callback(_retrieved)
+    try:
+        answer = await asyncio.shield(task)
+    except ReplicaAnswer as e:
+        # The validating replica's refusal (a 400 naming the file and tensor), as it sent it.
+        return Response(e.reply.body, status_code=e.reply.status, headers={REPLICA_HEADER: e.replica},
+                        media_type=e.reply.header("content-type"))
+    return JSONResponse({"status": "ok", "adapter_name": body["adapter_name"], "model_path": answer["model_path"],
+                         "model": answer["model"]})
+
+
 @router.post(SAMPLER + "/{op}")
 async def sampler_call(model_id: str, op: str, request: Request) -> Response:
     """create, sample, set_template, add_adapter_to_sampler, apply_patch: to the session's replica."""
@@ -102,8 +160,17 @@ async def sampler_call(model_id: str, op: str, request: Request) -> Response:
                                       prefer=rid.replica if rid else None)
         return respond(replica, reply)
     body = json_object(raw)
-    async with gw.gate.admit(flow_of(request.headers.get(FAIRNESS_HEADER), None), cost_of(body, "inputs")):
-        replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
-                                      prefer=rid.replica if rid else None, rerun=rerun_allowed(request),
-                                      label_of=_label)
+    named = _pool_version(gw, body)
+    flow = flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named is not None else None)
+    async with gw.gate.admit(flow, cost_of(body, "inputs")):
+        if named is not None:
+            # Placed by adapter; the replica samples the version named in POOL_ADAPTER_HEADER.
+            name, target = named
+            replica, reply, _ = await to_version(gw, name, "adapter_name", target,
+                                                 lambda engine: out.with_header(POOL_ADAPTER_HEADER, engine),
+                                                 rerun=rerun_allowed(request), label_of=_label)
+        else:
+            replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
+                                          prefer=rid.replica if rid else None, rerun=rerun_allowed(request),
+                                          label_of=_label)
     return respond(replica, reply, label=_label(reply), step=step_of(reply.json))

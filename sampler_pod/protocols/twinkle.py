@@ -36,6 +36,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from sampler_common.adapters import POOL_ADAPTER_HEADER
 from sampler_common.errors import InvalidRequest, NotFound, SamplerError
 
 from ..core.sampler import SamplerCore
@@ -209,12 +210,19 @@ class TwinkleService:
         """The adapter directory, confined to --checkpoint-root exactly as adapter loads are."""
         return resolve_confined(uri, self.core.cfg.checkpoint_roots, field="adapter_uri")
 
-    async def sample(self, body: SampleBody, r: Routing) -> dict[str, Any]:
+    async def sample(self, body: SampleBody, r: Routing, pool_adapter: str | None = None) -> dict[str, Any]:
+        """`pool_adapter`: the engine name of a pool's adapter version, as a pool's gateway names it
+        (POOL_ADAPTER_HEADER) in place of the session's `adapter_name`: on a pool, Twinkle's adapter
+        names are the pool's runs (docs/design/lora-pool.md, "The protocols"). Naming a loaded adapter
+        by its engine name is what `/v1/sample`'s `adapter` already allows any sampling client."""
         if body.inputs is None:
             raise InvalidRequest("inputs is required", field="inputs")
+        if pool_adapter is not None and pool_adapter not in self.core.adapters:
+            raise NotFound(f"adapter_name: the pool's adapter version {pool_adapter!r} is not loaded here",
+                           field="adapter_name")
         prompts = await asyncio.to_thread(self._prompts, body.inputs)
         plan = plan_sample(body, [len(p.input_ids) for p in prompts], self.template)
-        adapter = self.resolve_adapter(r, body.adapter_name, body.adapter_uri)
+        adapter = pool_adapter or self.resolve_adapter(r, body.adapter_name, body.adapter_uri)
         try:
             resp = await self.core.sample(core_request(prompts, plan, adapter))
         except SamplerError as e:
@@ -366,7 +374,7 @@ async def sample(model_id: str, request: Request) -> Response:
     svc, rt = _ident(request)
     svc.check_model(model_id)
     body: SampleBody = parse_json(SampleBody, await request.body())
-    out = await svc.sample(body, rt)
+    out = await svc.sample(body, rt, request.headers.get(POOL_ADAPTER_HEADER) or None)
     resp = _reply(out, rt)
     resp.headers["X-Sampler-Weights-Version"] = str(out["weights_version"])
     return resp

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import requests
 
+from sampler_common.adapters import POOL_ADAPTER_HEADER
 from sampler_common.errors import InvalidRequest
 from sampler_pod.engine.base import AdapterRef
 from sampler_pod.protocols.twinkle import Sessions
@@ -332,6 +333,22 @@ async def test_adapter_scoped_to_session() -> None:
         other = await c.post(URL + "/sample", json={**body(seed=1), "adapter_name": "policy"},
                              headers={"X-Twinkle-Session-Id": "tw-b"})
         assert other.status_code == 404 and other.json()["error"]["field"] == "adapter_name"
+
+
+async def test_a_pool_gateway_names_the_version_in_its_header() -> None:
+    """Behind a pool's gateway `adapter_name` is a run; the gateway names the version it placed the
+    sample on (its engine name) in POOL_ADAPTER_HEADER, shared with the gateway (sampler_common)."""
+    core, _ = fake_core()
+    core.adapters["run.2.7"] = AdapterRef(name="run.2.7", lora_id=1, path="/x")
+    async with fake_client(core) as c:
+        placed = await c.post(URL + "/sample", json={**body(seed=1), "adapter_name": "run"},
+                              headers={POOL_ADAPTER_HEADER: "run.2.7"})
+        assert placed.status_code == 200 and placed.json()["adapter"] == "run.2.7", placed.text
+        # Unloaded since the gateway placed it: a 404 naming adapter_name (the gateway places it again).
+        gone = await c.post(URL + "/sample", json={**body(seed=1), "adapter_name": "run"},
+                            headers={POOL_ADAPTER_HEADER: "run.3.8"})
+        assert gone.status_code == 404 and gone.json()["error"]["field"] == "adapter_name", gone.text
+        assert "run.3.8" in gone.json()["error"]["message"]
 
 
 async def test_api_key_applies() -> None:

@@ -11,6 +11,8 @@ discovery, and a third gateway played by the test: a Lease of its own, labelled 
   allowance): it returns nothing by then (its self-fence).
 - A played gateway that keeps renewing but never says the serial: the push is a 503 `gateways` naming
   it once the bound is over, with the version declared; a repeat answers once it is gone.
+- Twinkle's real client: `add_adapter_to_sampler` through gateway a pushes run `adapter_name`, and a
+  sample naming it through gateway b is answered by that version (as the native route answers it).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tests.support import k8s as ks
 from tests.support.checkpoints import make_lora_adapter
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.operator_harness import ProcessKubelet
+from tests.support.twinkle import TwinkleClients
 
 from .test_pool_controller import G, V, _get, pool_body, pool_status, template
 from .test_pool_push import _gateway_env
@@ -105,7 +108,7 @@ def test_a_push_answers_once_every_live_gateway_routes_by_it(k8s: Any, api: Any,
                                                              tiny_model: Path, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     for i in range(1, 5):
-        make_lora_adapter(tiny_model, root / f"r{i}", seed=i)
+        make_lora_adapter(tiny_model, root / f"r{i}", seed=i)   # r4: Twinkle's
     kubelet = ProcessKubelet(api.core, ns, tmp_path / "pods")
     stack = contextlib.ExitStack()
     pushes = concurrent.futures.ThreadPoolExecutor(1)
@@ -170,6 +173,35 @@ def test_a_push_answers_once_every_live_gateway_routes_by_it(k8s: Any, api: Any,
         ghost.delete()
         again = pool.push_adapter("run", str(root / "r3"), "step-3", 3)   # a repeat
         assert again.step == 3, again
+
+        # 4. Twinkle's add_adapter_to_sampler through a gateway is a push of run `adapter_name` (its
+        # next step), and a Twinkle sample naming the run, through the other gateway, is placed by
+        # adapter: answered as the native route answers that version, not as the base model.
+        from twinkle_client.sampler import vLLMSampler
+
+        with TwinkleClients() as tc:
+            tc.init(base_url=a.url, api_key=admin)
+            sampler = vLLMSampler(tiny_model.name)
+            added = sampler.add_adapter_to_sampler("tw", None, adapter_uri=str(root / "r4"))
+            assert added is not None
+            pool_obj = api.custom.get_namespaced_custom_object(G, V, ns, "samplerpools", "t")
+            tw = pool_obj["spec"]["adapters"]["runs"]["tw"]
+            assert [(v["step"], v["path"]) for v in tw["versions"]] == [(0, str(root / "r4"))], tw
+            prompt = {"input_ids": [1, 5, 9]}
+            params = {"max_tokens": 4, "temperature": 0.0}
+            tc.init(base_url=b.url, api_key=key)
+            on_run = vLLMSampler(tiny_model.name).sample([prompt], sampling_params=params, adapter_name="tw")
+            base = vLLMSampler(tiny_model.name).sample([prompt], sampling_params=params)
+        native = httpx.post(b.url + "/v1/sample", headers={"X-API-Key": key}, timeout=60, json={
+            "prompts": [[1, 5, 9]], "sampling_params": params, "adapter": "tw"})
+        assert native.status_code == 200, native.text
+        want = native.json()["results"][0]["sequences"][0]["tokens"]
+        assert list(on_run[0].sequences[0].tokens) == want != list(base[0].sequences[0].tokens)
+        r = httpx.post(f"{b.url}/api/v1/sampler/{tiny_model.name}/twinkle/sample",
+                       headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                       json={"inputs": [prompt], "sampling_params": params, "adapter_name": "tw@7"})
+        assert r.status_code == 404 and r.json()["error"]["field"] == "adapter_name", r.text
+
         bound = LEASE_S + CLOCK_SKEW_S + RENEW_S
         print(f"push waited for the played gateway (acknowledged at {said:%T.%f}); a gateway expiring was "
               f"waited for until its Lease ended; a stuck one refused after the bound ({bound:g} s)")
