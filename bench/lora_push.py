@@ -316,6 +316,10 @@ def table(results: Results, a: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def publishable(a: argparse.Namespace) -> bool:
+    return a.rounds >= 3 and a.pushes >= 3 and a.engine == "vllm" and not a.no_write
+
+
 def main() -> None:
     if sys.argv[1:2] == ["gateway"]:
         serve_gateway(sys.argv[2:])
@@ -328,8 +332,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled orders")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
-    publish("LoRA push", table(asyncio.run(run(a)), a), "python -m bench.lora_push",
-            publishable=a.rounds >= 3 and a.engine == "vllm" and not a.no_write)
+    publish("LoRA push", table(asyncio.run(run(a)), a), "python -m bench.lora_push", publishable=publishable(a))
 
 
 if __name__ == "__main__":

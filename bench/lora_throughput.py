@@ -192,6 +192,10 @@ def body(per_model: dict[str, Results], a: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def publishable(a: argparse.Namespace) -> bool:
+    return a.rounds >= 3 and set(a.models) == set(MODELS) and not a.no_write
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -202,8 +206,7 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     per_model = {name: asyncio.run(run_model(name, a)) for name in a.models}
-    publish("LoRA throughput", body(per_model, a), "python -m bench.lora_throughput",
-            publishable=a.rounds >= 3 and set(a.models) == set(MODELS) and not a.no_write)
+    publish("LoRA throughput", body(per_model, a), "python -m bench.lora_throughput", publishable=publishable(a))
 
 
 if __name__ == "__main__":
