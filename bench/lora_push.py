@@ -204,7 +204,9 @@ async def push_once(arm: str, topo: Topology, http: aiohttp.ClientSession, arms:
     assert topo.gateway is not None
     arms.step += 1
     step, label = arms.step, f"step-{arms.step}"
-    if arm == "adapter-all" and "all" in arms.last:
+    # The run's first push has no holder to load on besides its own: it lands on one replica.
+    primed = arm == "adapter-all" and "all" in arms.last
+    if primed:
         await asyncio.to_thread(prime, topo, arms, "all")
     loadavg, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
     seen: float | None = None
@@ -217,7 +219,7 @@ async def push_once(arm: str, topo: Topology, http: aiohttp.ClientSession, arms:
                                       servable="all" if run == "all" else "one")
         seconds = time.perf_counter() - t0
         arms.last[run] = (out.engine_name, path)
-        await asyncio.to_thread(check_adapter, topo, out.engine_name, run == "all")
+        await asyncio.to_thread(check_adapter, topo, out.engine_name, primed)
     else:
         checkpoint = arms.full[step % len(arms.full)]
         if arm == "full-keep":
