@@ -23,3 +23,5 @@ bench: setup
 	.venv/bin/python -m bench.weight_swap
 	.venv/bin/python -m bench.protocols
 	.venv/bin/python -m bench.operator_replacement
+	.venv/bin/python -m bench.lora_push
+	.venv/bin/python -m bench.lora_throughput

@@ -52,12 +52,13 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, adapter_d
     return out[0, len(prompt):].tolist()
 
 
-def make_lora_adapter(model_dir: Path, out: Path, *, r: int = 8, seed: int = 0, scale: float = 0.5) -> Path:
+def make_lora_adapter(model_dir: Path, out: Path, *, r: int = 8, seed: int = 0, scale: float = 0.5,
+                      target_modules: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
     """A PEFT LoRA adapter with non-zero B (PEFT's default init makes B zero: a no-op adapter)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(_load(model_dir), LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
+    model = get_peft_model(_load(model_dir), LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(target_modules),
                                                         init_lora_weights=False))
     with torch.no_grad():
         for name, p in model.named_parameters():
