@@ -53,6 +53,7 @@ def example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("rl_loop", ROOT / "examples" / "rl_loop.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules["rl_loop"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -122,6 +123,7 @@ def run_loops(stack: Stack, tiny_model: Path, tmp_path: Path) -> dict[str, dict[
 def test_two_lora_rl_loops_share_a_pool_each_sampling_only_its_own_versions(stack: Stack, tiny_model: Path,
                                                                          tmp_path: Path) -> None:
     got = run_loops(stack, tiny_model, tmp_path)
+    print({run: [s["reward"] for s in summary["steps"]] for run, summary in got.items()})
     for run, summary in got.items():
         steps = summary["steps"]
         assert summary["lora"] is True and [s["step"] for s in steps] == list(range(STEPS + 1)), summary
