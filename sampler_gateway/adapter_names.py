@@ -24,6 +24,8 @@ asked for its version and is always returned.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
@@ -34,6 +36,7 @@ from .config import VersionPolicy
 
 TINKER_PREFIX = "tinker://"
 SAMPLER_WEIGHTS = "sampler_weights"
+_ENGINE_NAME = re.compile(r"([^.]+)\.([0-9]+)\.([0-9]+)")  # <run>.<step>.<serial>
 # How many runs or versions an error lists: enough to spot a typo, bounded on a pool with many.
 _LISTED = 10
 
@@ -111,6 +114,21 @@ def resolve(name: str, state: AdapterState, model: str, *, fieldname: str = "mod
         raise NotFound(f"{fieldname} {name!r}: run {run_name!r} has no such version (its cap keeps "
                        f"{state.max_versions_per_run}); it declares steps {have}", field=fieldname)
     return VersionTarget(run=run_name, version=version, pinned=True)
+
+
+def answered_as(engine: str, declared: Mapping[str, tuple[str, AdapterVersion]]) -> tuple[str, str | None] | None:
+    """What an answer sampled by the replica's adapter `engine` tells the client: `<run>@<step>` and
+    the version's label. A version no longer declared (its run's cap dropped it since it was sampled)
+    is still named by its run and step, which its engine name carries, without a label. None: not an
+    engine name of the pool's (a replica's own `--initial-adapters`): the replica's own name stands."""
+    found = declared.get(engine)
+    if found is not None:
+        run, version = found
+        return f"{run}@{version.step}", version.label
+    parts = _ENGINE_NAME.fullmatch(engine)
+    if parts is None or not RUN_RE.fullmatch(parts[1]):
+        return None
+    return f"{parts[1]}@{int(parts[2])}", None
 
 
 @dataclass

@@ -20,6 +20,10 @@ LABEL_HEADER = "X-Sampler-Weights-Label"
 VERSION_HEADER = "X-Sampler-Weights-Version"
 # The training step of those weights (issue #24), sent only when their load named one.
 STEP_HEADER = "X-Sampler-Weights-Step"
+# The adapter version that answered (issue #31): `<run>@<step>` and its label. A replica's Tinker
+# answers carry its engine's name for the adapter in the first; the gateway names it the client's way.
+ADAPTER_HEADER = "X-Sampler-Adapter"
+ADAPTER_LABEL_HEADER = "X-Sampler-Adapter-Label"
 
 
 def gateway_of(request: Request) -> Gateway:

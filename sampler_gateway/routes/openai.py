@@ -41,6 +41,8 @@ from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, f
 from ..replicas import ReplicaView
 from ..upstream import Lost, Reply, Stream, TimedOut
 from .common import (
+    ADAPTER_HEADER,
+    ADAPTER_LABEL_HEADER,
     LABEL_HEADER,
     REPLICA_HEADER,
     affinity_of,
@@ -152,10 +154,6 @@ async def generate(request: Request) -> Response:
     if reply.stream is None:
         return respond(replica, reply)
     return Relay(gw, replica, reply, reply.stream)
-
-
-ADAPTER_HEADER = "X-Sampler-Adapter"  # `<run>@<step>` of the version that answered
-ADAPTER_LABEL_HEADER = "X-Sampler-Adapter-Label"
 
 
 def _named(reply: Reply, version: dict[str, Any] | None) -> Reply:

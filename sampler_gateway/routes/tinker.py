@@ -17,13 +17,16 @@ there: the first samples pay no load), with the version's engine name as its `mo
 every replica; `asample` and `GET samplers/{id}` of such a session go to a holder of it too (loaded
 on demand), and the replica is sent the engine name. A label the run does not declare is a 404
 naming `model_path`, never the base model. Any other `model_path` (a full-weights label pinned)
-goes to any replica as before.
+goes to any replica as before. A result sampled by a version names it (`X-Sampler-Adapter:
+<run>@<step>`, `X-Sampler-Adapter-Label`), as the OpenAI routes do, in place of the replica's
+engine name: a trainer checks there that its samples came from the version it pushed.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from typing import Any
 
 import orjson
@@ -32,14 +35,24 @@ from fastapi.responses import Response
 
 from .. import ids
 from ..adapter_forward import to_version
-from ..adapter_names import VersionTarget
+from ..adapter_names import VersionTarget, answered_as
 from ..adapter_route import tinker_path
 from ..admission import cost_of
 from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Reply
-from .common import LABEL_HEADER, affinity_of, gateway_of, json_object, outgoing, respond
+from .common import (
+    ADAPTER_HEADER,
+    ADAPTER_LABEL_HEADER,
+    LABEL_HEADER,
+    affinity_of,
+    ascii_header,
+    gateway_of,
+    json_object,
+    outgoing,
+    respond,
+)
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -170,7 +183,22 @@ async def retrieve_future(request: Request) -> Response:
     if answer is not None and answer.get("type") == "try_again":
         answer["request_id"] = routed
         return respond(replica, reply, orjson.dumps(answer))
-    return respond(replica, reply, label=label)
+    return respond(replica, _adapter_named(gw, reply), label=label)
+
+
+def _adapter_named(gw: Gateway, reply: Reply) -> Reply:
+    """A result sampled by one of the pool's adapter versions names it as the OpenAI routes do:
+    `<run>@<step>` and its label, in place of the replica's engine name (the SDK's dataclasses have
+    no field for it; a trainer checks its samples' version here). No header: the base model."""
+    engine = reply.header(ADAPTER_HEADER)
+    named = answered_as(engine, gw.adapters.declared()) if engine is not None and reply.status == 200 else None
+    if named is None:
+        return reply
+    model, label = named
+    kept = tuple((k, v) for k, v in reply.headers if k.lower() not in (ADAPTER_HEADER.lower(),
+                                                                        ADAPTER_LABEL_HEADER.lower()))
+    added = ((ADAPTER_HEADER, model),) + (((ADAPTER_LABEL_HEADER, ascii_header(label)),) if label is not None else ())
+    return dataclasses.replace(reply, headers=kept + added)
 
 
 async def _session_call(request: Request, session_id: Any) -> Response:

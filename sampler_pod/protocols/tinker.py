@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 # Under the SDK's own 45 s retrieve timeout, with room for the response to travel.
 LONG_POLL_S = 30.0
 PROTOBUF = "application/x-protobuf"
+# Names the adapter an answer was sampled with (absent: the base model).
+ADAPTER_HEADER = "X-Sampler-Adapter"
 # Bounded memory for per-process bookkeeping (idempotency keys, response shapes, sessions).
 MAX_TRACKED = 100_000
 
@@ -379,6 +381,11 @@ def _sample_reply(result: CoreSampleResponse, shape: ResponseShape, accept: str)
                "X-Sampler-Weights-Spans": json.dumps(spans, separators=(",", ":"))}
     if result.weights_step is not None:
         headers["X-Sampler-Weights-Step"] = str(result.weights_step)
+    if result.adapter is not None:
+        # The LoRA adapter that sampled every sequence of the answer (one per request, and its weights
+        # never change under one), by its name here; absent: the base model alone. A pool's gateway
+        # names it the client's way (`<run>@<step>`: sampler_gateway/routes/tinker.py).
+        headers[ADAPTER_HEADER] = result.adapter.encode("ascii", "backslashreplace").decode()
     if shape.pinned_label is not None and result.weights_label != shape.pinned_label:
         # The pinned checkpoint was replaced while this request waited: never return other weights' tokens.
         return _json({"error": f"model_path pinned weights {shape.pinned_label!r} but they were replaced by "

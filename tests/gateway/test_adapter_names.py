@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from sampler_common.adapters import AdapterState
 from sampler_common.errors import NotFound
-from sampler_gateway.adapter_names import BaseTarget, RunOrder, VersionTarget, base_names, resolve
+from sampler_gateway.adapter_names import BaseTarget, RunOrder, VersionTarget, answered_as, base_names, resolve
 from sampler_gateway.adapter_push import AdapterPush, decide_push
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -153,3 +153,14 @@ def test_latest_answers_per_run_never_go_back(events: list[tuple[str, str, int]]
                 got[t.run].append(t.version.step)
     for steps in got.values():
         assert steps == sorted(steps)
+
+
+def test_an_answer_names_its_version_the_clients_way() -> None:
+    """A Tinker answer's adapter (the replica's engine name) as the gateway passes it on: `<run>@<step>`
+    and the label; a version dropped since by its run and step; a replica's own adapter: None."""
+    declared = STATE.engine_names()
+    math2 = next(e for e, (run, v) in declared.items() if run == "math" and v.step == 2)
+    assert answered_as(math2, declared) == ("math@2", "step-2")
+    assert answered_as("math.9.77", declared) == ("math@9", None)
+    for own in ("my-lora", "a.b.c", "math.1", "bad@run.1.2", "math.².1"):
+        assert answered_as(own, declared) is None, own

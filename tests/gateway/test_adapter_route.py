@@ -306,6 +306,29 @@ def test_tinker_sdk_samples_exactly_the_version_its_model_path_names(env: Env) -
         sc.create_sampling_client(model_path="tinker://a/sampler_weights/step-9").result()
 
 
+def test_a_tinker_answer_names_the_version_that_sampled_it(env: Env) -> None:
+    """The Tinker wire has no field for the adapter: the gateway's answer names it in headers, the
+    client's way (`<run>@<step>` and the label, not the engine name); a base model answer names none."""
+    def sample(**model: str) -> httpx.Response:
+        wire = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]}, "num_samples": 1,
+                "sampling_params": {"max_tokens": 4, "temperature": 0.0}, **model}
+        r = httpx.post(env.gw.url + "/api/v1/asample", json=wire, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        got = httpx.post(env.gw.url + "/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]},
+                         headers=AUTH, timeout=60)
+        assert got.status_code == 200 and got.json()["type"] == "sample", got.text
+        return got
+
+    base_model = httpx.get(env.pool.servers["r0"].url + "/health").json()["model"]
+    for run, step in [("b", 2), ("a", 1)]:
+        got = sample(model_path=f"tinker://{run}/sampler_weights/step-{step}")
+        assert (got.headers["x-sampler-adapter"], got.headers["x-sampler-adapter-label"]) == (f"{run}@{step}",
+                                                                                              f"step-{step}")
+        assert got.json()["sequences"][0]["tokens"] == env.oracle[ENGINE[run, step]][:4]
+    base = sample(base_model=base_model)
+    assert "x-sampler-adapter" not in base.headers and "x-sampler-adapter-label" not in base.headers
+
+
 def test_latest_per_run_never_goes_back(env: Env) -> None:
     """Under Latest, a `<run>` answer on step 2 that comes back after one on step 3 was returned is
     not returned: it is run again, on step 3. A pinned `<run>@2` is always returned."""

@@ -184,11 +184,16 @@ async def test_model_path_selects_adapter_or_label_and_refuses_unknown() -> None
     core, _ = fake_core()
     core.adapters["my-lora"] = AdapterRef(name="my-lora", lora_id=1, path="/x")
     async with fake_client(core) as c:
-        base = deserialize_sample_response((await submit_and_get(c, sample_body())).content).sequences[0].tokens
+        plain = await submit_and_get(c, sample_body())
+        base = deserialize_sample_response(plain.content).sequences[0].tokens
         lora = await submit_and_get(c, sample_body(model_path="tinker://run-1/weights/my-lora"))
         assert deserialize_sample_response(lora.content).sequences[0].tokens != base
         pinned = await submit_and_get(c, sample_body(model_path="tinker://run-1/base"))
         assert deserialize_sample_response(pinned.content).sequences[0].tokens == base
+        # The answer names the adapter that sampled it (the SDK's dataclasses have no field for it);
+        # the base model's answers name none.
+        assert lora.headers["x-sampler-adapter"] == "my-lora"
+        assert "x-sampler-adapter" not in plain.headers and "x-sampler-adapter" not in pinned.headers
         for kw, field in [({"model_path": "tinker://run-1/weights/nope"}, "model_path"),
                           ({"base_model": "Qwen/Qwen3-8B"}, "base_model")]:
             r = await c.post(
