@@ -30,10 +30,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import count
 
-# Sequences a flow of share 1 may send per turn. Small enough that a turn is short next to a sample
-# (a flow of single prompts gets a turn every few requests of a batching flow), large enough that a
-# batch of 16 prompts does not wait several turns to build its deficit.
-QUANTUM = 16
+# Sequences a flow of share 1 may send per turn: one. A small flow's request that arrives behind a
+# flood then waits for at most one of the flood's requests to be let through (each of its requests
+# finds the flow out of the ring, so it waits a whole turn of the flood's: with 16 per turn, B's
+# p50 beside a flood of 128 was ~2.5x its p50 in a full batch, bench/fairness.py). A batch of 16
+# prompts builds its deficit over 16 turns, in which every other flow sends one sequence: the
+# cost-fair order; the turns are loop iterations, not waits.
+QUANTUM = 1
 
 # The fairness header of the Gateway API Inference Extension: a client that tags its flows for it
 # keeps them here.

@@ -69,16 +69,17 @@ def test_every_request_leaves_exactly_once_and_in_order_within_its_flow(script: 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=60), st.lists(st.integers(1, 40), min_size=1, max_size=60),
-       st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.5, 1.0, 2.0]))
+       st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([QUANTUM, 4, 16]))
 def test_two_backlogged_flows_share_by_their_shares_within_drrs_bound(costs_a: list[int], costs_b: list[int],
-                                                                       share_a: float, share_b: float) -> None:
-    q = FairQueue(max_waiting=100, shares={"a": share_a, "b": share_b})
+                                                                       share_a: float, share_b: float,
+                                                                       quantum: int) -> None:
+    q = FairQueue(max_waiting=100, shares={"a": share_a, "b": share_b}, quantum=quantum)
     for c in costs_a:
         q.offer("a", c)
     for c in costs_b:
         q.offer("b", c)
     served = {"a": 0, "b": 0}
-    bound = QUANTUM + 40 / min(share_a, share_b)
+    bound = quantum + 40 / min(share_a, share_b)
     while q.waiting("a") and q.waiting("b"):
         t = q.pop()
         assert t is not None
@@ -109,12 +110,12 @@ def test_a_full_flow_is_refused_and_the_others_are_not() -> None:
 
 def test_an_idle_flow_saves_no_credit() -> None:
     """A flow that emptied starts its next burst with a fresh quantum, not with what it did not use."""
-    q = FairQueue(max_waiting=100)
+    q = FairQueue(max_waiting=100, quantum=16)
     q.offer("a", 1)
-    assert q.pop() is not None  # a had QUANTUM - 1 of its turn left when it emptied
+    assert q.pop() is not None  # a had 15 of its turn left when it emptied
     for _ in range(3):
-        q.offer("b", QUANTUM)
-    q.offer("a", 2 * QUANTUM - 1)  # leaves on a's first turn only if that credit were kept
+        q.offer("b", 16)
+    q.offer("a", 31)  # leaves on a's first turn only if that credit were kept
     assert [t.flow for t in (q.pop(), q.pop(), q.pop()) if t is not None] == ["b", "b", "a"]
 
 
