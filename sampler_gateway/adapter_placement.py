@@ -5,7 +5,11 @@ docs/design/lora-pool.md, "Placement").
    another request), the least loaded. The version's weights and its cached prefixes are there.
 2. Else a replica that **loads it on demand**: the least loaded one with room, a free slot first,
    else a slot whose least-recently-used version has no request in flight (it is unloaded first).
-   Versions the pool no longer declares go before any declared one, whatever their last use.
+   Versions the pool no longer declares go before any declared one, whatever their last use; then
+   versions of a run holding more than its share of the pool's slots (the slots over the runs
+   that hold one or ask for one): a run that loaded versions on every replica while another run
+   waits for a slot gives up its own least recently used first, so one run cannot keep the others
+   to loading and unloading on every request.
    Between replicas equally loaded that must each unload, the one whose victims were used least
    recently: the pool's LRU version goes, not whichever replica the tie-break turn names (a
    version just used on one replica is not unloaded while an older one idles on another).
@@ -54,17 +58,38 @@ class Placement:
     evict: tuple[str, ...] = ()  # versions to unload on it first, in this order
 
 
-def victims(replica: ReplicaAdapters, keep: str, declared: Collection[str]) -> tuple[str, ...] | None:
+def run_of(engine_name: str) -> str:
+    """The run of a pool version's engine name (`<run>.<step>.<serial>`); any other adapter name is
+    a run of its own."""
+    return engine_name.split(".", 1)[0]
+
+
+def runs_over_share(replicas: Sequence[ReplicaAdapters], wanted: str) -> frozenset[str]:
+    """Pure: the runs holding more than their share of the pool's slots, the share being the slots
+    over the runs that hold a version or ask for one (`wanted`'s run)."""
+    slots = sum(r.slots for r in replicas if r.slots > 0)
+    held: dict[str, int] = {}
+    for r in replicas:
+        if r.slots > 0:
+            for n in r.loaded:
+                held[run_of(n)] = held.get(run_of(n), 0) + 1
+    share = slots / len(set(held) | {run_of(wanted)})
+    return frozenset(run for run, n in held.items() if n > share)
+
+
+def victims(replica: ReplicaAdapters, keep: str, declared: Collection[str],
+            over: Collection[str] = frozenset()) -> tuple[str, ...] | None:
     """The versions to unload on `replica` so that `keep` fits, or None when it cannot be made room
     for: too few idle versions. Never one with a request in flight, never `keep` itself; versions no
-    longer declared first, then the least recently used."""
+    longer declared first, then those of the runs `over` their share (`runs_over_share`), then the
+    least recently used."""
     if replica.slots <= 0:
         return None
     need = len([n for n in replica.loaded if n != keep]) - replica.slots + 1
     if need <= 0:
         return ()
     idle = [n for n in replica.loaded if n != keep and replica.in_flight.get(n, 0) <= 0]
-    idle.sort(key=lambda n: (n in declared, replica.loaded[n], n))
+    idle.sort(key=lambda n: (n in declared, run_of(n) not in over, replica.loaded[n], n))
     return tuple(idle[:need]) if len(idle) >= need else None
 
 
@@ -74,17 +99,20 @@ def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Co
     draining, allowed by the version policy), or None when no replica can take it now."""
     lora = [r for r in replicas if r.slots > 0]
     holders = sorted((r for r in lora if engine_name in r.loaded), key=lambda r: (r.load, r.name))
+    over = runs_over_share(lora, engine_name)
     loaders: list[tuple[ReplicaAdapters, tuple[str, ...]]] = []
     for r in lora:
         if engine_name in r.loaded:
             continue
-        evict = victims(r, engine_name, declared)
+        evict = victims(r, engine_name, declared, over)
         if evict is not None:
             loaders.append((r, evict))
-    def staleness(r: ReplicaAdapters, evict: tuple[str, ...]) -> tuple[bool, float]:
-        # Unloading only undeclared versions beats any declared one; then the most recent use among
-        # the victims, least first.
-        return (any(n in declared for n in evict), max((r.loaded[n] for n in evict), default=0.0))
+
+    def staleness(r: ReplicaAdapters, evict: tuple[str, ...]) -> tuple[bool, bool, float]:
+        # Unloading only undeclared versions beats any declared one; then only versions of runs over
+        # their share; then the most recent use among the victims, least first.
+        return (any(n in declared for n in evict), any(run_of(n) not in over for n in evict),
+                max((r.loaded[n] for n in evict), default=0.0))
 
     # Least loaded; a free slot before an eviction; the least recently used victims; the rotating
     # turn spreads the ties left (an idle pool's free slots).

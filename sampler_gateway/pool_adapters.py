@@ -48,7 +48,7 @@ from sampler_common.errors import InvalidRequest, SamplerError
 from sampler_common.gateway_leases import CLOCK_SKEW_S
 
 from .adapter_health import lora_of
-from .adapter_placement import ReplicaAdapters, place, victims
+from .adapter_placement import ReplicaAdapters, place, runs_over_share, victims
 from .adapter_push import AdapterPush, adapters_patch, decide_push, parse_adapter_push, push_answer
 from .errors import GatewaysBehind, NoReplica, ReplicaLost, ReplicaTimeout
 from .forward import Gateway
@@ -214,14 +214,15 @@ class Replicas:
         # (a victim got a request) is tried once more.
         for attempt in range(3):
             replicas = await self.eligible()
-            missing = [h for h in await self.holdings(replicas.values())
-                       if name not in h.loaded and any(_of_run(n, run) for n in h.loaded)]
+            holdings = await self.holdings(replicas.values())
+            missing = [h for h in holdings if name not in h.loaded and any(_of_run(n, run) for n in h.loaded)]
+            over = runs_over_share(holdings, name)
             if not missing:
                 return
             if attempt == 2:
                 break
             for h in missing:
-                evict = victims(h, name, declared)
+                evict = victims(h, name, declared, over)
                 if evict is None:
                     raise NoReplica(f"replica {h.name} holds a version of run {run!r} but has no idle slot for "
                                     f"{name} (servable: all); the version is declared: push again",

@@ -9,7 +9,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sampler_gateway.adapter_placement import Placement, ReplicaAdapters, place, victims
+from sampler_gateway.adapter_placement import Placement, ReplicaAdapters, place, runs_over_share, victims
 
 V = "a.5.9"  # the version asked for
 
@@ -64,6 +64,30 @@ def test_between_replicas_that_must_each_unload_the_pools_least_recently_used_ve
     # Load still comes first: the less loaded replica unloads its fresher version.
     busy = [replace(pool[0], load=1), pool[1]]
     assert place(V, busy, declared={V, "a.1.1", "a.2.2"}) == Placement("r1", V, load=True, evict=("a.1.1",))
+
+
+def test_a_run_over_its_share_of_the_slots_gives_up_its_own_version_first() -> None:
+    # 4 slots, run a holds 3 of them, b one (the oldest); c asks for one: 3 runs, 4/3 slots each.
+    rep = r("r0", slots=4, loaded={"a.1.1": 5.0, "a.2.2": 6.0, "a.3.3": 7.0, "b.1.4": 1.0})
+    declared = {"a.1.1", "a.2.2", "a.3.3", "b.1.4", "c.1.5"}
+    assert runs_over_share([rep], "c.1.5") == {"a"}
+    assert place("c.1.5", [rep], declared=declared) == Placement("r0", "c.1.5", load=True, evict=("a.1.1",))
+    # Within its share, the least recently used goes, whatever its run.
+    fair = r("r0", slots=4, loaded={"a.1.1": 5.0, "a.2.2": 6.0, "b.1.4": 1.0, "b.2.6": 2.0})
+    assert place("c.1.5", [fair], declared=declared | {"b.2.6"}) == Placement("r0", "c.1.5", load=True,
+                                                                              evict=("b.1.4",))
+    # A run over its share asking for one more unloads its own, not the other run's older one.
+    assert place("a.4.7", [rep], declared=declared | {"a.4.7"}) == Placement("r0", "a.4.7", load=True,
+                                                                             evict=("a.1.1",))
+    # Busy versions of the run over its share stay: then the least recently used of the others.
+    busy = replace(rep, in_flight={"a.1.1": 1, "a.2.2": 1, "a.3.3": 1})
+    assert place("c.1.5", [busy], declared=declared) == Placement("r0", "c.1.5", load=True, evict=("b.1.4",))
+    # Across replicas: the one whose victim belongs to the run over its share unloads.
+    pool = [r("r0", slots=1, loaded={"b.1.4": 1.0}), r("r1", slots=1, loaded={"a.1.1": 9.0}),
+            r("r2", slots=1, loaded={"a.2.2": 8.0})]
+    for turn in range(3):
+        assert place("c.1.5", pool, declared=declared, turn=turn) == Placement("r2", "c.1.5", load=True,
+                                                                               evict=("a.2.2",))
 
 
 def test_a_replica_holding_more_than_its_slots_unloads_enough() -> None:
@@ -137,12 +161,23 @@ def test_placement_invariants(replicas: tuple[ReplicaAdapters, ...], want: str, 
         assert want not in chosen.loaded and len(after) <= chosen.slots
     else:
         assert want in chosen.loaded and not p.evict
+    # A version of a run within its share of the slots is unloaded only when every idle version of a
+    # run over its share stays for a reason (it is declared and the victim is not).
+    over_runs = runs_over_share(replicas, want)
+    kept_over = [n for n in chosen.loaded if n not in p.evict and n != want and chosen.in_flight.get(n, 0) == 0
+                 and n.split(".")[0] in over_runs]
+    for n in p.evict:
+        if n.split(".")[0] not in over_runs:
+            assert all(k in declared and n not in declared for k in kept_over), (n, kept_over)
     # Among loaders as loaded and unloading as many, the one whose victims were used least recently.
     if p.load and capacity is None and not holders:
-        def stale(x: ReplicaAdapters, ev: tuple[str, ...]) -> tuple[bool, float]:
-            return (any(n in declared for n in ev), max((x.loaded[n] for n in ev), default=0.0))
+        over = runs_over_share(replicas, want)
+
+        def stale(x: ReplicaAdapters, ev: tuple[str, ...]) -> tuple[bool, bool, float]:
+            return (any(n in declared for n in ev), any(n.split(".")[0] not in over for n in ev),
+                    max((x.loaded[n] for n in ev), default=0.0))
         for x in replicas:
-            ev = victims(x, want, declared) if want not in x.loaded else None
+            ev = victims(x, want, declared, over) if want not in x.loaded else None
             if x.slots > 0 and ev is not None and (x.load, len(ev)) == (chosen.load, len(p.evict)):
                 assert stale(chosen, p.evict) <= stale(x, ev)
     # Without a capacity, a holder always wins.
