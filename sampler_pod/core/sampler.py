@@ -540,7 +540,7 @@ class SamplerCore:
             raise Aborted(f"request {request_id} was aborted by {reading.aborted_by}; resubmit it (it will run on "
                           "the new weights)")
         results = [
-            PromptResult(sequences=[self._sequence(s) for s in o.sequences],
+            PromptResult(sequences=[self._sequence(s, adapter) for s in o.sequences],
                          prompt_logprobs=o.prompt_logprobs, topk_prompt_logprobs=o.topk_prompt_logprobs)
             for o in outputs
         ]
@@ -552,10 +552,11 @@ class SamplerCore:
                               weights_step=self.weights.step_of(version),
                               adapter=adapter.name if adapter else None, results=results)
 
-    def _sequence(self, s: SequenceOutput) -> Sequence:
+    def _sequence(self, s: SequenceOutput, adapter: AdapterRef | None) -> Sequence:
         label_of = self.weights.label_of
-        spans = [WeightsSpan(label=label_of(sp.version), version=sp.version, start=sp.start, end=sp.end)
-                 for sp in s.spans]
+        name = adapter.name if adapter is not None else None
+        spans = [WeightsSpan(label=label_of(sp.version), version=sp.version, start=sp.start, end=sp.end,
+                             adapter=name) for sp in s.spans]
         return Sequence(tokens=s.tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
                         stop_reason=s.finish_reason, weights_version=spans[-1].version, weights_spans=spans)
 

@@ -69,12 +69,17 @@ StopReason = Literal["stop", "length", "abort"]
 
 
 class WeightsSpan(BaseModel):
-    """Tokens `[start, end)` of a sequence were sampled by these weights."""
+    """Tokens `[start, end)` of a sequence were sampled by these weights: the base weights `label`
+    (`version`), with the LoRA `adapter` on them when the request named one (its engine name: for a
+    pool's version `<run>.<step>.<serial>`). An adapter is never reloaded under a request (a new
+    version is a new name), so only the base weights can change within a sequence."""
 
     label: str
     version: int
     start: int
     end: int
+    # A base-model span is written as before adapters had one: no `adapter: null` in every span.
+    adapter: str | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class Sequence(BaseModel):

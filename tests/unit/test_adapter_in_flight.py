@@ -126,6 +126,27 @@ async def test_adapter_changes_wait_for_no_sample_and_in_flight_is_counted_on_ev
         assert (await c.delete("/v1/adapters/a")).status_code == 204 and "a" not in engine.adapters
 
 
+async def test_weights_spans_name_the_adapter_on_every_protocol(tiny_model: Path, root: Path, tmp_path: Path) -> None:
+    """Every span of an answer sampled with an adapter names it (the engine name); a base-model
+    span has no `adapter` key at all, as before adapters had one."""
+    core, _ = lora_core(tiny_model, root, tmp_path)
+    async with fake_client(core) as c:
+        assert (await add(c, "a", "lora-a")).status_code == 200
+        native = (await c.post("/v1/sample", json=body("a"))).json()["results"][0]["sequences"][0]["weights_spans"]
+        assert native and all(sp["adapter"] == "a" for sp in native), native
+        base = (await c.post("/v1/sample", json=body())).json()["results"][0]["sequences"][0]["weights_spans"]
+        assert base and all("adapter" not in sp for sp in base), base
+        tw = await c.post(TWINKLE + "/sample", json={"inputs": [{"input_ids": PROMPT}], "adapter_name": "a",
+                                                       "sampling_params": {"max_tokens": 4}})
+        assert tw.status_code == 200, tw.text
+        assert all(sp["adapter"] == "a" for sp in tw.json()["samples"][0]["sequences"][0]["weights_spans"])
+        tk = await c.post("/api/v1/asample", json=tinker_body(model_path="tinker://a"))
+        assert tk.status_code == 200, tk.text
+        done = await c.post("/api/v1/retrieve_future", json={"request_id": tk.json()["request_id"]})
+        spans = json.loads(done.headers["X-Sampler-Weights-Spans"])
+        assert spans and all(sp["adapter"] == "a" for seq in spans for sp in seq), spans
+
+
 async def test_an_unload_races_no_admission(tiny_model: Path, root: Path, tmp_path: Path) -> None:
     """A request admitted for an adapter while its unload waited (behind another weights change) keeps
     it: the unload looks again once it may run, and is refused."""
