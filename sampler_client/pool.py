@@ -49,9 +49,16 @@ class PoolError(Exception):
 class RequestRefused(PoolError):
     """The gateway answered an error: `status`, and the error's `category`, `field` and `message`."""
 
-    def __init__(self, status: int, category: str, message: str, field: str | None) -> None:
+    def __init__(self, status: int, category: str, message: str, field: str | None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(f"{status} {category}" + (f" ({field})" if field else "") + f": {message}")
         self.status, self.category, self.message, self.field = status, category, message, field
+        self.retry_after_s = retry_after_s  # the answer's Retry-After, when it had one
+
+    @property
+    def transient(self) -> bool:
+        """A 429 or 503: the same call may succeed later (the pool is busy or changing)."""
+        return self.status in (429, 503)
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,14 @@ def progress_lines(old: Rollout | None, new: Rollout) -> list[str]:
     return lines
 
 
+def _seconds(header: str | None) -> float | None:
+    """Pure: a Retry-After in seconds (its date form is not used by the gateway)."""
+    try:
+        return max(0.0, float(header)) if header is not None else None
+    except ValueError:
+        return None
+
+
 class Pool:
     def __init__(self, url: str, admin_key: str | None, *, request_timeout_s: float = 30.0,
                  poll_interval_s: float = POLL_INTERVAL_S) -> None:
@@ -189,7 +204,8 @@ class Pool:
             except (ValueError, AttributeError):
                 err = {}
             raise RequestRefused(e.code, str(err.get("category") or e.reason),
-                                 str(err.get("message") or raw.decode(errors="replace")), err.get("field")) from None
+                                 str(err.get("message") or raw.decode(errors="replace")), err.get("field"),
+                                 _seconds(e.headers.get("Retry-After"))) from None
         except (urllib.error.URLError, OSError) as e:
             raise PoolError(f"cannot reach the gateway at {self.url}: {e}") from None
 
@@ -230,7 +246,9 @@ class Pool:
         A refusal raises `RequestRefused` and leaves the pool unchanged: a 400 naming `run`, `path`
         or a field, the replica's 400 naming the file and tensor (rank, target modules, a corrupt
         file), a 409 naming `step` (not newer than the run's newest), `version_label` or `pinned`.
-        Sending the same push again (a lost answer) answers as the first did."""
+        Sending the same push again (a lost answer) answers as the first did, so a 429 or 503 (the
+        replicas' slots all busy for a moment, a replica lost mid-push, a gateway behind) is sent
+        again after its Retry-After until `timeout`, then raised."""
         body: dict[str, Any] = {"run": run, "path": path, "version_label": label, "step": step}
         if sha256_manifest is not None:
             body["sha256_manifest"] = sha256_manifest
@@ -238,7 +256,16 @@ class Pool:
             body["pinned"] = True
         if servable != "one":
             body["servable"] = servable
-        return AdapterPushed.from_json(self._call("POST", "/v1/pool/adapters", body, timeout_s=timeout))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                left = max(1.0, deadline - time.monotonic())
+                return AdapterPushed.from_json(self._call("POST", "/v1/pool/adapters", body, timeout_s=left))
+            except RequestRefused as e:
+                pause = e.retry_after_s if e.retry_after_s is not None else 1.0
+                if not e.transient or time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
 
     def wait(self, label: str, generation: int | None = None, *, timeout: float = DEFAULT_TIMEOUT_S,
              progress: Progress = True, pushed: Rollout | None = None) -> Rollout:

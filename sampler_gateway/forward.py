@@ -32,6 +32,7 @@ long-poll) plus a grace, so nothing hangs on a stuck replica.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable
@@ -96,6 +97,9 @@ class Gateway:
     sessions: SessionTable = field(init=False)
     adapters: AdapterRouter = field(init=False)
     gate: FairGate = field(init=False)
+    # Held while an adapter push makes room on a replica and loads there (pool_adapters.py): pushes
+    # through one gateway change the replicas' slots one after the other, not in each other's way.
+    push_slots: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.sessions = SessionTable(self.cfg.session_table_size, self.cfg.session_expiry_s)

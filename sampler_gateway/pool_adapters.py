@@ -62,6 +62,8 @@ ADAPTERS = "/v1/adapters"
 # max_cpu_loras, so no eviction is planned for it and its own refusal of an add is the bound.
 UNKNOWN_SLOTS = 1 << 20
 NEVER_USED = 0.0  # before any real last use: the first evicted among the idle
+# Placements of one version a push tries, each on a fresh read of the replicas, before its 503.
+PLACE_ATTEMPTS = 4
 
 
 def replica_adapters(name: str, health: Mapping[str, Any], own_load: int = 0) -> ReplicaAdapters:
@@ -181,15 +183,18 @@ class Replicas:
 
     async def on_one(self, name: str, version: AdapterVersion | AdapterPush, declared: Collection[str]) -> str:
         """Make `name` held by one eligible replica (one that holds it already, else the least loaded
-        with room loads it); the replica's name."""
-        for _attempt in range(2):
-            replicas = await self.eligible()
-            holdings = await self.holdings(replicas.values())
-            placement = place(name, holdings, declared=declared, capacity=self.gw.cfg.replica_capacity)
-            if placement is None:
-                raise NoReplica(_no_room(name, holdings, replicas), self.gw.cfg.retry_after_s)
-            if not placement.load or await self.load(replicas[placement.replica], name, version, placement.evict):
-                return placement.replica
+        with room loads it); the replica's name. Each attempt reads the replicas afresh: a victim that
+        got a request, or a slot another gateway's load took, is seen by the next."""
+        async with self.gw.push_slots:
+            for _attempt in range(PLACE_ATTEMPTS):
+                replicas = await self.eligible()
+                holdings = await self.holdings(replicas.values())
+                placement = place(name, holdings, declared=declared, capacity=self.gw.cfg.replica_capacity)
+                if placement is None:
+                    raise NoReplica(_no_room(name, holdings, replicas), self.gw.cfg.retry_after_s)
+                if not placement.load or await self.load(replicas[placement.replica], name, version,
+                                                         placement.evict):
+                    return placement.replica
         raise NoReplica(f"the replicas' adapters kept changing while {name} was being placed; push again",
                         self.gw.cfg.retry_after_s)
 
@@ -212,6 +217,10 @@ class Replicas:
         """`servable: all`: load `name` on every eligible replica holding a version of `run`."""
         # Loads, then a read that finds them done; a replica whose adapters changed meanwhile
         # (a victim got a request) is tried once more.
+        async with self.gw.push_slots:
+            await self._on_run_holders(name, version, run, declared)
+
+    async def _on_run_holders(self, name: str, version: AdapterVersion, run: str, declared: Collection[str]) -> None:
         for attempt in range(3):
             replicas = await self.eligible()
             holdings = await self.holdings(replicas.values())

@@ -60,6 +60,7 @@ class Replicas:
         self.replicas = replicas
 
     async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        await asyncio.sleep(0)  # a round trip: other pushes run meanwhile
         r = self.replicas[replica.name]
         r.calls.append((out.method, out.path))
         if out.path == "/health":
@@ -188,3 +189,17 @@ async def test_a_view_that_never_catches_up_is_a_503_saying_so_with_the_version_
     with pytest.raises(NoReplica, match="this gateway's view of the pool has not caught up"):
         await push_adapter(gw, pool, PUSH, attempts=1)
     assert "z" in adapter_state(pool.obj).runs  # declared: sending the push again is a repeat
+
+
+async def test_pushes_of_two_runs_at_once_onto_one_full_replica_both_land() -> None:
+    """Each push loads a provisional copy to validate, then the version: on one replica with 2 slots,
+    two pushes at once through one gateway make room one after the other, not in each other's way
+    (the node tier's two LoRA loops, one replica's pod lost: both pushed in the same moment)."""
+    r0 = ScriptedReplica(slots=2, adapters={"x.1.1": Held(OLD), "y.1.2": Held(NEW)})
+    gw, pool = gateway({"r0": r0}), pool_object()
+    pushes = [AdapterPush(run="x", path="/ckpt/x2", version_label="s2", step=2),
+              AdapterPush(run="y", path="/ckpt/y2", version_label="s2", step=2)]
+    answers = await asyncio.gather(*(push_adapter(gw, pool, p, attempts=5) for p in pushes))
+    assert sorted(a["engine_name"] for a in answers) == ["x.2.3", "y.2.4"] or \
+        sorted(a["engine_name"] for a in answers) == ["x.2.4", "y.2.3"], answers
+    assert len(r0.adapters) <= 2 and not any(n.startswith("push-") for n in r0.adapters), r0.adapters

@@ -67,8 +67,10 @@ class Scripted:
     of `reads` (the last one repeats)."""
 
     def __init__(self, reads: list[dict[str, Any]], push_error: tuple[int, dict[str, Any]] | None = None,
-                 adapter_reply: tuple[int, dict[str, Any]] = (404, {})) -> None:
+                 adapter_reply: tuple[int, dict[str, Any]] = (404, {}),
+                 adapter_first: list[tuple[int, dict[str, Any]]] | None = None) -> None:
         self.reads, self.push_error, self.adapter_reply = reads, push_error, adapter_reply
+        self.adapter_first = list(adapter_first or [])  # answered (with Retry-After: 0) before adapter_reply
         self.pushes: list[tuple[str | None, dict[str, Any]]] = []
         self.gets = 0
         self.paths: list[str] = []   # each GET's path and query
@@ -77,9 +79,11 @@ class Scripted:
 @contextlib.contextmanager
 def gateway(script: Scripted) -> Iterator[str]:
     class Handler(BaseHTTPRequestHandler):
-        def _answer(self, status: int, body: dict[str, Any]) -> None:
+        def _answer(self, status: int, body: dict[str, Any], retry_after: str | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
+            if retry_after is not None:
+                self.send_header("Retry-After", retry_after)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -88,7 +92,9 @@ def gateway(script: Scripted) -> Iterator[str]:
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             script.pushes.append((self.headers.get("X-API-Key"), body))
-            if self.path == "/v1/pool/adapters":
+            if self.path == "/v1/pool/adapters" and script.adapter_first:
+                self._answer(*script.adapter_first.pop(0), retry_after="0")
+            elif self.path == "/v1/pool/adapters":
                 self._answer(*script.adapter_reply)
             elif script.push_error is not None:
                 self._answer(*script.push_error)
@@ -240,6 +246,22 @@ def test_a_refused_adapter_push_raises_with_the_field_and_the_cli_exits_2(capsys
                 "--label", "step-3", "--step", "3"]
         assert cli(argv) == 2
         assert "409 conflict (step)" in capsys.readouterr().err
+
+
+def test_an_adapter_push_answered_503_or_429_is_sent_again_until_it_lands_or_times_out() -> None:
+    busy = (503, {"error": {"category": "no_replica", "message": "the replicas' adapters kept changing; push again"}})
+    full = (429, {"error": {"category": "overloaded", "message": "busy", "field": "flow"}})
+    script = Scripted([], adapter_reply=(200, PUSHED), adapter_first=[busy, full, busy])
+    with gateway(script) as url:
+        assert Pool(url, ADMIN).push_adapter("math-rl", "/ckpt/m/120", "step-120", 120) == AdapterPushed(**PUSHED)
+    assert len(script.pushes) == 4 and all(b == script.pushes[0][1] for _, b in script.pushes)
+    # Past the timeout the last 503 is raised, as the gateway said it.
+    script = Scripted([], adapter_reply=busy)
+    with gateway(script) as url:
+        with pytest.raises(RequestRefused) as e:
+            Pool(url, ADMIN).push_adapter("math-rl", "/ckpt/m/120", "step-120", 120, timeout=0.5)
+    assert e.value.status == 503 and e.value.transient and "push again" in e.value.message
+    assert len(script.pushes) == 1   # its Retry-After (none: 1 s) would pass the deadline
 
 
 def test_cli_push_adapter(capsys: pytest.CaptureFixture[str]) -> None:
