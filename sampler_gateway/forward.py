@@ -41,6 +41,7 @@ from .adapter_route import AdapterRouter
 from .admission import FairGate
 from .config import GatewayConfig
 from .errors import NoReplica, ReplicaLost, ReplicaTimeout
+from .future_places import FuturePlaces
 from .ids import RoutedId
 from .metrics import GatewayMetrics
 from .pool import Pool
@@ -96,6 +97,7 @@ class Gateway:
     sessions: SessionTable = field(init=False)
     adapters: AdapterRouter = field(init=False)
     gate: FairGate = field(init=False)
+    places: FuturePlaces = field(init=False)
 
     def __post_init__(self) -> None:
         self.sessions = SessionTable(self.cfg.session_table_size, self.cfg.session_expiry_s)
@@ -105,6 +107,7 @@ class Gateway:
                              retry_after_s=self.cfg.retry_after_s, shares=self.cfg.fair_shares_by_run())
         # A replica that became eligible (or came back) is room for the requests waiting their turn.
         self.pool.on_room = self.gate.let_through
+        self.places = FuturePlaces(self.pool, self.upstream, self.metrics, self.cfg.upstream_grace_s)
 
 
 def weights_of(r: ReplicaView) -> str:
