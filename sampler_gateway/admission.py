@@ -16,8 +16,13 @@ run its adapter resolved to, else `base` (`fair_queue.flow_of`). A request costs
 A client that goes away while waiting leaves the queue. With no eligible replica at all a request is
 let through, to get the routes' own wait and 503 naming why (a queue would only hide it).
 
-Counted from admission to the route's answer: a sync sample for its whole run; a submitted future
-until the replica took it (its run is then bounded by the replica's own admission).
+A place counts from admission until the request's work ends on its replica: a sync sample's answer,
+an OpenAI stream's last event, and a submitted future's end on the replica (native submit, Tinker
+`asample`: how the Tinker SDK samples), not its submit's answer. Given back once the replica had
+accepted it, one run's flood of futures would pass this gate at once into the replicas' engine
+queues, first come first served, and the gate would do nothing for it; a future's route hands its
+place on (`Place.keep`) to a watcher of the future that gives it back when it ends
+(future_places.py). A request refused or failed gives its place back at once.
 """
 
 from __future__ import annotations
@@ -59,6 +64,19 @@ def metric_flow(flow: str) -> str:
     return "id" if flow.startswith("id:") else flow
 
 
+class Place:
+    """A place the gate let a request through on. Given back when its route ends, unless `keep` hands
+    its release to what holds it longer: a submitted future's watcher (future_places.py)."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.release = release
+        self.kept = False
+
+    def keep(self) -> Callable[[], None]:
+        self.kept = True
+        return self.release
+
+
 class FairGate:
     """Admission for one gateway (one event loop: no locks)."""
 
@@ -92,13 +110,14 @@ class FairGate:
         return release
 
     @contextlib.asynccontextmanager
-    async def admit(self, flow: str, cost: int) -> AsyncIterator[None]:
-        """`enter`, released when the body ends."""
-        release = await self.enter(flow, cost)
+    async def admit(self, flow: str, cost: int) -> AsyncIterator[Place]:
+        """`enter`, released when the body ends unless the body kept the place (`Place.keep`)."""
+        place = Place(await self.enter(flow, cost))
         try:
-            yield
+            yield place
         finally:
-            release()
+            if not place.kept:
+                place.release()
 
     async def _wait_turn(self, flow: str, cost: int) -> None:
         """Queued until let through; a client that goes away cancels this wait (the HTTP middleware

@@ -56,7 +56,7 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # One HTTP client to the replicas, for requests and /health reads alike (http1.py: why its own).
         client = Http1Client(CONNECT_TIMEOUT_S)
-        app.state.gateway = Gateway(cfg, pool, Upstream(client), metrics, events or NoEvents())
+        gateway = app.state.gateway = Gateway(cfg, pool, Upstream(client), metrics, events or NoEvents())
         # One refresh before serving: a gateway that starts answers from a known replica set.
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, client, min(cfg.health_timeout_s, cfg.refresh_interval_s))
@@ -83,6 +83,7 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+            await gateway.places.close()  # its watchers long-poll through the client closed next
             client.close()
             source.close()
 

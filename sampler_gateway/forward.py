@@ -42,6 +42,7 @@ from .adapter_route import AdapterRouter
 from .admission import FairGate
 from .config import GatewayConfig
 from .errors import NoReplica, ReplicaLost, ReplicaTimeout
+from .future_places import FuturePlaces
 from .ids import RoutedId
 from .metrics import GatewayMetrics
 from .pool import Pool
@@ -100,6 +101,7 @@ class Gateway:
     # Held while an adapter push makes room on a replica and loads there (pool_adapters.py): pushes
     # through one gateway change the replicas' slots one after the other, not in each other's way.
     push_slots: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    places: FuturePlaces = field(init=False)
 
     def __post_init__(self) -> None:
         self.sessions = SessionTable(self.cfg.session_table_size, self.cfg.session_expiry_s)
@@ -109,6 +111,7 @@ class Gateway:
                              retry_after_s=self.cfg.retry_after_s, shares=self.cfg.fair_shares_by_run())
         # A replica that became eligible (or came back) is room for the requests waiting their turn.
         self.pool.on_room = self.gate.let_through
+        self.places = FuturePlaces(self.pool, self.upstream, self.metrics, self.cfg.upstream_grace_s)
 
 
 def weights_of(r: ReplicaView) -> str:

@@ -39,6 +39,14 @@ class GatewayMetrics:
         self.fair_refused = Counter("sampler_gateway_fair_refused", "New requests refused 429 while the pool was full, "
                                     "by flow and why (queue_full: --fair-queue-max; waited_too_long: "
                                     "--fair-wait-s)", ["flow", "why"], registry=r)
+        self.future_places = Gauge("sampler_gateway_future_places", "Submitted futures (native submit, Tinker "
+                                   "asample) holding a place in the fair admission until their replica says they "
+                                   "ended, future_places.py", registry=r)
+        self.future_places_released = Counter(
+            "sampler_gateway_future_places_released", "Places of submitted futures given back, by why (done: the "
+            "future ended; gone: its replica no longer holds it or left the pool; unreachable: its replica did not "
+            "answer; bound: past the sample's own timeout; no_route: a replica without /v1/sample/wait, at once; "
+            "error: any other answer; shutdown)", ["why"], registry=r)
         self.waiting = Gauge("sampler_gateway_waiting_for_replica", "New requests waiting for a replica that may "
                              "take them (--no-replica-wait-s)", registry=r)
         self.gone = Counter("sampler_gateway_owner_gone", "Future/session requests whose owner is gone "

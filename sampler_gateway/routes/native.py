@@ -85,12 +85,19 @@ async def _new(request: Request, *, submit: bool) -> Response:
     out = outgoing(request, raw, timeout)
     named = _version(gw, body)
     flow = flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named is not None else None)
-    async with gw.gate.admit(flow, cost_of(body)):
-        return await _send_new(request, gw, out, body, named, submit)
+    async with gw.gate.admit(flow, cost_of(body)) as place:
+        replica, reply, adapter = await _send_new(request, gw, out, body, named, submit)
+        inner = (reply.json or {}).get("request_id") if not submit or reply.status == 200 else None
+        routed = ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None
+        if submit and routed is not None:
+            # Accepted: it runs on the replica now, and keeps its place until it ends there (future_places.py).
+            gw.places.hold(place.keep(), replica.name, str(inner), out.headers, timeout_of(gw, body.get("timeout_s")))
+    return _stamped(replica, reply, routed, adapter)
 
 
 async def _send_new(request: Request, gw: Gateway, out: Outgoing, body: dict[str, Any],
-                    named: tuple[str, VersionTarget] | None, submit: bool) -> Response:
+                    named: tuple[str, VersionTarget] | None,
+                    submit: bool) -> tuple[ReplicaView, Reply, tuple[str, dict[str, Any]] | None]:
     adapter = None
     if named is not None:
         name, target = named
@@ -106,9 +113,7 @@ async def _send_new(request: Request, gw: Gateway, out: Outgoing, body: dict[str
         replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=submit,
                                       rerun=not submit and rerun_allowed(request),
                                       label_of=None if submit else _label)
-    inner = (reply.json or {}).get("request_id") if not submit or reply.status == 200 else None
-    return _stamped(replica, reply, ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None,
-                    adapter)
+    return replica, reply, adapter
 
 
 @router.post("/sample")

@@ -52,6 +52,7 @@ from .common import (
     json_object,
     outgoing,
     respond,
+    timeout_of,
 )
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
@@ -138,19 +139,21 @@ async def asample(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
     sent = json_object(raw)
     named = _version(gw, sent)
-    # A future holds its place until the replica took it (admission.py).
     async with gw.gate.admit(flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named else None),
-                             cost_of({"num_samples": sent.get("num_samples")})):  # one prompt
+                             cost_of({"num_samples": sent.get("num_samples")})) as place:  # one prompt
         if named is not None:
             replica, reply = await _to_version(request, raw, sent, named)
         else:
             out = outgoing(request, raw, gw.cfg.control_timeout_s)
             replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=True)
-    body = reply.json if reply.status == 200 else None
-    inner = body.get("request_id") if body else None
-    if body is None or not isinstance(inner, str) or not inner:
-        return respond(replica, reply)
-    routed = ids.encode(replica.name, inner)
+        body = reply.json if reply.status == 200 else None
+        inner = body.get("request_id") if body else None
+        if body is None or not isinstance(inner, str) or not inner:
+            return respond(replica, reply)
+        routed = ids.encode(replica.name, inner)
+        # Accepted: it runs on the replica now, and keeps its place until it ends there (future_places.py).
+        # Tinker names no timeout: the replicas' default bounds it.
+        gw.places.hold(place.keep(), replica.name, inner, request.headers.items(), timeout_of(gw, None))
     body["request_id"] = routed
     seq_ids = body.get("sample_sequence_ids")
     if isinstance(seq_ids, list):

@@ -7,6 +7,10 @@ a submit is refused (the caller answers 429) rather than an old entry being drop
 
 Ids we issued but dropped are remembered (bounded) so a late retrieve gets 410 Gone,
 not a misleading 404 Not Found.
+
+`wait` says whether a future has ended without handing its result out: a pool's gateway counts a
+future it let through against the pool's capacity until it ends on its replica, not until it was
+accepted (sampler_gateway/future_places.py), and must not take the client's result to find out.
 """
 
 from __future__ import annotations
@@ -78,6 +82,25 @@ class FutureStore:
         A finished future is removed on retrieval: results are handed out once.
         Raises the request's own error if it failed.
         """
+        entry = await self._awaited(request_id, wait_s)
+        if not entry.task.done():
+            return False, None
+        if self._entries.pop(request_id, None) is None:
+            # A concurrent retrieve (or a cancel) of the same id got it first.
+            raise self._gone(request_id)
+        self._tombstone(request_id, "already retrieved")
+        if entry.task.cancelled():
+            raise Expired(f"future {request_id} was cancelled", field="request_id")
+        return True, entry.task.result()
+
+    async def wait(self, request_id: str, wait_s: float) -> bool:
+        """Whether the future has ended (ran to its end, failed or was cancelled), once it has or
+        after wait_s. Its result stays for `retrieve`: a watcher (a gateway holding the future's
+        place in its fair admission until it ends) must not take the client's result."""
+        return (await self._awaited(request_id, wait_s)).task.done()
+
+    async def _awaited(self, request_id: str, wait_s: float) -> _Entry:
+        """The entry, once its task is done or after wait_s. Raises 404/410 naming `request_id`."""
         self.expire()
         entry = self._entries.get(request_id)
         if entry is None:
@@ -90,15 +113,7 @@ class FutureStore:
                 await asyncio.wait({entry.task}, timeout=wait_s)
             finally:
                 entry.waiters -= 1
-        if not entry.task.done():
-            return False, None
-        if self._entries.pop(request_id, None) is None:
-            # A concurrent retrieve (or a cancel) of the same id got it first.
-            raise self._gone(request_id)
-        self._tombstone(request_id, "already retrieved")
-        if entry.task.cancelled():
-            raise Expired(f"future {request_id} was cancelled", field="request_id")
-        return True, entry.task.result()
+        return entry
 
     def cancel(self, request_id: str) -> bool:
         """Drop a future; if it is still running, cancel it (the request aborts its engine calls and

@@ -125,6 +125,19 @@ class RetrieveRequest(BaseModel):
     wait_s: float = Field(25.0, ge=0.0, le=30.0)
 
 
+class WaitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(..., min_length=1, max_length=200)
+    wait_s: float = Field(25.0, ge=0.0, le=30.0)
+
+
+class WaitResponse(BaseModel):
+    request_id: str
+    # True once the future has ended (its result, or its error, waits for retrieve); False: wait_s passed first.
+    done: bool
+
+
 class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

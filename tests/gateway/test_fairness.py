@@ -7,6 +7,10 @@ REAL gateway process in front of a REAL fake-engine sampler process whose engine
   round robin), not after the 40 (first come, first served, which the test fails under).
 - One flow's queue past --fair-queue-max is a 429 naming `flow` for that flow only; a request whose
   client goes away while queued leaves the queue; every other request still ends 200.
+- Submitted futures (native submit, Tinker `asample`) hold their place until they END on the replica,
+  not until their submit is answered: the same flood as futures lets B's through within A's first
+  quantum, and A's later submits stay queued while the earlier ones run (which failed before: they all
+  went straight to the replica's engine queue); a future nobody retrieves frees its place when it ends.
 The latency under load (run A at c=128 beside run B at c=4): bench/fairness.py.
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tests.support.server import engine_paused
 KEY, ADMIN = "fair-key", "fair-admin"
 AUTH, ADMIN_AUTH = {"X-API-Key": KEY}, {"X-API-Key": ADMIN}
 CAPACITY = 2
+SUBMIT = "/v1/sample/submit"
 BODY = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4, "temperature": 0.0}}
 
 
@@ -63,12 +68,13 @@ class Clients:
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
 
-    def send(self, name: str, flow_id: str | None = None, timeout: float = 120) -> None:
+    def send(self, name: str, flow_id: str | None = None, timeout: float = 120, path: str = "/v1/sample",
+             body: dict[str, Any] = BODY) -> None:
         headers = {**AUTH, **({FAIRNESS_HEADER: flow_id} if flow_id else {})}
 
         def run() -> None:
             try:
-                answer: httpx.Response | BaseException = httpx.post(self.url + "/v1/sample", json=BODY,
+                answer: httpx.Response | BaseException = httpx.post(self.url + path, json=body,
                                                                     headers=headers, timeout=timeout)
             except httpx.HTTPError as e:
                 answer = e
@@ -139,3 +145,95 @@ def test_a_full_flow_is_refused_naming_flow_and_a_client_gone_leaves_the_queue(r
             a = clients.answers[name]
             assert isinstance(a, httpx.Response) and a.status_code == 200, (name, a)
         assert _waiting(gw, "base") == _waiting(gw, "id") == 0
+
+
+def _holding(gw: RunningGateway) -> float:
+    return metric(gw.metrics(), "sampler_gateway_future_places")
+
+
+def _answered(clients: Clients) -> set[str]:
+    with clients.lock:
+        return set(clients.answers)
+
+
+def _id_of(clients: Clients, name: str) -> str:
+    a = clients.answers[name]
+    assert isinstance(a, httpx.Response) and a.status_code == 200, (name, a)
+    rid: str = a.json()["request_id"]
+    return rid
+
+
+def test_a_flood_of_futures_holds_its_places_until_they_end_on_the_replica(replica: Pool) -> None:
+    with run_gateway(replica.urls(), "--api-key", KEY, "--replica-capacity", str(CAPACITY)) as gw:
+        gw.wait_eligible({"r0"})
+        clients = Clients(gw.url)
+        with engine_paused(replica.servers["r0"], ADMIN_AUTH):
+            for i in range(CAPACITY):   # accepted by the replica, answered, and running there (frozen)
+                clients.send(f"fill{i}", path=SUBMIT)
+            gw.wait(lambda h: len(_answered(clients)) == CAPACITY, "the first futures answered")
+            # Their submits were answered, yet the pool is full: flow A's next ones wait for them to end.
+            for i in range(40):
+                clients.send(f"a{i}", path=SUBMIT)
+            gw.wait(lambda h: _waiting(gw, "base") == 40, "40 of flow A's futures waiting")
+            assert _holding(gw) == CAPACITY
+            for i in range(4):
+                clients.send(f"b{i}", flow_id="run-b", path=SUBMIT)
+            gw.wait(lambda h: _waiting(gw, "id") == 4, "4 of flow B's futures waiting")
+            assert _answered(clients) == {"fill0", "fill1"} and _waiting(gw, "base") == 40
+            # One future ends on the replica (cancelled: the frozen engine lets its abort through): its
+            # place goes to the next in turn, and only then.
+            r = httpx.post(gw.url + "/v1/sample/cancel", json={"request_id": _id_of(clients, "fill0")},
+                           headers=AUTH, timeout=30)
+            assert r.status_code == 200, r.text
+            gw.wait(lambda h: len(_answered(clients)) == CAPACITY + 1, "one more future let through")
+            assert _waiting(gw, "base") + _waiting(gw, "id") == 43 and _holding(gw) == CAPACITY
+        clients.join()
+        assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in clients.answers.values()), \
+            {n: (a.status_code if isinstance(a, httpx.Response) else a) for n, a in clients.answers.items()}
+        # Each of B's futures was let through after at most one turn of A's, as sync samples are (above);
+        # two places let through at once may answer in either order (CAPACITY). First come, first served
+        # (every submit straight to the replica's engine queue) would put all 40 first.
+        last_b = max(clients.order.index(f"b{i}") for i in range(4))
+        a_before = sum(1 for n in clients.order[:last_b] if n.startswith("a"))
+        assert a_before <= 4 * QUANTUM + CAPACITY, (a_before, " ".join(clients.order))
+        # Nobody retrieved any: each place was given back when its future ended, and every result is still there.
+        gw.wait(lambda h: _holding(gw) == 0, "every future's place given back")
+        text = gw.metrics()
+        released = {why: metric(text, "sampler_gateway_future_places_released_total", 0.0, why=why)
+                    for why in ("done", "gone", "unreachable", "bound", "no_route", "error")}
+        assert released["done"] >= 45 and sum(released.values()) == 46, released
+        for name in ("fill1", "a39", "b3"):
+            got = httpx.post(gw.url + "/v1/sample/retrieve", json={"request_id": _id_of(clients, name), "wait_s": 5},
+                             headers=AUTH, timeout=30)
+            assert got.status_code == 200 and got.json()["results"][0]["sequences"], (name, got.text)
+
+
+def _second_waits_for_the_first_to_end(replica: Pool, path: str, body: dict[str, Any], retrieve: str) -> None:
+    """At capacity 1, a future accepted (answered) holds the only place while it runs; a second one waits
+    until the first ENDS on the replica, though nobody retrieves it. Both results are retrieved after."""
+    with run_gateway(replica.urls(), "--api-key", KEY, "--replica-capacity", "1") as gw:
+        gw.wait_eligible({"r0"})
+        clients = Clients(gw.url)
+        with engine_paused(replica.servers["r0"], ADMIN_AUTH):
+            clients.send("first", path=path, body=body)
+            gw.wait(lambda h: _answered(clients) == {"first"}, "the first future answered")
+            clients.send("second", path=path, body=body)
+            gw.wait(lambda h: _waiting(gw, "base") == 1, "the second future waiting")
+            assert _answered(clients) == {"first"} and _holding(gw) == 1
+        # Resumed: the first ends, unretrieved, and gives its place to the second.
+        clients.join()
+        gw.wait(lambda h: _holding(gw) == 0, "both places given back")
+        assert metric(gw.metrics(), "sampler_gateway_future_places_released_total", why="done") == 2
+        for name in ("first", "second"):   # watching them took neither result
+            got = httpx.post(gw.url + retrieve, json={"request_id": _id_of(clients, name)}, headers=AUTH, timeout=60)
+            assert got.status_code == 200, (name, got.text)
+
+
+def test_a_future_never_retrieved_frees_its_place_when_it_ends(replica: Pool) -> None:
+    _second_waits_for_the_first_to_end(replica, SUBMIT, BODY, "/v1/sample/retrieve")
+
+
+def test_a_tinker_asample_holds_its_place_until_it_ends(replica: Pool, tiny_model: Path) -> None:
+    body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}, "num_samples": 1,
+            "sampling_params": {"max_tokens": 4}, "base_model": str(tiny_model)}
+    _second_waits_for_the_first_to_end(replica, "/api/v1/asample", body, "/api/v1/retrieve_future")

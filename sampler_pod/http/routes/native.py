@@ -1,4 +1,4 @@
-"""The native sampling API: `/v1/sample` (wait for the result) and submit/retrieve/cancel (futures)."""
+"""The native sampling API: `/v1/sample` (wait for the result) and submit/retrieve/wait/cancel (futures)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from ...core.schemas import (
     SampleRequest,
     SampleResponse,
     SubmitResponse,
+    WaitRequest,
+    WaitResponse,
 )
 from . import core_of
 
@@ -38,6 +40,13 @@ async def retrieve(req: RetrieveRequest, request: Request) -> Any:
     if not done:
         return JSONResponse({"status": "pending", "request_id": req.request_id}, status_code=202)
     return result
+
+
+@router.post("/sample/wait", response_model=WaitResponse)
+async def wait(req: WaitRequest, request: Request) -> WaitResponse:
+    """Long-poll until a future has ended (or wait_s passed), leaving its result for retrieve: a pool's
+    gateway holds the future's place in its fair admission until then. Native and Tinker futures alike."""
+    return WaitResponse(request_id=req.request_id, done=await core_of(request).futures.wait(req.request_id, req.wait_s))
 
 
 @router.post("/sample/cancel", response_model=CancelResponse)
