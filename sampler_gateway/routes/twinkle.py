@@ -11,7 +11,6 @@ expired session: 404 `Unknown session` (the client's heartbeat thread logs it an
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
@@ -27,12 +26,11 @@ from ..adapter_names import VersionTarget
 from ..admission import cost_of
 from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, OwnerGone, to_new, to_owner
-from ..pool_adapters import ReplicaAnswer, push_next_version
+from ..pool_adapters import push_next_version
 from ..pool_object import PoolObject
 from ..upstream import Outgoing, Reply
-from .adapter_push import _retrieved
+from .adapter_push import shielded_push
 from .common import (
-    REPLICA_HEADER,
     affinity_of,
     gateway_of,
     json_object,
@@ -131,16 +129,12 @@ async def add_adapter_to_sampler(model_id: str, request: Request) -> Response:
     gw = gateway_of(request)
     await PoolAdminAuth(gw.cfg.api_key, gw.cfg.admin_api_key)(request)
     body = json_object(await request.body())
-    # Shielded, as the push route is: a client that hangs up leaves the push whole.
-    task = asyncio.ensure_future(push_next_version(gw, obj, body.get("adapter_name"), body.get("adapter_uri"),
-                                                   body.get("sha256_manifest")))
-    task.add_done_callback(_retrieved)
-    try:
-        answer = await asyncio.shield(task)
-    except ReplicaAnswer as e:
-        # The validating replica's refusal (a 400 naming the file and tensor), as it sent it.
-        return Response(e.reply.body, status_code=e.reply.status, headers={REPLICA_HEADER: e.replica},
-                        media_type=e.reply.header("content-type"))
+    answer = await shielded_push(request, push_next_version(gw, obj, body.get("adapter_name"), body.get("adapter_uri"),
+                                                            body.get("sha256_manifest")),
+                                 f"run {body.get('adapter_name')} (Twinkle's add_adapter_to_sampler, "
+                                 f"adapter_uri {body.get('adapter_uri')})")
+    if isinstance(answer, Response):
+        return answer
     return JSONResponse({"status": "ok", "adapter_name": body["adapter_name"], "model_path": answer["model_path"],
                          "model": answer["model"]})
 
