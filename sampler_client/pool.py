@@ -57,8 +57,10 @@ class RequestRefused(PoolError):
 
     @property
     def transient(self) -> bool:
-        """A 429 or 503: the same call may succeed later (the pool is busy or changing)."""
-        return self.status in (429, 503)
+        """A 429, or a 503 but for gateways behind: the same call may succeed in a moment (the pool
+        busy or changing). A gateway that did not route by a push within its Lease bound will not in
+        the next moment either: that 503 (field `gateways`) is the caller's to judge."""
+        return self.status == 429 or (self.status == 503 and self.field != "gateways")
 
 
 @dataclass(frozen=True)
@@ -246,9 +248,10 @@ class Pool:
         A refusal raises `RequestRefused` and leaves the pool unchanged: a 400 naming `run`, `path`
         or a field, the replica's 400 naming the file and tensor (rank, target modules, a corrupt
         file), a 409 naming `step` (not newer than the run's newest), `version_label` or `pinned`.
-        Sending the same push again (a lost answer) answers as the first did, so a 429 or 503 (the
-        replicas' slots all busy for a moment, a replica lost mid-push, a gateway behind) is sent
-        again after its Retry-After until `timeout`, then raised."""
+        Sending the same push again (a lost answer) answers as the first did, so a transient refusal
+        (`RequestRefused.transient`: the replicas' slots all busy for a moment, a replica lost
+        mid-push) is sent again after its Retry-After while `timeout` has not passed since the first,
+        then raised. Each call may take up to `timeout`."""
         body: dict[str, Any] = {"run": run, "path": path, "version_label": label, "step": step}
         if sha256_manifest is not None:
             body["sha256_manifest"] = sha256_manifest
@@ -259,8 +262,7 @@ class Pool:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                left = max(1.0, deadline - time.monotonic())
-                return AdapterPushed.from_json(self._call("POST", "/v1/pool/adapters", body, timeout_s=left))
+                return AdapterPushed.from_json(self._call("POST", "/v1/pool/adapters", body, timeout_s=timeout))
             except RequestRefused as e:
                 pause = e.retry_after_s if e.retry_after_s is not None else 1.0
                 if not e.transient or time.monotonic() + pause >= deadline:

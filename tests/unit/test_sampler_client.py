@@ -262,6 +262,13 @@ def test_an_adapter_push_answered_503_or_429_is_sent_again_until_it_lands_or_tim
             Pool(url, ADMIN).push_adapter("math-rl", "/ckpt/m/120", "step-120", 120, timeout=0.5)
     assert e.value.status == 503 and e.value.transient and "push again" in e.value.message
     assert len(script.pushes) == 1   # its Retry-After (none: 1 s) would pass the deadline
+    # Gateways behind past their Lease bound: raised at once (the next moment would not differ).
+    behind = (503, {"error": {"category": "unavailable", "field": "gateways", "message": "gw-b did not say"}})
+    script = Scripted([], adapter_reply=(200, PUSHED), adapter_first=[behind])
+    with gateway(script) as url:
+        with pytest.raises(RequestRefused) as e:
+            Pool(url, ADMIN).push_adapter("math-rl", "/ckpt/m/120", "step-120", 120)
+    assert (e.value.field, e.value.transient, len(script.pushes)) == ("gateways", False, 1)
 
 
 def test_cli_push_adapter(capsys: pytest.CaptureFixture[str]) -> None:
