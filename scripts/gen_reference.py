@@ -181,9 +181,10 @@ def http_page() -> str:
     spec = json.loads((ROOT / "docs" / "openapi.json").read_text())
     lines = [HEADER, "# HTTP API of the sampler", "",
              "Every route of `python -m sampler_pod`, read from [docs/openapi.json](../openapi.json) (generated "
-             "from the app). The gateway serves the same routes in front of its replicas, plus its pool routes "
-             "([the pool guide](../guide/pool.md)). Errors, auth and the `/health` contract: "
-             "[contract.md](contract.md).", "",
+             "from the app). The gateway serves the sampling routes in front of its replicas (not a replica's "
+             "checkpoint and adapter loads, which a pool declares, nor `/v1/sample/wait`, which the gateway "
+             "itself uses), plus its pool routes ([the pool guide](../guide/pool.md)). Errors, auth and the "
+             "`/health` contract: [contract.md](contract.md).", "",
              "With the vLLM engine a replica also serves vLLM's own OpenAI-compatible API (vLLM's routers, "
              "not in this spec): " + ", ".join(f"`{p}`" for p in OPENAI_PATHS) + "; what the replica adds to "
              "them (the key, the shared admission limit, the weights of every answer): "
