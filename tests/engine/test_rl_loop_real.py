@@ -2,7 +2,7 @@
 REAL gateway process (static discovery), the example run as a trainer would run it (a subprocess,
 the real Tinker SDK through the gateway, torch on the tiny model, safetensors on a shared directory).
 A static pool has no SamplerPool to push to, so the example loads each replica itself (`--replica`);
-the push through `sampler_client` runs on the node tier (tests/operator/node/test_pool_rl_node.py).
+the push through `sampler_client` runs on the node tier (tests/operator/node/test_demo_story.py).
 
 What must hold is what the example asserts, read back from its summary so that a loop that stopped
 asserting would fail here too: every batch of step t was sampled at step t's label (from the weights

@@ -8,7 +8,8 @@ replica's pod is force-deleted as loop `a` says its step 1 is pushed (its sampli
 Both loops must finish; each asserts, and this test reads back from its summary, that every batch of
 step t was sampled by `<run>@<t>` alone (the gateway's `X-Sampler-Adapter` on each Tinker answer:
 never the base model, never the other run's adapter), that its answers arrived in step order (per-run
-Latest), and that the reward rose. The pool's setup and fixtures are test_pool_rl_node.py's."""
+Latest), and that the reward rose. The pool's setup is test_pool_node.py's. The full-weights loop with a
+killed pod is the demo story's (test_demo_story.py)."""
 from __future__ import annotations
 
 import json
@@ -22,19 +23,40 @@ from pathlib import Path
 import pytest
 
 from sampler_pod.testing import net
-from tests.operator.node.test_node_tier import _vllm_replica
+from tests.operator.node.test_node_tier import Api, _vllm_replica, operator_for_module, project_image, watched_namespace
 from tests.operator.node.test_pool_node import Gateway, _log, apply_pool, eligible_at, pool_body, pool_key, wait_pool
-from tests.operator.node.test_pool_rl_node import api, k8s_node, ns, operator  # noqa: F401 (its fixtures)
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 
 pytestmark = [pytest.mark.node, pytest.mark.vllm]
+k8s_node = ks.node_fixture()
 STEPS = 3
 RUNS = ("a", "b")
 
 
+# The fixtures of test_pool_node.py, for this module's own cluster objects.
+@pytest.fixture(scope="module")
+def api(k8s_node) -> Api:
+    a = Api(k8s_node)
+    for crd, name in (("samplerreplica.yaml", "samplerreplicas"), ("samplerpool.yaml", "samplerpools")):
+        k8s_node.kubectl("apply", "-f", str(REPO_ROOT / "crds" / crd))
+        ks.wait_crd_established(f"{name}.sampler.rl.dev", cluster=k8s_node)
+    return a
+
+
+@pytest.fixture(scope="module")
+def operator(k8s_node, api, tmp_path_factory):
+    yield from operator_for_module(k8s_node, tmp_path_factory,
+                                   {"SAMPLER_OPERATOR_GATEWAY_IMAGE": project_image("operator").tag})
+
+
+@pytest.fixture
+def ns(api, operator):
+    yield from watched_namespace(api, operator)
+
+
 @pytest.mark.timeout(1800)  # three vLLM starts (one a replacement) and two loops of 8 pushes, on 2 cores
-def test_two_lora_rl_loops_share_the_pool_and_survive_a_killed_replica(api, ns, operator, tiny_model,  # noqa: F811
+def test_two_lora_rl_loops_share_the_pool_and_survive_a_killed_replica(api, ns, operator, tiny_model,
                                                                        tmp_path):
     model = Path(tiny_model)
     root = tmp_path / "checkpoints"
