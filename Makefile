@@ -25,3 +25,4 @@ bench: setup
 	.venv/bin/python -m bench.operator_replacement
 	.venv/bin/python -m bench.lora_push
 	.venv/bin/python -m bench.lora_throughput
+	.venv/bin/python -m bench.fairness
