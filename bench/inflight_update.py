@@ -68,6 +68,7 @@ import random
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,7 +84,7 @@ from bench.gateway import vllm_pool
 from bench.gateway_rollout import checkpoints
 from bench.gateway_switch import POOL, G, KubePool, V, kube_pool
 from bench.load import cpu_times, prompt
-from bench.report import write_section
+from bench.report import RAW, write_section
 from bench.rollout_trace import read as read_trace
 from bench.rounds import orders
 from bench.sampling_concurrency import MAX_NUM_SEQS, http_session
@@ -582,6 +583,20 @@ def table(results: Results, a: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def every_cell(results: Results) -> list[str]:
+    """Every cell of the run, its rounds in the order run (the spread behind the medians)."""
+    order = {t: i for i, t in enumerate(TOPOLOGIES)} | {m: i for i, m in enumerate(MODES)}
+    lines = []
+    for (topo, mode, n) in sorted(results.runs, key=lambda k: (order[k[0]], order[k[1]], k[2])):
+        for i, r in enumerate(results.runs[(topo, mode, n)], 1):
+            lines.append(f"- {topo} {mode} L={n}, {i}: update {r.update_s:.3f} s, stage + write {r.stage_write:.3f} s, "
+                         f"paused {r.slowest('paused_s') * 1000:.1f} ms, drain wait {r.slowest('drain_wait_s'):.3f} s, "
+                         f"dip {_s(r.dip)}, lost {r.lost_samples} ({_n(r.lost_tokens)} tokens), tok/s {r.around:,.0f} "
+                         f"around / {r.before:,.0f} before, re-run {r.stale}, resubmit {r.resubmit}, "
+                         f"failed {r.failed}, violations {r.violations}, load {r.loadavg:.2f}, steal {r.steal:.1%}")
+    return lines
+
+
 def publishable(a: argparse.Namespace) -> bool:
     """Every topology and mode, the vLLM engine, >= 3 rounds, and at least L=64 and L=480 (the ends
     issue #22's Keep ratio compares), not --no-write."""
@@ -606,7 +621,10 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     a = p.parse_args()
     assert max(a.lengths) + 16 <= 512, "the engine's max_model_len is 512 (16-token prompts)"
-    out = table(asyncio.run(run(a)), a)
+    results = asyncio.run(run(a))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = (table(results, a) + "\n" + RAW + f"\nMeasured at commit {commit}. Every cell, its rounds in the order "
+           "run:\n\n" + "\n".join(every_cell(results)) + "\n")
     print("\n" + out)
     if not publishable(a):
         print("(not written to docs/benchmarks.md: needs every topology and mode, L=64 and L=480, the vLLM engine "

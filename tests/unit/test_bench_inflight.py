@@ -78,6 +78,10 @@ def test_the_report_puts_the_trainers_push_to_complete_and_the_dip_beside_the_st
         in text
     assert ("- L=64: push → Complete 0.35, 0.55, 0.90 s; slowest stage + write 0.100, 0.100, 0.100 s; beyond it "
             "0.25, 0.45, 0.80 s: NOT met in 1/3") in text
+    cells = iu.every_cell(results)
+    assert [c.split(",")[0] for c in cells] == ["- one keep L=64"] + ["- pool keep L=64"] * 3 + ["- kube keep L=64"] * 3
+    assert cells[5].startswith("- kube keep L=64, 2: update 0.550 s, stage + write 0.100 s, paused 30.0 ms, ")
+    assert "dip -, lost 0 (- tokens)" in cells[6]
     results.runs[("kube", "keep", 64)] = [run(0.35, 0.2)]
     assert "beyond it 0.25 s: met in 1/1" in iu.table(results, args())
     assert "The pool as users run it" not in iu.table(Results({k: v for k, v in results.runs.items()
