@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +166,20 @@ class RoutingWatch:
 
 
 @dataclass
+class KubePool:
+    """A SamplerPool of 2 run for real on envtest (kube_pool): the clients' and the admin's keys, its
+    gateways, and where the process kubelet keeps each pod's files (`<pods>/<pod>/sampler.log`)."""
+
+    core: Any
+    custom: Any
+    ns: str
+    key: str
+    admin_key: str
+    gateways: dict[str, RunningGateway]
+    pods: Path
+
+
+@dataclass
 class Stack:
     core: Any
     custom: Any
@@ -190,20 +204,23 @@ def open_at(custom: Any, ns: str, label: str) -> bool:
             and s.get("updatedReplicas") == 2 and s.get("readyReplicas") == 2 and progressing == "RolloutComplete")
 
 
-def _pool_key(core: Any, ns: str) -> str | None:
+def _pool_key(core: Any, ns: str, key: str = "api-key") -> str | None:
     import base64
 
     with contextlib.suppress(Exception):
-        return base64.b64decode(core.read_namespaced_secret(f"{POOL}-sampler-keys", ns).data["api-key"]).decode()
+        return base64.b64decode(core.read_namespaced_secret(f"{POOL}-sampler-keys", ns).data[key]).decode()
     return None
 
 
 @contextlib.contextmanager
-def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int, trace: bool = False) -> Iterator[Stack]:
-    """envtest + the operator + a pool of 2 sampler processes at labels[0] + 2 gateways, open on it.
-    `trace`: the operator and the gateways log the rollout trace (sampler_common/rollout_trace.py)."""
-    from sampler_pod.testing.tiny_model import cached_tiny_model
-
+def kube_pool(workdir: Path, template: dict[str, Any], weights: dict[str, str], gateways: tuple[str, ...],
+              gateway_flags: list[str], trace: bool = False,
+              pod_env: Callable[[Any], dict[str, str]] | None = None) -> Iterator[KubePool]:
+    """envtest + the operator + a SamplerPool of 2 replicas (`template`, at `weights`, Drain with
+    maxUnavailable 1) run by the process kubelet + gateway processes with kube discovery, each with
+    both of the pool's keys as the operator's Deployment gives them, open on the weights' label.
+    `trace`: the operator and the gateways log the rollout trace (sampler_common/rollout_trace.py);
+    `pod_env`: the process kubelet's per-pod variables."""
     ks.ensure_kubeconfig_env()
     cluster = ks.start_envtest(controller_manager=True, autobuild=False)
     with contextlib.ExitStack() as es:
@@ -226,28 +243,41 @@ def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int, trace:
         core.create_namespace({"metadata": {"name": ns}})
         ensure_watched(type("Api", (), {"core": core})(), op, ns)
 
-        model = cached_tiny_model()
-        root = workdir / "ckpt"
-        for label in labels:   # the fake engine answers by the label; each checkpoint is the base weights
-            (root / label).mkdir(parents=True)
-            shutil.copy(model / "model.safetensors", root / label / "model.safetensors")
-        kubelet = ProcessKubelet(core, ns, workdir / "pods")
+        kubelet = ProcessKubelet(core, ns, workdir / "pods", env=pod_env)
         es.callback(kubelet.stop)
-        template = {"model": str(model), "image": "local/sampler-base:dev", "engine": "fake", "port": ks.free_port(),
-                    "health": {"periodSeconds": 1, "timeoutSeconds": 1, "failureThreshold": 3},
-                    "checkpoints": {"allowedRoots": [str(root)]}}
         custom.create_namespaced_custom_object(G, V, ns, "samplerpools", {
             "apiVersion": f"{G}/{V}", "kind": "SamplerPool", "metadata": {"name": POOL},
-            "spec": {"replicas": 2, "template": template,
-                     "weights": {"checkpoint": str(root / labels[0]), "versionLabel": labels[0]},
+            "spec": {"replicas": 2, "template": template, "weights": weights,
                      "rollout": {"mode": "Drain", "maxUnavailable": 1}}})
         key = ks.wait_for(lambda: _pool_key(core, ns), 60, 0.2, "the pool's key")
-        flags = ["--routing-renew-s", str(renew_s), "--routing-lease-s", str(lease_s)]
-        env = {**cluster.subprocess_env(), "SAMPLER_GATEWAY_API_KEY": key, **trace_env}
-        gateways = {name: es.enter_context(run_gateway(None, "--pod-name", name, *flags, pool=POOL, namespace=ns,
-                                                       env=env)) for name in ("gw-a", "gw-b")}
-        ks.wait_for(lambda: open_at(custom, ns, labels[0]), OPEN_TIMEOUT_S, 0.1, f"the pool open at {labels[0]}")
-        yield Stack(core, custom, ns, root, labels, key, gateways)
+        admin_key = ks.wait_for(lambda: _pool_key(core, ns, "admin-api-key"), 60, 0.2, "the pool's admin key")
+        env = {**cluster.subprocess_env(), "SAMPLER_GATEWAY_API_KEY": key, "SAMPLER_GATEWAY_ADMIN_API_KEY": admin_key,
+               **trace_env}
+        gws = {name: es.enter_context(run_gateway(None, "--pod-name", name, *gateway_flags, pool=POOL, namespace=ns,
+                                                  env=env)) for name in gateways}
+        label = weights["versionLabel"]
+        ks.wait_for(lambda: open_at(custom, ns, label), OPEN_TIMEOUT_S, 0.1, f"the pool open at {label}")
+        yield KubePool(core, custom, ns, key, admin_key, gws, workdir / "pods")
+
+
+@contextlib.contextmanager
+def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int, trace: bool = False) -> Iterator[Stack]:
+    """kube_pool of 2 fake-engine sampler processes at labels[0] + 2 gateways, open on it; a checkpoint
+    directory per label."""
+    from sampler_pod.testing.tiny_model import cached_tiny_model
+
+    model = cached_tiny_model()
+    root = workdir / "ckpt"
+    for label in labels:   # the fake engine answers by the label; each checkpoint is the base weights
+        (root / label).mkdir(parents=True)
+        shutil.copy(model / "model.safetensors", root / label / "model.safetensors")
+    template = {"model": str(model), "image": "local/sampler-base:dev", "engine": "fake", "port": ks.free_port(),
+                "health": {"periodSeconds": 1, "timeoutSeconds": 1, "failureThreshold": 3},
+                "checkpoints": {"allowedRoots": [str(root)]}}
+    flags = ["--routing-renew-s", str(renew_s), "--routing-lease-s", str(lease_s)]
+    with kube_pool(workdir, template, {"checkpoint": str(root / labels[0]), "versionLabel": labels[0]},
+                   ("gw-a", "gw-b"), flags, trace) as kp:
+        yield Stack(kp.core, kp.custom, kp.ns, root, labels, kp.key, kp.gateways)
 
 
 def _withheld(gateways: dict[str, RunningGateway]) -> int:

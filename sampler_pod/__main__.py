@@ -7,6 +7,8 @@ import sys
 
 import uvicorn
 
+from sampler_common import rollout_trace
+
 from .config import parse_config
 from .core.sampler import SamplerCore
 from .core.startup import engine_starter, with_startup_deadline
@@ -18,6 +20,7 @@ from .weights.startup import with_initial_weights
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rollout_trace.enable_from_env()
     server: uvicorn.Server | None = None
 
     def on_fatal() -> None:

@@ -44,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +62,7 @@ from sampler_common.errors import (
     NotFound,
     SamplerError,
 )
+from sampler_common.rollout_trace import trace
 
 from ..core.health import FailedWrite, IntendedWeights
 from ..core.sampler import SamplerCore
@@ -68,6 +71,8 @@ from .state_file import PersistedAdapter, PersistedWeights, StatePersistFailed, 
 from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
 
 log = logging.getLogger(__name__)
+# This replica in the rollout trace (sampler_common/rollout_trace.py): its pod's name in a cluster.
+TRACE_WHO = f"sampler/{os.environ.get('HOSTNAME') or socket.gethostname()}"
 
 
 class WeightWriteFailed(SamplerError):
@@ -159,11 +164,18 @@ class WeightsService:
     async def load_checkpoint(self, req: LoadCheckpointRequest, *, restoring: bool = False) -> LoadCheckpointResponse:
         """Validate -> drain or abort (write lock) -> record the intended state -> write -> bump the version.
         The outcome metric is recorded once, whatever the way out: ok | rejected (nothing written) |
-        uncertain.
+        uncertain. A load done is one step of the rollout trace (`load.done`, the answer's timings).
 
         `restoring`: the startup restore (`weights/startup.py`) loads through this same path before
         the replica may serve; it skips the state file, which the restore writes once when done.
         """
+        out = await self._load_checkpoint(req, restoring)
+        timings = ("validation_s", "stage_s", "drain_wait_s", "write_s", "paused_s")
+        trace(TRACE_WHO, "load.done", label=out.weights_label, in_flight=req.in_flight,
+              **{k: f"{getattr(out, k):.6f}" for k in timings})
+        return out
+
+    async def _load_checkpoint(self, req: LoadCheckpointRequest, restoring: bool) -> LoadCheckpointResponse:
         core, m = self.core, self.core.metrics
         if req.test_fail_after_tensors is not None and not core.cfg.enable_test_seams:
             raise InvalidRequest("test_fail_after_tensors needs a server started with --enable-test-seams",

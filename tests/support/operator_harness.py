@@ -27,6 +27,7 @@ from typing import Any
 from sampler_operator.pod_security import SAMPLER_HOME
 from tests.support import k8s as ks
 from tests.support.polling import Poller
+from tests.support.server import stop as stop_group
 
 HANG = "hang"      # sleep past the probe timeout
 CLOSE = "close"    # drop the connection without an answer
@@ -167,11 +168,16 @@ class ProcessKubelet(Poller):
     its `secretKeyRef`s resolved from the API server like a kubelet does. So the operator talks
     to the real HTTP API: real auth, real checkpoint validation, real weights bookkeeping.
 
-    Pod-local paths (startup lock, weights state) move under `workdir/<pod>`; `--host` becomes the
-    pod's IP. A pod's status turns Running with its IP once its process listens."""
+    Pod-local paths (startup lock, weights state, vLLM's RPC sockets) move under `workdir/<pod>`;
+    `--host` becomes the pod's IP. A pod's status turns Running with its IP once its process listens.
+    `env(pod)`: variables a kubelet would not give, per pod (a benchmark binds each real engine to its
+    own core: one pool template cannot say that). A pod's process runs in its own process group, and
+    stopping it waits for the whole group (a real engine's core process outlives its sampler)."""
 
-    def __init__(self, core: Any, namespace: str, workdir: Path) -> None:
+    def __init__(self, core: Any, namespace: str, workdir: Path,
+                 env: Callable[[Any], dict[str, str]] | None = None) -> None:
         self.core, self.namespace, self.workdir = core, namespace, workdir
+        self.pod_env = env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}   # pod uid -> process
         self.ips: dict[str, str] = {}
         self.uids: dict[str, str] = {}                        # pod name -> uid
@@ -182,6 +188,8 @@ class ProcessKubelet(Poller):
 
     def _env(self, container: Any, home: Path) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SAMPLER_")}
+        (home / "rpc").mkdir(parents=True, exist_ok=True)
+        env["VLLM_RPC_BASE_PATH"] = str(home / "rpc")   # as tests/support/server.py: not piled up in /tmp
         for e in container.env or []:
             if e.value is not None:
                 # The pod's writable HOME (an emptyDir there, pod_security.py) moves under the pod's workdir,
@@ -216,8 +224,9 @@ class ProcessKubelet(Poller):
             home = self.workdir / name
             home.mkdir(parents=True, exist_ok=True)
             log = open(home / "sampler.log", "ab")
-            self.procs[uid] = subprocess.Popen(self._argv(p, ip, home), env=self._env(p.spec.containers[0], home),
-                                               stdout=log, stderr=subprocess.STDOUT)
+            env = {**self._env(p.spec.containers[0], home), **(self.pod_env(p) if self.pod_env else {})}
+            self.procs[uid] = subprocess.Popen(self._argv(p, ip, home), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
             self.ips[name], self.uids[name] = ip, uid
             port = p.spec.containers[0].ports[0].container_port
             ks.wait_for(lambda ip=ip, port=port: _listening(ip, port), 60, 0.05, f"pod {name} listening")
@@ -247,12 +256,7 @@ def _listening(ip: str, port: int) -> bool:
 
 
 def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+    stop_group(proc, timeout=10.0)
 
 
 class OperatorProcess:

@@ -208,3 +208,25 @@ async def test_a_keep_load_whose_pause_fails_writes_nothing_and_keeps_the_old_in
         assert h["status"] == "ok" and h["weights_version"] == 0 and h["intended"] is None, h
         assert engine._staged == {}  # the staged copy was let go
         assert (await c.post("/v1/sample", json={**LONG, "sampling_params": {"max_tokens": 2}})).status_code == 200
+
+
+async def test_each_load_done_is_a_rollout_trace_step_with_its_answers_timings(
+        ck: Ckpts, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`load.done` carries what the answer says (a pool's loads are the operator's calls: the trace is
+    where a benchmark reads the slowest replica's stage + write, bench/inflight_update.py)."""
+    from bench.rollout_trace import LINE
+    from sampler_common.rollout_trace import LOGGER
+
+    core, _ = inproc(ck, tmp_path)
+    caplog.set_level("DEBUG", logger=LOGGER)
+    async with fake_client(core) as c:
+        answers = [(await c.post("/v1/checkpoints/load", json=keep("step-1", "step-1"))).json(),
+                   (await c.post("/v1/checkpoints/load", json={"path": "step-2", "version_label": "step-2"})).json()]
+    steps = [m for m in (LINE.search(r.getMessage()) for r in caplog.records) if m and m["step"] == "load.done"]
+    assert len(steps) == 2, caplog.text
+    for m, answer, mode in zip(steps, answers, ("keep", "drain"), strict=True):
+        fields = dict(kv.split("=", 1) for kv in m["rest"].split())
+        assert m["who"].startswith("sampler/") and fields["label"] == answer["weights_label"], m[0]
+        assert fields["in_flight"] == mode
+        for k in ("validation_s", "stage_s", "drain_wait_s", "write_s", "paused_s"):
+            assert float(fields[k]) == pytest.approx(answer[k], abs=1e-6), (k, m[0])
