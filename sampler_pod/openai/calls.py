@@ -68,6 +68,21 @@ def sequences_of(body: Any) -> int:
     return n * prompts
 
 
+# Fields that vLLM's request models read as objects in their "before" validators, ahead of their
+# own type checks: any other JSON value there is an AttributeError inside vLLM, answered 500. Found
+# by the fuzzing test (tests/engine/test_openai_guarantees_real.py): `structured_outputs: 5`.
+OBJECT_FIELDS = {"/v1/completions": ("structured_outputs",), "/v1/chat/completions": ("structured_outputs",)}
+
+
+def unreadable_field(path: str, body: Any) -> str | None:
+    """Pure: the first field of `body` that vLLM would fail on (500) rather than refuse (400): a field
+    of OBJECT_FIELDS that is present, not null and not an object. None: vLLM's own validation judges."""
+    if not isinstance(body, dict):
+        return None
+    return next((f for f in OBJECT_FIELDS.get(path, ()) if body.get(f) is not None
+                 and not isinstance(body[f], dict)), None)
+
+
 Labeller = Callable[[int], str]
 
 

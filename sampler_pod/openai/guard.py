@@ -29,7 +29,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sampler_common.errors import EngineUnavailable, RequestTimedOut, SamplerError
+from sampler_common.errors import EngineUnavailable, InvalidRequest, RequestTimedOut, SamplerError
 from sampler_common.http.auth import APIKeyAuth
 
 from ..core.sampler import SamplerCore
@@ -41,6 +41,7 @@ from .calls import (
     rewrite_sse,
     sequences_of,
     tokens_of,
+    unreadable_field,
     with_spans,
 )
 
@@ -111,6 +112,10 @@ class OpenAIGuard:
             parsed: Any = json.loads(body)
         except ValueError:
             parsed = None  # vLLM's own validation answers it
+        unreadable = unreadable_field(scope["path"], parsed)
+        if unreadable is not None:
+            await send_error(send, InvalidRequest(f"{unreadable} must be an object", field=unreadable))
+            return
         try:
             ticket = core.admit_external(sequences_of(parsed))
         except SamplerError as e:

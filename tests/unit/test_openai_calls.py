@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from sampler_pod.openai.calls import OpenAICall, choice_index, rewrite_sse, sequences_of, tokens_of, with_spans
+from sampler_pod.openai.calls import (
+    OpenAICall,
+    choice_index,
+    rewrite_sse,
+    sequences_of,
+    tokens_of,
+    unreadable_field,
+    with_spans,
+)
 
 
 def label(v: int) -> str:
@@ -60,3 +68,16 @@ def test_sse_chunks_get_spans_on_their_final_event_and_pass_otherwise_unchanged(
     assert events[1] == b"data: [DONE]" and out.endswith(b"\n\n")
     broken = b'data: {"finish_reason": oops\n\n'
     assert rewrite_sse(broken, call, label) == broken
+
+
+@pytest.mark.parametrize(("path", "body", "want"), [
+    ("/v1/chat/completions", {"structured_outputs": 5}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": [1]}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": "json"}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a+"}}, None),
+    ("/v1/chat/completions", {"structured_outputs": None}, None),
+    ("/inference/v1/generate", {"structured_outputs": 5}, None),   # no such field there: vLLM refuses it
+    ("/v1/completions", [1, 2], None),
+])
+def test_a_field_vllm_would_fail_on_is_named(path: str, body: object, want: str | None) -> None:
+    assert unreadable_field(path, body) == want
