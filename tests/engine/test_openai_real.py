@@ -134,6 +134,11 @@ BAD: dict[str, tuple[str, dict[str, Any]]] = {
     "messages not a list": ("/v1/chat/completions", {"messages": 5, "max_tokens": 2}),
     "bad tool schema": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
                                                  "tools": [{"type": "function", "function": {"parameters": 3}}]}),
+    # vLLM reads it as an object before checking its type (a 500 from vLLM alone): refused first.
+    "structured_outputs not an object (chat)": ("/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 2, "structured_outputs": -11268208770338961489920}),
+    "structured_outputs not an object": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2,
+                                                             "structured_outputs": [1]}),
 }
 
 
