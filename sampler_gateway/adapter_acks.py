@@ -30,6 +30,8 @@ from typing import Any
 
 from sampler_common.gateway_leases import CLOCK_SKEW_S, GATEWAY_LABEL, GatewayAck, adapters_waiting_for
 
+from .kube_config import load_kube_config
+
 # A list or watch call never takes longer than this (the API server away: the bound still holds).
 CALL_TIMEOUT_S = 5.0
 
@@ -38,12 +40,9 @@ class KubeAdapterAcks:
     """The pool's gateway Leases, read to wait for their adapters acknowledgement."""
 
     def __init__(self, pool_label: str, namespace: str) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        load_kube_config()
         self.namespace, self.selector = namespace, f"{GATEWAY_LABEL}={pool_label}"
         self._api = client.CoordinationV1Api()
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sampler_common.errors import Conflict, InvalidRequest, NotFound, SamplerError
 
+from .kube_config import load_kube_config
+
 if TYPE_CHECKING:
     from .adapter_acks import KubeAdapterAcks
 
@@ -74,12 +76,9 @@ def _api_error(pool: str, namespace: str, status: int, reason: str, body: str | 
 
 class KubePoolObject:
     def __init__(self, pool: str, namespace: str) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        load_kube_config()
         self.pool, self.namespace = pool, namespace
         self._api = client.CustomObjectsApi()
         self._acks: KubeAdapterAcks | None = None  # made at the first LoRA push

@@ -47,6 +47,8 @@ from sampler_common.gateway_leases import ADAPTERS_ACK, GATEWAY_LABEL
 from sampler_common.gateway_leases import ROUTING_ACK as ACK_ANNOTATION
 from sampler_common.rollout_trace import trace
 
+from .kube_config import load_kube_config
+
 log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "sampler.rl.dev", "v1alpha1", "samplerpools"
@@ -195,12 +197,9 @@ class KubeRoutingLease:
         the pool (a renewal's, the watch's) hands them the pool object. `reconnected`: called when a
         renewal succeeds after one failed (the API server answers again), so what else this gateway
         reads from it (discovery) need not wait out its backoff."""
-        from kubernetes import client, config
+        from kubernetes import client
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        load_kube_config()
         self.pool, self.namespace, self.holder = pool, namespace, holder
         self.duration_s, self.renew_s, self.switch, self.on_change = duration_s, renew_s, switch, on_change
         self.adapters = adapters

@@ -30,6 +30,7 @@ from typing import Any
 from sampler_common.adapters import AdapterState, adapter_state
 from sampler_common.errors import Conflict
 
+from ..kube_config import load_kube_config
 from ..replicas import Member
 from .signal import ChangeSignal
 from .source import Membership
@@ -178,12 +179,9 @@ def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, A
 
 class KubeDiscovery:
     def __init__(self, pool: str, namespace: str) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        load_kube_config()
         selector = f"{POOL_LABEL}={pool}"
         custom, core = client.CustomObjectsApi(), client.CoreV1Api()
         self.pool = pool
