@@ -17,10 +17,11 @@ Shared by the operator and the gateway (neither imports the other).
 """
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from .timestamps import epoch_seconds
 
 ROUTING_ACK = "sampler.rl.dev/routing-generation"
 ADAPTERS_ACK = "sampler.rl.dev/adapters-serial"
@@ -39,17 +40,6 @@ def _int(raw: Any) -> int | None:
         return None
 
 
-def lease_time(text: Any) -> float | None:
-    """A Lease's MicroTime ("2026-12-02T01:50:00.123456Z") as epoch seconds; None when absent or unreadable."""
-    if not isinstance(text, str):
-        return None
-    try:
-        t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return (t if t.tzinfo else t.replace(tzinfo=dt.UTC)).timestamp()
-
-
 @dataclass(frozen=True)
 class GatewayAck:
     """What a reader takes from one gateway's Lease."""
@@ -66,7 +56,7 @@ class GatewayAck:
         annotations = meta.get("annotations") or {}
         duration = spec.get("leaseDurationSeconds")
         return cls(name=str(spec.get("holderIdentity") or meta.get("name") or ""),
-                   generation=_int(annotations.get(ROUTING_ACK)), renewed=lease_time(spec.get("renewTime")),
+                   generation=_int(annotations.get(ROUTING_ACK)), renewed=epoch_seconds(spec.get("renewTime")),
                    duration_s=float(duration) if isinstance(duration, int) and duration > 0 else 0.0,
                    adapters_serial=_int(annotations.get(ADAPTERS_ACK)))
 

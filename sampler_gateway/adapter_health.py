@@ -16,10 +16,11 @@ adapter in front of either.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from sampler_common.timestamps import epoch_seconds
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,6 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def _epoch(value: Any) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return (t if t.tzinfo is not None else t.replace(tzinfo=dt.UTC)).timestamp()
-
-
 def lora_of(health: Mapping[str, Any]) -> ReplicaLora:
     """The LoRA part of a replica's `/health` body (module docstring: the defaults)."""
     slots = _int(health.get("lora_slots"))
@@ -63,5 +54,5 @@ def lora_of(health: Mapping[str, Any]) -> ReplicaLora:
         name = entry.get("name") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not name:
             continue
-        held.append(HeldAdapter(name, _int(entry.get("in_flight")) or 0, _epoch(entry.get("last_used_at"))))
+        held.append(HeldAdapter(name, _int(entry.get("in_flight")) or 0, epoch_seconds(entry.get("last_used_at"))))
     return ReplicaLora(slots, tuple(held))

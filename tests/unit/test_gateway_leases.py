@@ -10,9 +10,9 @@ from sampler_common.gateway_leases import (
     ROUTING_ACK,
     GatewayAck,
     adapters_waiting_for,
-    lease_time,
     waiting_for,
 )
+from sampler_common.timestamps import epoch_seconds
 
 RENEWED = "2026-12-04T10:00:00.000000Z"
 
@@ -29,7 +29,7 @@ def lease(name: str, routing: str | None, adapters: str | None, renewed: str | N
 def test_each_acknowledgement_is_read_on_its_own() -> None:
     a = GatewayAck.from_lease(lease("a", "4", "17"))
     assert (a.name, a.generation, a.adapters_serial, a.duration_s) == ("a", 4, 17, 10.0)
-    assert a.renewed == lease_time(RENEWED)
+    assert a.renewed == epoch_seconds(RENEWED)
     b = GatewayAck.from_lease(lease("b", "4", None))          # a gateway that routes by no adapters yet
     assert (b.generation, b.adapters_serial) == (4, None)
     c = GatewayAck.from_lease(lease("c", "x", "seven", duration="10"))   # unreadable: not said
@@ -37,7 +37,7 @@ def test_each_acknowledgement_is_read_on_its_own() -> None:
 
 
 def test_a_push_waits_for_live_gateways_behind_and_never_for_an_expired_one() -> None:
-    t0 = lease_time(RENEWED)
+    t0 = epoch_seconds(RENEWED)
     assert t0 is not None
     acks = [GatewayAck.from_lease(x) for x in (
         lease("ahead", "1", "9"), lease("even", "1", "7"), lease("behind", "1", "6"), lease("silent", "1", None),
