@@ -218,25 +218,22 @@ class Replicas:
         # Loads, then a read that finds them done; a replica whose adapters changed meanwhile
         # (a victim got a request) is tried once more.
         async with self.gw.push_slots:
-            await self._on_run_holders(name, version, run, declared)
-
-    async def _on_run_holders(self, name: str, version: AdapterVersion, run: str, declared: Collection[str]) -> None:
-        for attempt in range(3):
-            replicas = await self.eligible()
-            holdings = await self.holdings(replicas.values())
-            missing = [h for h in holdings if name not in h.loaded and any(_of_run(n, run) for n in h.loaded)]
-            over = runs_over_share(holdings, name)
-            if not missing:
-                return
-            if attempt == 2:
-                break
-            for h in missing:
-                evict = victims(h, name, declared, over)
-                if evict is None:
-                    raise NoReplica(f"replica {h.name} holds a version of run {run!r} but has no idle slot for "
-                                    f"{name} (servable: all); the version is declared: push again",
-                                    self.gw.cfg.retry_after_s)
-                await self.load(replicas[h.name], name, version, evict)
+            for attempt in range(3):
+                replicas = await self.eligible()
+                holdings = await self.holdings(replicas.values())
+                missing = [h for h in holdings if name not in h.loaded and any(_of_run(n, run) for n in h.loaded)]
+                if not missing:
+                    return
+                if attempt == 2:
+                    break
+                over = runs_over_share(holdings, name)
+                for h in missing:
+                    evict = victims(h, name, declared, over)
+                    if evict is None:
+                        raise NoReplica(f"replica {h.name} holds a version of run {run!r} but has no idle slot for "
+                                        f"{name} (servable: all); the version is declared: push again",
+                                        self.gw.cfg.retry_after_s)
+                    await self.load(replicas[h.name], name, version, evict)
         raise NoReplica(f"the replicas' adapters kept changing while {name} was loaded on every holder of run "
                         f"{run!r}; the version is declared: push again", self.gw.cfg.retry_after_s)
 
