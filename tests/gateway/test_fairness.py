@@ -85,10 +85,20 @@ class Clients:
         self.threads.append(threading.Thread(target=run, daemon=True))
         self.threads[-1].start()
 
+    def assert_all_200(self) -> None:
+        assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in self.answers.values()), \
+            {n: (a.status_code if isinstance(a, httpx.Response) else a) for n, a in self.answers.items()}
+
     def join(self) -> None:
         for t in self.threads:
             t.join(120)
         assert not any(t.is_alive() for t in self.threads)
+
+
+def _a_before_last_b(order: list[str]) -> int:
+    """How many of flow A's requests (a0..) came back before the last of flow B's (b0..b3)."""
+    last_b = max(order.index(f"b{i}") for i in range(4))
+    return sum(1 for n in order[:last_b] if n.startswith("a"))
 
 
 def test_a_small_flow_is_let_through_within_one_quantum_of_a_flood(replica: Pool) -> None:
@@ -107,12 +117,10 @@ def test_a_small_flow_is_let_through_within_one_quantum_of_a_flood(replica: Pool
                 clients.send(f"b{i}", flow_id="run-b")
             gw.wait(lambda h: _waiting(gw, "id") == 4, "4 of flow B waiting")
         clients.join()
-        assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in clients.answers.values()), \
-            {n: (a.status_code if isinstance(a, httpx.Response) else a) for n, a in clients.answers.items()}
+        clients.assert_all_200()
         # Each of B's requests waited for at most one turn of A's (QUANTUM sequences): B's last answer
         # came back after at most 4 x QUANTUM of A's. First come, first served would put all 40 first.
-        last_b = max(clients.order.index(f"b{i}") for i in range(4))
-        a_before = sum(1 for n in clients.order[:last_b] if n.startswith("a"))
+        a_before = _a_before_last_b(clients.order)
         assert a_before <= 4 * QUANTUM, (a_before, " ".join(clients.order))
         assert _waiting(gw, "base") == _waiting(gw, "id") == 0
 
@@ -188,13 +196,11 @@ def test_a_flood_of_futures_holds_its_places_until_they_end_on_the_replica(repli
             gw.wait(lambda h: len(_answered(clients)) == CAPACITY + 1, "one more future let through")
             assert _waiting(gw, "base") + _waiting(gw, "id") == 43 and _holding(gw) == CAPACITY
         clients.join()
-        assert all(isinstance(a, httpx.Response) and a.status_code == 200 for a in clients.answers.values()), \
-            {n: (a.status_code if isinstance(a, httpx.Response) else a) for n, a in clients.answers.items()}
+        clients.assert_all_200()
         # Each of B's futures was let through after at most one turn of A's, as sync samples are (above);
         # two places let through at once may answer in either order (CAPACITY). First come, first served
         # (every submit straight to the replica's engine queue) would put all 40 first.
-        last_b = max(clients.order.index(f"b{i}") for i in range(4))
-        a_before = sum(1 for n in clients.order[:last_b] if n.startswith("a"))
+        a_before = _a_before_last_b(clients.order)
         assert a_before <= 4 * QUANTUM + CAPACITY, (a_before, " ".join(clients.order))
         # Nobody retrieved any: each place was given back when its future ended, and every result is still there.
         gw.wait(lambda h: _holding(gw) == 0, "every future's place given back")
