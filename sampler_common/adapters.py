@@ -39,6 +39,9 @@ RUN_RE, LABEL_RE = re.compile(RUN_PATTERN), re.compile(LABEL_PATTERN)
 # A pool's gateway names the version a request runs on (its engine name) in this header, where the
 # protocol's own field names the run (Twinkle's `adapter_name`): the replica samples that version.
 POOL_ADAPTER_HEADER = "X-Sampler-Pool-Adapter"
+# The adapter an answer was sampled with (absent: the base model): a replica writes its engine name
+# there, a pool's gateway the client's name for the version, `<run>@<step>`.
+ADAPTER_HEADER = "X-Sampler-Adapter"
 
 DEFAULT_MAX_VERSIONS_PER_RUN = 4
 DEFAULT_MAX_RUNS = 64

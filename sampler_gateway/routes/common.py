@@ -20,9 +20,9 @@ LABEL_HEADER = "X-Sampler-Weights-Label"
 VERSION_HEADER = "X-Sampler-Weights-Version"
 # The training step of those weights (issue #24), sent only when their load named one.
 STEP_HEADER = "X-Sampler-Weights-Step"
-# The adapter version that answered (issue #31): `<run>@<step>` and its label. A replica's Tinker
-# answers carry its engine's name for the adapter in the first; the gateway names it the client's way.
-ADAPTER_HEADER = "X-Sampler-Adapter"
+# The label of the adapter version that answered, beside sampler_common.adapters.ADAPTER_HEADER
+# (`<run>@<step>`: a replica's Tinker answers carry its engine's name there; the gateway names it the
+# client's way).
 ADAPTER_LABEL_HEADER = "X-Sampler-Adapter-Label"
 
 

@@ -29,6 +29,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from sampler_common.adapters import ADAPTER_HEADER
 from sampler_common.errors import SamplerError
 from sampler_common.http.errors import error_response
 
@@ -41,7 +42,6 @@ from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, f
 from ..replicas import ReplicaView
 from ..upstream import Lost, Reply, Stream, TimedOut
 from .common import (
-    ADAPTER_HEADER,
     ADAPTER_LABEL_HEADER,
     LABEL_HEADER,
     REPLICA_HEADER,

@@ -33,6 +33,8 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from sampler_common.adapters import ADAPTER_HEADER
+
 from .. import ids
 from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget, answered_as
@@ -43,7 +45,6 @@ from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Reply
 from .common import (
-    ADAPTER_HEADER,
     ADAPTER_LABEL_HEADER,
     LABEL_HEADER,
     affinity_of,

@@ -39,6 +39,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sampler_common.adapters import ADAPTER_HEADER
 from sampler_common.errors import Expired, InvalidRequest, NotFound, SamplerError, validation_error
 
 from ..core.sampler import SamplerCore
@@ -51,8 +52,6 @@ log = logging.getLogger(__name__)
 # Under the SDK's own 45 s retrieve timeout, with room for the response to travel.
 LONG_POLL_S = 30.0
 PROTOBUF = "application/x-protobuf"
-# Names the adapter an answer was sampled with (absent: the base model).
-ADAPTER_HEADER = "X-Sampler-Adapter"
 # Bounded memory for per-process bookkeeping (idempotency keys, response shapes, sessions).
 MAX_TRACKED = 100_000
 
