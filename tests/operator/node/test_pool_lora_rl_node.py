@@ -23,8 +23,18 @@ from pathlib import Path
 import pytest
 
 from sampler_pod.testing import net
-from tests.operator.node.test_node_tier import Api, _vllm_replica, operator_for_module, project_image, watched_namespace
-from tests.operator.node.test_pool_node import Gateway, _log, apply_pool, eligible_at, pool_body, pool_key, wait_pool
+from tests.operator.node.test_node_tier import Api, _vllm_replica, watched_namespace
+from tests.operator.node.test_pool_node import (
+    Gateway,
+    _log,
+    apply_pool,
+    eligible_at,
+    pool_api,
+    pool_body,
+    pool_key,
+    pool_operator,
+    wait_pool,
+)
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
 
@@ -37,17 +47,12 @@ RUNS = ("a", "b")
 # The fixtures of test_pool_node.py, for this module's own cluster objects.
 @pytest.fixture(scope="module")
 def api(k8s_node) -> Api:
-    a = Api(k8s_node)
-    for crd, name in (("samplerreplica.yaml", "samplerreplicas"), ("samplerpool.yaml", "samplerpools")):
-        k8s_node.kubectl("apply", "-f", str(REPO_ROOT / "crds" / crd))
-        ks.wait_crd_established(f"{name}.sampler.rl.dev", cluster=k8s_node)
-    return a
+    return pool_api(k8s_node)
 
 
 @pytest.fixture(scope="module")
 def operator(k8s_node, api, tmp_path_factory):
-    yield from operator_for_module(k8s_node, tmp_path_factory,
-                                   {"SAMPLER_OPERATOR_GATEWAY_IMAGE": project_image("operator").tag})
+    yield from pool_operator(k8s_node, tmp_path_factory)
 
 
 @pytest.fixture
