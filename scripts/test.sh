@@ -34,6 +34,25 @@ export SAMPLER_REQUIRE_K8S=1 PYTHONDONTWRITEBYTECODE=1
 # The cached venv may be shared by several checkouts: make every process import THIS one.
 export PYTHONPATH="$ROOT:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY="$ROOT/.venv/bin/python"
+# Every tier's output is kept here too, so the run ends with a recap of each tier's outcome and its
+# failures: a long run's log is often read from its tail only, where one chain's failure was lost once.
+RECAP=$(mktemp -d "${TMPDIR:-/tmp}/sampler-test-recap.XXXXXX")
+kept() {
+  local name=$1 rc=0; shift
+  "$@" 2>&1 | tee "$RECAP/$name.log" || rc=$?
+  echo "$rc" > "$RECAP/$name.rc"
+  return "$rc"
+}
+recap() {
+  echo "=== recap: each tier's exit status, outcome line and failures" >&2
+  local f name
+  for f in "$RECAP"/*.rc; do
+    name=$(basename "$f" .rc)
+    echo "--- $name: exit $(cat "$f")" >&2
+    grep -aE '^(FAILED|ERROR) |^[0-9]+ (passed|failed|error)|\[test-node\] (node-up.sh failed|pytest exited|could not lock)' \
+      "$RECAP/$name.log" | tail -n 40 >&2 || true
+  done
+}
 # No retries: a flaky test is a bug to fix at its cause, never re-run into passing.
 # --durations: where the time goes, in every CI log.
 
@@ -52,10 +71,10 @@ node_chain() {
   wait "$images"
   local failed=0
   echo "=== node tier, fake engines (real kubelet, private netns; beside the engine tier)" >&2
-  bash scripts/k8s/test-node.sh -m "node and not vllm" -p no:cacheprovider --durations=0 || failed=1
+  kept node-fake bash scripts/k8s/test-node.sh -m "node and not vllm" -p no:cacheprovider --durations=0 || failed=1
   read -r _ <&5                  # the engine tier is over
   echo "=== node tier, vLLM engines (real kubelet, private netns)" >&2
-  bash scripts/k8s/test-node.sh -m "node and vllm" -p no:cacheprovider --durations=0 || failed=1
+  kept node-vllm bash scripts/k8s/test-node.sh -m "node and vllm" -p no:cacheprovider --durations=0 || failed=1
   return $failed
 }
 # Its own process group (job control on for this one job), so that an early exit stops all of it.
@@ -68,17 +87,19 @@ trap 'kill -- "-$NODE" 2>/dev/null || true' EXIT
 bash scripts/setup.sh
 status=0
 echo "=== engine tier (the real vLLM CPU engine)" >&2
-"$PY" -m pytest tests/engine -q -p no:cacheprovider --durations=25 5>&- || status=1
+kept engine "$PY" -m pytest tests/engine -q -p no:cacheprovider --durations=25 5>&- || status=1
 echo go >&5
 # Lint after the engine tier, not before: a fresh mypy is CPU spent on the critical path (the venv, the
 # engine tier, the node tier's vLLM tests); from here it runs beside those node tests. It still fails the run.
-bash scripts/lint.sh 5>&- || status=1
+kept lint bash scripts/lint.sh 5>&- || status=1
 echo "=== unit, gateway and envtest tiers (beside the node tier)" >&2
-"$PY" -m pytest tests/unit tests/operator/unit tests/gateway -q -p no:cacheprovider --durations=10 5>&- || status=1
+kept unit "$PY" -m pytest tests/unit tests/operator/unit tests/gateway -q -p no:cacheprovider --durations=10 5>&- || status=1
 SKIP_IMAGES=1 bash scripts/k8s/build.sh 5>&-
-"$PY" -m pytest tests/operator/envtest -q -p no:cacheprovider --durations=10 5>&- || status=1
+kept envtest "$PY" -m pytest tests/operator/envtest -q -p no:cacheprovider --durations=10 5>&- || status=1
 
 echo "=== waiting for the node chain" >&2
 wait "$NODE" || { echo "=== the node chain failed" >&2; status=1; }
 trap - EXIT
+recap
+rm -rf "$RECAP"
 exit $status
