@@ -27,7 +27,7 @@ from sampler_operator import settings as operator_settings
 from sampler_operator.kube import Kube, load_config
 from sampler_operator.network_policy import OperatorPeer, PolicySettings
 from sampler_operator.pool.gateway import LABEL_GATEWAY
-from sampler_operator.pool.loop import PoolMemory
+from sampler_operator.pool.loop import Handed, PoolMemory
 from sampler_operator.pool.loop import step as pool_step
 from sampler_operator.pool.plan import ReplicaState
 from sampler_operator.pool.routing import ACK_ANNOTATION, acknowledges
@@ -36,7 +36,7 @@ from sampler_operator.replica.context import Context, ReplicaMemory
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
 from sampler_operator.replica.fleet import ReplacementSlots
 from sampler_operator.replica.pod_view import PodView
-from sampler_operator.replica.reconcile import step
+from sampler_operator.replica.reconcile import hear_of, step
 from sampler_operator.replica.spec import InvalidSpec, parse_spec
 from sampler_operator.replica.status import invalid_spec_status
 
@@ -55,6 +55,8 @@ _pool_wakeups: dict[str, asyncio.Event] = {}
 _pool_awaits: dict[tuple[str, str], tuple[str, PoolMemory]] = {}
 # Each pool loop's memory by the pool's uid: a replica's loop tells it of a load (tell_pool).
 _pool_mems: dict[str, PoolMemory] = {}
+# Each replica loop's memory, keyed as _wakeups: its pool's loop hands it a new spec (hand_to_replica).
+_replica_mems: dict[tuple[str, str], ReplicaMemory] = {}
 
 
 def tell_pool(cr: Mapping[str, Any], label: str) -> None:
@@ -68,6 +70,18 @@ def tell_pool(cr: Mapping[str, Any], label: str) -> None:
         flag = _pool_wakeups.get(replica.owner_uid or "")
         if flag is not None:
             flag.set()
+
+
+def hand_to_replica(namespace: str) -> Handed:
+    """A pool loop gave one of its replicas a new spec: that replica's loop (in this process) starts
+    on it now, from the object the write returned, not one watch event later. A trainer's push waits
+    for the slowest replica's load to start."""
+    def hand(replica: str, body: dict[str, Any]) -> None:
+        mem = _replica_mems.get((namespace, label_value(replica)))
+        if mem is not None:
+            hear_of(mem, body)
+            _wake(namespace, label_value(replica))
+    return hand
 
 
 def _plain(value: Any) -> Any:
@@ -178,7 +192,7 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
     wake = _wakeups.setdefault(key, asyncio.Event())
     ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger,
                   allow_test_seams=memo.allow_test_seams, policies=memo.policies, loaded=tell_pool)
-    mem = ReplicaMemory()
+    mem = _replica_mems[key] = ReplicaMemory()
     try:
         while not stopped:
             wake.clear()
@@ -192,6 +206,8 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
         memo.slots.release((namespace, name))  # a deleted replica frees its fleet slot
         if _wakeups.get(key) is wake:
             del _wakeups[key]
+        if _replica_mems.get(key) is mem:
+            del _replica_mems[key]
 
 
 # ---------------------------------------------------------------------------- SamplerPool
@@ -265,7 +281,8 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
                 # `body` is kopf's live view: the spec as of now, not as of the daemon's start.
                 delay = await pool_step(memo.kube, memo.session, name, namespace, uid, _plain(body["spec"]),
                                         body["metadata"].get("generation"), members.get(uid, []), mem, emit,
-                                        time.time(), _plain(body.get("status") or {}), memo.policies)
+                                        time.time(), _plain(body.get("status") or {}), memo.policies,
+                                        hand_to_replica(namespace))
             except Exception as e:  # an API hiccup must not end the loop; state is in the API
                 logger.warning(f"pool step failed, retrying: {type(e).__name__}: {e}")
                 delay = 2.0

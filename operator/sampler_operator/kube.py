@@ -144,10 +144,12 @@ class Kube:
             if e.status != 404:
                 raise
 
-    async def json_patch_replica(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
-        """One JSON patch (RFC 6902): several changes that must land together, or not at all."""
-        await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
-                                ops, _content_type="application/json-patch+json", _preload_content=False)
+    async def json_patch_replica(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """One JSON patch (RFC 6902): several changes that must land together, or not at all; returns
+        the updated object."""
+        resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                       name, ops, _content_type="application/json-patch+json", _preload_content=False)
+        return _json(resp)
 
     async def patch_replica_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
         """A merge patch of annotations (None removes one)."""

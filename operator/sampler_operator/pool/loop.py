@@ -63,6 +63,8 @@ INDEX_LAG_S = 10.0  # far more than kopf's index takes to see our own write
 
 # Posts an Event on the pool: (type, reason, message).
 Emit = Callable[[str, str, str], None]
+# Told of a replica given a new spec: (its name, the object the API server answered the write with).
+Handed = Callable[[str, dict[str, Any]], None]
 
 
 @dataclass
@@ -175,10 +177,11 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
 async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace: str, uid: str,
                raw_spec: dict[str, Any], generation: int | None, replicas: Iterable[ReplicaState],
                mem: PoolMemory, emit: Emit, now: float, last_status: dict[str, Any] | None = None,
-               policies: PolicySettings | None = None) -> float:
+               policies: PolicySettings | None = None, handed: Handed | None = None) -> float:
     """Returns the seconds until the next step. `last_status`: the pool's status as the API server
     had it (after a restart, what the previous operator wrote). `policies`: the operator's NetworkPolicy
-    settings (default: on, the operator's pods in any namespace)."""
+    settings (default: on, the operator's pods in any namespace). `handed`: told of each replica this
+    step gave a new spec, with the object the API server answered (handlers.hand_to_replica)."""
     spec = PoolSpec.model_validate(raw_spec)
     existing = list(replicas)
     going = leaving(name, uid, spec, existing)
@@ -224,19 +227,22 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     batch = [r for r in todo.update if mem.given.get(r) != spec_hash(desired)]
     in_place = [r for r in todo.update_in_place if mem.given.get(r) != spec_hash(desired)]
     mem.given.update((r, spec_hash(desired)) for r in todo.update + todo.update_in_place)
+    hand = handed or (lambda replica, body: None)
     for replica in todo.update:
         # Out of routing and onto the new spec in one write: never one without the other.
-        await kube.json_patch_replica(namespace, replica, [
+        hand(replica, await kube.json_patch_replica(namespace, replica, [
             {"op": "replace", "path": "/spec", "value": replica_spec(name, spec, replica_index(name, replica))},
             {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
             {"op": "add", "path": _DRAIN_PATH, "value": "true"},
-        ])
+        ]))
     # Keep mode: the new spec only; the replica keeps serving through its load. Concurrently: the
     # pool's update should cost one replica's load, not one API round trip per replica in turn.
-    await asyncio.gather(*(kube.json_patch_replica(namespace, replica, [
+    written = await asyncio.gather(*(kube.json_patch_replica(namespace, replica, [
         {"op": "replace", "path": "/spec", "value": replica_spec(name, spec, replica_index(name, replica))},
         {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
     ]) for replica in todo.update_in_place))
+    for replica, body in zip(todo.update_in_place, written, strict=True):
+        hand(replica, body)
     # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
     old = mem.status if mem.status is not None else last_status
     where, target = f"{namespace}/{name}", spec.target_label

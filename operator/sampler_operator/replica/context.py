@@ -30,9 +30,13 @@ class ReplicaMemory:
     """In-memory notes of one replica's loop. Losing them on restart only resets a counter."""
     consecutive_failures: int = 0
     last_observation: HealthObservation | None = None
+    observed_at: float = 0.0                    # when last_observation was probed (ctx.clock)
     last_decision: Decision | None = None
     newest_body: dict[str, Any] | None = None   # what our last status PATCH returned
     policy_hash: str | None = None              # the lone replica's NetworkPolicy as last written
+    # The admin key as last read, with the Secret and key it came from: read again when the ref moves
+    # or the pod refuses it (401/403). A load should not wait on a Secret read it made a second ago.
+    admin_key: tuple[tuple[str, str], str | None] | None = None
 
 
 @dataclass

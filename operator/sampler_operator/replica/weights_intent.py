@@ -123,6 +123,17 @@ def needs_declared_load(spec: SamplerReplicaSpec, weights: Mapping[str, Any]) ->
     return ref is not None and ref.to_status() != (weights.get("declared") or None)
 
 
+def load_without_probe(spec: SamplerReplicaSpec, weights: Mapping[str, Any], obs: HealthObservation | None,
+                       observed_at: float, now: float) -> bool:
+    """A declared load goes out on the pod's last answer, without probing it again first: the spec
+    asks for one and the pod said `ok` within the last health period. A trainer's push waits on
+    every step before the load, and the replacement decision acts on an answer that old anyway; the
+    pod's load route validates the checkpoint and refuses what it cannot take, and the step after
+    the load probes the pod again."""
+    return (needs_declared_load(spec, weights) and obs is not None and obs.state is HealthState.OK
+            and 0.0 <= now - observed_at < float(spec.health.period_seconds))
+
+
 def adapter_changes(spec: SamplerReplicaSpec, weights: Mapping[str, Any],
                     on_pod: Sequence[Mapping[str, Any]] | None) -> tuple[list[dict[str, str]], list[str]]:
     """(adapters to add, adapter names to remove) so the pod matches spec.adapters.

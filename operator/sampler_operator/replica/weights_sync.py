@@ -82,17 +82,24 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         # The pod started at these weights (a new pod loads undeclared-yet weights at startup).
         await _record(ctx, cr, declared_outcome(spec, LOADED, "loaded at pod startup"), None, mem)
         return None
-    # The status says Loading before the load is sent; the key is read meanwhile (two API round trips
-    # at once: every pool rollout waits for the slowest replica's start).
-    _, key = await asyncio.gather(
-        _record(ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem),
-        _api_key(ctx, cr, spec))
+    key = await _api_key(ctx, cr, spec, mem)
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
     who = f"{cr['metadata'].get('namespace')}/{cr['metadata'].get('name')}"
+    # The status says Loading while the load runs, written beside it: every pool rollout waits for
+    # its slowest replica's load to start. Only the outcome below moves status.weights.declared, so
+    # an operator restarted between the two finds the load still to do (the pod then answers that
+    # it serves those weights already, or loads them).
+    loading = asyncio.ensure_future(_record(
+        ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem))
     trace("operator", "load.started", replica=who, label=ref.version_label)
-    answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
-                        declared_load_request(spec), LOAD_TIMEOUT_S)
+    try:
+        answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
+                            declared_load_request(spec), LOAD_TIMEOUT_S)
+    finally:
+        await loading   # the outcome's write below lands after it, never under it
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
+    if answer.http_status in (401, 403):
+        mem.admin_key = None   # a rotated or remounted Secret: read it again next time
     if answer.outcome is Outcome.TRANSIENT:
         ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
         return None
@@ -112,7 +119,7 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
 
 async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
                          add: list[dict[str, str]], remove: list[str], mem: ReplicaMemory) -> bool:
-    key = await _api_key(ctx, cr, spec)
+    key = await _api_key(ctx, cr, spec, mem)
     answers: list[tuple[str, PodAnswer]] = []
     for name in remove:
         answers.append((f"remove {name}", await call(ctx.session, "DELETE", pod_ip, spec.port, f"/v1/adapters/{name}",
@@ -120,6 +127,8 @@ async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     for adapter in add:
         answers.append((f"add {adapter['name']}", await call(ctx.session, "POST", pod_ip, spec.port, "/v1/adapters",
                                                              key, adapter, ADAPTER_TIMEOUT_S)))
+    if any(a.http_status in (401, 403) for _, a in answers):
+        mem.admin_key = None
     if any(a.outcome is Outcome.TRANSIENT for _, a in answers):
         return False  # try the whole set again later
     refused = [f"{what}: {a.message}" for what, a in answers if a.outcome is not Outcome.DONE]
@@ -142,7 +151,13 @@ async def _record(ctx: Context, cr: Mapping[str, Any], weights_fields: Mapping[s
         mem.newest_body = await ctx.kube.patch_replica_status(meta["namespace"], meta["name"], patch)
 
 
-async def _api_key(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec) -> str | None:
-    """The admin key: loads and adapter changes are admin routes on the pod (docs/guide/sampler.md)."""
+async def _api_key(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, mem: ReplicaMemory) -> str | None:
+    """The admin key: loads and adapter changes are admin routes on the pod (docs/guide/sampler.md).
+    Read once and kept (ReplicaMemory.admin_key) until its Secret ref moves or the pod refuses it."""
     ref = replica_keys(cr["metadata"]["name"], spec).admin
-    return await ctx.kube.read_secret_key(cr["metadata"]["namespace"], ref.name, ref.key)
+    if mem.admin_key is not None and mem.admin_key[0] == (ref.name, ref.key):
+        return mem.admin_key[1]
+    key = await ctx.kube.read_secret_key(cr["metadata"]["namespace"], ref.name, ref.key)
+    if key is not None:
+        mem.admin_key = ((ref.name, ref.key), key)
+    return key

@@ -79,3 +79,26 @@ def test_a_pool_replicas_load_is_told_to_its_pool_loop_at_once(monkeypatch: Any)
     assert not flag.is_set() and mem.loaded == {}
     handlers.tell_pool(replica("uid-1"), "step-2")
     assert flag.is_set() and mem.loaded == {"p-0": ("step-2", "step-1")}   # and what its status said then
+
+
+def test_a_replica_given_a_new_spec_by_its_pool_loop_starts_on_it_at_once(monkeypatch: Any) -> None:
+    import asyncio
+
+    from sampler_operator.replica.context import ReplicaMemory
+    from sampler_operator.replica.reconcile import newest
+
+    flag, mem = asyncio.Event(), ReplicaMemory()
+    monkeypatch.setitem(handlers._wakeups, ("ns", "p-0"), flag)
+    monkeypatch.setitem(handlers._replica_mems, ("ns", "p-0"), mem)
+
+    def replica(rv: int, label: str) -> dict[str, Any]:
+        return {"metadata": {"name": "p-0", "resourceVersion": str(rv)}, "spec": {"weights": {"versionLabel": label}}}
+
+    live = replica(10, "step-1")   # kopf's view: the watch event of the pool's write is yet to come
+    handlers.hand_to_replica("other")("p-0", replica(11, "step-2"))   # another namespace's replica
+    assert not flag.is_set() and newest(live, mem) is live
+    handlers.hand_to_replica("ns")("p-0", replica(11, "step-2"))
+    assert flag.is_set() and newest(live, mem)["spec"]["weights"]["versionLabel"] == "step-2"
+    # An older object (a write the loop has seen past already) changes nothing.
+    handlers.hand_to_replica("ns")("p-0", replica(9, "step-0"))
+    assert newest(live, mem)["spec"]["weights"]["versionLabel"] == "step-2"

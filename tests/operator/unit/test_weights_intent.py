@@ -21,6 +21,7 @@ from sampler_operator.replica.weights_intent import (
     declared_load_request,
     declared_outcome,
     load_while_waiting,
+    load_without_probe,
     loaded_weights,
     needs_declared_load,
     observed_weights,
@@ -259,3 +260,22 @@ def test_status_keeps_each_adapters_name_and_path_not_its_use_counts() -> None:
                             "r-0", busy)
     assert busy["adapters"] == idle["adapters"] == [a] and idle == busy
     assert startup_adapters(spec(), idle) == [a]
+
+
+# ------------------------------------------------------------------------------- load without a probe
+
+
+def test_a_push_is_loaded_on_the_pods_last_ok_within_the_health_period() -> None:
+    pushed = spec(weights=step(1))                      # health period: 10 s (the default)
+    assert load_without_probe(pushed, {}, health(), observed_at=100.0, now=109.0)
+    # The answer is too old, says anything but ok, or there is none: probe first.
+    assert not load_without_probe(pushed, {}, health(), observed_at=100.0, now=110.5)
+    assert not load_without_probe(pushed, {}, health(status="uncertain_weights", reason="write failed"),
+                                  observed_at=100.0, now=101.0)
+    assert not load_without_probe(pushed, {}, None, observed_at=0.0, now=1.0)
+    # A clock that went back says nothing of the answer's age.
+    assert not load_without_probe(pushed, {}, health(), observed_at=100.0, now=99.0)
+    # Nothing to load: the loop probes as usual.
+    acted = declared_outcome(pushed, "Loaded", "ok")
+    assert not load_without_probe(pushed, acted, health(), observed_at=100.0, now=101.0)
+    assert not load_without_probe(spec(), {}, health(), observed_at=100.0, now=101.0)

@@ -12,7 +12,7 @@ import pytest
 
 from sampler_operator.pod_client import Outcome, PodAnswer
 from sampler_operator.replica import weights_sync
-from sampler_operator.replica.context import Context
+from sampler_operator.replica.context import Context, ReplicaMemory
 from sampler_operator.replica.weights_intent import LOADED, declared_outcome
 from tests.operator.unit.test_weights_intent import health, spec, step
 
@@ -106,28 +106,32 @@ def test_a_load_the_pod_took_is_told_to_the_pool_before_its_status_is_written(
         assert told == [], nothing
 
 
-def test_the_loading_status_and_the_key_read_overlap_and_both_precede_the_load(
+def test_the_loading_status_is_written_beside_the_load_and_the_outcome_after_both(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each waits for the other to have started: run one after the other, this would never end.
+    # The Loading write and the load each wait for the other to have started: run one after the
+    # other, this would never end. The outcome's write comes after both (never under the Loading one).
     order: list[str] = []
 
     async def run() -> float | None:
-        started = {"record": asyncio.Event(), "key": asyncio.Event()}
+        started = {"record": asyncio.Event(), "load": asyncio.Event()}
 
         async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
             if "declaredResult" not in weights_fields:   # the Loading write
                 started["record"].set()
-                await asyncio.wait_for(started["key"].wait(), 5)
+                await asyncio.wait_for(started["load"].wait(), 5)
+                await asyncio.sleep(0)
                 order.append("loading written")
+            else:
+                order.append("outcome written")
 
         async def api_key(*_: Any) -> str:
-            started["key"].set()
-            await asyncio.wait_for(started["record"].wait(), 5)
             order.append("key read")
             return "k"
 
         async def call(*args: Any, **_: Any) -> PodAnswer:
-            order.append(f"load sent with key {args[5]}")
+            started["load"].set()
+            await asyncio.wait_for(started["record"].wait(), 5)
+            order.append(f"load answered, sent with key {args[5]}")
             return PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
 
         monkeypatch.setattr(weights_sync, "call", call)
@@ -135,7 +139,40 @@ def test_the_loading_status_and_the_key_read_overlap_and_both_precede_the_load(
         monkeypatch.setattr(weights_sync, "_api_key", api_key)
         ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
         return await weights_sync.sync_weights(ctx, CR, spec(weights=step(1)), "10.0.0.1",  # type: ignore[arg-type]
-                                               health(label="base"), None)
+                                               health(label="base"), ReplicaMemory())
 
     assert asyncio.run(run()) == 0.0
-    assert sorted(order[:2]) == ["key read", "loading written"] and order[2] == "load sent with key k"
+    assert order == ["key read", "load answered, sent with key k", "loading written", "outcome written"]
+
+
+def test_the_admin_key_is_read_once_and_again_after_the_pod_refuses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[str] = []
+    keys = iter(["old", "new"])
+
+    class Kube:
+        async def read_secret_key(self, namespace: str, name: str, key: str) -> str:
+            reads.append(f"{namespace}/{name}:{key}")
+            return next(keys)
+
+    sent: list[str | None] = []
+    answers = iter([PodAnswer(Outcome.TRANSIENT, "HTTP 401: bad key", 401),
+                    PodAnswer(Outcome.TRANSIENT, "HTTP 503: busy", 503),
+                    PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1"})])
+
+    async def call(*args: Any, **_: Any) -> PodAnswer:
+        sent.append(args[5])
+        return next(answers)
+
+    async def record(*_: Any, **__: Any) -> None:
+        return None
+
+    monkeypatch.setattr(weights_sync, "call", call)
+    monkeypatch.setattr(weights_sync, "_record", record)
+    ctx = Context(kube=Kube(), session=None, emit=lambda *_: None, log=logging.getLogger("test"))  # type: ignore[arg-type]
+    mem = ReplicaMemory()
+    for _ in range(3):
+        asyncio.run(weights_sync.sync_weights(ctx, CR, spec(weights=step(1)), "10.0.0.1",  # type: ignore[arg-type]
+                                              health(label="base"), mem))
+    # Read for the first load; read again after the 401 only; kept through the 503.
+    assert sent == ["old", "new", "new"]
+    assert len(reads) == 2
