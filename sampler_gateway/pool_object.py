@@ -49,9 +49,10 @@ class PoolObject(Protocol):
 
     async def patch(self, body: dict[str, Any]) -> dict[str, Any]: ...
 
-    async def changed(self, after: str, timeout_s: float) -> None:
+    async def changed(self, after: str, timeout_s: float) -> dict[str, Any] | None:
         """Return once the pool has a resourceVersion other than `after` (or may have: a watch that
-        cannot start from `after` returns at once), or after `timeout_s`."""
+        cannot start from `after` returns at once), or after `timeout_s`: the pool as the change
+        left it when the change says (a watch event), else None (the caller reads it)."""
 
     async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
         """Wait until every live gateway of the pool routes by declared adapters up to `serial`, at
@@ -91,8 +92,8 @@ class KubePoolObject:
         return await asyncio.to_thread(self._call, self._api.patch_namespaced_custom_object, body,
                                        _content_type="application/merge-patch+json")
 
-    async def changed(self, after: str, timeout_s: float) -> None:
-        await asyncio.to_thread(self._watch_from, after, timeout_s)
+    async def changed(self, after: str, timeout_s: float) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._watch_from, after, timeout_s)
 
     async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
         if self._acks is None:
@@ -102,23 +103,29 @@ class KubePoolObject:
             self._acks = KubeAdapterAcks(label_value(self.pool), self.namespace)
         return await self._acks.behind(serial, timeout_s)
 
-    def _watch_from(self, after: str, timeout_s: float) -> None:
+    def _watch_from(self, after: str, timeout_s: float) -> dict[str, Any] | None:
         """A watch of this one pool from `after`: its first event is the next write (a status write
         of the operator, a push), so a rollout read waits on the API server's own notice of a change
-        instead of a client's fixed polls. Any failure (a version too old to watch from: 410) ends
-        the wait: the caller reads the pool again, which is never wrong."""
+        instead of a client's fixed polls, and that event's object is the pool after it (no read
+        more: the operator's last status write of a rollout reaches the trainer one round trip
+        sooner). Any failure (a version too old to watch from: 410) ends the wait with None: the
+        caller reads the pool again, which is never wrong."""
         from kubernetes import watch
 
         w = watch.Watch()
         try:
-            for _ in w.stream(self._api.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
-                              field_selector=f"metadata.name={self.pool}", resource_version=after,
-                              timeout_seconds=max(1, math.ceil(timeout_s)), _request_timeout=timeout_s + 5):
-                break
+            for event in w.stream(self._api.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
+                                  field_selector=f"metadata.name={self.pool}", resource_version=after,
+                                  timeout_seconds=max(1, math.ceil(timeout_s)), _request_timeout=timeout_s + 5):
+                obj = event.get("object")
+                if event.get("type") in ("ADDED", "MODIFIED") and isinstance(obj, dict) and obj.get("spec") is not None:
+                    return obj
+                return None
         except Exception:  # the read that follows tells the caller what the pool is
             pass
         finally:
             w.stop()
+        return None
 
     def _call(self, fn: Any, *body: dict[str, Any], **options: Any) -> dict[str, Any]:
         from kubernetes.client.exceptions import ApiException

@@ -78,6 +78,5 @@ async def rollout(request: Request) -> Response:
     pool = await obj.read()
     if wait.waits and (pool.get("metadata") or {}).get("resourceVersion") == wait.after:
         assert wait.after is not None
-        await obj.changed(wait.after, wait.wait_s)
-        pool = await obj.read()
+        pool = await obj.changed(wait.after, wait.wait_s) or await obj.read()
     return JSONResponse(rollout_of(pool))

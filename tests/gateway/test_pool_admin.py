@@ -128,12 +128,13 @@ class MemoryPool:
     async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
         return []
 
-    async def changed(self, after: str, timeout_s: float) -> None:
+    async def changed(self, after: str, timeout_s: float) -> dict[str, Any] | None:
         self.waits.append((after, timeout_s))
         self.waiting.set()
         if self.obj["metadata"]["resourceVersion"] == after:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._written.wait(), timeout_s)
+        return None   # the route reads the pool (a kube watch's event hands it over instead)
 
     def status_write(self, **status: Any) -> None:
         """The operator writes the pool's status."""

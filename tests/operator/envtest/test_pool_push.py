@@ -121,3 +121,29 @@ def test_a_trainer_pushes_weights_through_the_gateway(k8s: Any, api: Any, ns: st
     finally:
         stack.close()
         kubelet.stop()
+
+
+def test_a_rollout_long_poll_answers_with_the_pool_its_watch_delivered(k8s: Any, crd: Any, api: Any, ns: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's long poll (`GET /v1/pool/rollout?after=`) hands over the pool as the watch
+    delivered the change, with no read more (a wait that ends otherwise hands over nothing and the
+    route reads the pool: tests/gateway/test_pool_admin.py). No operator: the test writes the status."""
+    import asyncio
+    import threading
+
+    from sampler_gateway.pool_object import KubePoolObject
+
+    monkeypatch.setenv("KUBECONFIG", k8s.kubeconfig)
+    tpl = template(ks.free_port())
+    api.custom.create_namespaced_custom_object(G, V, ns, "samplerpools", pool_body("lp", 1, tpl))
+    obj = KubePoolObject("lp", ns)
+    before = asyncio.run(obj.read())["metadata"]["resourceVersion"]
+    writer = threading.Timer(0.5, lambda: api.custom.patch_namespaced_custom_object_status(
+        G, V, ns, "samplerpools", "lp", {"status": {"targetLabel": "step-9"}}))
+    writer.start()
+    try:
+        seen = asyncio.run(obj.changed(before, 30))
+    finally:
+        writer.join()
+    assert seen is not None and seen["metadata"]["name"] == "lp"
+    assert seen["metadata"]["resourceVersion"] != before and seen["status"]["targetLabel"] == "step-9"
