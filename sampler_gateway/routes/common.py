@@ -10,6 +10,8 @@ from fastapi.responses import Response
 
 from sampler_common.errors import InvalidRequest
 
+from ..adapter_names import VersionTarget
+from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway
 from ..replicas import ReplicaView
 from ..upstream import Outgoing, Reply, forwardable
@@ -29,6 +31,12 @@ ADAPTER_LABEL_HEADER = "X-Sampler-Adapter-Label"
 def gateway_of(request: Request) -> Gateway:
     gw: Gateway = request.app.state.gateway
     return gw
+
+
+def flow(request: Request, target: VersionTarget | None) -> str:
+    """The fair gate's flow of a request (fair_queue.flow_of): its client's fairness header, else the
+    run of the adapter it names."""
+    return flow_of(request.headers.get(FAIRNESS_HEADER), target.run if target is not None else None)
 
 
 def outgoing(request: Request, body: bytes, timeout_s: float) -> Outgoing:

@@ -18,11 +18,10 @@ from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget
 from ..admission import cost_of
 from ..errors import NotThroughGateway
-from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Outgoing, Reply
-from .common import affinity_of, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
+from .common import affinity_of, flow, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -84,8 +83,7 @@ async def _new(request: Request, *, submit: bool) -> Response:
     timeout = gw.cfg.control_timeout_s if submit else timeout_of(gw, body.get("timeout_s"))
     out = outgoing(request, raw, timeout)
     named = _version(gw, body)
-    flow = flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named is not None else None)
-    async with gw.gate.admit(flow, cost_of(body)) as place:
+    async with gw.gate.admit(flow(request, named[1] if named is not None else None), cost_of(body)) as place:
         replica, reply, adapter = await _send_new(request, gw, out, body, named, submit)
         inner = (reply.json or {}).get("request_id") if not submit or reply.status == 200 else None
         routed = ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None

@@ -36,7 +36,6 @@ from sampler_common.http.errors import error_response
 from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget
 from ..admission import openai_cost
-from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, to_new, weights_of
 from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, model_cards, wants_stream
 from ..replicas import ReplicaView
@@ -47,6 +46,7 @@ from .common import (
     REPLICA_HEADER,
     affinity_of,
     ascii_header,
+    flow,
     gateway_of,
     outgoing,
     rerun_allowed,
@@ -126,9 +126,9 @@ async def generate(request: Request) -> Response:
     owner = gw.sessions.owner(session, gw.pool.clock()) if session is not None else None
     out = outgoing(request, raw, timeout_of(gw, None))
     named = _adapter(gw, raw)
-    flow = flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named is not None else None)
     # Its place is held until the answer ends: a stream's last event, else the answer itself.
-    release = await gw.gate.enter(flow, openai_cost(named[2] if named is not None else _body_of(raw)))
+    release = await gw.gate.enter(flow(request, named[1] if named is not None else None),
+                                  openai_cost(named[2] if named is not None else _body_of(raw)))
     streaming = False
     try:
         if named is not None:

@@ -40,7 +40,6 @@ from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget, answered_as
 from ..adapter_route import tinker_path
 from ..admission import cost_of
-from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Reply
@@ -49,6 +48,7 @@ from .common import (
     LABEL_HEADER,
     affinity_of,
     ascii_header,
+    flow,
     gateway_of,
     json_object,
     outgoing,
@@ -140,7 +140,7 @@ async def asample(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
     sent = json_object(raw)
     named = _version(gw, sent)
-    async with gw.gate.admit(flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named else None),
+    async with gw.gate.admit(flow(request, named[1] if named is not None else None),
                              cost_of({"num_samples": sent.get("num_samples")})) as place:  # one prompt
         if named is not None:
             replica, reply = await _to_version(request, raw, sent, named)

@@ -24,7 +24,6 @@ from .. import ids
 from ..adapter_forward import to_version
 from ..adapter_names import VersionTarget
 from ..admission import cost_of
-from ..fair_queue import FAIRNESS_HEADER, flow_of
 from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..pool_adapters import push_next_version
 from ..pool_object import PoolObject
@@ -32,6 +31,7 @@ from ..upstream import Outgoing, Reply
 from .adapter_push import shielded_push
 from .common import (
     affinity_of,
+    flow,
     gateway_of,
     json_object,
     outgoing,
@@ -155,8 +155,7 @@ async def sampler_call(model_id: str, op: str, request: Request) -> Response:
         return respond(replica, reply)
     body = json_object(raw)
     named = _pool_version(gw, body)
-    flow = flow_of(request.headers.get(FAIRNESS_HEADER), named[1].run if named is not None else None)
-    async with gw.gate.admit(flow, cost_of(body, "inputs")):
+    async with gw.gate.admit(flow(request, named[1] if named is not None else None), cost_of(body, "inputs")):
         if named is not None:
             # Placed by adapter; the replica samples the version named in POOL_ADAPTER_HEADER.
             name, target = named
