@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from .adapter_names import VersionTarget
 from .adapter_route import unknown_adapter
-from .errors import NoReplica, ReplicaLost, ReplicaTimeout
-from .forward import Gateway, LabelOf, SecondChances, _discard, _open, resend_after_loss, weights_of, with_retried
+from .errors import NoReplica
+from .forward import Gateway, LabelOf, SecondChances, _discard, _open, after_failed_send, returnable, with_retried
 from .replicas import ReplicaView
 from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
 
@@ -53,29 +53,11 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
             else:
                 with gw.pool.lease(replica, "new"):
                     reply = await gw.upstream.send(replica, rewrite(target.engine_name))
-        except NotStarted as e:
-            gw.pool.mark_lost(replica, str(e))
+        except (NotStarted, Lost, TimedOut) as e:
             tried.add(replica.name)
-            if not used.refused:
-                used.refused = True
-                gw.metrics.retried.labels(replica=replica.name).inc()
-                label = replica.weights_label
-                continue
-            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) refused the request, and so did "
-                              f"another replica tried before it: {e}") from None
-        except Lost as e:
-            gw.pool.mark_lost(replica, str(e))
-            tried.add(replica.name)
-            if resend_after_loss(used, resendable, rerun, replica.weights_label):
-                used.lost = True
-                (gw.metrics.retried if resendable else gw.metrics.rerun).labels(replica=replica.name).inc()
-                label, lost = replica.weights_label, replica.name
-                continue
-            gw.metrics.lost.labels(replica=replica.name).inc()
-            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) was lost while running the "
-                              f"request: {e}") from None
-        except TimedOut as e:
-            raise ReplicaTimeout(f"replica {replica.name} ({weights_of(replica)}) did not answer: {e}") from None
+            retry = after_failed_send(gw, replica, e, used, resendable, rerun)
+            label, lost = retry.label, retry.lost or lost
+            continue
         finally:
             if not held:
                 router.release(key)
@@ -87,21 +69,9 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
                 continue
             # Twice: the replica's own answer (a 4xx naming the field), never the base model.
             return replica, reply, target
-        got = label_of(reply) if label_of is not None and reply.status == 200 else None
-        if got is not None:
-            try:
-                await gw.pool.held(got)
-            except BaseException:
-                _discard(reply)
-                raise
-            if not gw.pool.returned(replica, got):
-                _discard(reply)
-                if not used.stale:
-                    used.stale = True
-                    label = None
-                    continue
-                raise NoReplica(f"replica {replica.name} answered on weights {got!r}, older than "
-                                f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
+        if not await returnable(gw, replica, reply, label_of, used):
+            label = None
+            continue
         if reply.status == 200 and not resendable:
             if router.order.is_stale(target, gw.cfg.version_policy, router.state):
                 _discard(reply)

@@ -76,6 +76,60 @@ def resend_after_loss(chances: SecondChances, resendable: bool, rerun: bool, lab
     return not chances.lost and (resendable or (rerun and label is not None))
 
 
+@dataclass(frozen=True)
+class Again:
+    """Send the request once more: at this weights label (None: the version policy picks), and, when
+    its replica was lost while running it, that replica's name (the answer's RETRIED_HEADER)."""
+    label: str | None
+    lost: str | None = None
+
+
+def after_failed_send(gw: Gateway, replica: ReplicaView, e: NotStarted | Lost | TimedOut, used: SecondChances,
+                      resendable: bool, rerun: bool) -> Again:
+    """A send to `replica` that failed: the request's second chance (`SecondChances`, the module
+    docstring), or the client's error (raised) when it has none for that reason."""
+    if isinstance(e, TimedOut):
+        raise ReplicaTimeout(f"replica {replica.name} ({weights_of(replica)}) did not answer: {e}") from None
+    gw.pool.mark_lost(replica, str(e))
+    if isinstance(e, NotStarted):
+        if not used.refused:
+            used.refused = True
+            gw.metrics.retried.labels(replica=replica.name).inc()
+            return Again(replica.weights_label)
+        raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) refused the request, and so did "
+                          f"another replica tried before it: {e}") from None
+    if resend_after_loss(used, resendable, rerun, replica.weights_label):
+        used.lost = True
+        (gw.metrics.retried if resendable else gw.metrics.rerun).labels(replica=replica.name).inc()
+        return Again(replica.weights_label, lost=replica.name)
+    gw.metrics.lost.labels(replica=replica.name).inc()
+    raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) was lost while running the "
+                      f"request: {e}") from None
+
+
+async def returnable(gw: Gateway, replica: ReplicaView, reply: Reply, label_of: LabelOf | None,
+                     used: SecondChances) -> bool:
+    """The answer judged by its weights label: held while the pool's routing switch moves to it (rather
+    than run again), then returned or not by the version policy. False: dropped, to be sent once more
+    (the stale budget spent); a second such answer is a 503 the client retries."""
+    got = label_of(reply) if label_of is not None and reply.status == 200 else None
+    if got is None:
+        return True
+    try:
+        await gw.pool.held(got)
+    except BaseException:
+        _discard(reply)  # the client went away meanwhile: a stream's replica stops, its lease ends
+        raise
+    if gw.pool.returned(replica, got):
+        return True
+    _discard(reply)
+    if not used.stale:
+        used.stale = True
+        return False
+    raise NoReplica(f"replica {replica.name} answered on weights {got!r}, older than "
+                    f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
+
+
 def with_retried(reply: Reply, lost: str | None) -> Reply:
     return reply if lost is None else dataclasses.replace(reply, headers=(*reply.headers, (RETRIED_HEADER, lost)))
 
@@ -162,42 +216,13 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
             else:
                 with gw.pool.lease(replica, "new"):
                     reply = await gw.upstream.send(replica, out)
-        except NotStarted as e:
-            gw.pool.mark_lost(replica, str(e))
-            if not used.refused:
-                used.refused = True
-                gw.metrics.retried.labels(replica=replica.name).inc()
-                label = replica.weights_label
-                continue
-            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) refused the request, and so did "
-                              f"another replica tried before it: {e}") from None
-        except Lost as e:
-            gw.pool.mark_lost(replica, str(e))
-            if resend_after_loss(used, resendable, rerun, replica.weights_label):
-                used.lost = True
-                (gw.metrics.retried if resendable else gw.metrics.rerun).labels(replica=replica.name).inc()
-                label, lost = replica.weights_label, replica.name
-                continue
-            gw.metrics.lost.labels(replica=replica.name).inc()
-            raise ReplicaLost(f"replica {replica.name} ({weights_of(replica)}) was lost while running the "
-                              f"request: {e}") from None
-        except TimedOut as e:
-            raise ReplicaTimeout(f"replica {replica.name} ({weights_of(replica)}) did not answer: {e}") from None
-        got = label_of(reply) if label_of is not None and reply.status == 200 else None
-        if got is not None:
-            try:
-                await gw.pool.held(got)  # the pool's routing switch moving to it: wait, rather than run it again
-            except BaseException:
-                _discard(reply)  # the client went away meanwhile: a stream's replica stops, its lease ends
-                raise
-        if got is not None and not gw.pool.returned(replica, got):
-            _discard(reply)
-            if not used.stale:
-                used.stale = True
-                label = None  # the policy now picks the newest weights
-                continue
-            raise NoReplica(f"replica {replica.name} answered on weights {got!r}, older than "
-                            f"{gw.pool.order.newest_returned!r} already returned; retry", gw.cfg.retry_after_s)
+        except (NotStarted, Lost, TimedOut) as e:
+            retry = after_failed_send(gw, replica, e, used, resendable, rerun)
+            label, lost = retry.label, retry.lost or lost
+            continue
+        if not await returnable(gw, replica, reply, label_of, used):
+            label = None  # the policy now picks the newest weights
+            continue
         return replica, with_retried(reply, lost)
 
 
