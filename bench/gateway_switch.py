@@ -11,11 +11,13 @@ processes with kube discovery, each with its own routing Lease, at the gateway's
 this process) alternate their requests between the two gateways, and every answer is recorded with
 this process's monotonic clock at send and receipt, and the gateway it came through.
 
-Each rollout patches the pool's weights to the next label (step-N -> step-N+1) in one rollout mode
-(Drain and Abort with maxUnavailable 1, Keep), waits until the pool is open on it with every replica
-updated, then for answers on it; `--rollouts` per mode, the modes shuffled within each round. A watch
-of the SamplerPool records when `status.routing` showed `Fence(Y)` and `Open(Y)`; the gateways'
-/metrics are read before and after each rollout. bench/switch_cost.py defines every figure and
+Each rollout sets the pool's rollout mode (Drain and Abort with maxUnavailable 1, Keep), then pushes
+the next label's weights (step-N -> step-N+1) as a trainer does (`sampler_client.Pool.push(wait=True)`
+through the first gateway, timed to its return), waits until the pool is open on it with every replica
+updated, then for answers on it; each replica's own stage + write is read from its load's trace;
+`--rollouts` per mode, the modes shuffled within each round. A watch of the SamplerPool records
+when `status.routing` showed `Fence(Y)` and `Open(Y)`; the gateways' /metrics are read before and
+after each rollout. bench/switch_cost.py defines every figure and
 computes them. The 1-minute load average before each rollout and the hypervisor's steal during it
 are recorded (this 2-core box is shared with the API server, the operator and the processes above).
 
@@ -42,7 +44,9 @@ from typing import Any
 import httpx
 
 from bench.load import cpu_times
+from bench.rollout_trace import pod_loads
 from bench.switch_cost import MODES, Reply, SwitchCost, counts, dip, fence_span, gateway_dip, violations, within
+from sampler_client import Pool
 from tests.support import k8s as ks
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.metrics import total
@@ -188,6 +192,8 @@ class Stack:
     labels: list[str]
     key: str
     gateways: dict[str, RunningGateway]
+    trainer: Pool      # the trainer's client, through the first gateway, with the pool's admin key
+    pods: Path         # the process kubelet's pod directories (each sampler's log: its loads' trace)
 
 
 def _pool_status(custom: Any, ns: str) -> dict[str, Any]:
@@ -202,6 +208,18 @@ def open_at(custom: Any, ns: str, label: str) -> bool:
     progressing = {c["type"]: c.get("reason") for c in s.get("conditions") or []}.get("Progressing")
     return (r.get("phase") == "Open" and r.get("label") == label and not r.get("waitingFor")
             and s.get("updatedReplicas") == 2 and s.get("readyReplicas") == 2 and progressing == "RolloutComplete")
+
+
+def set_rollout_mode(custom: Any, ns: str, trainer: Pool, mode: str) -> None:
+    """The pool's `spec.rollout` (`mode`, maxUnavailable 1), observed by the operator before the
+    trainer's push: the push itself carries only weights."""
+    obj = custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", POOL, {"spec": {"rollout": {
+        "mode": mode, "maxUnavailable": 1}}})
+    generation = obj["metadata"]["generation"]
+    deadline = time.monotonic() + 60
+    while not trainer.status().observed(generation):
+        assert time.monotonic() < deadline, f"the operator never observed the pool's rollout mode {mode}"
+        time.sleep(0.05)
 
 
 def _pool_key(core: Any, ns: str, key: str = "api-key") -> str | None:
@@ -273,11 +291,14 @@ def stack(workdir: Path, labels: list[str], renew_s: float, lease_s: int, trace:
         shutil.copy(model / "model.safetensors", root / label / "model.safetensors")
     template = {"model": str(model), "image": "local/sampler-base:dev", "engine": "fake", "port": ks.free_port(),
                 "health": {"periodSeconds": 1, "timeoutSeconds": 1, "failureThreshold": 3},
-                "checkpoints": {"allowedRoots": [str(root)]}}
+                "checkpoints": {"allowedRoots": [str(root)]},
+                # Each load's own timings (`load.done`): the push's share beyond them.
+                "pod": {"env": [{"name": "SAMPLER_ROLLOUT_TRACE", "value": "1"}]}}
     flags = ["--routing-renew-s", str(renew_s), "--routing-lease-s", str(lease_s)]
     with kube_pool(workdir, template, {"checkpoint": str(root / labels[0]), "versionLabel": labels[0]},
                    ("gw-a", "gw-b"), flags, trace) as kp:
-        yield Stack(kp.core, kp.custom, kp.ns, root, labels, kp.key, kp.gateways)
+        yield Stack(kp.core, kp.custom, kp.ns, root, labels, kp.key, kp.gateways,
+                    Pool(kp.gateways["gw-a"].url, kp.admin_key), kp.pods)
 
 
 def _withheld(gateways: dict[str, RunningGateway]) -> int:
@@ -292,11 +313,13 @@ class Step:
     mode: str
     old: str
     new: str
-    patched: float
+    patched: float      # the trainer's push sent
     opened: float
     withheld: int
     loadavg: float
     steal: float
+    push_s: float       # the push -> Complete, as Pool.push(wait=True) returned
+    stage_write_s: float
 
 
 def schedule(rollouts: int, seed: int) -> list[str]:
@@ -346,18 +369,21 @@ def run(rollouts: int, clients: int, renew_s: float, lease_s: int, seed: int,
 
 
 def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str) -> Step:
+    set_rollout_mode(s.custom, s.ns, s.trainer, mode)
     loadavg, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
     withheld0 = _withheld(s.gateways)
+    # As a trainer pushes: through a gateway, waiting for Complete (sampler_client's long poll).
     patched = time.monotonic()
-    s.custom.patch_namespaced_custom_object(G, V, s.ns, "samplerpools", POOL, {"spec": {
-        "weights": {"checkpoint": str(s.root / new), "versionLabel": new}, "rollout": {"mode": mode}}})
+    s.trainer.push(str(s.root / new), new, wait=True, timeout=OPEN_TIMEOUT_S)
+    push_s = time.monotonic() - patched
     ks.wait_for(lambda: open_at(s.custom, s.ns, new), OPEN_TIMEOUT_S, 0.1, f"{mode} rollout open at {new}")
     opened = time.monotonic()
+    stage_write = max(x.get("stage_s", 0.0) + x.get("write_s", 0.0) for x in pod_loads(s.pods, new))
     # The gateways' counters are read once the new label answers: what the switch withheld is in.
     ks.wait_for(lambda: load.at(new) >= ANSWERS_AT_NEW, 60, 0.05, f"answers at {new}")
     steal1, ticks1 = cpu_times()
     return Step(tokens, mode, old, new, patched, opened, _withheld(s.gateways) - withheld0, loadavg,
-                (steal1 - steal0) / max(ticks1 - ticks0, 1))
+                (steal1 - steal0) / max(ticks1 - ticks0, 1), push_s, stage_write)
 
 
 def costs(steps: list[Step], replies: list[Reply], seen: list[tuple[float, str, str]],
@@ -373,5 +399,5 @@ def costs(steps: list[Step], replies: list[Reply], seen: list[tuple[float, str, 
         out.append(SwitchCost(st.tokens, st.mode, st.old, st.new, dip(replies, st.old, st.new),
                               gateway_dip(replies, st.old, st.new), fence_span(seen, st.new),
                               st.opened - st.patched, st.withheld, resubmit, aborted, failed,
-                              len(within(bad, start, end)), st.loadavg, st.steal))
+                              len(within(bad, start, end)), st.loadavg, st.steal, st.push_s, st.stage_write_s))
     return out

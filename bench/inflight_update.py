@@ -82,10 +82,10 @@ import httpx
 
 from bench.gateway import vllm_pool
 from bench.gateway_rollout import checkpoints
-from bench.gateway_switch import POOL, G, KubePool, V, kube_pool
+from bench.gateway_switch import G, KubePool, kube_pool, set_rollout_mode
 from bench.load import cpu_times, prompt
 from bench.report import RAW, write_section
-from bench.rollout_trace import read as read_trace
+from bench.rollout_trace import pod_loads
 from bench.rounds import orders
 from bench.sampling_concurrency import MAX_NUM_SEQS, http_session
 from bench.switch_cost import Reply, counts, dip, violations
@@ -101,7 +101,6 @@ POOL_MODE = {"drain": "Drain", "abort": "Abort", "keep": "Keep"}
 # Issue #32's target for push -> Complete as the trainer sees it: the slowest replica's stage + write + this.
 PUSH_BUDGET_S = 0.3
 KUBE_START_LABEL = "start"
-TIMINGS = ("validation_s", "stage_s", "drain_wait_s", "write_s", "paused_s")
 
 
 @dataclass(frozen=True)
@@ -314,7 +313,7 @@ async def update(http: aiohttp.ClientSession, topo: Topology, checkpoint: str, l
                  mode: str) -> tuple[list[dict[str, Any]], int | None]:
     """The update as the pool controller runs it for this mode (kube: the controller itself, after the
     trainer's push): (each load's answer, tokens in flight on the aborted replicas when their loads
-    started; kube: none, and no loads: read them from the trace afterwards, `kube_loads`)."""
+    started; kube: none, and no loads: read them from the trace afterwards, `rollout_trace.pod_loads`)."""
     if topo.trainer is not None:
         done = await asyncio.to_thread(topo.trainer.push, checkpoint, label, wait=True, progress=False)
         assert done.state == "Complete" and done.target_label == label, done
@@ -342,28 +341,7 @@ async def update(http: aiohttp.ClientSession, topo: Topology, checkpoint: str, l
 
 def set_mode(kp: KubePool, trainer: Pool, mode: str) -> None:
     """The pool's `spec.rollout` for the cell's mode, observed by the operator before the cell starts."""
-    obj = kp.custom.patch_namespaced_custom_object(G, V, kp.ns, "samplerpools", POOL, {"spec": {"rollout": {
-        "mode": POOL_MODE[mode], "maxUnavailable": 1}}})
-    generation = obj["metadata"]["generation"]
-    deadline = time.monotonic() + 60
-    while not trainer.status().observed(generation):
-        assert time.monotonic() < deadline, f"the operator never observed the pool's rollout mode {mode}"
-        time.sleep(0.1)
-
-
-def kube_loads(pods: Path, label: str, replicas: int = 2) -> list[dict[str, Any]]:
-    """Each replica's load of `label` as its trace says (`load.done`): the last one per pod."""
-    deadline = time.monotonic() + 30
-    while True:
-        found: dict[str, dict[str, Any]] = {}
-        for log in sorted(pods.glob("*/sampler.log")):
-            for step in read_trace([log]):
-                if step.step == "load.done" and step.fields.get("label") == label:
-                    found[log.parent.name] = {k: float(step.fields[k]) for k in TIMINGS if k in step.fields}
-        if len(found) >= replicas or time.monotonic() > deadline:
-            assert len(found) >= replicas, f"the trace has {len(found)} loads of {label}: {sorted(found)}"
-            return list(found.values())
-        time.sleep(0.1)
+    set_rollout_mode(kp.custom, kp.ns, trainer, POOL_MODE[mode])
 
 
 def stale_responses(gw: RunningGateway | None) -> int:
@@ -406,7 +384,7 @@ async def cell(http: aiohttp.ClientSession, topo: Topology, mode: str, length: i
     loads, in_flight = await update(http, topo, checkpoint, label, mode)
     t1 = time.monotonic()
     if topo.kube is not None:
-        loads = await asyncio.to_thread(kube_loads, topo.kube.pods, label)
+        loads = await asyncio.to_thread(pod_loads, topo.kube.pods, label)
     await asyncio.sleep(max(0.0, (t0 + t1) / 2 + a.window_s / 2 - time.monotonic()))
     answers = await loop.stop()
     steal1, ticks1 = cpu_times()

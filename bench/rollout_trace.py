@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,27 @@ def read(paths: list[Path]) -> list[Step]:
                 fields = dict(kv.split("=", 1) for kv in m["rest"].split() if "=" in kv)
                 out.append(Step(float(m["t"]), m["who"], m["step"], fields))
     return sorted(out, key=lambda s: s.t)
+
+
+# A sampler's `load.done` timings (sampler_pod's load route).
+TIMINGS = ("validation_s", "stage_s", "drain_wait_s", "write_s", "paused_s")
+
+
+def pod_loads(pods: Path, label: str, replicas: int = 2, timeout_s: float = 30.0) -> list[dict[str, float]]:
+    """Each replica's load of `label` as its trace says (`load.done`, the last one per pod), from the
+    process kubelet's pod logs (`<pods>/<pod>/sampler.log`; the pods run with SAMPLER_ROLLOUT_TRACE=1).
+    A log line may lag the load's answer: read again until every replica's is there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found: dict[str, dict[str, float]] = {}
+        for log in sorted(pods.glob("*/sampler.log")):
+            for step in read([log]):
+                if step.step == "load.done" and step.fields.get("label") == label:
+                    found[log.parent.name] = {k: float(step.fields[k]) for k in TIMINGS if k in step.fields}
+        if len(found) >= replicas or time.monotonic() > deadline:
+            assert len(found) >= replicas, f"the trace has {len(found)} loads of {label}: {sorted(found)}"
+            return list(found.values())
+        time.sleep(0.1)
 
 
 def rollouts(steps: list[Step]) -> list[Rollout]:

@@ -69,7 +69,7 @@ class SwitchCost:
     dip_s: float
     gateway_dip_s: float
     fence_s: float | None
-    rollout_s: float           # the spec patched -> the pool open on `new` with every replica updated
+    rollout_s: float           # the push -> the pool open on `new` with every replica updated
     withheld: int
     resubmit: int
     aborted: int
@@ -77,6 +77,13 @@ class SwitchCost:
     violations: int
     loadavg: float
     steal: float
+    push_s: float | None = None         # the trainer's Pool.push(wait=True): the call -> Complete, as it returns
+    stage_write_s: float | None = None  # the slowest replica's stage + write (its load's trace, `load.done`)
+
+    @property
+    def beyond_s(self) -> float | None:
+        """The push -> Complete beyond the slowest replica's stage + write: the protocol's share."""
+        return None if self.push_s is None or self.stage_write_s is None else self.push_s - self.stage_write_s
 
     @property
     def rerun(self) -> int:
@@ -154,9 +161,10 @@ def _p50_max(xs: Sequence[float], unit: str = "s", digits: int = 2) -> str:
 def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
     """The table per sample length and mode: p50 / max over the rollouts of each figure, sums of the counts."""
     lines = ["| tokens per sample | mode | rollouts | capacity dip, all gateways (p50 / max) | longest dark span "
-             "of one gateway (p50 / max) | fence, controller (p50 / max) | rollout (p50 / max) | answers re-run on Y "
+             "of one gateway (p50 / max) | fence, controller (p50 / max) | rollout (p50 / max) | push -> Complete, "
+             "trainer (p50 / max) | beyond the slowest stage + write (p50 / max) | answers re-run on Y "
              "(p50 / max) | answered resubmit (p50 / max) | aborted by the load (total) | failed | violations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for tokens in sorted({c.tokens for c in costs}):
         for mode in modes:
             cs = [c for c in costs if c.mode == mode and c.tokens == tokens]
@@ -167,7 +175,9 @@ def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
                 f"| {tokens} | {mode} | {len(cs)} | {_p50_max([c.dip_s for c in cs])} | "
                 f"{_p50_max([c.gateway_dip_s for c in cs])} | "
                 f"{_p50_max(fences)}{'' if len(fences) == len(cs) else f' ({len(fences)} seen)'} | "
-                f"{_p50_max([c.rollout_s for c in cs])} | {_p50_max([float(c.rerun) for c in cs], '', 0)} | "
+                f"{_p50_max([c.rollout_s for c in cs])} | {_p50_max([c.push_s for c in cs if c.push_s is not None])} | "
+                f"{_p50_max([b for c in cs if (b := c.beyond_s) is not None])} | "
+                f"{_p50_max([float(c.rerun) for c in cs], '', 0)} | "
                 f"{_p50_max([float(c.resubmit) for c in cs], '', 0)} | {sum(c.aborted for c in cs)} | "
                 f"{sum(c.failed for c in cs)} | {sum(c.violations for c in cs)} |")
     return lines
@@ -178,7 +188,10 @@ def per_rollout(costs: Sequence[SwitchCost]) -> list[str]:
     return [f"- {c.old} -> {c.new} ({c.mode}, {c.tokens} tokens): dip {c.dip_s:.2f} s, one gateway "
             f"{c.gateway_dip_s:.2f} s, fence "
             + (f"{c.fence_s:.2f} s" if c.fence_s is not None else "not seen")
-            + f", rollout {c.rollout_s:.2f} s, withheld {c.withheld} (re-run {c.rerun}, resubmit {c.resubmit}), "
+            + f", rollout {c.rollout_s:.2f} s"
+            + (f", push -> Complete {c.push_s:.3f} s" if c.push_s is not None else "")
+            + (f" (slowest stage + write {c.stage_write_s:.3f} s)" if c.stage_write_s is not None else "")
+            + f", withheld {c.withheld} (re-run {c.rerun}, resubmit {c.resubmit}), "
             f"aborted {c.aborted}, failed {c.failed}, violations {c.violations}, load {c.loadavg:.2f}, "
             f"steal {c.steal:.1%}" for c in costs]
 
@@ -208,9 +221,13 @@ def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s
         "received by any client to the first answer on the new one, through any gateway: no gateway returned "
         "anything in it (it ends with one sample's latency, the first request dispatched after the pool opened the "
         "new label). **One gateway's dark span**: the same through one gateway; the longest of the two. **Fence**: "
-        "`status.routing` from `Fence(Y)` to `Open(Y)`, as a watch delivered it. **Rollout**: the spec patched to "
-        "the pool open on Y with both replicas updated (polled every 0.1 s). **Re-run**: answers the gateways "
-        "withheld because the switch forbade their label (`sampler_gateway_stale_responses`) and ran again on Y; "
+        "`status.routing` from `Fence(Y)` to `Open(Y)`, as a watch delivered it. **Rollout**: the trainer's push "
+        "to the pool open on Y with both replicas updated (polled every 0.1 s). **Push -> Complete**: the "
+        "trainer's `Pool.push(wait=True)` through a gateway, from the call to its return (the rollout Complete, as "
+        "the trainer learns it); **beyond the slowest stage + write**: that less the slowest replica's own stage + "
+        "write (its load's `load.done` trace), the share of the operator, the API server and the gateway. "
+        "**Re-run**: answers the gateways withheld because the switch forbade their label "
+        "(`sampler_gateway_stale_responses`) and ran again on Y; "
         "**resubmit**: those whose re-run was withheld too, answered 503 to the client. **Aborted**: an Abort "
         "load's own \"aborted, resubmit\" answers (that mode's design), resubmitted by the clients. **Failed**: any "
         "other non-200. **Violations**: answers on a label older than one some client had received before sending "

@@ -11,6 +11,7 @@ import pytest
 
 from bench import inflight_update as iu
 from bench.inflight_update import Answer, CellRun, Results
+from bench.rollout_trace import TIMINGS, pod_loads
 from sampler_common import rollout_trace
 
 
@@ -106,11 +107,11 @@ def test_each_replicas_load_is_read_from_its_pods_trace(tmp_path: Path) -> None:
         (tmp_path / pod).mkdir()
         (tmp_path / pod / "sampler.log").write_text("\n".join(
             "DEBUG x: " + line("sampler/h", "load.done", 100.0 + i, label=label, in_flight="keep",
-                               **{k: f"{t:.6f}" for k in iu.TIMINGS}) for i, (label, t) in enumerate(loads))
+                               **{k: f"{t:.6f}" for k in TIMINGS}) for i, (label, t) in enumerate(loads))
             + "\nINFO a line of something else\n")
-    got = iu.kube_loads(tmp_path, "step-2")
+    got = pod_loads(tmp_path, "step-2")
     assert [x["write_s"] for x in got] == [0.75, 0.5]              # per pod, the last load of the label
-    assert set(got[0]) == set(iu.TIMINGS)
+    assert set(got[0]) == set(TIMINGS)
 
 
 def test_each_replicas_engine_gets_its_own_core() -> None:

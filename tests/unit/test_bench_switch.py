@@ -58,7 +58,8 @@ def test_the_fence_is_read_from_the_routing_the_watch_saw() -> None:
 
 
 def cost(mode: str, dip_s: float, withheld: int, resubmit: int, tokens: int = 40) -> SwitchCost:
-    return SwitchCost(tokens, mode, "X", "Y", dip_s, dip_s + 0.5, 1.0, 4.0, withheld, resubmit, 0, 0, 0, 1.0, 0.0)
+    return SwitchCost(tokens, mode, "X", "Y", dip_s, dip_s + 0.5, 1.0, 4.0, withheld, resubmit, 0, 0, 0, 1.0, 0.0,
+                      push_s=dip_s / 2, stage_write_s=0.1)
 
 
 def test_the_table_gives_p50_and_max_over_the_rollouts_of_each_length_and_mode() -> None:
@@ -66,10 +67,11 @@ def test_the_table_gives_p50_and_max_over_the_rollouts_of_each_length_and_mode()
              cost("Drain", 9.0, 7, 0, tokens=400)]
     assert costs[1].rerun == 4
     text = "\n".join(table(costs, MODES))
-    assert ("| 40 | Drain | 3 | 2.00 / 4.00 s | 2.50 / 4.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s | 3 / 4 | 0 / 1 | 0 | 0 "
-            "| 0 |") in text
+    assert ("| 40 | Drain | 3 | 2.00 / 4.00 s | 2.50 / 4.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s | 1.00 / 2.00 s "
+            "| 0.90 / 1.90 s | 3 / 4 | 0 / 1 | 0 | 0 | 0 |") in text
     assert "| 40 | Keep | 1 | 0.50 / 0.50 s |" in text
-    assert "| 400 | Drain | 1 | 9.00 / 9.00 s | 9.50 / 9.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s | 7 / 7 |" in text
+    assert ("| 400 | Drain | 1 | 9.00 / 9.00 s | 9.50 / 9.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s | 4.50 / 4.50 s "
+            "| 4.40 / 4.40 s | 7 / 7 |") in text
     assert "Abort |" not in text
 
 
