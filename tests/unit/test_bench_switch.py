@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 
 from bench.gateway_switch import schedule
-from bench.switch_cost import MODES, Reply, SwitchCost, counts, dip, fence_span, gateway_dip, table, violations
+from bench.switch_cost import (
+    MODES,
+    Reply,
+    SwitchCost,
+    counts,
+    dip,
+    fence_span,
+    gateway_dip,
+    per_rollout,
+    table,
+    violations,
+)
 
 
 def ok(sent: float, received: float, gateway: str, label: str) -> Reply:
@@ -80,3 +91,18 @@ def test_each_round_runs_every_mode_once_in_a_shuffled_order() -> None:
     rounds = [modes[i:i + 3] for i in range(0, 15, 3)]
     assert all(sorted(r) == sorted(MODES) for r in rounds)
     assert len({tuple(r) for r in rounds}) > 1
+
+
+def test_paired_runs_alternate_in_balanced_blocks_and_read_every_rollouts_figures() -> None:
+    from bench.switch_paired import block_order, parse
+
+    assert block_order(4) == [(1, "base"), (1, "head"), (2, "head"), (2, "base"),
+                              (3, "head"), (3, "base"), (4, "base"), (4, "head")]
+    c = cost("Keep", 0.3, 2, 1)
+    got = parse("\n".join(["noise", *per_rollout([c])]))
+    assert [(r.tokens, r.mode) for r in got] == [(40, "Keep")]
+    assert got[0].figures == {"dip": 0.3, "fence": 1.0, "rollout": 4.0, "push": 0.15,
+                              "beyond": pytest.approx(0.05)}
+    # A run whose bench predates the trainer's push (the base side): no push figures.
+    old = per_rollout([SwitchCost(40, "Drain", "X", "Y", 1.0, 1.5, 0.5, 3.0, 0, 0, 0, 0, 0, 2.0, 0.0)])
+    assert set(parse(old[0])[0].figures) == {"dip", "fence", "rollout"}
