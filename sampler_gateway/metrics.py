@@ -63,7 +63,8 @@ class GatewayMetrics:
                                      "by outcome (ok; full: the replica's 409, placed again; refused: its other 4xx)",
                                      ["replica", "outcome"], registry=r)
         self.adapter_unloads = Counter("sampler_gateway_adapter_unloads", "Adapter versions unloaded on a replica to "
-                                       "make room, by outcome (ok, in_flight: its 409, placed again)",
+                                       "make room for a request's version or a push's, by outcome (ok; in_flight: its "
+                                       "409, placed again; refused: its other answers)",
                                        ["replica", "outcome"], registry=r)
         self.adapter_replaced = Counter("sampler_gateway_adapter_replaced", "Adapter requests placed again because "
                                         "their replica no longer held the version (its unknown-adapter answer)",

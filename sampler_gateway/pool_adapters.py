@@ -153,12 +153,16 @@ class Replicas:
                    evict: Sequence[str]) -> bool:
         """Unload `evict`, then load `name` from the version's files. False: the replica's adapters
         changed since they were read (a victim got a request, its slots filled): place again."""
+        unloads = self.gw.metrics.adapter_unloads
         for victim in evict:
             reply = await self.send(replica, "DELETE", f"{ADAPTERS}/{victim}")
             if reply.status == 409:
+                unloads.labels(replica=replica.name, outcome="in_flight").inc()
                 return False  # a request for it arrived since: never unloaded under one
             if reply.status not in (200, 204, 404):
+                unloads.labels(replica=replica.name, outcome="refused").inc()
                 raise ReplicaAnswer(replica.name, reply)
+            unloads.labels(replica=replica.name, outcome="ok").inc()
         body: dict[str, Any] = {"name": name, "path": version.path}
         if version.sha256_manifest is not None:
             body["sha256_manifest"] = version.sha256_manifest

@@ -109,6 +109,12 @@ PUSH = AdapterPush(run="z", path="/ckpt/z1", version_label="s1", step=1)
 OLD, NEW = "2026-12-03T10:00:00Z", "2026-12-03T11:00:00Z"
 
 
+def unloads(gw: Gateway, replica: str, outcome: str) -> float:
+    """The gateway's count of versions unloaded on `replica` to make room (a request's or a push's)."""
+    return gw.metrics.registry.get_sample_value("sampler_gateway_adapter_unloads_total",
+                                                {"replica": replica, "outcome": outcome}) or 0.0
+
+
 def deletes(r: ScriptedReplica) -> list[str]:
     return [p.rsplit("/", 1)[1] for m, p in r.calls if m == "DELETE"]
 
@@ -116,8 +122,10 @@ def deletes(r: ScriptedReplica) -> list[str]:
 async def test_a_full_replica_unloads_its_least_recently_used_idle_version_never_one_in_flight() -> None:
     # The least recently used one has a request in flight: the other goes.
     r0 = ScriptedReplica(slots=2, adapters={"x.1.1": Held(NEW), "y.1.2": Held(OLD, in_flight=1)})
-    answer = await push_adapter(gateway({"r0": r0}), pool_object(), PUSH, attempts=1)
+    gw = gateway({"r0": r0})
+    answer = await push_adapter(gw, pool_object(), PUSH, attempts=1)
     assert answer["engine_name"] == "z.1.3"
+    assert unloads(gw, "r0", "ok") == 1   # x, to make room (the provisional copy's removal is not counted)
     # The provisional copy took x's slot (the idle one), was unloaded after the write, and the
     # version loaded in its place; y, in flight, was never asked to go.
     assert set(r0.adapters) == {"y.1.2", "z.1.3"}
@@ -134,8 +142,10 @@ async def test_a_victim_that_got_a_request_stays_and_the_push_is_placed_again() 
     r0 = ScriptedReplica(slots=1, adapters={"x.1.1": Held(OLD)}, busy_at_unload={"x.1.1"})
     r1 = ScriptedReplica(slots=1, adapters={"y.1.2": Held(OLD)}, load=3)  # more loaded: second choice
     pool = pool_object()
-    answer = await push_adapter(gateway({"r0": r0, "r1": r1}), pool, PUSH, attempts=1)
+    gw = gateway({"r0": r0, "r1": r1})
+    answer = await push_adapter(gw, pool, PUSH, attempts=1)
     assert answer["engine_name"] == "z.1.3" and len(pool.writes) == 1
+    assert (unloads(gw, "r0", "in_flight"), unloads(gw, "r0", "ok"), unloads(gw, "r1", "ok")) == (1, 0, 1)
     assert "x.1.1" in r0.adapters  # refused to go: it has a request now
     assert set(r1.adapters) == {"z.1.3"} and deletes(r1)[0] == "y.1.2"
 
