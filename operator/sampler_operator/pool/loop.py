@@ -45,6 +45,7 @@ from sampler_operator.pool.routing import (
     GatewayAck,
     Routing,
     awaited_generation,
+    needs_acknowledgements,
     next_routing,
     waiting_for,
 )
@@ -91,6 +92,9 @@ class PoolMemory:
     # told by the replica's loop in this process (handlers.tell_pool) before its status says so;
     # dropped once its status label moves (to that label, or anywhere), or the target does.
     loaded: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    # The gateways' acknowledgements as last listed (routing.needs_acknowledgements: a step where the
+    # switch cannot move and nobody is waited for reads no Leases).
+    acks: list[GatewayAck] = field(default_factory=list)
 
 
 def _trace_once(mem: PoolMemory, pool: str, step: str, key: str, **fields: object) -> None:
@@ -142,18 +146,23 @@ def serving_labels(uid: str, existing: Iterable[ReplicaState], loaded: dict[str,
 
 async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: PoolSpec,
                        existing: list[ReplicaState], old_status: dict[str, Any] | None,
-                       now: float, loaded: dict[str, str] | None = None,
+                       now: float, loaded: dict[str, str] | None = None, mem: PoolMemory | None = None,
                        ) -> tuple[dict[str, Any] | None, list[tuple[str, str, str]]]:
     """The pool's routing switch after this step (pool/routing.py) as its status field, and the Events
     telling of a move (posted after the status is written); deletes the Leases of gateway pods long
-    gone. `loaded`: labels the replicas' loads answered, not in their status yet (serving_labels)."""
-    leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
-    acks = [GatewayAck.from_lease(lease) for lease in leases]
-    for lease, ack in zip(leases, acks, strict=True):
-        if ack.stale(now):
-            await kube.delete_lease(namespace, lease["metadata"]["name"])
+    gone. `loaded`: labels the replicas' loads answered, not in their status yet (serving_labels).
+    The Leases are listed only when the step needs them (routing.needs_acknowledgements)."""
+    mem = mem if mem is not None else PoolMemory()
     current = Routing.from_status(old_status)
     serving = serving_labels(uid, existing, loaded or {})
+    before = ((old_status or {}).get("routing") or {}).get("waitingFor") or []
+    if needs_acknowledgements(current, next_routing(current, spec.target_label, serving, False), before):
+        leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
+        mem.acks = [GatewayAck.from_lease(lease) for lease in leases]
+        for lease, ack in zip(leases, mem.acks, strict=True):
+            if ack.stale(now):
+                await kube.delete_lease(namespace, lease["metadata"]["name"])
+    acks = mem.acks
     acknowledged = current is None or not waiting_for(acks, current.generation, now)
     routing = next_routing(current, spec.target_label, serving, acknowledged)
     if routing is None:
@@ -266,7 +275,7 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
         if replica not in labels or labels[replica] != before or label != target:
             del mem.loaded[replica]
     routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now,
-                                                 {r: label for r, (label, _) in mem.loaded.items()})
+                                                 {r: label for r, (label, _) in mem.loaded.items()}, mem)
     if routing is not None:
         status["routing"] = routing
     mem.awaited = awaited_generation(routing)

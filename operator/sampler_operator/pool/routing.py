@@ -43,7 +43,7 @@ from sampler_common.gateway_leases import CLOCK_SKEW_S, STALE_LEASE_S, GatewayAc
 from sampler_common.gateway_leases import ROUTING_ACK as ACK_ANNOTATION
 
 __all__ = ["ACK_ANNOTATION", "CLOCK_SKEW_S", "FENCE", "OPEN", "STALE_LEASE_S", "GatewayAck", "Phase", "Routing",
-           "acknowledges", "next_routing", "waiting_for"]
+           "acknowledges", "needs_acknowledgements", "next_routing", "waiting_for"]
 
 Phase = Literal["Open", "Fence"]
 OPEN: Phase = "Open"
@@ -95,6 +95,23 @@ def next_routing(current: Routing | None, target: str | None, serving: Iterable[
         return current
     label = target if target is not None and target in served else current.label
     return Routing(current.generation + 1, label, OPEN)
+
+
+def needs_acknowledgements(current: Routing | None, unacknowledged: Routing | None,
+                           waiting_before: Iterable[str]) -> bool:
+    """Does this step need the gateways' Leases, a read of the API server? To open a fence, always:
+    a gateway that wrote its Lease before the fence must never be missed. To start one
+    (`unacknowledged`, the switch as it moves without acknowledgements, differs from `current`): its
+    `waitingFor` names every live gateway, one started since the last read too. To report who has not
+    acknowledged an opening yet (`waitingFor` named someone). Not when nothing moves and nobody is
+    waited for: the steps a push sets off before its first load answers (its replicas' spec writes,
+    their Loading statuses) then take one API round trip less, and hold up less the step that
+    writes the fence."""
+    if current is not None and current.phase == FENCE:
+        return True
+    if unacknowledged != current:
+        return True
+    return bool(list(waiting_before))
 
 
 def awaited_generation(status_routing: dict[str, Any] | None) -> int | None:
