@@ -95,12 +95,14 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     try:
         answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
                             declared_load_request(spec), LOAD_TIMEOUT_S)
-    finally:
-        await loading   # the outcome's write below lands after it, never under it
+    except BaseException:
+        await asyncio.gather(loading, return_exceptions=True)
+        raise
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.http_status in (401, 403):
         mem.admin_key = None   # a rotated or remounted Secret: read it again next time
     if answer.outcome is Outcome.TRANSIENT:
+        await loading
         ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
         return None
     result, event_type = {Outcome.DONE: (LOADED, "Normal"), Outcome.INVALID: (INVALID, "Warning"),
@@ -108,7 +110,10 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
     served = loaded_weights(answer.body, ref) if result == LOADED else {}
     if served:
-        ctx.loaded(cr, ref.version_label)   # the pool's switch may fence now, not after the write below
+        # The pool's switch may fence now, before either status write (the Loading one may still
+        # be on its way: on a busy API server it has taken longer than the load).
+        ctx.loaded(cr, ref.version_label)
+    await loading   # the outcome's write lands after it, never under it
     await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem)
     trace("operator", "load.recorded", replica=who, label=ref.version_label, result=result)
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]

@@ -94,10 +94,12 @@ def test_a_load_the_pod_took_is_told_to_the_pool_before_its_status_is_written(
     answer = PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
     sync(monkeypatch, answer, records=records, told=told)
     assert told == ["step-1"]
-    # The pool heard of it after the write saying "Loading" and before the one recording the load.
+    # The pool heard of it before the write recording the load, and without waiting for the one
+    # saying "Loading" (which the load's answer may outrun); those two land in that order.
     order: list[str] = []
     sync(monkeypatch, answer, order=order)
-    assert order == ["record loading", "told step-1", "record load"]
+    assert order.index("told step-1") < order.index("record load")
+    assert order.index("record loading") < order.index("record load")
     # Nothing told for a refusal, a load that did not happen, or an answer naming no label.
     for nothing in (PodAnswer(Outcome.INVALID, "bad", 400), PodAnswer(Outcome.TRANSIENT, "later"),
                     PodAnswer(Outcome.DONE, "ok", 200, {})):
@@ -176,3 +178,40 @@ def test_the_admin_key_is_read_once_and_again_after_the_pod_refuses_it(monkeypat
     # Read for the first load; read again after the 401 only; kept through the 503.
     assert sent == ["old", "new", "new"]
     assert len(reads) == 2
+
+
+def test_the_pool_is_told_of_a_load_without_waiting_for_the_loading_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Loading write lands only once the pool was told: were the telling to wait for it, this
+    # would never end.
+    order: list[str] = []
+
+    async def run() -> float | None:
+        told = asyncio.Event()
+
+        async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
+            if "declaredResult" not in weights_fields:
+                await asyncio.wait_for(told.wait(), 5)
+                order.append("loading written")
+            else:
+                order.append("outcome written")
+
+        async def api_key(*_: Any) -> str:
+            return "k"
+
+        async def call(*args: Any, **_: Any) -> PodAnswer:
+            return PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+
+        def loaded(cr: Any, label: str) -> None:
+            order.append(f"told {label}")
+            told.set()
+
+        monkeypatch.setattr(weights_sync, "call", call)
+        monkeypatch.setattr(weights_sync, "_record", record)
+        monkeypatch.setattr(weights_sync, "_api_key", api_key)
+        ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"),  # type: ignore[arg-type]
+                      loaded=loaded)
+        return await weights_sync.sync_weights(ctx, CR, spec(weights=step(1)), "10.0.0.1",  # type: ignore[arg-type]
+                                               health(label="base"), ReplicaMemory())
+
+    assert asyncio.run(run()) == 0.0
+    assert order == ["told step-1", "loading written", "outcome written"]
