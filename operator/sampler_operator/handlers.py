@@ -30,7 +30,7 @@ from sampler_operator.pool.gateway import LABEL_GATEWAY
 from sampler_operator.pool.loop import Handed, PoolMemory
 from sampler_operator.pool.loop import step as pool_step
 from sampler_operator.pool.plan import ReplicaState
-from sampler_operator.pool.routing import ACK_ANNOTATION, acknowledges
+from sampler_operator.pool.routing import ACK_ANNOTATION, GatewayAck, acknowledges
 from sampler_operator.replica import seams
 from sampler_operator.replica.context import Context, ReplicaMemory
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, LABEL_POOL, LABEL_REPLICA, MANAGED_BY, label_value
@@ -248,12 +248,21 @@ def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
 
 # The gateways' routing Leases (sampler_gateway/routing.py; the API server filters them by label,
 # settings.apply). Without this the loop saw an acknowledgement only at its next poll while fenced
-# (FENCE_POLL_S, pool/loop.py): the last fifth of a second of every switch's dark span.
+# (FENCE_POLL_S, pool/loop.py): the last fifth of a second of every switch's dark span. Each event
+# also keeps the loop's view of its gateways current (PoolMemory.acks): a fence then names whom it
+# waits for without listing the Leases first (routing.needs_acknowledgements).
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={LABEL_GATEWAY: kopf.PRESENT})
-def wake_pool_on_ack(namespace: str | None, labels: Mapping[str, str], annotations: Mapping[str, str],
-                     **_: Any) -> None:
+def wake_pool_on_ack(event: Mapping[str, Any], name: str | None, body: kopf.Body, namespace: str | None,
+                     labels: Mapping[str, str], annotations: Mapping[str, str], **_: Any) -> None:
     loop = _pool_awaits.get((namespace or "", labels.get(LABEL_GATEWAY, "")))
-    if loop is not None and acknowledges(annotations.get(ACK_ANNOTATION), loop[1].awaited):
+    if loop is None:
+        return
+    mem = loop[1]
+    if event.get("type") == "DELETED":
+        mem.acks.pop(name or "", None)
+    else:
+        mem.acks[name or ""] = GatewayAck.from_lease(_plain(body))
+    if acknowledges(annotations.get(ACK_ANNOTATION), mem.awaited):
         flag = _pool_wakeups.get(loop[0])
         if flag is not None:
             flag.set()

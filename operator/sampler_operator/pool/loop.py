@@ -92,9 +92,10 @@ class PoolMemory:
     # told by the replica's loop in this process (handlers.tell_pool) before its status says so;
     # dropped once its status label moves (to that label, or anywhere), or the target does.
     loaded: dict[str, tuple[str, str | None]] = field(default_factory=dict)
-    # The gateways' acknowledgements as last listed (routing.needs_acknowledgements: a step where the
-    # switch cannot move and nobody is waited for reads no Leases).
-    acks: list[GatewayAck] = field(default_factory=list)
+    # Lease name -> the gateway's acknowledgement, as last listed or delivered by the operator's Lease
+    # watch (handlers.wake_pool_on_ack), whichever came last (routing.needs_acknowledgements: only an
+    # opening must read a fresh list).
+    acks: dict[str, GatewayAck] = field(default_factory=dict)
 
 
 def _trace_once(mem: PoolMemory, pool: str, step: str, key: str, **fields: object) -> None:
@@ -156,13 +157,13 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
     current = Routing.from_status(old_status)
     serving = serving_labels(uid, existing, loaded or {})
     before = ((old_status or {}).get("routing") or {}).get("waitingFor") or []
-    if needs_acknowledgements(current, next_routing(current, spec.target_label, serving, False), before):
+    if needs_acknowledgements(current, before):
         leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
-        mem.acks = [GatewayAck.from_lease(lease) for lease in leases]
-        for lease, ack in zip(leases, mem.acks, strict=True):
+        mem.acks = {lease["metadata"]["name"]: GatewayAck.from_lease(lease) for lease in leases}
+        for lease_name, ack in list(mem.acks.items()):
             if ack.stale(now):
-                await kube.delete_lease(namespace, lease["metadata"]["name"])
-    acks = mem.acks
+                await kube.delete_lease(namespace, lease_name)
+    acks = list(mem.acks.values())
     acknowledged = current is None or not waiting_for(acks, current.generation, now)
     routing = next_routing(current, spec.target_label, serving, acknowledged)
     if routing is None:

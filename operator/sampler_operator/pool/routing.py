@@ -97,19 +97,15 @@ def next_routing(current: Routing | None, target: str | None, serving: Iterable[
     return Routing(current.generation + 1, label, OPEN)
 
 
-def needs_acknowledgements(current: Routing | None, unacknowledged: Routing | None,
-                           waiting_before: Iterable[str]) -> bool:
-    """Does this step need the gateways' Leases, a read of the API server? To open a fence, always:
-    a gateway that wrote its Lease before the fence must never be missed. To start one
-    (`unacknowledged`, the switch as it moves without acknowledgements, differs from `current`): its
-    `waitingFor` names every live gateway, one started since the last read too. To report who has not
-    acknowledged an opening yet (`waitingFor` named someone). Not when nothing moves and nobody is
-    waited for: the steps a push sets off before its first load answers (its replicas' spec writes,
-    their Loading statuses) then take one API round trip less, and hold up less the step that
-    writes the fence."""
+def needs_acknowledgements(current: Routing | None, waiting_before: Iterable[str]) -> bool:
+    """Does this step need a fresh list of the gateways' Leases, a read of the API server? To open a
+    fence, always: a gateway that wrote its Lease before the fence must never be missed, and a list
+    is the read that cannot miss it. To report who has not acknowledged an opening yet (`waitingFor`
+    named someone). Not otherwise, and not to start a fence: starting one waits for nobody (stopping
+    returns is always safe), so its `waitingFor` is taken from the Leases as the operator's watch
+    last delivered them (PoolMemory.acks) and the fence is written one API round trip sooner after
+    the first load's answer; the fence's next step, which opens on a fresh list, corrects it."""
     if current is not None and current.phase == FENCE:
-        return True
-    if unacknowledged != current:
         return True
     return bool(list(waiting_before))
 

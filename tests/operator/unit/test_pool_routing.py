@@ -128,17 +128,15 @@ def test_the_switch_reads_a_loads_answer_for_replicas_in_routing_only() -> None:
         3, "step-2", FENCE)
 
 
-def test_the_leases_are_read_when_the_switch_moves_or_reports_stragglers_not_otherwise() -> None:
+def test_the_leases_are_listed_to_open_a_fence_or_report_stragglers_not_otherwise() -> None:
     from sampler_operator.pool.routing import needs_acknowledgements
 
     open_x, fence_y = Routing(4, "x", OPEN), Routing(5, "y", FENCE)
-    # Opening: always from a fresh read of the Leases, whatever was known before.
-    assert needs_acknowledgements(fence_y, fence_y, [])
-    assert needs_acknowledgements(fence_y, fence_y, ["gw-a"])
-    # Starting a fence (the pool's first one too): its waitingFor names every live gateway.
-    assert needs_acknowledgements(open_x, fence_y, [])
-    assert needs_acknowledgements(None, Routing(1, "y", FENCE), [])
-    # Open and nothing moving: read only while an opening's stragglers are still reported.
-    assert not needs_acknowledgements(open_x, open_x, [])
-    assert needs_acknowledgements(open_x, open_x, ["gw-b"])
-    assert not needs_acknowledgements(None, None, [])
+    # Opening: always from a fresh list of the Leases, whatever was known before.
+    assert needs_acknowledgements(fence_y, [])
+    assert needs_acknowledgements(fence_y, ["gw-a"])
+    # Open: listed only while an opening's stragglers are still reported. Starting a fence (from
+    # open_x, or the pool's first) waits for nobody: its waitingFor is the watch's view of the Leases.
+    assert not needs_acknowledgements(open_x, [])
+    assert needs_acknowledgements(open_x, ["gw-b"])
+    assert not needs_acknowledgements(None, [])

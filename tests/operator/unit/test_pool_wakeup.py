@@ -44,9 +44,15 @@ def test_a_gateways_acknowledgement_wakes_the_pool_loop_that_awaits_it(monkeypat
     mem = handlers.PoolMemory(awaited=4)
     monkeypatch.setitem(handlers._pool_awaits, ("ns", "pool"), ("uid-1", mem))
 
-    def lease_event(namespace: str, pool: str, gen: str | None) -> None:
+    def lease_event(namespace: str, pool: str, gen: str | None, type_: str = "MODIFIED",
+                    gateway: str = "gw-a") -> None:
         ann = {handlers.ACK_ANNOTATION: gen} if gen is not None else {}
-        handlers.wake_pool_on_ack(namespace=namespace, labels={handlers.LABEL_GATEWAY: pool}, annotations=ann)
+        labels = {handlers.LABEL_GATEWAY: pool}
+        body = {"metadata": {"name": gateway, "labels": labels, "annotations": ann},
+                "spec": {"holderIdentity": gateway, "leaseDurationSeconds": 3,
+                         "renewTime": "2026-12-05T00:00:00.000000Z"}}
+        handlers.wake_pool_on_ack(event={"type": type_, "object": body}, name=gateway, body=body,
+                                  namespace=namespace, labels=labels, annotations=ann)
 
     for namespace, pool, gen in (("ns", "pool", "3"), ("ns", "pool", None), ("other", "pool", "4"),
                                  ("ns", "other", "4")):
@@ -58,6 +64,13 @@ def test_a_gateways_acknowledgement_wakes_the_pool_loop_that_awaits_it(monkeypat
     mem.awaited = None   # open, every gateway heard: nothing awaited
     lease_event("ns", "pool", "5")
     assert not flag.is_set()
+    # Every event of the pool's Leases keeps the loop's view of its gateways current (a fence names
+    # whom it waits for from it, routing.needs_acknowledgements); other pools' are not in it.
+    lease_event("ns", "pool", "5", gateway="gw-b")
+    assert {k: a.generation for k, a in mem.acks.items()} == {"gw-a": 5, "gw-b": 5}
+    assert mem.acks["gw-b"].name == "gw-b" and mem.acks["gw-b"].duration_s == 3.0
+    lease_event("ns", "pool", "5", type_="DELETED")
+    assert list(mem.acks) == ["gw-b"]
     # The Leases are watched, and only the gateways' (filtered by the API server, settings.apply).
     registry = kopf.get_default_registry()
     assert "wake_pool_on_ack" in [h.id for h in registry._watching.get_all_handlers()]
