@@ -45,7 +45,18 @@ import httpx
 
 from bench.load import cpu_times
 from bench.rollout_trace import pod_loads
-from bench.switch_cost import MODES, Reply, SwitchCost, counts, dip, fence_span, gateway_dip, violations, within
+from bench.switch_cost import (
+    MODES,
+    Reply,
+    SwitchCost,
+    counts,
+    dip,
+    fence_span,
+    gateway_dip,
+    lull,
+    violations,
+    within,
+)
 from sampler_client import Pool
 from tests.support import k8s as ks
 from tests.support.gateway import RunningGateway, run_gateway
@@ -114,6 +125,10 @@ class Clients:
     def at(self, label: str) -> int:
         with self._lock:
             return self.by_label[label]
+
+    def answered_since(self, t: float) -> int:
+        with self._lock:
+            return sum(r.status == 200 and r.received >= t for r in self.replies)
 
     def stop(self) -> list[Reply]:
         self._stop.set()
@@ -320,6 +335,7 @@ class Step:
     steal: float
     push_s: float       # the push -> Complete, as Pool.push(wait=True) returned
     stage_write_s: float
+    steady_from: float  # the pool open on `old` with its load running since (switch_cost.lull's window)
 
 
 def schedule(rollouts: int, seed: int) -> list[str]:
@@ -351,13 +367,15 @@ def run(rollouts: int, clients: int, renew_s: float, lease_s: int, seed: int,
                 try:
                     at = labels[len(steps)]
                     ks.wait_for(lambda at=at, load=load: load.at(at) >= 20, 60, 0.05, "load through both gateways")
+                    steady_from = time.monotonic()
                     for mode in modes:
                         i = len(steps)
-                        steps.append(_rollout(s, load, tokens, mode, labels[i], labels[i + 1]))
+                        steps.append(_rollout(s, load, tokens, mode, labels[i], labels[i + 1], steady_from))
                         st = steps[-1]
                         print(f"  {i + 1:>2}/{len(labels) - 1} {tokens} tokens {mode:<5} {st.old} -> {st.new}: open "
                               f"{st.opened - st.patched:.2f} s after the patch, withheld {st.withheld}, load "
                               f"{st.loadavg:.2f}", flush=True)
+                        steady_from = st.opened
                 finally:
                     replies += load.stop()
         finally:
@@ -368,7 +386,10 @@ def run(rollouts: int, clients: int, renew_s: float, lease_s: int, seed: int,
     return costs(steps, replies, watch.seen, labels)
 
 
-def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str) -> Step:
+def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str, steady_from: float) -> Step:
+    # Two answers per client with the pool open on `old` before the push: the window in which the
+    # clients' own lull is read (switch_cost.lull) spans their rhythm, not one burst of it.
+    ks.wait_for(lambda: load.answered_since(steady_from) >= 2 * load.n, 60, 0.02, f"steady answers on {old}")
     set_rollout_mode(s.custom, s.ns, s.trainer, mode)
     loadavg, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
     withheld0 = _withheld(s.gateways)
@@ -383,7 +404,7 @@ def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str
     ks.wait_for(lambda: load.at(new) >= ANSWERS_AT_NEW, 60, 0.05, f"answers at {new}")
     steal1, ticks1 = cpu_times()
     return Step(tokens, mode, old, new, patched, opened, _withheld(s.gateways) - withheld0, loadavg,
-                (steal1 - steal0) / max(ticks1 - ticks0, 1), push_s, stage_write)
+                (steal1 - steal0) / max(ticks1 - ticks0, 1), push_s, stage_write, steady_from)
 
 
 def costs(steps: list[Step], replies: list[Reply], seen: list[tuple[float, str, str]],
@@ -399,5 +420,6 @@ def costs(steps: list[Step], replies: list[Reply], seen: list[tuple[float, str, 
         out.append(SwitchCost(st.tokens, st.mode, st.old, st.new, dip(replies, st.old, st.new),
                               gateway_dip(replies, st.old, st.new), fence_span(seen, st.new),
                               st.opened - st.patched, st.withheld, resubmit, aborted, failed,
-                              len(within(bad, start, end)), st.loadavg, st.steal, st.push_s, st.stage_write_s))
+                              len(within(bad, start, end)), st.loadavg, st.steal, st.push_s, st.stage_write_s,
+                              lull(replies, st.steady_from, st.patched)))
     return out

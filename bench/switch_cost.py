@@ -79,6 +79,7 @@ class SwitchCost:
     steal: float
     push_s: float | None = None         # the trainer's Pool.push(wait=True): the call -> Complete, as it returns
     stage_write_s: float | None = None  # the slowest replica's stage + write (its load's trace, `load.done`)
+    lull_s: float | None = None         # the clients' widest gap between answers before the push (`lull`)
 
     @property
     def beyond_s(self) -> float | None:
@@ -123,6 +124,15 @@ def violations(replies: Iterable[Reply], order: Sequence[str]) -> list[Reply]:
     return out
 
 
+def lull(replies: Iterable[Reply], start: float, end: float) -> float | None:
+    """The widest gap between two answers received one after the other in [start, end), while
+    nothing switched: the clients' own rhythm. Closed-loop clients that started together finish in
+    step, so even a pool that never goes dark leaves each of them this long without an answer; a
+    capacity dip no longer than it cannot be told from it. None with fewer than two answers."""
+    times = sorted(r.received for r in replies if r.status == 200 and start <= r.received < end)
+    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=None)
+
+
 def within(replies: Iterable[Reply], start: float, end: float) -> list[Reply]:
     """The answers received in [start, end): one rollout's, between its patch and the next one's."""
     return [r for r in replies if start <= r.received < end]
@@ -160,11 +170,12 @@ def _p50_max(xs: Sequence[float], unit: str = "s", digits: int = 2) -> str:
 
 def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
     """The table per sample length and mode: p50 / max over the rollouts of each figure, sums of the counts."""
-    lines = ["| tokens per sample | mode | rollouts | capacity dip, all gateways (p50 / max) | longest dark span "
+    lines = ["| tokens per sample | mode | rollouts | capacity dip, all gateways (p50 / max) | lull before the push "
+             "(p50 / max) | longest dark span "
              "of one gateway (p50 / max) | fence, controller (p50 / max) | rollout (p50 / max) | push -> Complete, "
              "trainer (p50 / max) | beyond the slowest stage + write (p50 / max) | answers re-run on Y "
              "(p50 / max) | answered resubmit (p50 / max) | aborted by the load (total) | failed | violations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for tokens in sorted({c.tokens for c in costs}):
         for mode in modes:
             cs = [c for c in costs if c.mode == mode and c.tokens == tokens]
@@ -173,6 +184,7 @@ def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
             fences = [c.fence_s for c in cs if c.fence_s is not None]
             lines.append(
                 f"| {tokens} | {mode} | {len(cs)} | {_p50_max([c.dip_s for c in cs])} | "
+                f"{_p50_max([c.lull_s for c in cs if c.lull_s is not None])} | "
                 f"{_p50_max([c.gateway_dip_s for c in cs])} | "
                 f"{_p50_max(fences)}{'' if len(fences) == len(cs) else f' ({len(fences)} seen)'} | "
                 f"{_p50_max([c.rollout_s for c in cs])} | {_p50_max([c.push_s for c in cs if c.push_s is not None])} | "
@@ -185,8 +197,9 @@ def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
 
 def per_rollout(costs: Sequence[SwitchCost]) -> list[str]:
     """Every rollout's own figures, in the order run (the spread behind the table)."""
-    return [f"- {c.old} -> {c.new} ({c.mode}, {c.tokens} tokens): dip {c.dip_s:.2f} s, one gateway "
-            f"{c.gateway_dip_s:.2f} s, fence "
+    return [f"- {c.old} -> {c.new} ({c.mode}, {c.tokens} tokens): dip {c.dip_s:.2f} s"
+            + (f" (lull before the push {c.lull_s:.2f} s)" if c.lull_s is not None else "")
+            + f", one gateway {c.gateway_dip_s:.2f} s, fence "
             + (f"{c.fence_s:.2f} s" if c.fence_s is not None else "not seen")
             + f", rollout {c.rollout_s:.2f} s"
             + (f", push -> Complete {c.push_s:.3f} s" if c.push_s is not None else "")
@@ -220,7 +233,9 @@ def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s
         "Definitions (bench/switch_cost.py): the **capacity dip** is the span from the last answer on the old label "
         "received by any client to the first answer on the new one, through any gateway: no gateway returned "
         "anything in it (it ends with one sample's latency, the first request dispatched after the pool opened the "
-        "new label). **One gateway's dark span**: the same through one gateway; the longest of the two. **Fence**: "
+        "new label). **Lull**: the widest gap between two answers any clients received, with the pool open on the "
+        "old label before the push: the clients' own rhythm, which a dip no longer than it cannot be told from. "
+        "**One gateway's dark span**: the same through one gateway; the longest of the two. **Fence**: "
         "`status.routing` from `Fence(Y)` to `Open(Y)`, as a watch delivered it. **Rollout**: the trainer's push "
         "to the pool open on Y with both replicas updated (polled every 0.1 s). **Push -> Complete**: the "
         "trainer's `Pool.push(wait=True)` through a gateway, from the call to its return (the rollout Complete, as "

@@ -28,6 +28,7 @@ from pathlib import Path
 LINE = re.compile(r"^- (?P<old>\S+) -> (?P<new>\S+) \((?P<mode>\w+), (?P<tokens>\d+) tokens\): (?P<rest>.*)$")
 FIGURES = {  # name -> pattern in a per-rollout line (bench/switch_cost.py `per_rollout`)
     "dip": r"dip ([\d.]+) s",
+    "lull": r"lull before the push ([\d.]+) s",
     "fence": r"fence ([\d.]+) s",
     "rollout": r"rollout ([\d.]+) s",
     "push": r"push -> Complete ([\d.]+) s",

@@ -13,6 +13,7 @@ from bench.switch_cost import (
     dip,
     fence_span,
     gateway_dip,
+    lull,
     per_rollout,
     table,
     violations,
@@ -43,6 +44,13 @@ def test_the_dip_runs_from_the_last_old_answer_to_the_first_new_one_over_all_gat
         dip(SWITCH, "Y", "Z")
 
 
+def test_the_lull_is_the_widest_gap_between_answers_in_its_window() -> None:
+    # Answers received at 10.0, 10.3, (a 503 at 10.8: not an answer), 11.2, 11.5, 11.6.
+    assert lull(SWITCH, 0.0, 20.0) == pytest.approx(0.9)
+    assert lull(SWITCH, 11.0, 20.0) == pytest.approx(0.3)
+    assert lull(SWITCH, 11.55, 20.0) is None   # one answer: no gap to tell
+
+
 def test_a_violation_is_an_older_answer_sent_after_a_newer_one_was_received() -> None:
     assert violations(SWITCH, ["X", "Y"]) == []
     # received after the first Y, but sent before it came back: not a violation (threads race)
@@ -70,7 +78,7 @@ def test_the_fence_is_read_from_the_routing_the_watch_saw() -> None:
 
 def cost(mode: str, dip_s: float, withheld: int, resubmit: int, tokens: int = 40) -> SwitchCost:
     return SwitchCost(tokens, mode, "X", "Y", dip_s, dip_s + 0.5, 1.0, 4.0, withheld, resubmit, 0, 0, 0, 1.0, 0.0,
-                      push_s=dip_s / 2, stage_write_s=0.1)
+                      push_s=dip_s / 2, stage_write_s=0.1, lull_s=dip_s / 4)
 
 
 def test_the_table_gives_p50_and_max_over_the_rollouts_of_each_length_and_mode() -> None:
@@ -78,11 +86,11 @@ def test_the_table_gives_p50_and_max_over_the_rollouts_of_each_length_and_mode()
              cost("Drain", 9.0, 7, 0, tokens=400)]
     assert costs[1].rerun == 4
     text = "\n".join(table(costs, MODES))
-    assert ("| 40 | Drain | 3 | 2.00 / 4.00 s | 2.50 / 4.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s | 1.00 / 2.00 s "
-            "| 0.90 / 1.90 s | 3 / 4 | 0 / 1 | 0 | 0 | 0 |") in text
+    assert ("| 40 | Drain | 3 | 2.00 / 4.00 s | 0.50 / 1.00 s | 2.50 / 4.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s "
+            "| 1.00 / 2.00 s | 0.90 / 1.90 s | 3 / 4 | 0 / 1 | 0 | 0 | 0 |") in text
     assert "| 40 | Keep | 1 | 0.50 / 0.50 s |" in text
-    assert ("| 400 | Drain | 1 | 9.00 / 9.00 s | 9.50 / 9.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s | 4.50 / 4.50 s "
-            "| 4.40 / 4.40 s | 7 / 7 |") in text
+    assert ("| 400 | Drain | 1 | 9.00 / 9.00 s | 2.25 / 2.25 s | 9.50 / 9.50 s | 1.00 / 1.00 s | 4.00 / 4.00 s "
+            "| 4.50 / 4.50 s | 4.40 / 4.40 s | 7 / 7 |") in text
     assert "Abort |" not in text
 
 
@@ -101,8 +109,8 @@ def test_paired_runs_alternate_in_balanced_blocks_and_read_every_rollouts_figure
     c = cost("Keep", 0.3, 2, 1)
     got = parse("\n".join(["noise", *per_rollout([c])]))
     assert [(r.tokens, r.mode) for r in got] == [(40, "Keep")]
-    assert got[0].figures == {"dip": 0.3, "fence": 1.0, "rollout": 4.0, "push": 0.15,
+    assert got[0].figures == {"dip": 0.3, "lull": 0.07, "fence": 1.0, "rollout": 4.0, "push": 0.15,
                               "beyond": pytest.approx(0.05)}
-    # A run whose bench predates the trainer's push (the base side): no push figures.
+    # A run whose bench predates the trainer's push and the lull (the base side): neither.
     old = per_rollout([SwitchCost(40, "Drain", "X", "Y", 1.0, 1.5, 0.5, 3.0, 0, 0, 0, 0, 0, 2.0, 0.0)])
     assert set(parse(old[0])[0].figures) == {"dip", "fence", "rollout"}
