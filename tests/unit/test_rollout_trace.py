@@ -152,28 +152,28 @@ def test_pick_counts_from_one_within_the_mode(tmp_path: Path) -> None:
 
 
 def test_the_docs_pictures_and_their_readings_come_from_the_kept_trace() -> None:
-    """docs/design/rollout-timeline-{keep,drain}.png are drawn from bench/results/rollout-trace-7383243
-    (the 1st Keep and 2nd Drain rollout), and the docs read timings off them: the data still says so."""
+    """docs/design/rollout-timeline-{keep,drain}.png are drawn from bench/results/rollout-trace-3869c0c
+    (the 2nd Keep and 1st Drain rollout), and the docs read timings off them: the data still says so."""
     from tests.support import REPO_ROOT
 
-    kept = REPO_ROOT / "bench" / "results" / "rollout-trace-7383243"
+    kept = REPO_ROOT / "bench" / "results" / "rollout-trace-3869c0c"
     rs = rollouts(read([kept / "operator.log", *sorted(kept.glob("gateway-*.log"))]))
-    keep, drain = timeline(pick(rs, "Keep", 1)), timeline(pick(rs, "Drain", 2))
-    assert keep.title == "Keep rollout X = step-2 -> Y = step-3"
-    assert drain.title == "Drain rollout X = step-6 -> Y = step-7"
+    keep, drain = timeline(pick(rs, "Keep", 2)), timeline(pick(rs, "Drain", 1))
+    assert keep.title == "Keep rollout X = step-6 -> Y = step-7"
+    assert drain.title == "Drain rollout X = step-1 -> Y = step-2"
 
     def at(tl: object, lane: int, text: str) -> list[int]:
         assert isinstance(tl, type(keep))
         return [round(m.ms) for m in tl.lanes[lane].marks if m.text == text]
 
-    assert keep.fence is not None and round(keep.fence.end_ms - keep.fence.start_ms) == 49
-    assert at(keep, 0, "Open(Y) written") == [205] and at(keep, 0, "rollout ended") == [236]
-    assert at(keep, 3, "saw Fence") + at(keep, 4, "saw Fence") == [146, 147]
-    assert at(keep, 3, "first answer on Y") + at(keep, 4, "first answer on Y") == [205, 204]
-    assert keep.notes[1] == "4 answers on Y held, longest 52 ms"
-    assert drain.fence is not None and round(drain.fence.end_ms - drain.fence.start_ms) == 30
-    assert at(drain, 1, "routable") == [251] and at(drain, 0, "Fence(Y) written") == [289]
-    assert at(drain, 3, "first answer on Y") + at(drain, 4, "first answer on Y") == [416, 417]
+    assert keep.fence is not None and round(keep.fence.end_ms - keep.fence.start_ms) == 55
+    assert at(keep, 0, "Open(Y) written") == [145] and at(keep, 0, "rollout ended") == [180]
+    assert at(keep, 3, "saw Fence") + at(keep, 4, "saw Fence") == [95, 95]
+    assert at(keep, 3, "first answer on Y") + at(keep, 4, "first answer on Y") == [147, 146]
+    assert keep.notes[1] == "4 answers on Y held, longest 108 ms"
+    assert drain.fence is not None and round(drain.fence.end_ms - drain.fence.start_ms) == 60
+    assert at(drain, 1, "routable") == [188] and at(drain, 0, "Fence(Y) written") == [222]
+    assert at(drain, 3, "first answer on Y") + at(drain, 4, "first answer on Y") == [325, 325]
     for page, prefix in [("docs/design/routing-switch.md", ""), ("docs/guide/pool.md", "../design/")]:
         text = (REPO_ROOT / page).read_text()
         for png in ["rollout-timeline-keep.png", "rollout-timeline-drain.png"]:
