@@ -152,11 +152,11 @@ def test_pick_counts_from_one_within_the_mode(tmp_path: Path) -> None:
 
 
 def test_the_docs_pictures_and_their_readings_come_from_the_kept_trace() -> None:
-    """docs/design/rollout-timeline-{keep,drain}.png are drawn from bench/results/rollout-trace-3869c0c
+    """docs/design/rollout-timeline-{keep,drain}.png are drawn from bench/results/rollout-trace-switch
     (the 2nd Keep and 1st Drain rollout), and the docs read timings off them: the data still says so."""
     from tests.support import REPO_ROOT
 
-    kept = REPO_ROOT / "bench" / "results" / "rollout-trace-3869c0c"
+    kept = REPO_ROOT / "bench" / "results" / "rollout-trace-switch"
     rs = rollouts(read([kept / "operator.log", *sorted(kept.glob("gateway-*.log"))]))
     keep, drain = timeline(pick(rs, "Keep", 2)), timeline(pick(rs, "Drain", 1))
     assert keep.title == "Keep rollout X = step-6 -> Y = step-7"
