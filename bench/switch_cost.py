@@ -129,7 +129,7 @@ def lull(replies: Iterable[Reply], start: float, end: float) -> float | None:
     nothing switched: the clients' own rhythm. Closed-loop clients that started together finish in
     step, so even a pool that never goes dark leaves each of them this long without an answer; a
     capacity dip no longer than it cannot be told from it. None with fewer than two answers."""
-    times = sorted(r.received for r in replies if r.status == 200 and start <= r.received < end)
+    times = sorted(r.received for r in within(replies, start, end) if r.status == 200)
     return max((b - a for a, b in zip(times, times[1:], strict=False)), default=None)
 
 
