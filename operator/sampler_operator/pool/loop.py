@@ -160,6 +160,7 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
     if needs_acknowledgements(current, before):
         leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
         mem.acks = {lease["metadata"]["name"]: GatewayAck.from_lease(lease) for lease in leases}
+        # A copy: the Lease watch (handlers.wake_pool_on_ack) may change mem.acks during the awaits.
         for lease_name, ack in list(mem.acks.items()):
             if ack.stale(now):
                 await kube.delete_lease(namespace, lease_name)
