@@ -29,7 +29,7 @@ from sampler_operator.network_policy import OperatorPeer, PolicySettings
 from sampler_operator.pool.gateway import LABEL_GATEWAY
 from sampler_operator.pool.loop import Handed, PoolMemory
 from sampler_operator.pool.loop import step as pool_step
-from sampler_operator.pool.plan import ReplicaState
+from sampler_operator.pool.plan import LoadAnswer, ReplicaState
 from sampler_operator.pool.routing import ACK_ANNOTATION, GatewayAck, acknowledges
 from sampler_operator.replica import seams
 from sampler_operator.replica.context import Context, ReplicaMemory
@@ -62,11 +62,12 @@ _replica_mems: dict[tuple[str, str], ReplicaMemory] = {}
 def tell_pool(cr: Mapping[str, Any], label: str) -> None:
     """A pool replica's pod answered a declared load with `label`: its pool's loop (in this process)
     hears of it and steps now, before the replica's status write and its watch event reach it. The
-    pool's routing switch fences on it one status write sooner (pool/loop.py, serving_labels)."""
+    pool's routing switch fences on it one status write sooner (pool/loop.py, serving_labels), and a
+    drained replica goes back in routing on it (pool/plan.py, LoadAnswer)."""
     replica = ReplicaState.from_object(_plain(cr))
     mem = _pool_mems.get(replica.owner_uid or "")
     if mem is not None:
-        mem.loaded[replica.name] = (label, replica.label)
+        mem.loaded[replica.name] = LoadAnswer(label, replica.generation, replica.label)
         flag = _pool_wakeups.get(replica.owner_uid or "")
         if flag is not None:
             flag.set()

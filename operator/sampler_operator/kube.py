@@ -151,10 +151,12 @@ class Kube:
                                        name, ops, _content_type="application/json-patch+json", _preload_content=False)
         return _json(resp)
 
-    async def patch_replica_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
-        """A merge patch of annotations (None removes one)."""
-        await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
-                                {"metadata": {"annotations": annotations}}, _preload_content=False)
+    async def patch_replica_annotations(self, namespace: str, name: str,
+                                        annotations: dict[str, str | None]) -> dict[str, Any]:
+        """A merge patch of annotations (None removes one); returns the updated object."""
+        resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                       name, {"metadata": {"annotations": annotations}}, _preload_content=False)
+        return _json(resp)
 
     async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,

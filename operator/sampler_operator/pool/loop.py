@@ -25,6 +25,7 @@ from sampler_operator.pool.plan import (
     ANNOTATION_DRAINING,
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
+    LoadAnswer,
     PoolSpec,
     ReplicaState,
     desired_replica_spec,
@@ -88,10 +89,10 @@ class PoolMemory:
     # a gateway's Lease that says it wakes the loop (handlers.wake_pool_on_ack). Set before the status
     # that starts the wait is written: a gateway may acknowledge before that write's answer is back.
     awaited: int | None = None
-    # replica -> (the label its pod answered a declared load with, the label its status said then),
-    # told by the replica's loop in this process (handlers.tell_pool) before its status says so;
-    # dropped once its status label moves (to that label, or anywhere), or the target does.
-    loaded: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    # replica -> its pod's answer to a declared load, told by the replica's loop in this process
+    # (handlers.tell_pool) before its status says so; forgotten once the status has caught up
+    # (fresh_answers).
+    loaded: dict[str, LoadAnswer] = field(default_factory=dict)
     # Lease name -> the gateway's acknowledgement, as last listed or delivered by the operator's Lease
     # watch (handlers.wake_pool_on_ack), whichever came last (routing.needs_acknowledgements: only an
     # opening must read a fresh list).
@@ -130,6 +131,24 @@ async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> in
     if obs.state == HealthState.UNREACHABLE:
         return 0
     return obs.in_flight if isinstance(obs.in_flight, int) else None
+
+
+def fresh_answers(answers: dict[str, LoadAnswer], existing: Iterable[ReplicaState],
+                  target: str | None) -> dict[str, LoadAnswer]:
+    """The load answers still ahead of the replicas' statuses (pure): an answer is dropped once its
+    replica is gone, its spec changed since (another generation), the pool's target moved, or the
+    replica's status has caught up (its label moved away from what it said when told: to another
+    label, or to the answer's label with the new spec observed)."""
+    states = {r.name: r for r in existing}
+    out = {}
+    for name, answer in answers.items():
+        r = states.get(name)
+        if r is None or answer.label != target or answer.generation != r.generation:
+            continue
+        if r.label != answer.before and (r.label != answer.label or r.observed):
+            continue
+        out[name] = answer
+    return out
 
 
 def serving_labels(uid: str, existing: Iterable[ReplicaState], loaded: dict[str, str]) -> list[str]:
@@ -195,11 +214,14 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     step gave a new spec, with the object the API server answered (handlers.hand_to_replica)."""
     spec = PoolSpec.model_validate(raw_spec)
     existing = list(replicas)
+    mem.loaded = fresh_answers(mem.loaded, existing, spec.target_label)
     going = leaving(name, uid, spec, existing)
     # Together: a scale-down of many replicas waits for the slowest probe once, not for each in turn.
     counts = dict(zip((r.name for r in going), await asyncio.gather(*(in_flight(session, r) for r in going)),
                       strict=True))
-    todo = plan(name, uid, spec, existing, now, counts)
+    # A copy: a replica's loop may tell of another load during this step's awaits (next step's).
+    answers = dict(mem.loaded)
+    todo = plan(name, uid, spec, existing, now, counts, answers)
     # Once per loop (an operator restart checks again), and before any replica that would name it.
     if not mem.keys_ensured or todo.create:
         await ensure_keys(kube, name, namespace, uid, spec, emit)
@@ -229,10 +251,14 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     for replica in todo.delete:
         await kube.delete_replica(namespace, replica)
         mem.retired.pop(replica, None)
+    # What this step's writes answered: newer than kopf's index, which follows them one watch event
+    # later. The status and the routing switch below read them (a replica put back in routing here
+    # is in routing for the switch's fence at once).
+    written: dict[str, dict[str, Any]] = {}
     # Back in routing first, then the next batch out: never more than maxUnavailable out at once.
     for replica in todo.undrain:
-        await kube.patch_replica_annotations(namespace, replica, {ANNOTATION_DRAINING: None,
-                                                                  ANNOTATION_DRAINING_SINCE: None})
+        written[replica] = await kube.patch_replica_annotations(namespace, replica, {
+            ANNOTATION_DRAINING: None, ANNOTATION_DRAINING_SINCE: None})
         mem.retired.pop(replica, None)
     desired = desired_replica_spec(name, spec)
     batch = [r for r in todo.update if mem.given.get(r) != spec_hash(desired)]
@@ -241,19 +267,22 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     hand = handed or (lambda replica, body: None)
     for replica in todo.update:
         # Out of routing and onto the new spec in one write: never one without the other.
-        hand(replica, await kube.json_patch_replica(namespace, replica, [
+        written[replica] = await kube.json_patch_replica(namespace, replica, [
             {"op": "replace", "path": "/spec", "value": replica_spec(name, spec, replica_index(name, replica))},
             {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
             {"op": "add", "path": _DRAIN_PATH, "value": "true"},
-        ]))
+        ])
+        hand(replica, written[replica])
     # Keep mode: the new spec only; the replica keeps serving through its load. Concurrently: the
     # pool's update should cost one replica's load, not one API round trip per replica in turn.
-    written = await asyncio.gather(*(kube.json_patch_replica(namespace, replica, [
+    in_place_bodies = await asyncio.gather(*(kube.json_patch_replica(namespace, replica, [
         {"op": "replace", "path": "/spec", "value": replica_spec(name, spec, replica_index(name, replica))},
         {"op": "add", "path": _HASH_PATH, "value": spec_hash(desired)},
     ]) for replica in todo.update_in_place))
-    for replica, body in zip(todo.update_in_place, written, strict=True):
+    for replica, body in zip(todo.update_in_place, in_place_bodies, strict=True):
+        written[replica] = body
         hand(replica, body)
+    existing = [ReplicaState.from_object(written[r.name]) if r.name in written else r for r in existing]
     # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
     old = mem.status if mem.status is not None else last_status
     where, target = f"{namespace}/{name}", spec.target_label
@@ -263,7 +292,8 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
             _trace_once(mem, where, "replica.spec_written", f"spec {target} {replica}", replica=replica,
                         label=target)
         for r in existing:
-            if r.owner_uid == uid and r.phase == "Ready" and not r.draining and r.label == target:
+            answered = answers[r.name].label if r.name in answers else None
+            if r.owner_uid == uid and r.phase == "Ready" and not r.draining and target in (r.label, answered):
                 _trace_once(mem, where, "replica.routable", f"routable {target} {r.name}", replica=r.name,
                             label=target)
     status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"),
@@ -271,13 +301,8 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     adapters = adapter_status({"spec": raw_spec}, ((r.name, r.adapters) for r in existing if r.owner_uid == uid))
     if adapters is not None:
         status["adapters"] = adapters
-    # What a load answered counts until the replica's status moves (or the replica, or the target, does).
-    labels = {r.name: r.label for r in existing}
-    for replica, (label, before) in list(mem.loaded.items()):
-        if replica not in labels or labels[replica] != before or label != target:
-            del mem.loaded[replica]
     routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now,
-                                                 {r: label for r, (label, _) in mem.loaded.items()}, mem)
+                                                 {r: a.label for r, a in mem.loaded.items()}, mem)
     if routing is not None:
         status["routing"] = routing
     mem.awaited = awaited_generation(routing)

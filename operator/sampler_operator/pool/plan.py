@@ -10,8 +10,11 @@ A template or weights change rolls out in batches of at most `rollout.maxUnavail
 each one is marked draining (the gateway stops routing to it) in the same write that gives it the
 new spec (its own controller then loads the weights in place, or replaces the pod for a template
 change), and is put back in routing once it is Ready at the new spec and, with declared weights,
-reports the target label. Which spec a replica was given is recorded as a hash annotation, as a
-ReplicaSet's pod-template-hash (the API server adds defaults to a spec, so specs are not compared).
+reports the target label: in its status, or, one status write and one watch event sooner, in its
+pod's answer to the load its controller made under that very spec (`LoadAnswer`, told in-process).
+The pool's status counts a replica updated only once its own status says so. Which spec a replica
+was given is recorded as a hash annotation, as a ReplicaSet's pod-template-hash (the API server
+adds defaults to a spec, so specs are not compared).
 An outdated replica that is out of service (starting, or being replaced after an uncertain write:
 OUT_OF_SERVICE) gets the new spec at once, whatever the budget (as a Deployment replaces unavailable
 pods first), so its next pod starts at the target and is routed to only once verified. It still uses
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -233,6 +237,7 @@ class ReplicaState:
     observed: bool = True
     # The adapter engine names its pod holds, as its status last said (pool/adapter_status.py).
     adapters: tuple[str, ...] = ()
+    generation: int | None = None   # metadata.generation: which spec a load was made under (LoadAnswer)
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
@@ -255,7 +260,22 @@ class ReplicaState:
                    pod_ip=status.get("podIP") or None, port=port if isinstance(port, int) else None,
                    rejected=rejected, rejected_message=str(weights.get("declaredMessage") or "") if rejected else None,
                    observed=generation is None or status.get("observedGeneration") == generation,
-                   adapters=tuple(a for a in status.get("adapters") or () if isinstance(a, str)))
+                   adapters=tuple(a for a in status.get("adapters") or () if isinstance(a, str)),
+                   generation=generation if isinstance(generation, int) else None)
+
+
+@dataclass(frozen=True)
+class LoadAnswer:
+    """A replica's pod answered a declared load: it serves `label` now. Told by the replica's loop in
+    this process (handlers.tell_pool) before the replica's status says so. `generation`: the replica's
+    metadata.generation the load was made under (its controller acts on a spec whose template the pod
+    already has: a template change replaces the pod instead, and loads nothing on the old one).
+    `before`: the replica's status label when told (loop.py forgets the answer once the status has
+    caught up)."""
+
+    label: str
+    generation: int | None
+    before: str | None = None
 
 
 def _since(text: Any) -> float | None:
@@ -280,8 +300,16 @@ class Plan:
                     or self.undrain or self.leaving)
 
 
-def _verified(r: ReplicaState, want_hash: str, target: str | None) -> bool:
-    return r.spec_hash == want_hash and r.observed and r.phase == "Ready" and (target is None or r.label == target)
+def _verified(r: ReplicaState, want_hash: str, target: str | None, answer: LoadAnswer | None = None) -> bool:
+    """Ready at the new spec, and at the target label: as its status says, or as its pod answered the
+    load made under this very spec (as good as its controller having observed the spec and its
+    status saying the label, which follow one status write and one watch event later)."""
+    if r.spec_hash != want_hash or r.phase != "Ready":
+        return False
+    if (answer is not None and target is not None and answer.label == target
+            and answer.generation is not None and answer.generation == r.generation):
+        return True
+    return r.observed and (target is None or r.label == target)
 
 
 def rejection(pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> ReplicaState | None:
@@ -305,9 +333,15 @@ def _drained(r: ReplicaState, spec: PoolSpec, now: float, in_flight: dict[str, i
 
 
 def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState], now: float = 0.0,
-         in_flight: dict[str, int | None] | None = None) -> Plan:
+         in_flight: dict[str, int | None] | None = None, loaded: Mapping[str, LoadAnswer] | None = None) -> Plan:
     """`in_flight`: requests each leaving replica's pod reports (0 when it has no pod or is
-    unreachable: nothing to wait for; None when unknown: wait for the timeout)."""
+    unreachable: nothing to wait for; None when unknown: wait for the timeout). `loaded`: the load
+    answers not in the replicas' statuses yet (LoadAnswer): a drained replica whose pod answered the
+    target goes back in routing on that answer, and the next batch goes out in the same step.
+
+    Crash-safe: after an operator restart the answers are forgotten, and a replica put back in
+    routing on one counts as unverified (it uses the budget) until its status says the target."""
+    answers = loaded or {}
     ours = [r for r in existing if r.owner_uid == pool_uid]
     wanted = {replica_name(pool, i) for i in range(spec.replicas)}
     have = {r.name for r in ours}
@@ -318,9 +352,12 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     delete = [r.name for r in gone if _drained(r, spec, now, in_flight or {})]
     current = sorted((r for r in ours if r.name in wanted), key=lambda r: replica_index(pool, r.name))
     want_hash = spec_hash(desired_replica_spec(pool, spec))
+
+    def verified(r: ReplicaState) -> bool:
+        return _verified(r, want_hash, spec.target_label, answers.get(r.name))
+
     # Scaled back up while draining to leave: back in routing; the rollout takes it from there.
-    undrain = [r.name for r in current if r.leaving_since is not None or (
-        r.draining and _verified(r, want_hash, spec.target_label))]
+    undrain = [r.name for r in current if r.leaving_since is not None or (r.draining and verified(r))]
     out = [r for r in current if r.draining and r.name not in undrain]
     outdated = [r for r in current if r.spec_hash != want_hash and not r.draining]
     # Every wanted replica that serves nothing now uses the budget, as in a Deployment's rolling
@@ -329,8 +366,7 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     # lost pod's successor starting), and those not created yet. Without the last two, a push while a
     # replica was down drained another one beside it: no replica in routing.
     busy = (len(out) + len(create)
-            + sum(1 for r in current if not r.draining and r.spec_hash == want_hash
-                  and not _verified(r, want_hash, spec.target_label))
+            + sum(1 for r in current if not r.draining and r.spec_hash == want_hash and not verified(r))
             + sum(1 for r in outdated if r.phase in OUT_OF_SERVICE))
     budget = max(0, spec.rollout.max_unavailable - busy)
     # Out of routing at a spec that changed again mid-rollout: the newest spec, at no extra cost.

@@ -12,6 +12,7 @@ from sampler_operator.pool.plan import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_SPEC_HASH,
     ROUTING_GRACE_S,
+    LoadAnswer,
     Plan,
     PoolSpec,
     ReplicaState,
@@ -452,3 +453,30 @@ def test_a_replica_not_yet_observed_at_its_new_spec_is_not_verified() -> None:
     st = pool_status("p", UID, s, [old], 1)
     assert st["updatedReplicas"] == 0 and st["replicaStatus"][0]["state"] == "Updating"
     assert plan("p", UID, s, [replace(drained, observed=True)]).undrain == ["p-0"]
+
+
+def test_a_drained_replica_goes_back_in_routing_on_its_pods_load_answer() -> None:
+    """Drain and Abort take replicas out in batches: each one goes back in routing as soon as its
+    pod answers the load made under its current spec (told in-process, LoadAnswer), not one status
+    write and one watch event later; the next batch goes out in the same step. The pool's status
+    still counts it updated only once its own status says so."""
+    old, new = spec(label="step-1"), spec(label="step-2")
+    # p-0 was given the new spec (generation 2) and drained; its controller has not written a status since.
+    loading = replace(at(new, "p-0", label="step-1", draining=True), observed=False, generation=2)
+    replicas = [loading, at(old, "p-1"), at(old, "p-2")]
+    assert plan("p", UID, new, replicas) == Plan()
+    answered = {"p-0": LoadAnswer("step-2", 2, "step-1")}
+    assert plan("p", UID, new, replicas, loaded=answered) == Plan(update=["p-1"], undrain=["p-0"])
+    st = pool_status("p", UID, new, replicas, 1)
+    assert st["updatedReplicas"] == 0 and st["replicaStatus"][0]["state"] == "Updating"
+    # An answer that is not the target's, or was made under an older spec (the pool wrote another
+    # since: a template change replaces the pod), or a replica not Ready: no.
+    for stale in (LoadAnswer("step-3", 2, "step-1"), LoadAnswer("step-2", 1, "step-1"), LoadAnswer("step-2", None)):
+        assert plan("p", UID, new, replicas, loaded={"p-0": stale}) == Plan()
+    starting = [replace(loading, phase="Starting"), *replicas[1:]]
+    assert plan("p", UID, new, starting, loaded=answered) == Plan()
+    # An operator restarted after putting p-0 back in routing on the answer has forgotten it: p-0 is
+    # in routing and unverified, so it uses the budget until its status says step-2 (no second batch).
+    back = [replace(loading, draining=False), *replicas[1:]]
+    assert plan("p", UID, new, back) == Plan()
+    assert plan("p", UID, new, back, loaded=answered) == Plan(update=["p-1"])

@@ -128,6 +128,27 @@ def test_the_switch_reads_a_loads_answer_for_replicas_in_routing_only() -> None:
         3, "step-2", FENCE)
 
 
+def test_a_loads_answer_is_kept_until_the_replicas_status_catches_up() -> None:
+    from dataclasses import replace
+
+    from sampler_operator.pool.loop import fresh_answers
+    from sampler_operator.pool.plan import LoadAnswer, ReplicaState
+
+    told = LoadAnswer("step-2", 2, "step-1")
+    # Given generation 2, its status still at step-1 and the old spec observed.
+    r = ReplicaState(name="p-0", owner_uid="u", spec_hash="h", draining=True, phase="Ready", label="step-1",
+                     observed=False, generation=2)
+    assert fresh_answers({"p-0": told}, [r], "step-2") == {"p-0": told}
+    # The load's outcome is in the status, the new spec not observed yet (the step after a load
+    # writes that): still needed to count it verified.
+    assert fresh_answers({"p-0": told}, [replace(r, label="step-2")], "step-2") == {"p-0": told}
+    # Caught up, or moved elsewhere, or given another spec, or gone, or the pool's target moved: forgotten.
+    for gone in ([replace(r, label="step-2", observed=True)], [replace(r, label="step-3")],
+                 [replace(r, generation=3)], []):
+        assert fresh_answers({"p-0": told}, gone, "step-2") == {}
+    assert fresh_answers({"p-0": told}, [r], "step-3") == {}
+
+
 def test_the_leases_are_listed_to_open_a_fence_or_report_stragglers_not_otherwise() -> None:
     from sampler_operator.pool.routing import needs_acknowledgements
 

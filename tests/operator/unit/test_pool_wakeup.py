@@ -12,6 +12,7 @@ from typing import Any
 import kopf
 
 from sampler_operator import POOL_PLURAL, handlers
+from sampler_operator.pool.plan import LoadAnswer
 
 
 def _selects_pools(handler: Any) -> bool:
@@ -84,14 +85,14 @@ def test_a_pool_replicas_load_is_told_to_its_pool_loop_at_once(monkeypatch: Any)
     monkeypatch.setitem(handlers._pool_mems, "uid-1", mem)
 
     def replica(owner: str) -> dict[str, Any]:
-        return {"metadata": {"name": "p-0", "ownerReferences": [{"kind": "SamplerPool", "uid": owner,
-                                                                 "controller": True}]},
+        owners = [{"kind": "SamplerPool", "uid": owner, "controller": True}]
+        return {"metadata": {"name": "p-0", "generation": 7, "ownerReferences": owners},
                 "status": {"weights": {"label": "step-1"}}}
 
     handlers.tell_pool(replica("uid-2"), "step-2")   # another pool's (not run here): nothing
     assert not flag.is_set() and mem.loaded == {}
     handlers.tell_pool(replica("uid-1"), "step-2")
-    assert flag.is_set() and mem.loaded == {"p-0": ("step-2", "step-1")}   # and what its status said then
+    assert flag.is_set() and mem.loaded == {"p-0": LoadAnswer("step-2", 7, "step-1")}   # its spec, its status then
 
 
 def test_a_replica_given_a_new_spec_by_its_pool_loop_starts_on_it_at_once(monkeypatch: Any) -> None:
