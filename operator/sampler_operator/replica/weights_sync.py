@@ -109,12 +109,19 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
     served = loaded_weights(answer.body, ref) if result == LOADED else {}
+    observed = None
     if served:
         # The pool's switch may fence now, before either status write (the Loading one may still
         # be on its way: on a busy API server it has taken longer than the load).
         ctx.loaded(cr, ref.version_label)
+        # This write tells all the pool waits for: the label, and that this controller acted on the
+        # spec of this generation (it loads only under a spec whose template its pod has). The pool's
+        # rollout completes on it, not on the next look's write one probe and one watch event later.
+        synced = Synced(True, "Synced", f"serving {ref.version_label!r} (version {served['version']}): "
+                                        f"loaded from {ref.checkpoint}")
+        observed = observed_generation(cr)
     await loading   # the outcome's write lands after it, never under it
-    await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem)
+    await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem, observed)
     trace("operator", "load.recorded", replica=who, label=ref.version_label, result=result)
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]
     ctx.emit(event_target(cr), event_type, f"Weights{result}",
@@ -143,10 +150,22 @@ async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     return True
 
 
+def observed_generation(cr: Mapping[str, Any]) -> int | None:
+    """The generation a load under `cr` shows observed, when its status says an older one (never
+    moved back: the loop's own look may have written a newer one since)."""
+    generation = (cr.get("metadata") or {}).get("generation")
+    before = (cr.get("status") or {}).get("observedGeneration")
+    if not isinstance(generation, int) or (isinstance(before, int) and before >= generation):
+        return None
+    return generation
+
+
 async def _record(ctx: Context, cr: Mapping[str, Any], weights_fields: Mapping[str, Any], synced: Synced | None,
-                  mem: ReplicaMemory) -> None:
+                  mem: ReplicaMemory, observed: int | None = None) -> None:
     status = (mem.newest_body or cr).get("status") or {}
     patch: dict[str, Any] = {}
+    if observed is not None:
+        patch["observedGeneration"] = observed
     if weights_fields:
         patch["weights"] = {**(status.get("weights") or {}), **weights_fields}
     if synced is not None:

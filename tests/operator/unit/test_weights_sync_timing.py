@@ -21,10 +21,12 @@ CR = {"metadata": {"name": "r", "namespace": "ns", "uid": "u"}, "status": {}}
 
 def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str, Any] = CR,
          records: list[dict[str, Any]] | None = None, told: list[str] | None = None,
-         order: list[str] | None = None, **spec_kw: Any) -> float | None:
+         order: list[str] | None = None, extras: list[tuple[Any, Any]] | None = None,
+         **spec_kw: Any) -> float | None:
     """One sync of a pod serving `base` against spec.weights step-1 (or `spec_kw`); the pod answers
     a load with `answer`; the status.weights fields each write records go to `records`, the labels
-    told to the pool to `told`, both in `order`; the Events nowhere."""
+    told to the pool to `told`, both in `order`, each write's WeightsSynced and observedGeneration to
+    `extras`; the Events nowhere."""
     calls: list[str] = []
     told = told if told is not None else []
 
@@ -36,9 +38,12 @@ def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str
     async def nothing(*_: Any, **__: Any) -> None:
         return None
 
-    async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], *_: Any) -> None:
+    async def record(ctx: Any, cr: Any, weights_fields: dict[str, Any], synced: Any, mem: Any,
+                     observed: int | None = None) -> None:
         if records is not None:
             records.append(dict(weights_fields))
+        if extras is not None:
+            extras.append((synced, observed))
         if order is not None:
             order.append("record " + ("load" if "declaredResult" in weights_fields else "loading"))
 
@@ -85,6 +90,27 @@ def test_a_load_the_pod_took_reports_its_label_in_the_same_write(monkeypatch: py
     records.clear()
     sync(monkeypatch, PodAnswer(Outcome.INVALID, "bad", 400), records=records)
     assert "label" not in records[-1]
+
+
+def test_a_load_the_pod_took_shows_its_spec_observed_and_synced_in_the_same_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pool's rollout completes on the replica's status saying the label with its current spec
+    # observed: the outcome's write says both, not the loop's next look one probe later.
+    from sampler_operator.replica.weights_intent import Synced
+
+    answer = PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
+    given = {**CR, "metadata": {**CR["metadata"], "generation": 3}, "status": {"observedGeneration": 2}}
+    extras: list[tuple[Any, Any]] = []
+    sync(monkeypatch, answer, given, extras=extras)
+    assert extras[-1] == (Synced(True, "Synced", "serving 'step-1' (version 2): loaded from /ckpt/step-1"), 3)
+    # Never moved back (the loop's own look may have written it already).
+    sync(monkeypatch, answer, {**given, "status": {"observedGeneration": 3}}, extras=extras)
+    assert extras[-1][1] is None
+    # Nothing claimed for a refusal or an answer naming no label.
+    for nothing in (PodAnswer(Outcome.INVALID, "bad", 400), PodAnswer(Outcome.DONE, "ok", 200, {})):
+        extras.clear()
+        sync(monkeypatch, nothing, given, extras=extras)
+        assert extras[-1][1] is None and (extras[-1][0] is None or not extras[-1][0].status), nothing
 
 
 def test_a_load_the_pod_took_is_told_to_the_pool_before_its_status_is_written(
