@@ -159,21 +159,21 @@ def test_the_docs_pictures_and_their_readings_come_from_the_kept_trace() -> None
     kept = REPO_ROOT / "bench" / "results" / "rollout-trace-switch"
     rs = rollouts(read([kept / "operator.log", *sorted(kept.glob("gateway-*.log"))]))
     keep, drain = timeline(pick(rs, "Keep", 2)), timeline(pick(rs, "Drain", 1))
-    assert keep.title == "Keep rollout X = step-6 -> Y = step-7"
+    assert keep.title == "Keep rollout X = step-4 -> Y = step-5"
     assert drain.title == "Drain rollout X = step-1 -> Y = step-2"
 
     def at(tl: object, lane: int, text: str) -> list[int]:
         assert isinstance(tl, type(keep))
         return [round(m.ms) for m in tl.lanes[lane].marks if m.text == text]
 
-    assert keep.fence is not None and round(keep.fence.end_ms - keep.fence.start_ms) == 55
-    assert at(keep, 0, "Open(Y) written") == [145] and at(keep, 0, "rollout ended") == [180]
-    assert at(keep, 3, "saw Fence") + at(keep, 4, "saw Fence") == [95, 95]
-    assert at(keep, 3, "first answer on Y") + at(keep, 4, "first answer on Y") == [147, 146]
-    assert keep.notes[1] == "4 answers on Y held, longest 108 ms"
-    assert drain.fence is not None and round(drain.fence.end_ms - drain.fence.start_ms) == 60
-    assert at(drain, 1, "routable") == [188] and at(drain, 0, "Fence(Y) written") == [222]
-    assert at(drain, 3, "first answer on Y") + at(drain, 4, "first answer on Y") == [325, 325]
+    assert keep.fence is not None and round(keep.fence.end_ms - keep.fence.start_ms) == 96
+    assert at(keep, 0, "Open(Y) written") == [232] and at(keep, 0, "rollout ended") == [276]
+    assert at(keep, 3, "saw Fence") + at(keep, 4, "saw Fence") == [179, 130]
+    assert at(keep, 3, "first answer on Y") + at(keep, 4, "first answer on Y") == [232, 231]
+    assert keep.notes[1] == "4 answers on Y held, longest 179 ms"
+    assert drain.fence is not None and round(drain.fence.end_ms - drain.fence.start_ms) == 39
+    assert at(drain, 1, "routable") == [154] and at(drain, 0, "Fence(Y) written") == [194]
+    assert at(drain, 3, "first answer on Y") + at(drain, 4, "first answer on Y") == [303, 300]
     for page, prefix in [("docs/design/routing-switch.md", ""), ("docs/guide/pool.md", "../design/")]:
         text = (REPO_ROOT / page).read_text()
         for png in ["rollout-timeline-keep.png", "rollout-timeline-drain.png"]:
