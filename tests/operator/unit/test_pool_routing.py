@@ -56,7 +56,8 @@ def test_a_fence_opens_on_the_newest_label_served() -> None:
 def test_status_round_trip_and_hand_edits_restart_at_a_fence() -> None:
     r = Routing(5, "step-3", OPEN)
     st = r.as_status(["b", "a"])
-    assert st == {"generation": 5, "label": "step-3", "phase": "Open", "waitingFor": ["a", "b"]}
+    assert st == {"generation": 5, "label": "step-3", "phase": "Open", "waitingFor": ["a", "b"], "returning": None,
+                  "since": None}
     assert Routing.from_status({"routing": st}) == r
     for bad in ({"generation": 0, "label": "x", "phase": "Open"}, {"generation": 2, "label": "", "phase": "Open"},
                 {"generation": True, "label": "x", "phase": "Open"}, {"generation": 2, "label": "x", "phase": "?"},
@@ -161,3 +162,159 @@ def test_the_leases_are_listed_to_open_a_fence_or_report_stragglers_not_otherwis
     assert not needs_acknowledgements(open_x, [])
     assert needs_acknowledgements(open_x, ["gw-b"])
     assert not needs_acknowledgements(None, [])
+
+
+def test_under_keep_the_fence_is_announced_before_the_loads_and_opens_on_every_closing() -> None:
+    """#32: under Keep the fence is written when the target is declared, the open label still
+    returnable (`returning`); it opens straight away once a replica in routing serves the new label
+    and every live gateway has closed itself (acknowledged it), or closes the rest first."""
+    opened = Routing(4, "x", OPEN)
+    # Not Keep: nothing moves before a replica in routing serves the target (as before).
+    assert next_routing(opened, "y", ["x"], True) == opened
+    announced = next_routing(opened, "y", ["x"], False, announce=True)
+    assert announced == Routing(5, "y", FENCE, returning="x")
+    # A target already served needs no announcement: the plain fence at once.
+    assert next_routing(opened, "y", ["x", "y"], False, announce=True) == Routing(5, "y", FENCE)
+    # The loads have not answered: it stays, acknowledged or not (nothing could open).
+    assert next_routing(announced, "y", ["x"], True, announce=True) == announced
+    assert next_routing(announced, "y", ["x"], False, announce=True) == announced
+    # A replica in routing serves y and every live gateway closed: open, no second fence.
+    assert next_routing(announced, "y", ["x", "y"], True, announce=True) == Routing(6, "y", OPEN)
+    # ... some have not closed (no answer on y reached them): a plain fence closes them, and its
+    # opening counts the closings of the announced one (`since`).
+    plain = next_routing(announced, "y", ["y"], False, announce=True)
+    assert plain == Routing(6, "y", FENCE, since=5) and plain.acked_from == 5
+    assert next_routing(plain, "y", ["y"], False, announce=True) == plain
+    assert next_routing(plain, "y", ["y"], True, announce=True) == Routing(7, "y", OPEN)
+    # The target moved on meanwhile and a replica serves it: fence or open on that one.
+    assert next_routing(announced, "z", ["x", "z"], True, announce=True) == Routing(6, "z", OPEN)
+    assert next_routing(announced, "z", ["z"], False, announce=True) == Routing(6, "z", FENCE, since=5)
+    # ... serves neither the target nor the fence's label yet: it stays.
+    assert next_routing(announced, "z", ["x"], True, announce=True) == announced
+    # Withdrawn (the target declared back to x): x opens again, acknowledged or not; every gateway
+    # held its answers on y, none returned one.
+    assert next_routing(announced, "x", ["x", "y"], False, announce=True) == Routing(6, "x", OPEN)
+
+
+def test_an_announced_fence_round_trips_and_is_awaited_from_its_first_generation() -> None:
+    announced, plain = Routing(5, "y", FENCE, returning="x"), Routing(6, "y", FENCE, since=5)
+    assert announced.as_status() == {"generation": 5, "label": "y", "phase": "Fence", "waitingFor": [],
+                                     "returning": "x", "since": None}
+    assert plain.as_status(["gw-b"]) == {"generation": 6, "label": "y", "phase": "Fence", "waitingFor": ["gw-b"],
+                                         "returning": None, "since": 5}
+    for r in (announced, plain):
+        assert Routing.from_status({"routing": r.as_status()}) == r
+    # Hand edits that would open early are dropped: `since` at or past the generation, `returning`
+    # equal to the fence's label; an Open has neither.
+    assert Routing.from_status({"routing": {**plain.as_status(), "since": 6}}) == Routing(6, "y", FENCE)
+    assert Routing.from_status({"routing": {**plain.as_status(), "since": 0}}) == Routing(6, "y", FENCE)
+    assert Routing.from_status({"routing": {**announced.as_status(), "returning": "y"}}) == Routing(5, "y", FENCE)
+    assert Routing.from_status({"routing": {"generation": 7, "label": "y", "phase": "Open", "returning": "x",
+                                            "since": 5}}) == Routing(7, "y", OPEN)
+    # The loop waits for acknowledgements from the announced fence's generation on.
+    assert awaited_generation(announced.as_status()) == 5
+    assert awaited_generation(plain.as_status()) == 5
+    assert acknowledges("5", 5) and not acknowledges("4", 5)
+
+
+def test_an_announced_fence_lists_the_leases_only_once_it_could_open() -> None:
+    from sampler_operator.pool.routing import needs_acknowledgements
+
+    announced = Routing(5, "y", FENCE, returning="x")
+    assert not needs_acknowledgements(announced, [], "y", ["x"])
+    assert needs_acknowledgements(announced, [], "y", ["x", "y"])
+    assert needs_acknowledgements(announced, [], "z", ["z"])
+    # Served, but the watch's Leases say some gateway has not closed: the plain fence is written
+    # without a list (it starts a fence, which waits for nobody).
+    assert not needs_acknowledgements(announced, [], "y", ["y"], seen_acknowledged=False)
+    assert needs_acknowledgements(Routing(6, "y", FENCE, since=5), [], "y", [], seen_acknowledged=False)
+
+
+class LeaseKube:
+    """The two calls the routing step makes of the API server: the gateways' Leases, as the test sets them."""
+
+    def __init__(self, leases: list[dict[str, Any]]) -> None:
+        self.leases, self.lists = leases, 0
+
+    async def list_leases(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        self.lists += 1
+        return self.leases
+
+    async def delete_lease(self, namespace: str, name: str) -> None:
+        raise AssertionError("no Lease here is stale")
+
+
+def test_the_routing_step_announces_under_keep_and_opens_on_the_gateways_closings() -> None:
+    """pool.loop.routing_step with the Leases as listed: the announced fence is written without a
+    list, counts a gateway that acknowledged its generation as closed, and opens once a replica's
+    load answered the target and both gateways closed; `waitingFor` names who has not."""
+    import asyncio
+
+    from sampler_operator.pool.loop import PoolMemory, routing_step
+    from sampler_operator.pool.plan import PoolSpec, ReplicaState
+
+    assert T0 is not None
+    now = T0 + 1
+    spec = PoolSpec.model_validate({"replicas": 2, "template": {}, "weights": {"checkpoint": "/c", "versionLabel": "y"},
+                                    "rollout": {"mode": "Keep"}})
+    replicas = [ReplicaState(name=f"p-{i}", owner_uid="u", spec_hash="h", draining=False, phase="Ready", label="x")
+                for i in range(2)]
+    renewed = "2026-12-02T01:00:00.000000Z"
+    kube = LeaseKube([lease("gw-a", 4, renewed), lease("gw-b", 4, renewed)])
+    mem = PoolMemory()
+
+    def run(status: dict[str, Any] | None, loaded: dict[str, str]) -> dict[str, Any] | None:
+        routing, _ = asyncio.run(routing_step(kube, "p", "ns", "u", spec, replicas, status, now,  # type: ignore[arg-type]
+                                              loaded, mem))
+        return routing
+
+    open_x = {"routing": Routing(4, "x", OPEN).as_status()}
+    announced = run(open_x, {})
+    assert announced == {"generation": 5, "label": "y", "phase": "Fence", "returning": "x", "since": None,
+                         "waitingFor": []}
+    assert kube.lists == 0     # starting a fence waits for nobody
+    # No load answered yet: stays, no list (it cannot open).
+    assert run({"routing": announced}, {}) == announced and kube.lists == 0
+    # p-0 answered y; gw-a closed (acknowledges 5), gw-b not yet: the plain fence, waiting for gw-b.
+    kube.leases = [lease("gw-a", 5, renewed), lease("gw-b", 4, renewed)]
+    plain = run({"routing": announced}, {"p-0": "y"})
+    assert plain == {"generation": 6, "label": "y", "phase": "Fence", "returning": None, "since": 5,
+                     "waitingFor": ["gw-b"]}
+    # gw-b closed on an answer on y before it saw the plain fence: its 5 counts.
+    kube.leases = [lease("gw-a", 5, renewed), lease("gw-b", 5, renewed)]
+    assert run({"routing": plain}, {"p-0": "y"}) == {"generation": 7, "label": "y", "phase": "Open",
+                                                     "returning": None, "since": None, "waitingFor": ["gw-a", "gw-b"]}
+    # Both closed before the step on the load's answer: it opens straight from the announced fence.
+    assert run({"routing": announced}, {"p-0": "y"}) == {"generation": 6, "label": "y", "phase": "Open",
+                                                         "returning": None, "since": None,
+                                                         "waitingFor": ["gw-a", "gw-b"]}
+    # The watch's Leases say gw-b has not closed: the plain fence is written without a list first.
+    mem.acks = {"gw-b-routing": GatewayAck.from_lease(lease("gw-b", 4, renewed))}
+    lists = kube.lists
+    assert run({"routing": announced}, {"p-0": "y"}) == plain and kube.lists == lists
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies the operator's status writes: null removes a key, a key
+    left out keeps its old value."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def test_a_fences_returning_and_since_do_not_outlive_it_in_the_stored_status() -> None:
+    """The status is written as a merge patch: the next phases must remove what an announced fence
+    and its plain successor added, or a later fence would open on acknowledgements of an old one."""
+    stored: dict[str, Any] = {}
+    for r in (Routing(5, "y", FENCE, returning="x"), Routing(6, "y", FENCE, since=5), Routing(7, "y", OPEN),
+              Routing(8, "z", FENCE)):
+        stored = merge_patch(stored, {"routing": r.as_status()})
+        assert Routing.from_status(stored) == r
+    assert "since" not in stored["routing"] and "returning" not in stored["routing"]
+    assert awaited_generation(stored["routing"]) == 8
