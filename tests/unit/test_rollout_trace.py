@@ -179,3 +179,49 @@ def test_the_docs_pictures_and_their_readings_come_from_the_kept_trace() -> None
         for png in ["rollout-timeline-keep.png", "rollout-timeline-drain.png"]:
             assert f"]({prefix}{png})" in text, (page, png)
             assert (REPO_ROOT / "docs" / "design" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_announced_fence_is_told_apart_and_the_gateways_closing_starts_their_fenced_span(tmp_path: Path) -> None:
+    """Under Keep the fence is announced before the loads (`returning`); a gateway is fenced from its
+    own closing (an answer on Y reached it), not from seeing the announcement; the plain fence that
+    follows is the one `Fence(Y) written` names."""
+    line = rollout_trace.line
+    (tmp_path / "operator.log").write_text("\n".join("DEBUG kopf " + x for x in [
+        line("operator", "pool.target", 100.0, label="step-1", mode="Keep"),
+        line("operator", "pool.target", 200.0, label="step-2", mode="Keep"),
+        line("operator", "routing.fence_written", 200.01, gen=5, label="step-2", returning="step-1"),
+        line("operator", "load.answered", 200.04, replica="ns/s-0", label="step-2", outcome="DONE"),
+        line("operator", "routing.fence_written", 200.07, gen=6, label="step-2"),
+        line("operator", "routing.acknowledged", 200.09, gen=6),
+        line("operator", "routing.open_written", 200.1, gen=7, label="step-2"),
+    ]) + "\n")
+    (tmp_path / "gateway-gw-a.log").write_text("\n".join("x " + x for x in [
+        line("gateway/gw-a", "routing.seen", 200.02, gen=5, label="step-2", phase="Fence", by="watch",
+             returning="step-1"),
+        line("gateway/gw-a", "routing.closed", 200.05, gen=5, label="step-2"),
+        line("gateway/gw-a", "ack.written", 200.06, gen=5),
+        line("gateway/gw-a", "routing.seen", 200.075, gen=6, label="step-2", phase="Fence", by="watch", returning="-"),
+        line("gateway/gw-a", "routing.seen", 200.101, gen=7, label="step-2", phase="Open", by="watch", returning="-"),
+    ]) + "\n")
+    (tmp_path / "gateway-gw-b.log").write_text("\n".join("x " + x for x in [
+        line("gateway/gw-b", "routing.seen", 200.02, gen=5, label="step-2", phase="Fence", by="watch",
+             returning="step-1"),
+        line("gateway/gw-b", "routing.seen", 200.076, gen=6, label="step-2", phase="Fence", by="watch", returning="-"),
+        line("gateway/gw-b", "ack.written", 200.085, gen=6),
+        line("gateway/gw-b", "routing.seen", 200.102, gen=7, label="step-2", phase="Open", by="watch", returning="-"),
+    ]) + "\n")
+    rs = rollouts(read([tmp_path / "operator.log", *sorted(tmp_path.glob("gateway-*.log"))]))
+    m = rs[0].milestones()
+    assert m["Fence(Y) announced"] == pytest.approx(0.01)
+    assert m["first gateway closed itself"] == pytest.approx(0.05)
+    assert m["Fence(Y) written"] == pytest.approx(0.07)
+    assert m["last gateway saw Fence"] == pytest.approx(0.076)
+    assert m["last gateway acked Fence"] == pytest.approx(0.085)   # gw-a's closing at 60, gw-b's at 85
+    tl = timeline(rs[0])
+    op, _s0, gwa, gwb = tl.lanes
+    assert [m.text for m in op.marks] == ["push seen (Keep)", "Fence(Y) announced", "Fence(Y) written",
+                                          "every ack seen", "Open(Y) written"]
+    assert [m.text for m in gwa.marks][:3] == ["saw Fence (announced)", "closed itself", "ack Fence"]
+    assert [(sp.kind, round(sp.start_ms), round(sp.end_ms)) for sp in gwa.spans] == [("fenced", 50, 101)]
+    assert [(sp.kind, round(sp.start_ms), round(sp.end_ms)) for sp in gwb.spans] == [("fenced", 76, 102)]
+    assert tl.fence is not None and (round(tl.fence.start_ms), round(tl.fence.end_ms)) == (50, 100)
