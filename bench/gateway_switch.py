@@ -140,8 +140,7 @@ class Clients:
 
 
 class RoutingWatch:
-    """(when, phase, label) each time the pool's `status.routing` changed, as a watch delivers it;
-    phase `Announced` for a fence announced before the loads (`returning` set)."""
+    """(when, phase, label) each time the pool's `status.routing` changed, as a watch delivers it."""
 
     def __init__(self, custom: Any, ns: str) -> None:
         self.custom, self.ns = custom, ns
@@ -165,8 +164,7 @@ class RoutingWatch:
                     obj = ev["object"]
                     version = obj["metadata"]["resourceVersion"]
                     r = (obj.get("status") or {}).get("routing") or {}
-                    # An announced fence (Keep, before the loads) is told apart from the plain one.
-                    now = ("Announced" if r.get("returning") else str(r.get("phase")), str(r.get("label")))
+                    now = (str(r.get("phase")), str(r.get("label")))
                     if r and (not self.seen or self.seen[-1][1:] != now):
                         self.seen.append((at, *now))
                     if self._stop.is_set():

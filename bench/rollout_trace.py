@@ -60,41 +60,21 @@ class Rollout:
                 firsts.setdefault(s.who, s.t)
         return max(firsts.values()) - self.start if firsts else None
 
-    def fence_written(self, announced: bool) -> Step | None:
-        """The operator's write of the fence: the one announced before the loads (Keep: it names the
-        label still `returning`), or the plain one."""
-        return next((s for s in self.steps if s.step == "routing.fence_written"
-                     and ("returning" in s.fields) == announced), None)
-
-    def acked_fence(self) -> float | None:
-        """When the last gateway acknowledged the fence (its first ack of any fence generation):
-        after closing itself under the announced one, or on seeing the plain one."""
-        gens = {s.fields.get("gen") for s in self.steps if s.step == "routing.fence_written"}
-        firsts: dict[str, float] = {}
-        for s in self.steps:
-            if s.step == "ack.written" and s.who.startswith("gateway/") and s.fields.get("gen") in gens:
-                firsts.setdefault(s.who, s.t)
-        return max(firsts.values()) - self.start if firsts else None
-
     def milestones(self) -> dict[str, float | None]:
         y = self.label
-        announced, plain = self.fence_written(announced=True), self.fence_written(announced=False)
+        fence = next((s.fields.get("gen") for s in self.steps if s.step == "routing.fence_written"), None)
         opened = next((s.fields.get("gen") for s in self.steps if s.step == "routing.open_written"), None)
         held = [float(s.fields.get("waited_s", "0")) for s in self.steps if s.step == "answer.released"]
         return {
             "replica spec written": self.first("replica.spec_written"),
-            "Fence(Y) announced": announced.t - self.start if announced is not None else None,
             "first load started": self.first("load.started", label=y),
             "last load answered": self.last("load.answered", label=y),
             "last load recorded": self.last("load.recorded", label=y),
             "first replica routable on Y": self.first("replica.routable", label=y),
-            "first gateway closed itself": self.first("routing.closed"),
-            "last gateway closed itself": self.each_gateway_last("routing.closed"),
-            "Fence(Y) written": plain.t - self.start if plain is not None else None,
-            "last gateway saw Fence": (self.each_gateway_last("routing.seen", phase="Fence", gen=plain.fields["gen"])
-                                       if plain is not None and "gen" in plain.fields else None),
-            "last gateway acked Fence": self.acked_fence(),
-            "operator saw every ack": self.first("routing.acknowledged"),
+            "Fence(Y) written": self.first("routing.fence_written"),
+            "last gateway saw Fence": self.each_gateway_last("routing.seen", phase="Fence", gen=fence or "?"),
+            "last gateway acked Fence": self.each_gateway_last("ack.written", gen=fence or "?"),
+            "operator saw every ack": self.first("routing.acknowledged", gen=fence or "?"),
             "Open(Y) written": self.first("routing.open_written"),
             "last gateway saw Open": self.each_gateway_last("routing.seen", phase="Open", gen=opened or "?"),
             "first answer on Y returned": self.first("answer.first", label=y),
@@ -184,6 +164,7 @@ class Timeline:
 # The steps drawn as a fixed mark: (label, kind). Steps that also open or close a span are drawn in
 # `timeline` itself.
 OPERATOR_MARKS = {
+    "routing.fence_written": ("Fence(Y) written", "routing"),
     "routing.acknowledged": ("every ack seen", "routing"),
     "routing.open_written": ("Open(Y) written", "routing"),
     "rollout.ended": ("rollout ended", "routing"),
@@ -195,7 +176,6 @@ REPLICA_MARKS = {  # the operator's view of each replica's load
     "replica.routable": ("routable", "routing"),
 }
 GATEWAY_MARKS = {
-    "routing.closed": ("closed itself", "routing"),
     "answer.first": ("first answer on Y", "answer"),
     "answer.withheld": ("answer withheld", "answer"),
 }
@@ -210,7 +190,7 @@ def timeline(r: Rollout) -> Timeline:
     """Where each step of one rollout goes in the picture: the operator's pool steps on its lane, each
     replica's spec, load and status steps on that replica's lane, each gateway's on its own."""
     ms = {id(s): (s.t - r.start) * 1000 for s in r.steps}
-    fence_gens = {s.fields.get("gen") for s in r.steps if s.step == "routing.fence_written"}
+    fence_gen = next((s.fields.get("gen") for s in r.steps if s.step == "routing.fence_written"), None)
     open_gen = next((s.fields.get("gen") for s in r.steps if s.step == "routing.open_written"), None)
     operator = Lane("operator")
     replicas: dict[str, Lane] = {}
@@ -227,9 +207,6 @@ def timeline(r: Rollout) -> Timeline:
         if s.who == "operator":
             if s.step == "pool.target":
                 operator.marks.append(Mark(t, f"push seen ({r.mode})", "routing"))
-            elif s.step == "routing.fence_written":
-                what = "announced" if "returning" in s.fields else "written"
-                operator.marks.append(Mark(t, f"Fence(Y) {what}", "routing"))
             elif s.step in OPERATOR_MARKS:
                 operator.marks.append(Mark(t, *OPERATOR_MARKS[s.step]))
             elif s.step == "load.answered":
@@ -251,29 +228,21 @@ def timeline(r: Rollout) -> Timeline:
         gen = s.fields.get("gen")
         if s.step == "routing.seen":
             phase = s.fields.get("phase", "?")
-            # An announced fence this gateway still returns the old label under: not fenced yet.
-            still_open = phase == "Fence" and s.fields.get("returning", "-") != "-"
-            lane.marks.append(Mark(t, f"saw {phase}" + (" (announced)" if still_open else ""), "routing"))
-            if phase == "Fence" and not still_open:
-                fenced_at.setdefault(gw, t)
+            lane.marks.append(Mark(t, f"saw {phase}", "routing"))
+            if phase == "Fence":
+                fenced_at[gw] = t
             elif phase == "Open" and gw in fenced_at:
                 lane.spans.append(Span(fenced_at.pop(gw), t, "fenced"))
         elif s.step == "ack.written":
-            phase = "Fence" if gen in fence_gens else "Open" if gen == open_gen else f"gen {gen}"
+            phase = "Fence" if gen == fence_gen else "Open" if gen == open_gen else f"gen {gen}"
             lane.marks.append(Mark(t, f"ack {phase}", "routing"))
         elif s.step in GATEWAY_MARKS:
             lane.marks.append(Mark(t, *GATEWAY_MARKS[s.step]))
-            if s.step == "routing.closed":
-                fenced_at.setdefault(gw, t)
         elif s.step == "answer.released":
             # logged once, at the release, with how long it was held: the hold is drawn, not its two ends
             lane.spans.append(Span(t - float(s.fields.get("waited_s", "0")) * 1000, t, "held"))
-    # The fence drawn: from the first moment a gateway stopped returning the old label (the plain
-    # fence written, or a gateway closing itself under the announced one) to Open(Y) written.
-    plain = r.fence_written(announced=False)
-    starts = [t for t in (plain.t - r.start if plain is not None else None, r.first("routing.closed")) if t is not None]
-    ow = r.first("routing.open_written")
-    fence = Span(min(starts) * 1000, ow * 1000, "fence") if starts and ow is not None else None
+    fw, ow = r.first("routing.fence_written"), r.first("routing.open_written")
+    fence = Span(fw * 1000, ow * 1000, "fence") if fw is not None and ow is not None else None
     notes = ["capacity dip not drawn: the trace logs no answer on the old label, the dip's start"]
     held = [sp for lane in gateways.values() for sp in lane.spans if sp.kind == "held"]
     if held:

@@ -15,11 +15,7 @@ Definitions (one rollout moves the pool from label X, `old`, to the next label Y
 - **a gateway's dark span** (`gateway_dip_s`): the same, per gateway (its own last X to its own
   first Y); the longest over the gateways. A client that talks to one gateway only sees this one.
 - **fence** (`fence_s`): the controller's side, from `Fence(Y)` to `Open(Y)` in `status.routing`,
-  as a watch of the SamplerPool delivered them to the benchmark. Under Keep the fence is first
-  announced, before the loads (`returning` X: each gateway goes on returning X until an answer on Y
-  reaches it, then closes itself); that span holds the loads and is not counted. The fence counted is
-  the plain one the controller writes once a replica serves Y and some gateway has not closed yet; a
-  rollout whose gateways had all closed by then opens straight from the announcement and has none.
+  as a watch of the SamplerPool delivered them to the benchmark.
 - **withheld** (`withheld`): answers a gateway did not return because the switch forbade their
   label (`sampler_gateway_stale_responses`, summed over the gateways). Each one is either **re-run**
   once on Y (the first attempt of a sync sample) or answered **resubmit** (503 `no_replica`, "answered

@@ -50,7 +50,7 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     if routing_lease is not None:
         pool.switch = Switch()
         lease = routing_lease(pool.switch, pool.switched, pool)
-        pool.on_adapters = pool.on_closed = lease.wake
+        pool.on_adapters = lease.wake
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -51,9 +51,6 @@ class Pool:
         # Called when the declared adapters this gateway routes by move on (its routing Lease says
         # which it routes by: routing.py, adapter_acks.py).
         self.on_adapters: Callable[[], None] | None = None
-        # Called when an answer on a newer label closed this gateway under an announced fence: its
-        # routing Lease should acknowledge that at once (routing.py).
-        self.on_closed: Callable[[], None] | None = None
         # Called at each change that decides routing: the fair gate's room may have grown (admission.py).
         self.on_room: Callable[[], None] | None = None
         self._who = f"gateway/{cfg.pod_name or 'gateway'}"  # in the rollout trace
@@ -141,28 +138,16 @@ class Pool:
         only because it is moving TO it (a fence for it, a newer label than the one open, or this
         gateway's Lease about to be renewed), wait for the switch to permit it, up to
         `--no-replica-wait-s`. An answer on the new weights that came back a moment early (a Keep
-        load moved its last tokens on) is returned whole instead of run again. Under an announced
-        fence it also closes this gateway (routing.py): from here on it returns nothing until the
-        pool opens the new label."""
+        load moved its last tokens on) is returned whole instead of run again."""
         start = self.clock()
         deadline = start + self.cfg.no_replica_wait_s
         if not self._moving_to(label):
             return
         trace(self._who, "answer.held", label=label)
         while self._moving_to(label) and (left := deadline - self.clock()) > 0:
-            # Each time round: the announced fence may be learned while this answer waits.
-            self._close_for(label)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
         trace(self._who, "answer.released", label=label, waited_s=f"{self.clock() - start:.3f}")
-
-    def _close_for(self, label: str) -> None:
-        if self.switch is None or not self.switch.close(label):
-            return
-        trace(self._who, "routing.closed", gen=self.switch.generation, label=label)
-        self._notify()  # nothing on the label it returned may be routed to now
-        if self.on_closed is not None:
-            self.on_closed()
 
     def _moving_to(self, label: str) -> bool:
         if self.switch is None:

@@ -18,15 +18,6 @@ of up to one renewal interval later. What the watch delivers only moves the gene
 renewal's read does; it never extends how long the gateway may serve (only a complete renewal does),
 so the self-fence below and the controller's wait for Leases are what they were without it.
 
-An announced fence (`Fence(Y, returning X)`, written under Keep before the loads): a gateway that
-enforced `Open(X)` at the generation just before it, and has not let its Lease lapse since, goes on
-returning X (`Switch.returning`) and acknowledges only that older generation, until its first answer
-on a newer label (`Switch.close`, from `Pool.held`) or a lapse of its Lease closes it; then it
-returns nothing, as under a plain fence, and its next Lease write (at once) acknowledges the fence.
-Closed is for good: nothing but a newer generation from the controller opens it again. A gateway
-whose first read finds the announced fence, or that learns it while fenced by its own clock, is
-closed from the start: the controller may have listed the Leases before this gateway's counted.
-
 Self-fencing: a gateway returns nothing (`permitted` is empty) once its last complete renewal
 started more than the Lease's duration ago, by its own monotonic clock. The controller stops
 waiting for a Lease at renewTime + duration (+ a skew allowance): by then this gateway has stopped
@@ -70,7 +61,6 @@ class Routing:
     generation: int
     label: str
     phase: Phase
-    returning: str | None = None  # an announced fence: the label still returned until this gateway closes
 
 
 def routing_of(pool: dict[str, Any]) -> Routing | None:
@@ -82,38 +72,18 @@ def routing_of(pool: dict[str, Any]) -> Routing | None:
     if not (isinstance(gen, int) and not isinstance(gen, bool) and gen >= 1 and isinstance(label, str) and label
             and phase in ("Open", "Fence")):
         return None
-    if phase == "Open":
-        return Routing(gen, label, "Open")
-    returning = raw.get("returning")
-    return Routing(gen, label, "Fence", returning if isinstance(returning, str) and returning
-                   and returning != label else None)
+    return Routing(gen, label, "Open" if phase == "Open" else "Fence")
 
 
-def permitted(routing: Routing | None, valid_until: float, now: float,
-              returning: str | None = None) -> frozenset[str] | None:
+def permitted(routing: Routing | None, valid_until: float, now: float) -> frozenset[str] | None:
     """Pure: the labels this gateway may return answers on and route new work to; None: any (the
     pool has no switch). Empty while fenced: the pool's Fence, or this gateway's own (its Lease
-    not renewed within its duration, or never yet); under an announced fence, the label this
-    gateway still returns (`returning`, Switch.returning), empty once it closed."""
+    not renewed within its duration, or never yet)."""
     if now > valid_until:
         return frozenset()
     if routing is None:
         return None
-    if routing.phase == "Open":
-        return frozenset({routing.label})
-    return frozenset({returning}) if returning is not None and returning == routing.returning else frozenset()
-
-
-def still_returning(before: Routing | None, routing: Routing, lapsed: bool) -> str | None:
-    """Pure: the label a gateway goes on returning when it adopts `routing` after enforcing `before`:
-    an announced fence's `returning`, only if this gateway enforced `Open` on it at the generation
-    just before and its Lease has not lapsed (else the controller may already have counted it out
-    or never counted it in); None: closed."""
-    if routing.returning is None or lapsed or before is None:
-        return None
-    if before.phase == "Open" and before.label == routing.returning and before.generation == routing.generation - 1:
-        return routing.returning
-    return None
+    return frozenset({routing.label}) if routing.phase == "Open" else frozenset()
 
 
 def label_value(name: str) -> str:
@@ -135,63 +105,32 @@ class Switch:
         self.clock = clock
         self.routing: Routing | None = None
         self.valid_until = -math.inf
-        # Under an announced fence: the label this gateway still returns; None: closed (or no such fence).
-        self.returning: str | None = None
 
     @property
     def generation(self) -> int:
         return self.routing.generation if self.routing is not None else 0
 
-    @property
-    def acknowledged(self) -> int:
-        """The generation its Lease may say it enforces: an announced fence only once closed (until
-        then, the `Open` before it, which it still enforces: it returns that label only)."""
-        return self.generation - 1 if self.returning is not None else self.generation
-
-    def _lapsed(self) -> bool:
-        """Past its Lease by its own clock: fenced, and an announced fence's open label closed for good."""
-        if self.clock() > self.valid_until:
-            self.returning = None
-            return True
-        return False
-
-    def _adopt(self, routing: Routing, lapsed: bool) -> None:
-        self.returning = still_returning(self.routing, routing, lapsed)
-        self.routing = routing
-
     def permitted(self) -> frozenset[str] | None:
-        self._lapsed()
-        return permitted(self.routing, self.valid_until, self.clock(), self.returning)
-
-    def close(self, label: str) -> bool:
-        """An answer on `label` reached this gateway: under an announced fence, one on any label but
-        the one it still returns closes it (True then). Its Lease should say so at once (the caller
-        wakes the renewal)."""
-        if self.returning is None or label == self.returning:
-            return False
-        self.returning = None
-        return True
+        return permitted(self.routing, self.valid_until, self.clock())
 
     def state(self) -> dict[str, Any]:
         """What this gateway enforces, for its `/health`: the pool's routing as last read
         (`generation` 0, `label` and `phase` null before any read found one), whether it has fenced
         itself (no renewal completed within its Lease's duration, or none yet), and for how long its
         last renewal still holds it open (`valid_for_s`; null before any renewal, 0 once fenced)."""
-        self._lapsed()
         left = self.valid_until - self.clock()
         r = self.routing
         return {"generation": self.generation, "label": r.label if r is not None else None,
-                "phase": r.phase if r is not None else None, "returning": self.returning, "self_fenced": left < 0,
+                "phase": r.phase if r is not None else None, "self_fenced": left < 0,
                 "valid_for_s": None if math.isinf(left) else round(max(left, 0.0), 3)}
 
     def apply(self, routing: Routing | None, started: float, duration_s: float) -> bool:
         """A renewal that started at `started` (monotonic) read `routing`: True if what is permitted
         changed (the routing, or the end of a self-fence)."""
-        was_fenced = self._lapsed()
+        was_fenced = self.clock() > self.valid_until
         changed = routing is not None and routing.generation > self.generation
         if changed:
-            assert routing is not None
-            self._adopt(routing, was_fenced)
+            self.routing = routing
         self.valid_until = max(self.valid_until, started + duration_s)
         return changed or was_fenced
 
@@ -201,7 +140,7 @@ class Switch:
         renewal (its Lease written, then the pool read) does that."""
         if routing is None or routing.generation <= self.generation:
             return False
-        self._adopt(routing, self._lapsed())
+        self.routing = routing
         return True
 
 
@@ -329,7 +268,7 @@ class KubeRoutingLease:
     async def renew(self) -> bool:
         """One renewal; True if what this gateway permits changed."""
         started = self.switch.clock()
-        acked, serial = self.switch.acknowledged, self.adapters.declared_serial()
+        acked, serial = self.switch.generation, self.adapters.declared_serial()
         await asyncio.to_thread(self._write, acked, serial, dt.datetime.now(dt.UTC))
         if acked != self._acked:
             self._acked = acked
@@ -344,7 +283,7 @@ class KubeRoutingLease:
         if changed:
             if routing is not None and self.switch.routing is routing:
                 trace(self._who, "routing.seen", pool=self._where, gen=routing.generation, label=routing.label,
-                      phase=routing.phase, by="renewal", returning=self.switch.returning or "-")
+                      phase=routing.phase, by="renewal")
             self.on_change()
         return changed
 
@@ -361,17 +300,12 @@ class KubeRoutingLease:
     def heard(self, routing: Routing | None) -> None:
         """The pool's watch delivered `routing` (on the event loop): enforced at once when newer, and
         the renewal that acknowledges it started now."""
-        acked = self.switch.acknowledged
         if self.switch.learn(routing):
             assert routing is not None
             trace(self._who, "routing.seen", pool=self._where, gen=routing.generation, label=routing.label,
-                  phase=routing.phase, by="watch", returning=self.switch.returning or "-")
+                  phase=routing.phase, by="watch")
             self.on_change()
-            # Renew now only if the Lease would say something new: an announced fence this gateway
-            # still returns the old label under changes nothing there, and a renewal in flight would
-            # only delay the one its closing starts.
-            if self.switch.acknowledged != acked:
-                self._wake.set()
+            self._wake.set()
 
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """The pool's watch (a thread: the kubernetes client blocks). Each event's routing goes to

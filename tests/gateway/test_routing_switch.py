@@ -18,7 +18,7 @@ from sampler_gateway.discovery.static import StaticDiscovery
 from sampler_gateway.metrics import GatewayMetrics
 from sampler_gateway.pool import Pool
 from sampler_gateway.replicas import PoolView, ReplicaView
-from sampler_gateway.routing import KubeRoutingLease, Routing, Switch, permitted, routing_of
+from sampler_gateway.routing import Routing, Switch, permitted, routing_of
 from tests.support.asgi import call
 from tests.support.gateway import NoAdapters
 
@@ -143,7 +143,7 @@ def test_an_older_answer_is_not_held() -> None:
 
 
 def test_a_switch_never_renewed_reports_itself_fenced() -> None:
-    assert Switch(clock=lambda: 5.0).state() == {"generation": 0, "label": None, "phase": None, "returning": None,
+    assert Switch(clock=lambda: 5.0).state() == {"generation": 0, "label": None, "phase": None,
                                                   "self_fenced": True, "valid_for_s": None}
 
 
@@ -187,17 +187,17 @@ async def test_health_reports_the_switch_it_enforces_and_its_self_fence() -> Non
         return state
 
     async with app.router.lifespan_context(app):  # its first renewal, before serving
-        assert await routing() == {"generation": 3, "label": "step-2", "phase": "Fence", "returning": None,
-                                   "self_fenced": False, "valid_for_s": 10.0}
+        assert await routing() == {"generation": 3, "label": "step-2", "phase": "Fence", "self_fenced": False,
+                                   "valid_for_s": 10.0}
         leases[0].routing = Routing(4, "step-2", "Open")
         now[0] = 104.0
         assert await leases[0].renew()
-        assert await routing() == {"generation": 4, "label": "step-2", "phase": "Open", "returning": None,
-                                   "self_fenced": False, "valid_for_s": 10.0}
+        assert await routing() == {"generation": 4, "label": "step-2", "phase": "Open", "self_fenced": False,
+                                   "valid_for_s": 10.0}
         # No renewal completes for longer than the Lease: fenced by itself, whatever the pool says.
         now[0] = 114.5
-        assert await routing() == {"generation": 4, "label": "step-2", "phase": "Open", "returning": None,
-                                   "self_fenced": True, "valid_for_s": 0.0}
+        assert await routing() == {"generation": 4, "label": "step-2", "phase": "Open", "self_fenced": True,
+                                   "valid_for_s": 0.0}
         assert await leases[0].renew()  # renewed again: open again
         assert (await routing())["self_fenced"] is False
 
@@ -226,46 +226,45 @@ def test_a_routing_learned_from_the_watch_moves_forward_only_and_extends_nothing
     assert s.permitted() == frozenset() and s.state()["self_fenced"]
 
 
-class ScriptedLease(KubeRoutingLease):
-    """The renewal loop for real; the Lease writes recorded, the pool's reads the test's, no watch."""
-
-    def __init__(self, switch: Switch, on_change: Callable[[], None]) -> None:  # no kubeconfig: no API
-        self.pool, self.namespace, self.holder = "p", "ns", "gw-a"
-        self.duration_s, self.renew_s, self.switch, self.on_change = 10, 3600.0, switch, on_change
-        self.adapters = NoAdapters()
-        self._wake, self._acked, self._who, self._where = asyncio.Event(), -1, "gateway/gw-a", "ns/p"
-        self._watching, self._pool_uid, self._version = threading.Event(), None, None
-        self.written: list[int] = []
-        self.pool_read: dict[str, Any] = {"status": {"routing": {"generation": 1, "label": "a", "phase": "Open"}}}
-        self.wrote = asyncio.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def _write(self, generation: int, serial: int | None, renewed: Any) -> None:
-        self.written.append(generation)
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self.wrote.set)
-
-    def _read_pool(self) -> dict[str, Any]:
-        return self.pool_read
-
-    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        pass  # the test plays the watch: it calls heard()
-
-    async def until(self, written: Callable[[], bool]) -> None:
-        while not written():
-            await self.wrote.wait()
-            self.wrote.clear()
-
-
 def test_a_newer_routing_from_the_watch_is_enforced_and_acknowledged_at_once() -> None:
     """`heard` (the watch's event on the loop): the switch moves, requests waiting look again, and the
     renewal that writes the acknowledgement starts now, not after the renewal interval."""
+    from sampler_gateway.routing import KubeRoutingLease
+
+    class Lease(KubeRoutingLease):
+        def __init__(self, switch: Switch, on_change: Callable[[], None]) -> None:  # no kubeconfig: no API
+            self.pool, self.namespace, self.holder = "p", "ns", "gw-a"
+            self.duration_s, self.renew_s, self.switch, self.on_change = 10, 3600.0, switch, on_change
+            self.adapters = NoAdapters()
+            self._wake, self._acked, self._who, self._where = asyncio.Event(), -1, "gateway/gw-a", "ns/p"
+            self._watching, self._pool_uid, self._version = threading.Event(), None, None
+            self.written: list[int] = []
+            self.pool_read: dict[str, Any] = {"status": {"routing": {"generation": 1, "label": "a", "phase": "Open"}}}
+            self.wrote = asyncio.Event()
+            self.loop: asyncio.AbstractEventLoop | None = None
+
+        def _write(self, generation: int, serial: int | None, renewed: Any) -> None:
+            self.written.append(generation)
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self.wrote.set)
+
+        def _read_pool(self) -> dict[str, Any]:
+            return self.pool_read
+
+        def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+            pass  # the test plays the watch: it calls heard()
+
     async def run() -> None:
         moved: list[int] = []
         switch = Switch()
-        lease = ScriptedLease(switch, lambda: moved.append(switch.generation))
+        lease = Lease(switch, lambda: moved.append(switch.generation))
         lease.loop = asyncio.get_running_loop()
-        until = lease.until
+
+        async def until(written: Callable[[], bool]) -> None:
+            while not written():
+                await lease.wrote.wait()
+                lease.wrote.clear()
+
         task = asyncio.create_task(lease.run_forever())
         try:
             # Its first renewals: acknowledges 0, reads Open(1), acknowledges 1 at once; then waits an hour.
@@ -276,138 +275,6 @@ def test_a_newer_routing_from_the_watch_is_enforced_and_acknowledged_at_once() -
             lease.pool_read = {"status": {"routing": {"generation": 2, "label": "b", "phase": "Fence"}}}
             await until(lambda: lease.written[-1] == 2)
             assert lease.written == [0, 1, 2]
-        finally:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    asyncio.run(asyncio.wait_for(run(), 30))
-
-
-ANNOUNCED = Routing(5, "y", "Fence", returning="x")
-
-
-def test_an_announced_fence_is_read_from_the_pool_status() -> None:
-    def read(**raw: Any) -> Routing | None:
-        return routing_of({"status": {"routing": raw}})
-
-    assert read(generation=5, label="y", phase="Fence", returning="x") == ANNOUNCED
-    # An Open returns its label only; a `returning` equal to the fence's label is no announcement.
-    assert read(generation=5, label="y", phase="Open", returning="x") == Routing(5, "y", "Open")
-    assert read(generation=5, label="y", phase="Fence", returning="y") == Routing(5, "y", "Fence")
-    assert read(generation=5, label="y", phase="Fence", returning=3) == Routing(5, "y", "Fence")
-    assert permitted(ANNOUNCED, 10.0, 5.0, "x") == {"x"}
-    assert permitted(ANNOUNCED, 10.0, 5.0) == frozenset()                 # closed
-    assert permitted(ANNOUNCED, 10.0, 10.01, "x") == frozenset()          # past its Lease
-
-
-def test_under_an_announced_fence_a_gateway_returns_the_open_label_until_an_answer_on_a_newer_one() -> None:
-    now = [100.0]
-    s = Switch(clock=lambda: now[0])
-    s.apply(Routing(4, "x", "Open"), 100.0, 10)
-    assert s.learn(ANNOUNCED)
-    assert s.permitted() == {"x"} and s.returning == "x" and s.acknowledged == 4 and s.generation == 5
-    assert s.state()["returning"] == "x"
-    assert not s.close("x")                                              # its own label closes nothing
-    assert s.close("y") and s.permitted() == frozenset() and s.acknowledged == 5
-    assert not s.close("z")
-    # Closed for good: the same fence read again (a renewal, the watch) does not reopen it.
-    assert not s.learn(ANNOUNCED) and s.apply(ANNOUNCED, 101.0, 10) is False and s.permitted() == frozenset()
-    # The plain fence that follows, then the opening.
-    assert s.learn(Routing(6, "y", "Fence")) and s.permitted() == frozenset() and s.acknowledged == 6
-    assert s.learn(Routing(7, "y", "Open")) and s.permitted() == {"y"}
-
-
-def test_an_announced_fence_is_closed_from_the_start_unless_learned_open_on_its_label_within_the_lease() -> None:
-    now = [100.0]
-
-    def switch(before: Routing | None) -> Switch:
-        s = Switch(clock=lambda: now[0])
-        if before is not None:
-            s.apply(before, now[0], 10)
-        return s
-
-    # Its first read finds it (a gateway started mid-rollout): closed, acknowledges it.
-    s = switch(None)
-    s.apply(ANNOUNCED, 100.0, 10)
-    assert s.permitted() == frozenset() and s.acknowledged == 5
-    # It enforced an older generation, or another label, or a fence: closed.
-    for before in (Routing(3, "x", "Open"), Routing(4, "w", "Open"), Routing(4, "x", "Fence")):
-        s = switch(before)
-        s.learn(ANNOUNCED)
-        assert s.permitted() == frozenset() and s.acknowledged == 5, before
-    # Learned while fenced by its own clock: closed, even once it renews.
-    s = switch(Routing(4, "x", "Open"))
-    now[0] = 110.5
-    s.learn(ANNOUNCED)
-    s.apply(ANNOUNCED, 110.5, 10)
-    assert s.permitted() == frozenset() and s.acknowledged == 5
-    # Learned open, then its Lease lapsed with nobody asking, then renewed: closed by the renewal.
-    now[0] = 100.0
-    s = switch(Routing(4, "x", "Open"))
-    s.learn(ANNOUNCED)
-    now[0] = 110.5
-    assert s.apply(ANNOUNCED, 110.5, 10)                                 # the end of its own fence
-    assert s.permitted() == frozenset() and s.returning is None and s.acknowledged == 5
-
-
-def test_an_answer_on_the_new_label_closes_the_gateway_and_wakes_its_lease() -> None:
-    async def run() -> None:
-        s = Switch()
-        s.apply(Routing(4, "x", "Open"), s.clock(), 10)
-        pool = pool_with(s)
-        pool.order.set_history({"x": 1, "y": 2})
-        woken: list[int] = []
-        closed = asyncio.Event()
-
-        def on_closed() -> None:
-            woken.append(s.acknowledged)
-            closed.set()
-
-        pool.on_closed = on_closed
-        # An answer on y held before the gateway learned the announced fence ...
-        early = asyncio.create_task(pool.held("y"))
-        await asyncio.sleep(0)
-        assert not early.done() and woken == []
-        s.learn(ANNOUNCED)
-        pool.switched()
-        await asyncio.wait_for(closed.wait(), 5.0)
-        # ... closes it once learned: nothing returned, nothing routed, the Lease woken to say 5.
-        assert woken == [5] and pool.candidates() == []
-        assert not pool.returned(pool.view.by_name["r0"], "x")
-        late = asyncio.create_task(pool.held("y"))
-        await asyncio.sleep(0)
-        assert woken == [5] and not early.done() and not late.done()
-        s.learn(Routing(6, "y", "Open"))
-        pool.switched()
-        await asyncio.wait_for(asyncio.gather(early, late), 5.0)
-        assert pool.returned(pool.view.by_name["r1"], "y")
-
-    asyncio.run(asyncio.wait_for(run(), 30))
-
-
-def test_under_an_announced_fence_the_lease_acknowledges_it_only_once_closed() -> None:
-    async def run() -> None:
-        switch = Switch()
-        lease = ScriptedLease(switch, lambda: None)
-        lease.loop = asyncio.get_running_loop()
-        pool = pool_with(switch)
-        pool.on_closed = lease.wake
-        pool.order.set_history({"a": 1, "y": 2})
-        task = asyncio.create_task(lease.run_forever())
-        try:
-            await lease.until(lambda: lease.written == [0, 1])
-            announced = {"generation": 2, "label": "y", "phase": "Fence", "returning": "a"}
-            lease.pool_read = {"status": {"routing": announced}}
-            lease.heard_pool(lease.pool_read)
-            # It still returns a, and its Lease would still say 1 (the Open it still enforces): no
-            # renewal is started for it, so the one its closing starts is not queued behind one.
-            assert switch.permitted() == {"a"} and switch.acknowledged == 1 and not lease._wake.is_set()
-            held = asyncio.create_task(pool.held("y"))
-            await lease.until(lambda: lease.written[-1] == 2)   # closed by the answer: said at once
-            assert lease.written == [0, 1, 2]
-            assert switch.permitted() == frozenset() and not held.done()
-            held.cancel()
         finally:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -74,10 +74,6 @@ def test_the_fence_is_read_from_the_routing_the_watch_saw() -> None:
     assert fence_span(seen, "Y") == pytest.approx(1.2)
     assert fence_span(seen, "Z") is None      # not opened (yet)
     assert fence_span(seen, "W") is None      # never fenced
-    # Announced before the loads (Keep): counted from the plain fence only, none if it opened straight.
-    keep = [(1.0, "Open", "X"), (2.0, "Announced", "Y"), (2.4, "Fence", "Y"), (2.5, "Open", "Y")]
-    assert fence_span(keep, "Y") == pytest.approx(0.1)
-    assert fence_span([(1.0, "Open", "X"), (2.0, "Announced", "Y"), (2.5, "Open", "Y")], "Y") is None
 
 
 def cost(mode: str, dip_s: float, withheld: int, resubmit: int, tokens: int = 40) -> SwitchCost:

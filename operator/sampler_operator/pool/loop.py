@@ -176,8 +176,7 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
     current = Routing.from_status(old_status)
     serving = serving_labels(uid, existing, loaded or {})
     before = ((old_status or {}).get("routing") or {}).get("waitingFor") or []
-    seen = current is not None and not waiting_for(mem.acks.values(), current.acked_from, now)
-    if needs_acknowledgements(current, before, spec.target_label, serving, seen):
+    if needs_acknowledgements(current, before):
         leases = await kube.list_leases(namespace, {LABEL_GATEWAY: label_value(name)})
         mem.acks = {lease["metadata"]["name"]: GatewayAck.from_lease(lease) for lease in leases}
         # A copy: the Lease watch (handlers.wake_pool_on_ack) may change mem.acks during the awaits.
@@ -185,20 +184,15 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
             if ack.stale(now):
                 await kube.delete_lease(namespace, lease_name)
     acks = list(mem.acks.values())
-    acknowledged = current is None or not waiting_for(acks, current.acked_from, now)
-    routing = next_routing(current, spec.target_label, serving, acknowledged, announce=spec.rollout.mode == "Keep")
+    acknowledged = current is None or not waiting_for(acks, current.generation, now)
+    routing = next_routing(current, spec.target_label, serving, acknowledged)
     if routing is None:
         return None, []
     if current is not None and current.phase == FENCE and acknowledged:
         trace("operator", "routing.acknowledged", pool=f"{namespace}/{name}", gen=current.generation,
               acks=",".join(f"{a.name}:{a.generation}" for a in acks))
     events = []
-    if routing != current and routing.phase == FENCE and routing.returning is not None:
-        events.append(("Normal", "RoutingFence", f"routing generation {routing.generation}, announced: each gateway "
-                                                 f"returns {routing.returning!r} until an answer on "
-                                                 f"{routing.label!r} reaches it, then stops returning answers "
-                                                 f"before any returns {routing.label!r}"))
-    elif routing != current and routing.phase == FENCE:
+    if routing != current and routing.phase == FENCE:
         events.append(("Normal", "RoutingFence", f"routing generation {routing.generation}: every gateway stops "
                                                  f"returning answers before any returns {routing.label!r}"))
     elif routing != current:
@@ -207,7 +201,7 @@ async def routing_step(kube: Kube, name: str, namespace: str, uid: str, spec: Po
         note = f" (not waited for, Lease expired: {', '.join(unheard)})" if unheard else ""
         events.append(("Normal", "RoutingOpen",
                        f"routing generation {routing.generation}: gateways return answers on {routing.label!r}{note}"))
-    return routing.as_status(waiting_for(acks, routing.acked_from, now)), events
+    return routing.as_status(waiting_for(acks, routing.generation, now)), events
 
 
 async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace: str, uid: str,
@@ -317,8 +311,7 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
         mem.status = status
         if routing is not None and routing_events:
             trace("operator", f"routing.{routing['phase'].lower()}_written", pool=where, gen=routing["generation"],
-                  label=routing["label"], waiting=",".join(routing["waitingFor"]) or "-",
-                  **({"returning": routing["returning"]} if routing.get("returning") else {}))
+                  label=routing["label"], waiting=",".join(routing["waitingFor"]) or "-")
     # After the write: an Event never tells of a status the API server does not have.
     for type_, reason, message in [*rollout_events(old, status, batch, in_place), *routing_events]:
         emit(type_, reason, message)
@@ -327,11 +320,6 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     metrics.rollouts_ended(namespace, label_value(name), ends)
     for end in ends:
         trace("operator", "rollout.ended", pool=where, label=end.target, outcome=end.outcome)
-    if routing is not None and routing["phase"] == FENCE and routing.get("returning"):
-        # Announced, and no replica in routing serves its label yet (else it would have opened or
-        # become a plain fence): the loads' answers (handlers.tell_pool) and the replicas' statuses
-        # wake the loop; nothing can open before them.
-        return BUSY_S
     if routing is not None and routing["phase"] == FENCE:
         return FENCE_POLL_S
     if routing is not None and (routing["label"] != spec.target_label or routing["waitingFor"]):

@@ -9,26 +9,11 @@ acknowledges, and the pool controller moves it on only on those acknowledgements
     Open(X, g)  --a replica in routing serves the target Y-->  Fence(Y, g+1)
     Fence(Y, g+1)  --every live gateway acknowledged g+1-->  Open(Y, g+2)
 
-Under Keep the fence is announced before the loads, so that its round trip overlaps them:
-
-    Open(X, g)  --the target Y declared, rollout mode Keep-->  Fence(Y, g+1, returning X)
-    Fence(Y, g+1, returning X)  --a replica in routing serves Y, every live gateway acknowledged g+1-->  Open(Y, g+2)
-    Fence(Y, g+1, returning X)  --a replica in routing serves Y, some have not-->  Fence(Y, g+2, since g+1)
-
 - `Open(L)`: a gateway returns answers on L only, and routes new work to replicas serving L.
 - `Fence`: a gateway returns no answer at all and routes nothing new. An answer that comes back
   then is not returned: the gateway runs the request again once it enforces `Open(Y)` (a sync
   sample), or answers "resubmit" (an owned future). None is lost; the cost is the acknowledgement
   round trip, as a capacity dip.
-- `Fence(Y, returning X)`, announced: a gateway that enforced `Open(X, g)` when it learned it, and has
-  held its Lease without a lapse since, goes on returning X until its first answer on a newer label
-  (a Keep load moved a sample onto Y); then it closes itself (returns nothing, as under a plain
-  fence) and only then acknowledges g+1. Every other gateway (one whose first read finds it, one
-  that fenced itself, one that never knew `returning`) is closed at once. Acknowledgements of g+1 or
-  later therefore all mean "returns no X", and that is all the opening waits for, whether it opens
-  straight from the announced fence or from the plain one (`since`) written for the gateways that
-  saw no answer on Y. The loads' time is no longer followed by a whole round trip: the gateways'
-  acknowledgements are written as the first answers on Y reach them.
 
 So once a gateway returns Y (it enforces g+2), every gateway of the pool enforces g+1 or later and
 returns no X any more: no client gets X after Y, whichever gateways it talks to.
@@ -58,7 +43,7 @@ from sampler_common.gateway_leases import CLOCK_SKEW_S, STALE_LEASE_S, GatewayAc
 from sampler_common.gateway_leases import ROUTING_ACK as ACK_ANNOTATION
 
 __all__ = ["ACK_ANNOTATION", "CLOCK_SKEW_S", "FENCE", "OPEN", "STALE_LEASE_S", "GatewayAck", "Phase", "Routing",
-           "acknowledges", "needs_acknowledgements", "next_routing", "opening_label", "waiting_for"]
+           "acknowledges", "needs_acknowledgements", "next_routing", "waiting_for"]
 
 Phase = Literal["Open", "Fence"]
 OPEN: Phase = "Open"
@@ -70,15 +55,6 @@ class Routing:
     generation: int
     label: str
     phase: Phase
-    # An announced fence: gateways that enforced Open(returning) may still return it until each closes.
-    returning: str | None = None
-    # A fence's first generation, when an announced one came before it: acknowledgements from it on count.
-    since: int | None = None
-
-    @property
-    def acked_from(self) -> int:
-        """The least acknowledgement that means "enforces this": for a fence, "returns no older label"."""
-        return self.since if self.since is not None else self.generation
 
     @classmethod
     def from_status(cls, status: dict[str, Any] | None) -> Routing | None:
@@ -91,105 +67,57 @@ class Routing:
         if not (isinstance(gen, int) and not isinstance(gen, bool) and gen >= 1 and isinstance(label, str)
                 and label and phase in (OPEN, FENCE)):
             return None
-        if phase == OPEN:
-            return cls(gen, label, OPEN)
-        returning, since = raw.get("returning"), raw.get("since")
-        return cls(gen, label, FENCE,
-                   returning=returning if isinstance(returning, str) and returning and returning != label else None,
-                   # A hand-edited `since` past the generation could only make the opening wait longer.
-                   since=since if isinstance(since, int) and not isinstance(since, bool) and 1 <= since < gen
-                   else None)
+        return cls(gen, label, OPEN if phase == OPEN else FENCE)
 
     def as_status(self, waiting_for: Iterable[str] = ()) -> dict[str, Any]:
-        # `returning` and `since` are written even when None: the status is written with a JSON merge
-        # patch, where a key left out keeps its old value and only null removes it. A `since` left
-        # over from an earlier fence would let a later one open on acknowledgements of the old one.
         return {"generation": self.generation, "label": self.label, "phase": self.phase,
-                "waitingFor": sorted(waiting_for), "returning": self.returning, "since": self.since}
+                "waitingFor": sorted(waiting_for)}
 
 
 def next_routing(current: Routing | None, target: str | None, serving: Iterable[str],
-                 acknowledged: bool, announce: bool = False) -> Routing | None:
+                 acknowledged: bool) -> Routing | None:
     """The switch after this step. `serving`: the labels of the replicas in routing (Ready, not
-    draining); `acknowledged`: every live gateway acknowledged `current.acked_from` or later;
-    `announce`: the rollout loads in place (Keep), so a fence may be announced before the loads.
+    draining); `acknowledged`: every live gateway enforces `current`'s generation.
 
     A fence starts once a replica in routing serves the target (before: nothing could answer on it,
-    and the old label keeps serving), or, announced, as soon as the target is declared under Keep:
-    the open label goes on being returned by each gateway until it sees an answer on the new one. A
-    fence opens once acknowledged, on the target when a replica in routing serves it, else on the
-    label it was fencing for (the target moved on during the fence: that label is still the newest
-    one served). Opening never waits for more than that: stopping returns is always safe, so a fence
-    needs no acknowledgement to start."""
+    and the old label keeps serving). A fence opens once acknowledged, on the target when a replica
+    in routing serves it, else on the label it was fencing for (the target moved on during the
+    fence: that label is still the newest one served). Opening never waits for more than that:
+    stopping returns is always safe, so a fence needs no acknowledgement to start."""
     served = set(serving)
     if current is None:
         return Routing(1, target, FENCE) if target is not None and target in served else None
     if current.phase == OPEN:
-        if target is None or target == current.label:
-            return current
-        if target in served:
+        if target is not None and target != current.label and target in served:
             return Routing(current.generation + 1, target, FENCE)
-        if announce:
-            return Routing(current.generation + 1, target, FENCE, returning=current.label)
         return current
-    if current.returning is not None:
-        if target == current.returning:
-            # Withdrawn (the target declared back): no gateway returned the fence's label, it held them.
-            return Routing(current.generation + 1, target, OPEN)
-        label = opening_label(current, target, served)
-        if label is None:
-            return current  # the loads have not answered: the gateways that still return X go on
-        if acknowledged:
-            return Routing(current.generation + 1, label, OPEN)
-        # The gateways that have not closed themselves (no answer on Y reached them) close now.
-        return Routing(current.generation + 1, label, FENCE, since=current.acked_from)
     if not acknowledged:
         return current
     label = target if target is not None and target in served else current.label
     return Routing(current.generation + 1, label, OPEN)
 
 
-def opening_label(current: Routing, target: str | None, served: set[str]) -> str | None:
-    """The label an announced fence could open on now: the target, else the fence's own, when a
-    replica in routing serves it; None while neither is served (the loads have not answered)."""
-    if target is not None and target in served:
-        return target
-    return current.label if current.label in served else None
-
-
-def needs_acknowledgements(current: Routing | None, waiting_before: Iterable[str],
-                           target: str | None = None, serving: Iterable[str] = (),
-                           seen_acknowledged: bool = True) -> bool:
+def needs_acknowledgements(current: Routing | None, waiting_before: Iterable[str]) -> bool:
     """Does this step need a fresh list of the gateways' Leases, a read of the API server? To open a
     fence, always: a gateway that wrote its Lease before the fence must never be missed, and a list
     is the read that cannot miss it. To report who has not acknowledged an opening yet (`waitingFor`
     named someone). Not otherwise, and not to start a fence: starting one waits for nobody (stopping
     returns is always safe), so its `waitingFor` is taken from the Leases as the operator's watch
     last delivered them (PoolMemory.acks) and the fence is written one API round trip sooner after
-    the first load's answer; the fence's next step, which opens on a fresh list, corrects it.
-
-    An announced fence can open only once a replica serves its label or the target, and straight
-    away only if every gateway has closed itself: listed then only when the watch's Leases
-    (`seen_acknowledged`) say so. Otherwise the plain fence that closes the rest is written without
-    the list, as any fence starts."""
+    the first load's answer; the fence's next step, which opens on a fresh list, corrects it."""
     if current is not None and current.phase == FENCE:
-        if current.returning is None:
-            return True
-        return seen_acknowledged and opening_label(current, target, set(serving)) is not None
+        return True
     return bool(list(waiting_before))
 
 
 def awaited_generation(status_routing: dict[str, Any] | None) -> int | None:
     """The generation whose acknowledgements the pool's loop waits for, from the `status.routing` it
-    last wrote: a fence's (from its `since` when an announced fence came before it: it opens on
-    them), or an opening's while `waitingFor` still names a gateway (reported, nothing waits on it
-    but the status); None when nothing is awaited."""
+    last wrote: a fence's own (it opens on them), or an opening's while `waitingFor` still names a
+    gateway (reported, nothing waits on it but the status); None when nothing is awaited."""
     current = Routing.from_status({"routing": status_routing})
     if current is None:
         return None
-    if current.phase == FENCE:
-        return current.acked_from
-    if (status_routing or {}).get("waitingFor"):
+    if current.phase == FENCE or (status_routing or {}).get("waitingFor"):
         return current.generation
     return None
 
