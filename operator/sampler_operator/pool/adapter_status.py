@@ -23,7 +23,7 @@ from sampler_common.errors import SamplerError
 def adapter_status(pool: Mapping[str, Any], holdings: Iterable[tuple[str, Iterable[str]]]) -> dict[str, Any] | None:
     """`status.adapters` of the pool object `pool`, given `holdings`: (replica name, the engine names
     its status says it holds) for each of the pool's replicas. None when the pool declares no adapters
-    (the field is left out, as for a pool that never used them)."""
+    (written as null: the field is removed, as for a pool that never used them)."""
     try:
         state = adapter_state(pool)
     except SamplerError as e:

@@ -298,9 +298,10 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
                             label=target)
     status = pool_status(name, uid, spec, existing, generation, now, (old or {}).get("conditions"),
                          (old or {}).get("weightsHistory"))
-    adapters = adapter_status({"spec": raw_spec}, ((r.name, r.adapters) for r in existing if r.owner_uid == uid))
-    if adapters is not None:
-        status["adapters"] = adapters
+    # Written when None too: the status is a merge patch, where a field left out keeps its old value
+    # (a pool whose runs were all deleted would go on showing them in `kubectl get sp`); null removes it.
+    status["adapters"] = adapter_status({"spec": raw_spec},
+                                        ((r.name, r.adapters) for r in existing if r.owner_uid == uid))
     routing, routing_events = await routing_step(kube, name, namespace, uid, spec, existing, old, now,
                                                  {r: a.label for r, a in mem.loaded.items()}, mem)
     if routing is not None:

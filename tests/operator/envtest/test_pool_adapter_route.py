@@ -103,6 +103,13 @@ def test_the_gateway_routes_by_the_adapters_the_pool_declares(k8s: Any, api: Any
         header, row = k8s.kubectl("-n", ns, "get", "sp", "t").splitlines()[:2]
         at = header.index("RUNS")  # columns are aligned; an empty one (WEIGHTS here) is blank
         assert row[at:].split()[0] == "1", (header, row)
+
+        # Its runs deleted by hand: the status says no adapters any more. It is written as a merge
+        # patch, where a field left out would keep the runs it last showed.
+        api.custom.patch_namespaced_custom_object(G, V, ns, "samplerpools", "t", {"spec": {"adapters": None}})
+        ks.wait_for(lambda: "adapters" not in pool_status(api, ns, "t"), 30, 0.2, "status.adapters gone")
+        header, row = k8s.kubectl("-n", ns, "get", "sp", "t").splitlines()[:2]
+        assert row[header.index("RUNS"):header.index("RUNS") + 4].strip() == "", (header, row)
     finally:
         stack.close()
         kubelet.stop()
