@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -221,16 +221,25 @@ def sample_body(max_tokens: int) -> Callable[[int], dict[str, Any]]:
     return body
 
 
+class Reading(NamedTuple):
+    at: float  # monotonic time when this round began: both reads below came after it
+    started: float | None  # the answering process's `process_start_time_seconds`: which pod it was
+    admitted: int | None
+    status: str | None  # /health's
+    label: str | None
+
+
 class PodCounter(Poller):
-    """Reads a replica port's `/metrics` (admitted requests) and THEN its `/health`, over and over: a
-    request admitted before a read of /health happened before it, so "admitted > 0 while /health was
-    not yet at the target" is a real violation, never an artefact of the two reads."""
+    """Reads a replica port's `/metrics` (its process's start time and admitted requests) and THEN its
+    `/health`, over and over. The start time says which pod answered, so the old pod's readings and
+    its replacement's are told apart by the pods themselves, not by catching the old pod's last
+    seconds. A request admitted before a read of /health happened before it, so "admitted > 0 while
+    /health was not yet at the target" is a real violation, never an artefact of the two reads."""
     interval = 0.05
 
     def __init__(self, port: int) -> None:
         self.base = f"http://127.0.0.1:{port}"
-        # (monotonic time, admitted or None, /health status or None, weights label or None)
-        self.seen: list[tuple[float, int | None, str | None, str | None]] = []
+        self.seen: list[Reading] = []
         self.start()
 
     def _get(self, path: str) -> bytes | None:
@@ -243,13 +252,16 @@ class PodCounter(Poller):
             return None
 
     def poll(self) -> None:
+        at = time.monotonic()
         text = self._get("/metrics")
-        admitted = None
+        started = admitted = None
         if text is not None:
-            admitted = int(total(text.decode(), "sampler_requests_admitted_total"))
+            page = text.decode()
+            started = total(page, "process_start_time_seconds") or None
+            admitted = int(total(page, "sampler_requests_admitted_total"))
         raw = self._get("/health")
         h = json.loads(raw) if raw else {}
-        self.seen.append((time.monotonic(), admitted, h.get("status"), h.get("weights_label")))
+        self.seen.append(Reading(at, started, admitted, h.get("status"), h.get("weights_label")))
 
 
 def assert_clean(answers: list[Answer], what: str, gw: Gateway) -> None:
@@ -319,6 +331,7 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
         code, out = post(f"http://127.0.0.1:{base + 1}/v1/checkpoints/load",
                          {"path": "/checkpoints/step-4", "version_label": "step-4", "test_fail_after_tensors": 1},
                          key=admin)
+        failed_at = time.monotonic()
         assert code == 500 and out["error"]["category"] == "weight_write_failed", out
         ks.wait_for(lambda: api.events(ns, "rl-1", "UncertainWeights"), 60, 0.25, "UncertainWeights on rl-1")
         t = time.monotonic()
@@ -333,21 +346,29 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
         counter.stop()
     rl1 = api.status(ns, "rl-1")
     assert rl1["replacements"] == 1 and rl1["podName"] != old_pod, rl1
+    assert rl1["lastReplacement"]["reason"] == "UncertainWeights" and rl1["lastReplacement"]["oldPod"] == old_pod, rl1
     assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-4", "step-4"], st
-    # The replacement pod: the readings after the old pod's last `uncertain_weights` answer. Before its
-    # first `ok` at step-4 it admitted nothing.
+    # The old pod: its first readings (the counter started long before the failed write). Every round
+    # that began after the failed write returned and reached it reports the uncertain write, never a
+    # label it might serve. (The operator may replace it within milliseconds, so a round may not reach it.)
     seen = counter.seen
-    uncertain = [i for i, (_, _, status, _) in enumerate(seen) if status == "uncertain_weights"]
-    assert uncertain, "the old pod's uncertain state was never read"
-    new = seen[uncertain[-1] + 1:]
-    first_ok = next((i for i, (_, _, status, label) in enumerate(new) if status == "ok" and label == "step-4"), None)
-    assert first_ok is not None, f"the replacement never reported ok at step-4: {new[-5:]}"
-    # A reading whose /health got no answer is not the replacement's: the port was between pods, and
-    # its /metrics (read first) may be the old pod's last.
-    early = [(round(t, 2), n, status, label) for t, n, status, label in new[:first_ok] if n and status is not None]
+    old = next((r for r in seen if r.started is not None), None)
+    assert old is not None and old.at < failed_at, f"no reading of the old pod's /metrics: {seen[:3]}"
+    old_start = old.started
+    after_failure = [r for r in seen if r.started == old_start and r.at > failed_at and r.status is not None]
+    assert all(r.status == "uncertain_weights" for r in after_failure), after_failure[:5]
+    # The replacement pod: the readings of another process. Before its first `ok` at step-4 it admitted
+    # nothing. (A round whose /health got no answer tells nothing about when its count was taken.)
+    new = [r for r in seen if r.started not in (None, old_start)]
+    _log(f"rl-1's port read {len(seen)} times: the old pod {sum(r.started == old_start for r in seen)} "
+         f"({len(after_failure)} after its failed write), the replacement {len(new)}")
+    first_ok = next((i for i, r in enumerate(new) if r.status == "ok" and r.label == "step-4"), None)
+    assert first_ok is not None, f"the replacement never reported ok at step-4: {new[-5:] or seen[-5:]}"
+    early = [(round(r.at, 2), r.admitted, r.status, r.label) for r in new[:first_ok]
+             if r.admitted and r.status is not None]
     assert not early, f"the replacement admitted requests before it reported step-4: {early}"
-    assert any(status == "starting" or status is None for _, _, status, _ in new[:first_ok]), \
-        "the replacement's start was not observed"
+    assert any(r.status == "starting" for r in new[:first_ok]), \
+        f"the replacement's start was not observed: {new[:first_ok][:5]}"
     # The client: only clear errors while no replica could take work (both out), never a hang, and no
     # older version after a newer one.
     assert all(a.status != 0 for a in answers), [a.error for a in answers if a.status == 0][:3]
