@@ -44,11 +44,12 @@ from typing import Any
 import httpx
 
 from bench.load import cpu_times
-from bench.rollout_trace import pod_loads
+from bench.rollout_trace import load_span, pod_loads
 from bench.switch_cost import (
     MODES,
     Reply,
     SwitchCost,
+    busy,
     counts,
     dip,
     fence_span,
@@ -335,6 +336,7 @@ class Step:
     steal: float
     push_s: float       # the push -> Complete, as Pool.push(wait=True) returned
     stage_write_s: float
+    loading_s: float    # some replica loading: the union of their loads' spans (switch_cost.busy)
     steady_from: float  # the pool open on `old` with its load running since (switch_cost.lull's window)
 
 
@@ -399,12 +401,14 @@ def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str
     push_s = time.monotonic() - patched
     ks.wait_for(lambda: open_at(s.custom, s.ns, new), OPEN_TIMEOUT_S, 0.1, f"{mode} rollout open at {new}")
     opened = time.monotonic()
-    stage_write = max(x.get("stage_s", 0.0) + x.get("write_s", 0.0) for x in pod_loads(s.pods, new))
+    loads = pod_loads(s.pods, new)
+    stage_write = max(x.get("stage_s", 0.0) + x.get("write_s", 0.0) for x in loads)
     # The gateways' counters are read once the new label answers: what the switch withheld is in.
     ks.wait_for(lambda: load.at(new) >= ANSWERS_AT_NEW, 60, 0.05, f"answers at {new}")
     steal1, ticks1 = cpu_times()
     return Step(tokens, mode, old, new, patched, opened, _withheld(s.gateways) - withheld0, loadavg,
-                (steal1 - steal0) / max(ticks1 - ticks0, 1), push_s, stage_write, steady_from)
+                (steal1 - steal0) / max(ticks1 - ticks0, 1), push_s, stage_write, busy(map(load_span, loads)),
+                steady_from)
 
 
 def costs(steps: list[Step], replies: list[Reply], seen: list[tuple[float, str, str]],
@@ -421,5 +425,5 @@ def costs(steps: list[Step], replies: list[Reply], seen: list[tuple[float, str, 
                               gateway_dip(replies, st.old, st.new), fence_span(seen, st.new),
                               st.opened - st.patched, st.withheld, resubmit, aborted, failed,
                               len(within(bad, start, end)), st.loadavg, st.steal, st.push_s, st.stage_write_s,
-                              lull(replies, st.steady_from, st.patched)))
+                              lull(replies, st.steady_from, st.patched), st.loading_s))
     return out

@@ -97,19 +97,29 @@ def read(paths: list[Path]) -> list[Step]:
 
 # A sampler's `load.done` timings (sampler_pod's load route).
 TIMINGS = ("validation_s", "stage_s", "drain_wait_s", "write_s", "paused_s")
+# The parts of a load one after the other on the pod (`paused_s` lies within them): its whole span.
+LOAD_PARTS = ("validation_s", "stage_s", "drain_wait_s", "write_s")
+
+
+def load_span(load: dict[str, float]) -> tuple[float, float]:
+    """(start, end) wall-clock seconds of one of `pod_loads`' loads: it ended at its `load.done`
+    line's `t` (`done_t`) after its parts, one after the other."""
+    return load["done_t"] - sum(load.get(k, 0.0) for k in LOAD_PARTS), load["done_t"]
 
 
 def pod_loads(pods: Path, label: str, replicas: int = 2, timeout_s: float = 30.0) -> list[dict[str, float]]:
-    """Each replica's load of `label` as its trace says (`load.done`, the last one per pod), from the
-    process kubelet's pod logs (`<pods>/<pod>/sampler.log`; the pods run with SAMPLER_ROLLOUT_TRACE=1).
-    A log line may lag the load's answer: read again until every replica's is there."""
+    """Each replica's load of `label` as its trace says (`load.done`, the last one per pod: its TIMINGS
+    and its `t` as `done_t`), from the process kubelet's pod logs (`<pods>/<pod>/sampler.log`; the
+    pods run with SAMPLER_ROLLOUT_TRACE=1). A log line may lag the load's answer: read again until
+    every replica's is there."""
     deadline = time.monotonic() + timeout_s
     while True:
         found: dict[str, dict[str, float]] = {}
         for log in sorted(pods.glob("*/sampler.log")):
             for step in read([log]):
                 if step.step == "load.done" and step.fields.get("label") == label:
-                    found[log.parent.name] = {k: float(step.fields[k]) for k in TIMINGS if k in step.fields}
+                    found[log.parent.name] = {**{k: float(step.fields[k]) for k in TIMINGS if k in step.fields},
+                                              "done_t": step.t}
         if len(found) >= replicas or time.monotonic() > deadline:
             assert len(found) >= replicas, f"the trace has {len(found)} loads of {label}: {sorted(found)}"
             return list(found.values())

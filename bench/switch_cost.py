@@ -21,6 +21,11 @@ Definitions (one rollout moves the pool from label X, `old`, to the next label Y
   once on Y (the first attempt of a sync sample) or answered **resubmit** (503 `no_replica`, "answered
   on weights ... retry": its re-run came back on a forbidden label too); so re-run = withheld minus
   those 503s. None is lost.
+- **what the switch adds to what the workload takes**: `dip_over_lull_s`, the dip less the clients'
+  own lull (their rhythm before the push: a dip no longer than it cannot be told from it), and
+  `beyond_loading_s`, push -> Complete less the time some replica was loading (`busy` over every
+  replica's load: validation, drain, stage, write; a batch's loads overlap, batches one after the
+  other add up). Under Drain the drain is the mode's own cost: it waits for the samples in flight.
 - **aborted**: 503 `aborted` from an Abort rollout's loads (that mode's design, not the switch's);
   the clients resubmit them, as a trainer does.
 - **failed**: any other answer but 200 (must be 0). **violations**: answers on a label older than
@@ -80,11 +85,23 @@ class SwitchCost:
     push_s: float | None = None         # the trainer's Pool.push(wait=True): the call -> Complete, as it returns
     stage_write_s: float | None = None  # the slowest replica's stage + write (its load's trace, `load.done`)
     lull_s: float | None = None         # the clients' widest gap between answers before the push (`lull`)
+    loading_s: float | None = None      # some replica loading (`busy` over the loads' spans, drain included)
 
     @property
     def beyond_s(self) -> float | None:
         """The push -> Complete beyond the slowest replica's stage + write: the protocol's share."""
         return None if self.push_s is None or self.stage_write_s is None else self.push_s - self.stage_write_s
+
+    @property
+    def beyond_loading_s(self) -> float | None:
+        """The push -> Complete beyond the time some replica was loading: the protocol's share when
+        batches go one after the other, each with its drain."""
+        return None if self.push_s is None or self.loading_s is None else self.push_s - self.loading_s
+
+    @property
+    def dip_over_lull_s(self) -> float | None:
+        """The dip less the clients' own lull: what the switch added to the workload's rhythm."""
+        return None if self.lull_s is None else self.dip_s - self.lull_s
 
     @property
     def rerun(self) -> int:
@@ -131,6 +148,17 @@ def lull(replies: Iterable[Reply], start: float, end: float) -> float | None:
     capacity dip no longer than it cannot be told from it. None with fewer than two answers."""
     times = sorted(r.received for r in within(replies, start, end) if r.status == 200)
     return max((b - a for a, b in zip(times, times[1:], strict=False)), default=None)
+
+
+def busy(spans: Iterable[tuple[float, float]]) -> float:
+    """Seconds in which at least one of the (start, end) `spans` ran: the length of their union. The
+    loads of one batch overlap and count once; batches one after the other add up."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def within(replies: Iterable[Reply], start: float, end: float) -> list[Reply]:
@@ -195,6 +223,22 @@ def table(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
     return lines
 
 
+def added(costs: Sequence[SwitchCost], modes: Sequence[str]) -> list[str]:
+    """What the switch adds to what the workload itself takes, per sample length and mode: the dip
+    less the clients' lull, and push -> Complete beyond the replicas' loading (drains included)."""
+    lines = ["| tokens per sample | mode | dip less the lull (p50 / max) | loading, drains included (p50 / max) "
+             "| push -> Complete beyond the loading (p50 / max) |", "|---|---|---|---|---|"]
+    for tokens in sorted({c.tokens for c in costs}):
+        for mode in modes:
+            cs = [c for c in costs if c.mode == mode and c.tokens == tokens]
+            if cs:
+                over = [d for c in cs if (d := c.dip_over_lull_s) is not None]
+                loading = [c.loading_s for c in cs if c.loading_s is not None]
+                beyond = [b for c in cs if (b := c.beyond_loading_s) is not None]
+                lines.append(f"| {tokens} | {mode} | {_p50_max(over)} | {_p50_max(loading)} | {_p50_max(beyond)} |")
+    return lines
+
+
 def per_rollout(costs: Sequence[SwitchCost]) -> list[str]:
     """Every rollout's own figures, in the order run (the spread behind the table)."""
     return [f"- {c.old} -> {c.new} ({c.mode}, {c.tokens} tokens): dip {c.dip_s:.2f} s"
@@ -203,7 +247,9 @@ def per_rollout(costs: Sequence[SwitchCost]) -> list[str]:
             + (f"{c.fence_s:.2f} s" if c.fence_s is not None else "not seen")
             + f", rollout {c.rollout_s:.2f} s"
             + (f", push -> Complete {c.push_s:.3f} s" if c.push_s is not None else "")
-            + (f" (slowest stage + write {c.stage_write_s:.3f} s)" if c.stage_write_s is not None else "")
+            + (f" (slowest stage + write {c.stage_write_s:.3f} s" if c.stage_write_s is not None else "")
+            + (f", loading {c.loading_s:.3f} s" if c.stage_write_s is not None and c.loading_s is not None else "")
+            + (")" if c.stage_write_s is not None else "")
             + f", withheld {c.withheld} (re-run {c.rerun}, resubmit {c.resubmit}), "
             f"aborted {c.aborted}, failed {c.failed}, violations {c.violations}, load {c.loadavg:.2f}, "
             f"steal {c.steal:.1%}" for c in costs]
@@ -249,6 +295,12 @@ def report(costs: Sequence[SwitchCost], *, clients: int, renew_s: float, lease_s
         "the request.",
         "",
         *table(costs, MODES),
+        "",
+        "What the switch adds to what the workload itself takes: the dip less the clients' lull, and the push "
+        "beyond the time some replica was loading (the union of every replica's load, from its `load.done` trace: "
+        "validation, drain, stage and write; with maxUnavailable 1 the batches, each with its drain, add up):",
+        "",
+        *added(costs, MODES),
         "",
         f"1-minute load average before each rollout: {_range([c.loadavg for c in costs], '.2f')}; hypervisor "
         f"steal during each: {_range([c.steal for c in costs], '.1%')}.",

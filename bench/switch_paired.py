@@ -12,6 +12,7 @@ Each run's output is kept as `OUT/run<i>-<side>.log`.
 p50 / max over its rollouts, and per pair the ratio head / base of the two runs' medians, their
 median, and the A/A ratios (the two runs of one side within a block: the spread a ratio must clear
 to mean anything). A figure one side does not report (the base's push -> Complete) is left out.
+A ratio of two differences ("beyond", "dip over lull") near zero says little: read their p50s.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ FIGURES = {  # name -> pattern in a per-rollout line (bench/switch_cost.py `per_
     "rollout": r"rollout ([\d.]+) s",
     "push": r"push -> Complete ([\d.]+) s",
     "beyond": None,   # push less the slowest stage + write
+    "loading": r"loading ([\d.]+) s",
+    "beyond loading": None,  # push less the time some replica was loading (drains included)
+    "dip over lull": None,   # the dip less the lull
 }
 # (run number, side, its rollouts), in the order run.
 Runs = list[tuple[int, str, list["Rollout"]]]
@@ -57,6 +61,10 @@ def parse(text: str) -> list[Rollout]:
         figures = {name: float(f[1]) for name, pat in FIGURES.items() if pat and (f := re.search(pat, rest))}
         if "push" in figures and (sw := re.search(r"slowest stage \+ write ([\d.]+) s", rest)):
             figures["beyond"] = figures["push"] - float(sw[1])
+        if "push" in figures and "loading" in figures:
+            figures["beyond loading"] = figures["push"] - figures["loading"]
+        if "lull" in figures:
+            figures["dip over lull"] = figures["dip"] - figures["lull"]
         load = re.search(r"load ([\d.]+)", rest)
         out.append(Rollout(int(m["tokens"]), m["mode"], figures, float(load[1]) if load else float("nan")))
     return out

@@ -11,7 +11,7 @@ import pytest
 
 from bench import inflight_update as iu
 from bench.inflight_update import Answer, CellRun, Results
-from bench.rollout_trace import TIMINGS, pod_loads
+from bench.rollout_trace import TIMINGS, load_span, pod_loads
 from sampler_common import rollout_trace
 
 
@@ -111,7 +111,10 @@ def test_each_replicas_load_is_read_from_its_pods_trace(tmp_path: Path) -> None:
             + "\nINFO a line of something else\n")
     got = pod_loads(tmp_path, "step-2")
     assert [x["write_s"] for x in got] == [0.75, 0.5]              # per pod, the last load of the label
-    assert set(got[0]) == set(TIMINGS)
+    assert [x["done_t"] for x in got] == [102.0, 100.0]            # and when it ended, by its line's `t`
+    assert set(got[0]) == {*TIMINGS, "done_t"}
+    # Its span: its parts one after the other before its end; `paused_s` lies within them.
+    assert load_span(got[1]) == pytest.approx((100.0 - 4 * 0.5, 100.0))
 
 
 def test_each_replicas_engine_gets_its_own_core() -> None:

@@ -9,6 +9,8 @@ from bench.switch_cost import (
     MODES,
     Reply,
     SwitchCost,
+    added,
+    busy,
     counts,
     dip,
     fence_span,
@@ -78,7 +80,25 @@ def test_the_fence_is_read_from_the_routing_the_watch_saw() -> None:
 
 def cost(mode: str, dip_s: float, withheld: int, resubmit: int, tokens: int = 40) -> SwitchCost:
     return SwitchCost(tokens, mode, "X", "Y", dip_s, dip_s + 0.5, 1.0, 4.0, withheld, resubmit, 0, 0, 0, 1.0, 0.0,
-                      push_s=dip_s / 2, stage_write_s=0.1, lull_s=dip_s / 4)
+                      push_s=dip_s / 2, stage_write_s=0.1, lull_s=dip_s / 4, loading_s=dip_s / 8)
+
+
+def test_loading_is_the_union_of_the_loads_spans() -> None:
+    # One batch of two overlapping loads, then one more after a gap (the next batch): 0.3 + 0.2.
+    assert busy([(1.2, 1.5), (1.0, 1.3), (2.0, 2.2)]) == pytest.approx(0.7)
+    assert busy([(1.0, 2.0), (1.2, 1.5)]) == pytest.approx(1.0)    # one inside another counts once
+    assert busy([]) == 0.0
+
+
+def test_what_the_switch_adds_is_read_beside_what_the_workload_takes() -> None:
+    costs = [cost("Drain", 1.0, 0, 0, tokens=400), cost("Drain", 2.0, 0, 0, tokens=400),
+             SwitchCost(40, "Keep", "X", "Y", 0.2, 0.3, 0.1, 0.5, 0, 0, 0, 0, 0, 1.0, 0.0)]
+    assert costs[0].dip_over_lull_s == pytest.approx(0.75)
+    assert costs[0].beyond_loading_s == pytest.approx(0.375)
+    assert costs[2].dip_over_lull_s is None and costs[2].beyond_loading_s is None  # not measured: not made up
+    text = "\n".join(added(costs, MODES))
+    assert "| 400 | Drain | 1.12 / 1.50 s | 0.19 / 0.25 s | 0.56 / 0.75 s |" in text
+    assert "| 40 | Keep | - | - | - |" in text
 
 
 def test_the_table_gives_p50_and_max_over_the_rollouts_of_each_length_and_mode() -> None:
@@ -110,7 +130,8 @@ def test_paired_runs_alternate_in_balanced_blocks_and_read_every_rollouts_figure
     got = parse("\n".join(["noise", *per_rollout([c])]))
     assert [(r.tokens, r.mode) for r in got] == [(40, "Keep")]
     assert got[0].figures == {"dip": 0.3, "lull": 0.07, "fence": 1.0, "rollout": 4.0, "push": 0.15,
-                              "beyond": pytest.approx(0.05)}
+                              "beyond": pytest.approx(0.05), "loading": 0.037, "beyond loading": pytest.approx(0.113),
+                              "dip over lull": pytest.approx(0.23)}
     # A run whose bench predates the trainer's push and the lull (the base side): neither.
     old = per_rollout([SwitchCost(40, "Drain", "X", "Y", 1.0, 1.5, 0.5, 3.0, 0, 0, 0, 0, 0, 2.0, 0.0)])
     assert set(parse(old[0])[0].figures) == {"dip", "fence", "rollout"}
