@@ -116,19 +116,30 @@ def resolve(name: str, state: AdapterState, model: str, *, fieldname: str = "mod
     return VersionTarget(run=run_name, version=version, pinned=True)
 
 
-def answered_as(engine: str, declared: Mapping[str, tuple[str, AdapterVersion]]) -> tuple[str, str | None] | None:
-    """What an answer sampled by the replica's adapter `engine` tells the client: `<run>@<step>` and
-    the version's label. A version no longer declared (its run's cap dropped it since it was sampled)
-    is still named by its run and step, which its engine name carries, without a label. None: not an
-    engine name of the pool's (a replica's own `--initial-adapters`): the replica's own name stands."""
+def sampled_by(engine: str, declared: Mapping[str, tuple[str, AdapterVersion]]
+               ) -> tuple[str, int, AdapterVersion | None] | None:
+    """The run, step and (while declared) version of the replica's adapter `engine`. A version no
+    longer declared (its run's cap dropped it since it was sampled) is still known by its run and
+    step, which its engine name carries. None: not an engine name of the pool's (a replica's own
+    `--initial-adapters`)."""
     found = declared.get(engine)
     if found is not None:
-        run, version = found
-        return f"{run}@{version.step}", version.label
+        return found[0], found[1].step, found[1]
     parts = _ENGINE_NAME.fullmatch(engine)
     if parts is None or not RUN_RE.fullmatch(parts[1]):
         return None
-    return f"{parts[1]}@{int(parts[2])}", None
+    return parts[1], int(parts[2]), None
+
+
+def answered_as(engine: str, declared: Mapping[str, tuple[str, AdapterVersion]]) -> tuple[str, str | None] | None:
+    """What an answer sampled by the replica's adapter `engine` tells the client: `<run>@<step>` and
+    the version's label (none for a version no longer declared). None: not an engine name of the
+    pool's: the replica's own name stands."""
+    found = sampled_by(engine, declared)
+    if found is None:
+        return None
+    run, step, version = found
+    return f"{run}@{step}", version.label if version is not None else None
 
 
 @dataclass
@@ -142,12 +153,21 @@ class RunOrder:
         or than the run's newest step in `declared` (the state this gateway routes by): another
         gateway may have returned that step already (adapter_acks.py). (MinVersion's floor is a
         full-weights label: for runs it is Any.)"""
-        if target.pinned or policy != "Latest":
+        return not target.pinned and self.is_stale_step(target.run, target.version.step, policy, declared)
+
+    def is_stale_step(self, run_name: str, step: int, policy: VersionPolicy,
+                      declared: AdapterState | None = None) -> bool:
+        """`is_stale` for an answer on `step` of `run_name` to a `<run>` request: a future's result,
+        known by its engine name, which may be a version the run's cap dropped since."""
+        if policy != "Latest":
             return False
-        run = declared.runs.get(target.run) if declared is not None else None
+        run = declared.runs.get(run_name) if declared is not None else None
         newest = run.newest.step if run is not None and run.versions else -1
-        return target.version.step < max(self.newest_returned.get(target.run, -1), newest)
+        return step < max(self.newest_returned.get(run_name, -1), newest)
 
     def returned(self, target: VersionTarget) -> None:
         if not target.pinned:
-            self.newest_returned[target.run] = max(self.newest_returned.get(target.run, -1), target.version.step)
+            self.returned_step(target.run, target.version.step)
+
+    def returned_step(self, run: str, step: int) -> None:
+        self.newest_returned[run] = max(self.newest_returned.get(run, -1), step)

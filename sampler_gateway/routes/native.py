@@ -1,10 +1,19 @@
 """The native API through the gateway: `/v1/sample` (new work, sync), submit (new work, resendable),
 retrieve and cancel (owned by the replica the id names). Weight mutations are per replica and are
-the operator's job in a pool: refused here with a clear answer."""
+the operator's job in a pool: refused here with a clear answer.
+
+A future's result is judged as a sync answer is, on every gateway: under `Latest`, one on weights
+older than some client already got is not returned (410, resubmit). For a future submitted for a
+LoRA run's newest version (`adapter: "<run>"`), its id carries the run (ids.py), and the same holds
+per run (adapter_names.RunOrder): a result on an older step of the run is not returned either, and
+one that is names the run as the client did. Every future's result sampled by one of the pool's
+versions names it (`adapter_version`), as a sync answer does; a pinned one's `adapter` is
+`<run>@<step>` (the gateway does not keep the client's spelling of a pin)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -15,7 +24,7 @@ from sampler_common.errors import Expired, NotFound
 
 from .. import ids
 from ..adapter_forward import to_version
-from ..adapter_names import VersionTarget
+from ..adapter_names import VersionTarget, sampled_by
 from ..admission import cost_of
 from ..errors import NotThroughGateway
 from ..forward import Gateway, OwnerGone, to_new, to_owner
@@ -86,7 +95,9 @@ async def _new(request: Request, *, submit: bool) -> Response:
     async with gw.gate.admit(flow(request, named[1] if named is not None else None), cost_of(body)) as place:
         replica, reply, adapter = await _send_new(request, gw, out, body, named, submit)
         inner = (reply.json or {}).get("request_id") if not submit or reply.status == 200 else None
-        routed = ids.encode(replica.name, inner) if isinstance(inner, str) and inner else None
+        # A future for `<run>`'s newest version carries the run: its retrieve is judged per run.
+        run = named[1].run if submit and named is not None and not named[1].pinned else None
+        routed = ids.encode(replica.name, inner, run) if isinstance(inner, str) and inner else None
         if submit and routed is not None:
             # Accepted: it runs on the replica now, and keeps its place until it ends there (future_places.py).
             gw.places.hold(place.keep(), replica.name, str(inner), out.headers, timeout_of(gw, body.get("timeout_s")))
@@ -139,6 +150,7 @@ async def _owned(request: Request, timeout_s: float | None) -> Response:
     except OwnerGone as e:
         raise Expired(f"future {routed} is gone: {e.message}", field="request_id") from None
     label = _label(reply)
+    sampled = _sampled(gw, rid, reply, routed) if reply.status == 200 else None
     if label is not None and reply.status == 200:
         await gw.pool.held(label)  # the pool's routing switch moving to it (pool.py)
     if label is not None and reply.status == 200 and not gw.pool.returned(replica, label):
@@ -146,7 +158,44 @@ async def _owned(request: Request, timeout_s: float | None) -> Response:
         # and the client resubmits, as for any expired future.
         raise Expired(f"future {routed} ran on weights {label!r}, older than {gw.pool.order.newest_returned!r} "
                       "already returned; resubmit", field="request_id")
-    return _stamped(replica, reply, routed)
+    if sampled is None:
+        return _stamped(replica, reply, routed)
+    if sampled.latest:
+        gw.adapters.order.returned_step(sampled.run, sampled.step)
+    return _stamped(replica, reply, routed, (sampled.name, sampled.answered))
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """The pool version that sampled a future's result."""
+
+    run: str
+    step: int
+    latest: bool                  # submitted for `<run>` (ids.py): judged by the run's Latest order
+    name: str                     # the client's name for it: `<run>`, or `<run>@<step>` for a pin
+    answered: dict[str, Any]      # what the answer says of it (`adapter_version`)
+
+
+def _sampled(gw: Gateway, rid: ids.RoutedId, reply: Reply, routed: str) -> _Sampled | None:
+    """The pool version that sampled a future's result; 410 (resubmit) for a `<run>` future's result
+    on a step older, under `Latest`, than one already returned for the run or than its newest
+    declared step. None: the base model, or an adapter that is not one of the pool's."""
+    engine = (reply.json or {}).get("adapter")
+    found = sampled_by(engine, gw.adapters.declared()) if isinstance(engine, str) else None
+    if found is None:
+        return None
+    run, step, version = found
+    latest = rid.run == run
+    order, state = gw.adapters.order, gw.adapters.state
+    if latest and order.is_stale_step(run, step, gw.cfg.version_policy, state):
+        gw.metrics.stale.labels(replica=rid.replica).inc()
+        declared = state.runs.get(run)
+        newest = max(order.newest_returned.get(run, -1), declared.newest.step if declared and declared.versions else -1)
+        raise Expired(f"future {routed} ran on step {step} of run {run!r}, older than its step {newest} already "
+                      "returned or declared; resubmit", field="request_id")
+    answered = gw.adapters.version_of(VersionTarget(run, version, pinned=not latest)) if version is not None else None
+    return _Sampled(run, step, latest, run if latest else f"{run}@{step}", answered or {
+        "run": run, "step": step, "label": None, "model": f"{run}@{step}", "pinned": not latest})
 
 
 @router.post("/sample/retrieve")

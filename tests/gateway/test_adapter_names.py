@@ -94,6 +94,19 @@ def test_under_latest_an_older_answer_after_a_newer_is_stale_and_a_pinned_one_ne
     assert isinstance(code, VersionTarget) and not order.is_stale(code, "Latest")  # runs are ordered apart
 
 
+def test_a_futures_step_is_judged_by_the_same_order() -> None:
+    """A `<run>` future's result is known by its engine name's run and step only (its version may
+    have been dropped by the cap since): the same order judges it."""
+    order = RunOrder()
+    assert not order.is_stale_step("math", 2, "Latest")
+    assert order.is_stale_step("math", 2, "Latest", STATE)        # the run declares step 5 already
+    assert not order.is_stale_step("math", 5, "Latest", STATE)
+    order.returned_step("math", 7)
+    assert order.is_stale_step("math", 5, "Latest", STATE) and not order.is_stale_step("math", 7, "Latest")
+    assert not order.is_stale_step("math", 2, "Any", STATE)
+    assert not order.is_stale_step("code", 3, "Latest", STATE)     # runs are ordered apart
+
+
 # ---------------------------------------------------------------------------- properties
 
 RUNS = ["a", "b", "c"]

@@ -44,6 +44,7 @@ ENGINE = {(r, s): engine(r, s, n) for r, s, _, n in VERSIONS}
 # A version pushed during a test (declared then, by rewriting the adapters file).
 NEWER = ("a", 3, "step-3", 5)
 FRESH = ("c", 1, "step-1", 6)
+NEWER_B = ("b", 3, "step-3", 7)
 
 
 def adapters_spec(path: Path, versions: list[tuple[str, int, str, int]], missing: Path | None = None) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def lora_flags(root: Path) -> tuple[str, ...]:
 def oracle_tokens(server: RunningServer, adapter_dir: Path) -> dict[str | None, list[int]]:
     c = httpx.Client(base_url=server.url, timeout=60)
     out: dict[str | None, list[int]] = {}
-    for name in [None, *ENGINE.values(), *(engine(v[0], v[1], v[3]) for v in (NEWER, FRESH))]:
+    for name in [None, *ENGINE.values(), *(engine(v[0], v[1], v[3]) for v in (NEWER, FRESH, NEWER_B))]:
         if name is not None:
             r = c.post("/v1/adapters", json={"name": name, "path": str(adapter_dir)}, headers=ADMIN_AUTH)
             assert r.status_code == 200, r.text
@@ -392,3 +393,55 @@ def test_concurrent_requests_for_a_version_being_loaded_wait_for_that_one_load(e
         assert loads() - before == 1
     finally:
         write_json(env.adapters_file, adapters_spec(env.adapter_dir, VERSIONS, missing=env.missing))
+
+
+def test_a_future_for_a_run_is_judged_by_the_runs_latest_order_on_retrieve(env: Env) -> None:
+    """A native future submitted for `b` (its newest version, step 2) is returned as the run's, named
+    as the client named it. Once step 3 is declared, a `b` future's result on step 2 is not returned
+    (410, resubmit: as for full weights), while a pinned `b@2` future's is. (Run b, last in this
+    module: the gateway's order for b ends at step 3, which the module's other tests do not declare.)"""
+    c = httpx.Client(base_url=env.gw.url, headers=AUTH, timeout=120)
+
+    def submit(name: str) -> str:
+        r = c.post("/v1/sample/submit", json=body(name))
+        assert r.status_code == 200, r.text
+        rid: str = r.json()["request_id"]
+        return rid
+
+    def retrieve(rid: str) -> httpx.Response:
+        return c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 30})
+
+    def stale() -> float:
+        return sum(env.gw_metric("sampler_gateway_stale_responses_total", replica=r) for r in ("r0", "r1"))
+
+    first = submit("b")
+    assert "+b~" in first  # the id carries the run: any gateway judges its retrieve per run
+    got = retrieve(first)
+    assert got.status_code == 200, got.text
+    v = got.json()["adapter_version"]
+    assert tokens(got.json()) == env.oracle[ENGINE["b", 2]] and got.json()["adapter"] == "b"
+    assert (v["run"], v["step"], v["engine_name"], v["pinned"]) == ("b", 2, ENGINE["b", 2], False)
+    # Sent to step 2 before step 3 exists, retrieved after.
+    latest, pinned = submit("b"), submit("b@2")
+    assert "+" not in pinned
+    write_json(env.adapters_file, adapters_spec(env.adapter_dir, [*VERSIONS, NEWER_B], missing=env.missing))
+    try:
+        env.gw.wait(lambda h: c.post("/v1/sample", json=body("b@3")).status_code == 200, "b@3 declared")
+        before = stale()
+        got = retrieve(latest)
+        assert got.status_code == 410, got.text
+        error = got.json()["error"]
+        assert (error["category"], error["field"]) == ("expired", "request_id")
+        assert "step 2 of run 'b'" in error["message"] and "resubmit" in error["message"]
+        assert stale() == before + 1
+        got = retrieve(pinned)
+        assert got.status_code == 200 and tokens(got.json()) == env.oracle[ENGINE["b", 2]], got.text
+        assert got.json()["adapter"] == "b@2" and got.json()["adapter_version"]["pinned"]
+        # The resubmitted future is step 3's.
+        got = retrieve(submit("b"))
+        newer = engine(NEWER_B[0], NEWER_B[1], NEWER_B[3])
+        assert got.status_code == 200 and tokens(got.json()) == env.oracle[newer], got.text
+        assert got.json()["adapter_version"]["step"] == 3
+    finally:
+        write_json(env.adapters_file, adapters_spec(env.adapter_dir, VERSIONS, missing=env.missing))
+        env.gw.wait(lambda h: c.post("/v1/sample", json=body("b@3")).status_code == 404, "b@3 no longer declared")

@@ -121,6 +121,17 @@ def test_id_codec_roundtrip_and_validation() -> None:
             ids.encode(name, inner)
 
 
+def test_a_future_for_a_runs_newest_version_carries_the_run() -> None:
+    routed = ids.encode("policy-0.pool", "0f3a~x:1", run="Math_2")
+    assert routed == "policy-0.pool+Math_2~0f3a~x:1"
+    assert ids.decode(routed) == ids.RoutedId("policy-0.pool", "0f3a~x:1", "Math_2")
+    assert ids.decode("policy-0.pool~0f3a") == ids.RoutedId("policy-0.pool", "0f3a")  # no run: as before
+    for bad in ["r0+~x", "r0+a.b~x", "r0+a+b~x", "+a~x", "r0+" + "a" * 64 + "~x"]:
+        assert ids.decode(bad) is None, bad
+    with pytest.raises(ValueError):
+        ids.encode("r0", "x", run="a.1")
+
+
 # ---------------------------------------------------------------------------- the pool's choice
 
 
