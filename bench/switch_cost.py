@@ -247,9 +247,9 @@ def per_rollout(costs: Sequence[SwitchCost]) -> list[str]:
             + (f"{c.fence_s:.2f} s" if c.fence_s is not None else "not seen")
             + f", rollout {c.rollout_s:.2f} s"
             + (f", push -> Complete {c.push_s:.3f} s" if c.push_s is not None else "")
-            + (f" (slowest stage + write {c.stage_write_s:.3f} s" if c.stage_write_s is not None else "")
-            + (f", loading {c.loading_s:.3f} s" if c.stage_write_s is not None and c.loading_s is not None else "")
-            + (")" if c.stage_write_s is not None else "")
+            + (f" (slowest stage + write {c.stage_write_s:.3f} s"
+               + (f", loading {c.loading_s:.3f} s" if c.loading_s is not None else "") + ")"
+               if c.stage_write_s is not None else "")
             + f", withheld {c.withheld} (re-run {c.rerun}, resubmit {c.resubmit}), "
             f"aborted {c.aborted}, failed {c.failed}, violations {c.violations}, load {c.loadavg:.2f}, "
             f"steal {c.steal:.1%}" for c in costs]

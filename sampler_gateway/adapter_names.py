@@ -159,11 +159,13 @@ class RunOrder:
                       declared: AdapterState | None = None) -> bool:
         """`is_stale` for an answer on `step` of `run_name` to a `<run>` request: a future's result,
         known by its engine name, which may be a version the run's cap dropped since."""
-        if policy != "Latest":
-            return False
+        return policy == "Latest" and step < self.newest(run_name, declared)
+
+    def newest(self, run_name: str, declared: AdapterState | None = None) -> int:
+        """The newest step of `run_name` this gateway returned or routes by (-1: none): what an
+        answer to a `<run>` request must not be older than under Latest."""
         run = declared.runs.get(run_name) if declared is not None else None
-        newest = run.newest.step if run is not None and run.versions else -1
-        return step < max(self.newest_returned.get(run_name, -1), newest)
+        return max(self.newest_returned.get(run_name, -1), run.newest.step if run is not None and run.versions else -1)
 
     def returned(self, target: VersionTarget) -> None:
         if not target.pinned:

@@ -189,10 +189,8 @@ def _sampled(gw: Gateway, rid: ids.RoutedId, reply: Reply, routed: str) -> _Samp
     order, state = gw.adapters.order, gw.adapters.state
     if latest and order.is_stale_step(run, step, gw.cfg.version_policy, state):
         gw.metrics.stale.labels(replica=rid.replica).inc()
-        declared = state.runs.get(run)
-        newest = max(order.newest_returned.get(run, -1), declared.newest.step if declared and declared.versions else -1)
-        raise Expired(f"future {routed} ran on step {step} of run {run!r}, older than its step {newest} already "
-                      "returned or declared; resubmit", field="request_id")
+        raise Expired(f"future {routed} ran on step {step} of run {run!r}, older than its step "
+                      f"{order.newest(run, state)} already returned or declared; resubmit", field="request_id")
     answered = gw.adapters.version_of(VersionTarget(run, version, pinned=not latest)) if version is not None else None
     return _Sampled(run, step, latest, run if latest else f"{run}@{step}", answered or {
         "run": run, "step": step, "label": None, "model": f"{run}@{step}", "pinned": not latest})
