@@ -13,6 +13,9 @@ for it. The reasons to send a request once more, each at most once:
   (`RunOrder`): re-resolved and run again on the newest version; a second such answer is a 503 the
   client retries ("resubmit"). A pinned version's answers are always returned.
 The full weights' version policy judges every answer as for any new work (`Pool.returned`).
+Before the send, placing it (its slot, its load) is the router's: a replica that fails a load or an
+unload leaves placement and the request is placed again, as often as its bound allows
+(adapter_route.py).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
 
 async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarget,
                      rewrite: Callable[[str], Outgoing], *, resendable: bool = False, rerun: bool = False,
-                     label_of: LabelOf | None = None, stream: bool = False
-                     ) -> tuple[ReplicaView, Reply, VersionTarget]:
+                     label_of: LabelOf | None = None, stream: bool = False, flow: str = "base", cost: int = 1,
+                     wait_s: float | None = None) -> tuple[ReplicaView, Reply, VersionTarget]:
     """Place, load if needed, send `rewrite(engine name)`, judge the answer (module docstring).
     Returns the replica, its answer and the version that answered. `stream`: an event stream is
-    returned at its head (as `to_new`); the version stays counted in flight until it is closed."""
+    returned at its head (as `to_new`); the version stays counted in flight until it is closed.
+    `flow`, `cost`, `wait_s`: its turn and bound when it waits for a LoRA slot (adapter_route.py)."""
     router = gw.adapters
     tried: set[str] = set()
     label: str | None = None
@@ -42,7 +46,7 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
     used = SecondChances()
     placed_again = False
     while True:
-        replica, key = await router.acquire(target, frozenset(tried), label)
+        replica, key = await router.acquire(target, frozenset(tried), label, flow=flow, cost=cost, wait_s=wait_s)
         held = False  # the version's count is the open stream's, released when it closes
         try:
             if stream:

@@ -16,21 +16,32 @@ docs/design/lora-pool.md, "Placement").
 3. With `capacity` (the gateway's `--replica-capacity`), holders at it spill over to step 2, as an
    affinity key spills over in `picker.pick`: one hot version does not queue behind one replica
    while another has room. Everyone at capacity: the least loaded holder, else loader.
-4. None of them: no placement (the caller waits for a change, as for any request without an
-   eligible replica, then answers 503 naming why).
+4. None of them: no placement. The caller waits (adapter_route.py): for a replica, as any request
+   without an eligible replica does; or, when every slot holds a version with requests in flight,
+   for a slot, in its turn.
+
+Two inputs let the caller take turns for slots (adapter_route.py, "Waiting for a slot"):
+- a version **closing** on a replica takes no new request there (it is neither a holder nor a
+  version that replica may load again) and is the first victim once idle: the one version that the
+  request whose turn it is waits for;
+- `load=False` places only on a holder: a request that must not take a slot now (others wait for one
+  before it) still runs where its version is loaded. A replica whose `loads` is False (the gateway's
+  view of its slots was just proven wrong) is a holder only.
 
 What holds whatever the inputs (tests/gateway/test_adapter_placement.py, property tests):
 - a version with a request in flight on a replica is never chosen to be unloaded there;
 - the chosen replica holds the version, or has room for it once the evictions are done: an adapter
   request is never sent where it would be answered by the base model or another version;
-- a replica without LoRA slots (`slots` 0) is never chosen.
+- a replica without LoRA slots (`slots` 0) is never chosen;
+- a version closing on a replica is never placed there;
+- with `load=False`, and on a replica whose `loads` is False, nothing is loaded or unloaded.
 
 `slots` is how many versions a replica may hold at once: its engine's `max_cpu_loras` (vLLM's own
 LRU of loaded adapters; past it vLLM would evict behind the gateway's back). `max_loras`, the
 versions one engine step may batch, bounds only how many run at once there, not what it holds.
 In-flight counts are the gateway's own (every request it has open, per replica and version); a
-replica's unload is also guarded on its own count (planned: `DELETE /v1/adapters/{name}` refused
-while that adapter has requests in flight), since another gateway's requests are not counted here.
+replica's unload is also guarded on its own count (`DELETE /v1/adapters/{name}` is a 409 while that
+adapter has requests in flight there), since another gateway's requests are not counted here.
 """
 
 from __future__ import annotations
@@ -48,6 +59,9 @@ class ReplicaAdapters:
     # versions being loaded now: they hold a slot and a request for them waits for the load.
     loaded: Mapping[str, float] = field(default_factory=dict)
     in_flight: Mapping[str, int] = field(default_factory=dict)  # engine name -> requests in flight
+    # Versions closing here: they take no new request, and go first once idle (module docstring).
+    closing: frozenset[str] = frozenset()
+    loads: bool = True  # False: a holder only, no load or unload here now
 
 
 @dataclass(frozen=True)
@@ -83,25 +97,27 @@ def victims(replica: ReplicaAdapters, keep: str, declared: Collection[str],
     for: too few idle versions. Never one with a request in flight, never `keep` itself; versions no
     longer declared first, then those of the runs `over` their share (`runs_over_share`), then the
     least recently used."""
-    if replica.slots <= 0:
+    if replica.slots <= 0 or not replica.loads:
         return None
     need = len([n for n in replica.loaded if n != keep]) - replica.slots + 1
     if need <= 0:
         return ()
     idle = [n for n in replica.loaded if n != keep and replica.in_flight.get(n, 0) <= 0]
-    idle.sort(key=lambda n: (n in declared, run_of(n) not in over, replica.loaded[n], n))
+    idle.sort(key=lambda n: (n not in replica.closing, n in declared, run_of(n) not in over, replica.loaded[n], n))
     return tuple(idle[:need]) if len(idle) >= need else None
 
 
 def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Collection[str],
-          capacity: int | None = None, turn: int = 0) -> Placement | None:
+          capacity: int | None = None, turn: int = 0, load: bool = True) -> Placement | None:
     """The placement of one request for `engine_name` among the eligible `replicas` (ready, not
-    draining, allowed by the version policy), or None when no replica can take it now."""
-    lora = [r for r in replicas if r.slots > 0]
+    draining, allowed by the version policy), or None when no replica can take it now. `load=False`:
+    only a holder (module docstring)."""
+    # A replica where the version is closing takes no request for it.
+    lora = [r for r in replicas if r.slots > 0 and engine_name not in r.closing]
     holders = sorted((r for r in lora if engine_name in r.loaded), key=lambda r: (r.load, r.name))
     over = runs_over_share(lora, engine_name)
     loaders: list[tuple[ReplicaAdapters, tuple[str, ...]]] = []
-    for r in lora:
+    for r in lora if load else ():
         if engine_name in r.loaded:
             continue
         evict = victims(r, engine_name, declared, over)
@@ -138,3 +154,20 @@ def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Co
     if loaders:
         return first_loader()
     return None
+
+
+def to_close(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Collection[str],
+             tenure: Mapping[tuple[str, str], float]) -> tuple[str, str] | None:
+    """The (replica, version) to close so that `engine_name`, whose turn it is and which no replica
+    can place now, gets the next slot that frees: a version on a replica that could load it, versions
+    the pool no longer declares first, then those of runs over their share of the slots, then the one
+    that has held its slot longest (`tenure`: when this gateway loaded it; 0 for one it did not), so
+    that slots go round the versions that wait. None: no replica could ever make room."""
+    lora = [r for r in replicas if r.slots > 0 and r.loads and engine_name not in r.loaded]
+    over = runs_over_share(lora, engine_name)
+    choices = [(r, n) for r in lora for n in r.loaded if n not in r.closing]
+    if not choices:
+        return None
+    r, n = min(choices, key=lambda rn: (rn[1] in declared, run_of(rn[1]) not in over,
+                                        tenure.get((rn[0].name, rn[1]), 0.0), rn[0].load, rn[0].name, rn[1]))
+    return r.name, n

@@ -60,14 +60,21 @@ class GatewayMetrics:
                                    "before their end (lost, or past the request's timeout): ended with an error "
                                    "event", ["replica"], registry=r)
         self.adapter_loads = Counter("sampler_gateway_adapter_loads", "Adapter versions loaded on a replica on demand, "
-                                     "by outcome (ok; full: the replica's 409, placed again; refused: its other 4xx)",
+                                     "by outcome (ok; full: the replica's 409, placed again; unavailable: its 5xx, "
+                                     "placed again; refused: its other 4xx; lost: no answer, the replica left "
+                                     "placement and the request was placed again)",
                                      ["replica", "outcome"], registry=r)
         self.adapter_unloads = Counter("sampler_gateway_adapter_unloads", "Adapter versions unloaded on a replica to "
                                        "make room for a request's version or a push's, by outcome (ok; in_flight: its "
-                                       "409, placed again; refused: its other answers)",
+                                       "409, placed again; unavailable: its 5xx, placed again; refused: its other "
+                                       "answers; lost: no answer, placed again)",
                                        ["replica", "outcome"], registry=r)
+        self.adapter_slot_waiting = Gauge("sampler_gateway_adapter_slot_waiting", "Adapter requests waiting for a "
+                                          "LoRA slot (every slot holds versions with requests in flight), in turn "
+                                          "across flows, adapter_route.py", registry=r)
         self.adapter_replaced = Counter("sampler_gateway_adapter_replaced", "Adapter requests placed again because "
-                                        "their replica no longer held the version (its unknown-adapter answer)",
+                                        "their replica no longer held the version (its unknown-adapter answer), or "
+                                        "failed or left while placing it (adapter_route.py)",
                                         ["replica"], registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
         self.added_latency = Histogram(

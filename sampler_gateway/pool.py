@@ -53,7 +53,7 @@ class Pool:
         self.on_adapters: Callable[[], None] | None = None
         # Called at each change that decides routing: the fair gate's room may have grown (admission.py).
         self.on_room: Callable[[], None] | None = None
-        self._who = f"gateway/{cfg.pod_name or 'gateway'}"  # in the rollout trace
+        self.who = f"gateway/{cfg.pod_name or 'gateway'}"  # in the rollout trace
 
     # ---------------------------------------------------------------- what the policy reads
 
@@ -117,7 +117,7 @@ class Pool:
         if state.serial <= _serial(self.view.adapters):
             return False
         self.view = dataclasses.replace(self.view, adapters=state)
-        trace(self._who, "adapters.seen", serial=state.serial)
+        trace(self.who, "adapters.seen", serial=state.serial)
         if self.on_adapters is not None:
             self.on_adapters()
         self._notify()
@@ -143,11 +143,11 @@ class Pool:
         deadline = start + self.cfg.no_replica_wait_s
         if not self._moving_to(label):
             return
-        trace(self._who, "answer.held", label=label)
+        trace(self.who, "answer.held", label=label)
         while self._moving_to(label) and (left := deadline - self.clock()) > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
-        trace(self._who, "answer.released", label=label, waited_s=f"{self.clock() - start:.3f}")
+        trace(self.who, "answer.released", label=label, waited_s=f"{self.clock() - start:.3f}")
 
     def _moving_to(self, label: str) -> bool:
         if self.switch is None:
@@ -277,14 +277,14 @@ class Pool:
             # The pool's switch forbids it now (a fence, or another label open): not returned; the
             # caller runs it again on a permitted label, or answers "resubmit" (forward.py).
             self.metrics.stale.labels(replica=replica.name).inc()
-            trace(self._who, "answer.withheld", label=label, replica=replica.name)
+            trace(self.who, "answer.withheld", label=label, replica=replica.name)
             return False
         if is_stale(label, self.cfg.version_policy, self.order, self.target):
             self.metrics.stale.labels(replica=replica.name).inc()
             return False
         self.order.note_returned(label, self.target)
         if self.order.newest_returned != newest:
-            trace(self._who, "answer.first", label=label, replica=replica.name)
+            trace(self.who, "answer.first", label=label, replica=replica.name)
         if self.view is not view or self.order.newest_returned != newest or len(self.order.ranks) != known:
             self._notify()  # a new label, a newer one returned, a replica's new one: routing may change
         return True

@@ -13,6 +13,8 @@ The order, and why:
    state and decide the same engine name for different files; a load under that name before the
    write would let the loser's files sit under the winner's declared name (on another replica, or
    taken for the winner's by its placement), and a request would be answered by the wrong weights.
+   A replica that does not answer a load (gone, refusing, past the bound) leaves placement, as for a
+   request, and the version is placed again on the others (each placement tries a few times).
    A refusal there (400 naming the file and tensor, or any other error) is the push's answer, and
    the pool is unchanged.
 3. **Write** `spec.adapters` (merge patch at the read's resourceVersion). A 409 (the pool changed
@@ -175,6 +177,17 @@ class Replicas:
             return _error_field(reply) == "name"
         raise ReplicaAnswer(replica.name, reply)
 
+    async def load_or_lose(self, replica: ReplicaView, name: str, version: AdapterVersion | AdapterPush,
+                           evict: Sequence[str]) -> bool:
+        """`load`, where a replica that does not answer (gone, refusing, past the bound) leaves
+        placement as a failed request's does (`Pool.mark_lost`, issue #54) and the push places the
+        version again on a fresh read of the others: False."""
+        try:
+            return await self.load(replica, name, version, evict)
+        except (ReplicaLost, ReplicaTimeout) as e:
+            self.gw.pool.mark_lost(replica, e.message)
+            return False
+
     async def unload_quietly(self, replica: str, name: str) -> None:
         """Best effort: a provisional copy left behind is undeclared, the first evicted anyway."""
         view = self.gw.pool.owner(replica)
@@ -196,8 +209,8 @@ class Replicas:
                 placement = place(name, holdings, declared=declared, capacity=self.gw.cfg.replica_capacity)
                 if placement is None:
                     raise NoReplica(_no_room(name, holdings, replicas), self.gw.cfg.retry_after_s)
-                if not placement.load or await self.load(replicas[placement.replica], name, version,
-                                                         placement.evict):
+                if not placement.load or await self.load_or_lose(replicas[placement.replica], name, version,
+                                                                 placement.evict):
                     return placement.replica
         raise NoReplica(f"the replicas' adapters kept changing while {name} was being placed; push again",
                         self.gw.cfg.retry_after_s)
@@ -237,7 +250,7 @@ class Replicas:
                         raise NoReplica(f"replica {h.name} holds a version of run {run!r} but has no idle slot for "
                                         f"{name} (servable: all); the version is declared: push again",
                                         self.gw.cfg.retry_after_s)
-                    await self.load(replicas[h.name], name, version, evict)
+                    await self.load_or_lose(replicas[h.name], name, version, evict)
         raise NoReplica(f"the replicas' adapters kept changing while {name} was loaded on every holder of run "
                         f"{run!r}; the version is declared: push again", self.gw.cfg.retry_after_s)
 

@@ -109,7 +109,14 @@ def affinity_of(request: Request) -> str | None:
     return request.headers.get(gateway_of(request).cfg.affinity_header) or None
 
 
+def own_timeout(gw: Gateway, requested: Any) -> float:
+    """A request's own timeout as the replica caps it: its `timeout_s`, else `--request-timeout-s`
+    (what bounds its wait for a LoRA slot, adapter_route.py)."""
+    own = requested if isinstance(requested, int | float) and not isinstance(requested, bool) and requested > 0 \
+        else gw.cfg.request_timeout_s
+    return min(float(own), gw.cfg.max_request_timeout_s)
+
+
 def timeout_of(gw: Gateway, requested: Any) -> float:
     """The bound of a sampling call: the request's own timeout (as the replica caps it) plus a grace."""
-    own = requested if isinstance(requested, int | float) and requested > 0 else gw.cfg.request_timeout_s
-    return min(float(own), gw.cfg.max_request_timeout_s) + gw.cfg.upstream_grace_s
+    return own_timeout(gw, requested) + gw.cfg.upstream_grace_s

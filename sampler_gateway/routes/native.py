@@ -30,7 +30,18 @@ from ..errors import NotThroughGateway
 from ..forward import Gateway, OwnerGone, to_new, to_owner
 from ..replicas import ReplicaView
 from ..upstream import Outgoing, Reply
-from .common import affinity_of, flow, gateway_of, json_object, outgoing, rerun_allowed, respond, step_of, timeout_of
+from .common import (
+    affinity_of,
+    flow,
+    gateway_of,
+    json_object,
+    outgoing,
+    own_timeout,
+    rerun_allowed,
+    respond,
+    step_of,
+    timeout_of,
+)
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -92,8 +103,9 @@ async def _new(request: Request, *, submit: bool) -> Response:
     timeout = gw.cfg.control_timeout_s if submit else timeout_of(gw, body.get("timeout_s"))
     out = outgoing(request, raw, timeout)
     named = _version(gw, body)
-    async with gw.gate.admit(flow(request, named[1] if named is not None else None), cost_of(body)) as place:
-        replica, reply, adapter = await _send_new(request, gw, out, body, named, submit)
+    flow_ = flow(request, named[1] if named is not None else None)
+    async with gw.gate.admit(flow_, cost_of(body)) as place:
+        replica, reply, adapter = await _send_new(request, gw, out, body, named, submit, flow_)
         inner = (reply.json or {}).get("request_id") if not submit or reply.status == 200 else None
         # A future for `<run>`'s newest version carries the run: its retrieve is judged per run.
         run = named[1].run if submit and named is not None and not named[1].pinned else None
@@ -105,14 +117,15 @@ async def _new(request: Request, *, submit: bool) -> Response:
 
 
 async def _send_new(request: Request, gw: Gateway, out: Outgoing, body: dict[str, Any],
-                    named: tuple[str, VersionTarget] | None,
-                    submit: bool) -> tuple[ReplicaView, Reply, tuple[str, dict[str, Any]] | None]:
+                    named: tuple[str, VersionTarget] | None, submit: bool,
+                    flow_: str) -> tuple[ReplicaView, Reply, tuple[str, dict[str, Any]] | None]:
     adapter = None
     if named is not None:
         name, target = named
         replica, reply, target = await to_version(gw, name, "adapter", target, _rewrite(out, body),
                                                   resendable=submit, rerun=not submit and rerun_allowed(request),
-                                                  label_of=None if submit else _label)
+                                                  label_of=None if submit else _label, flow=flow_,
+                                                  cost=cost_of(body), wait_s=own_timeout(gw, body.get("timeout_s")))
         version = gw.adapters.version_of(target)
         adapter = (name, version) if version is not None else None
     else:

@@ -127,8 +127,9 @@ async def generate(request: Request) -> Response:
     out = outgoing(request, raw, timeout_of(gw, None))
     named = _adapter(gw, raw)
     # Its place is held until the answer ends: a stream's last event, else the answer itself.
-    release = await gw.gate.enter(flow(request, named[1] if named is not None else None),
-                                  openai_cost(named[2] if named is not None else _body_of(raw)))
+    flow_ = flow(request, named[1] if named is not None else None)
+    cost = openai_cost(named[2] if named is not None else _body_of(raw))
+    release = await gw.gate.enter(flow_, cost)
     streaming = False
     try:
         if named is not None:
@@ -136,7 +137,8 @@ async def generate(request: Request) -> Response:
             name, target, body = named
             replica, reply, target = await to_version(
                 gw, name, "model", target, lambda engine: out.with_body(orjson.dumps({**body, "model": engine})),
-                rerun=rerun_allowed(request), label_of=_label, stream=body.get("stream") is True)
+                rerun=rerun_allowed(request), label_of=_label, stream=body.get("stream") is True, flow=flow_,
+                cost=cost)
             reply = _named(reply, gw.adapters.version_of(target))
         else:
             replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,

@@ -104,7 +104,8 @@ async def _to_version(request: Request, raw: bytes, body: dict[str, Any],
     name, target = named
     replica, reply, _ = await to_version(
         gw, name, "model_path", target,
-        lambda engine: out.with_body(orjson.dumps({**body, "model_path": f"tinker://{engine}"})), resendable=True)
+        lambda engine: out.with_body(orjson.dumps({**body, "model_path": f"tinker://{engine}"})), resendable=True,
+        flow=flow(request, target), cost=cost_of({"num_samples": body.get("num_samples")}))
     return replica, reply
 
 
@@ -127,7 +128,8 @@ async def get_sampler(sampler_id: str, request: Request) -> Response:
     if target is None:
         return await anywhere(request)
     out = outgoing(request, b"", gw.cfg.control_timeout_s)
-    replica, reply, _ = await to_version(gw, path or "", "model_path", target, lambda engine: out, resendable=True)
+    replica, reply, _ = await to_version(gw, path or "", "model_path", target, lambda engine: out, resendable=True,
+                                         flow=flow(request, target))
     answer = reply.json if reply.status == 200 else None
     if answer is not None and "model_path" in answer:
         answer["model_path"] = tinker_path(target)  # the client's name for it, not the engine's

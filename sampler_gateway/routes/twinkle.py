@@ -155,13 +155,15 @@ async def sampler_call(model_id: str, op: str, request: Request) -> Response:
         return respond(replica, reply)
     body = json_object(raw)
     named = _pool_version(gw, body)
-    async with gw.gate.admit(flow(request, named[1] if named is not None else None), cost_of(body, "inputs")):
+    flow_ = flow(request, named[1] if named is not None else None)
+    async with gw.gate.admit(flow_, cost_of(body, "inputs")):
         if named is not None:
             # Placed by adapter; the replica samples the version named in POOL_ADAPTER_HEADER.
             name, target = named
             replica, reply, _ = await to_version(gw, name, "adapter_name", target,
                                                  lambda engine: out.with_header(POOL_ADAPTER_HEADER, engine),
-                                                 rerun=rerun_allowed(request), label_of=_label)
+                                                 rerun=rerun_allowed(request), label_of=_label, flow=flow_,
+                                                 cost=cost_of(body, "inputs"))
         else:
             replica, reply = await to_new(gw, out, affinity=affinity_of(request) or session,
                                           prefer=rid.replica if rid else None, rerun=rerun_allowed(request),

@@ -9,7 +9,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sampler_gateway.adapter_placement import Placement, ReplicaAdapters, place, runs_over_share, victims
+from sampler_gateway.adapter_placement import Placement, ReplicaAdapters, place, runs_over_share, to_close, victims
 
 V = "a.5.9"  # the version asked for
 
@@ -183,3 +183,64 @@ def test_placement_invariants(replicas: tuple[ReplicaAdapters, ...], want: str, 
     # Without a capacity, a holder always wins.
     if capacity is None and holders:
         assert not p.load and chosen.load == min(h.load for h in holders)
+
+
+# ---------------------------------------------------------------------------- taking turns for a slot
+# (issue #54: a request waits for a slot in turn; the one whose turn it is closes a version)
+
+
+def test_a_closing_version_takes_no_request_where_it_closes_and_goes_first_once_idle() -> None:
+    rep = r("r0", slots=2, loaded={"a.1.1": 1.0, "b.1.2": 9.0}, in_flight={"a.1.1": 1})
+    closing = replace(rep, closing=frozenset({"b.1.2"}))
+    # Not a holder of its own version there any more (a request for it waits, or goes elsewhere).
+    assert place("b.1.2", [rep], declared=()) == Placement("r0", "b.1.2", load=False)
+    assert place("b.1.2", [closing], declared=()) is None
+    assert place("b.1.2", [closing, r("r1")], declared=()) == Placement("r1", "b.1.2", load=True)
+    # Once idle, the closing version is the victim, before an older idle one.
+    older = replace(closing, slots=2, loaded={"a.1.1": 1.0, "b.1.2": 9.0}, in_flight={})
+    assert victims(older, V, declared=()) == ("b.1.2",)
+    assert victims(replace(older, closing=frozenset()), V, declared=()) == ("a.1.1",)
+
+
+def test_out_of_turn_a_request_runs_only_where_its_version_is_loaded() -> None:
+    free = r("r1")
+    assert place(V, [free], declared={V}, load=False) is None
+    assert place(V, [free, r("r0", 5, loaded={V: 1.0})], declared={V}, load=False) == Placement("r0", V, load=False)
+    # A replica whose view was just proven wrong is a holder only.
+    assert place(V, [replace(free, loads=False)], declared={V}) is None
+
+
+def test_the_version_to_close_is_undeclared_first_then_the_longest_held() -> None:
+    pool = [r("r0", slots=1, loaded={"a.1.1": 1.0}, in_flight={"a.1.1": 1}),
+            r("r1", slots=1, loaded={"b.1.2": 1.0}, in_flight={"b.1.2": 3})]
+    declared = {"a.1.1", "b.1.2", V}
+    assert to_close(V, pool, declared=declared, tenure={("r0", "a.1.1"): 5.0, ("r1", "b.1.2"): 2.0}) == ("r1", "b.1.2")
+    assert to_close(V, pool, declared=declared - {"a.1.1"}, tenure={("r1", "b.1.2"): 2.0}) == ("r0", "a.1.1")
+    # Never on a replica without slots, nor one that cannot load now.
+    assert to_close(V, [replace(pool[0], loads=False), replace(pool[1], slots=0)], declared=declared, tenure={}) is None
+
+
+CLOSING_POOLS = st.integers(0, 4).flatmap(lambda k: st.tuples(*[
+    replica(f"r{i}").flatmap(lambda x: st.builds(
+        lambda shut, loads: replace(x, closing=frozenset(shut), loads=loads),
+        st.sets(st.sampled_from(sorted(x.loaded) or ["none"]), max_size=1), st.booleans()))
+    for i in range(k)]))
+
+
+@settings(derandomize=True, max_examples=500, deadline=None)
+@given(CLOSING_POOLS, st.sampled_from(NAMES), st.sets(st.sampled_from(NAMES)), st.booleans(), st.integers(0, 5))
+def test_turn_invariants(replicas: tuple[ReplicaAdapters, ...], want: str, declared: set[str], load: bool,
+                         turn: int) -> None:
+    p = place(want, replicas, declared=declared, turn=turn, load=load)
+    if p is not None:
+        chosen = next(x for x in replicas if x.name == p.replica)
+        assert want not in chosen.closing  # never where its version closes
+        if p.load:
+            assert load and chosen.loads  # loads in turn only, and where the view holds
+        for n in p.evict:
+            assert chosen.in_flight.get(n, 0) == 0 and n != want
+    closed = to_close(want, replicas, declared=declared, tenure={})
+    if closed is not None:
+        where = next(x for x in replicas if x.name == closed[0])
+        assert where.slots > 0 and where.loads and want not in where.loaded
+        assert closed[1] in where.loaded and closed[1] not in where.closing

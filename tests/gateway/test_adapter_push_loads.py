@@ -25,7 +25,7 @@ from sampler_gateway.metrics import GatewayMetrics
 from sampler_gateway.pool import Pool
 from sampler_gateway.pool_adapters import push_adapter
 from sampler_gateway.replicas import PoolView, ReplicaView
-from sampler_gateway.upstream import Outgoing, Reply
+from sampler_gateway.upstream import Lost, Outgoing, Reply
 from tests.support.memory_pool import MemoryPool
 
 
@@ -213,3 +213,28 @@ async def test_pushes_of_two_runs_at_once_onto_one_full_replica_both_land() -> N
     assert sorted(a["engine_name"] for a in answers) == ["x.2.3", "y.2.4"] or \
         sorted(a["engine_name"] for a in answers) == ["x.2.4", "y.2.3"], answers
     assert len(r0.adapters) <= 2 and not any(n.startswith("push-") for n in r0.adapters), r0.adapters
+
+
+class DiesAtLoad(Replicas):
+    """As `Replicas`, but replica `dead` goes at its first add: no answer (issue #54)."""
+
+    def __init__(self, replicas: dict[str, ScriptedReplica], dead: str) -> None:
+        super().__init__(replicas)
+        self.dead = dead
+
+    async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        if replica.name == self.dead and out.method == "POST":
+            self.replicas[replica.name].calls.append((out.method, out.path))
+            raise Lost("ConnectionBroken: connection closed before the answer was complete")
+        return await super().send(replica, out)
+
+
+async def test_a_replica_lost_at_the_pushs_load_leaves_placement_and_the_version_goes_elsewhere() -> None:
+    # r0 is the less loaded (the one chosen first); it dies as the version is loaded on it.
+    r0, r1 = ScriptedReplica(slots=2), ScriptedReplica(slots=2, load=3)
+    gw = gateway({"r0": r0, "r1": r1})
+    gw.upstream = gw.adapters.upstream = DiesAtLoad({"r0": r0, "r1": r1}, dead="r0")
+    answer = await push_adapter(gw, pool_object(), PUSH, attempts=1)
+    assert answer["engine_name"] == "z.1.3" and "z.1.3" in r1.adapters
+    assert ("POST", "/v1/adapters") in r0.calls  # it was tried there first, and lost
+    assert [r.name for r in gw.pool.eligible()] == ["r1"]  # out of placement until read again

@@ -242,7 +242,8 @@ def test_a_version_in_flight_is_never_unloaded(env: Env) -> None:
         env.gw.wait(lambda h: sum(r["in_flight"] for r in h["replicas"]) == 2, "both frozen requests in flight")
         threads.append(threading.Thread(target=send, args=("a@2",)))
         threads[-1].start()
-        _wait_metric(env, "sampler_gateway_waiting_for_replica", 1.0)
+        # It waits for a slot (every slot holds a version in flight), in turn (issue #54).
+        _wait_metric(env, "sampler_gateway_adapter_slot_waiting", 1.0)
         # Nothing was unloaded for it: each replica still holds its version in flight.
         assert {r: env.held(r) for r in servers} == holders
         assert sum(env.gw_metric("sampler_gateway_adapter_unloads_total", replica=r, outcome="ok")

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.gateway import RunningGateway, run_gateway
+from tests.support.gateway import RunningGateway, run_gateway, write_replicas
 from tests.support.metrics import metric
 from tests.support.openai_stub import StubPool, stub_replicas
 
@@ -107,65 +107,97 @@ def test_a_replica_that_no_longer_holds_the_version_is_not_the_answer(gw: Runnin
     assert metric(gw.metrics(), "sampler_gateway_adapter_replaced_total", 0.0, replica=holder) == 1.0
 
 
-def test_an_unload_the_replica_refuses_is_placed_again_and_nothing_is_unloaded(stubs: StubPool,
-                                                                              tmp_path: Path) -> None:
+# A request's own bound when it waits for a slot, in the tests of refused unloads: the OpenAI routes
+# name no timeout, so the gateway's --request-timeout-s bounds the wait (adapter_route.py).
+SLOT_BOUND_S = 3.0
+
+
+def refused_unloads(gw: RunningGateway, replica: str) -> float:
+    return metric(gw.metrics(), "sampler_gateway_adapter_unloads_total", 0.0, replica=replica, outcome="in_flight")
+
+
+def test_an_unload_the_replica_refuses_waits_within_its_bound_and_nothing_is_unloaded(stubs: StubPool,
+                                                                                    tmp_path: Path) -> None:
     """The replica answers 409 to an unload (requests in flight on that version there that this
-    gateway does not count: another gateway's): the request is placed again elsewhere, and with
-    nowhere else to go it is a 503 naming the refusal; the version stays loaded."""
+    gateway does not count: another gateway's): the request is not answered by that refusal. It waits
+    for a slot within its bound, the replica tried again only after each read of its /health (never
+    in a loop), then gets a 503 with Retry-After naming why; the version stays loaded. Once the
+    version is free there, the next request gets its slot (issue #54)."""
     path = tmp_path / "adapters.json"
     path.write_text(json.dumps(SPEC))
     with run_gateway({"r0": stubs.urls["r0"]}, "--api-key", KEY, "--adapters-file", str(path), "--lora-slots", "1",
-                     "--refresh-interval-s", "60") as gw:
+                     "--refresh-interval-s", "0.5", "--request-timeout-s", str(SLOT_BOUND_S)) as gw:
         gw.wait_eligible({"r0"})
         sdk(gw).completions.create(model="a@1", prompt=[1], max_tokens=2)
         assert set(stubs.adapters["r0"]) == {"a.1.1"}
         stubs.busy.add("a.1.1")
-        r = httpx.post(gw.url + "/v1/completions", json={"model": "b@1", "prompt": [1]}, headers=AUTH)
-        assert r.status_code == 503 and "refused to make room" in r.json()["error"]["message"], r.text
+        r = httpx.post(gw.url + "/v1/completions", json={"model": "b@1", "prompt": [1]}, headers=AUTH, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        err = r.json()["error"]
+        assert err["type"] == "no_replica" and f"within {SLOT_BOUND_S:g}s" in err["message"], err
+        assert "r0:" in err["message"], err
         assert set(stubs.adapters["r0"]) == {"a.1.1"}
-        assert metric(gw.metrics(), "sampler_gateway_adapter_unloads_total", 0.0, replica="r0",
-                      outcome="in_flight") == 1.0
+        # Tried again after each /health read at most (0.5 s apart), not in a loop.
+        assert 1 <= refused_unloads(gw, "r0") <= SLOT_BOUND_S / 0.5 + 2
         stubs.busy.clear()
         raw = sdk(gw).completions.with_raw_response.create(model="b@1", prompt=[1], max_tokens=2)
         assert raw.headers["x-sampler-adapter"] == "b@1" and set(stubs.adapters["r0"]) == {"b.1.3"}
 
 
-def test_a_refused_unload_is_placed_on_another_replica(gw: RunningGateway, stubs: StubPool) -> None:
-    # One version on each replica, both busy at the replicas but idle for this gateway.
-    sdk(gw).completions.create(model="a@1", prompt=[1], max_tokens=2)
-    sdk(gw).completions.create(model="b@1", prompt=[1], max_tokens=2)
-    assert sorted(n for held in stubs.adapters.values() for n in held) == ["a.1.1", "b.1.3"]
-    first = next(r for r, held in stubs.adapters.items() if "a.1.1" in held)
-    stubs.busy.add("a.1.1")
-    stubs.busy.add("b.1.3")
-    r = httpx.post(gw.url + "/v1/completions", json={"model": "a@2", "prompt": [1]}, headers=AUTH)
-    # Both refused (once each at most): a 503; nothing unloaded.
-    assert r.status_code == 503, r.text
-    assert sorted(n for held in stubs.adapters.values() for n in held) == ["a.1.1", "b.1.3"]
-    stubs.busy.discard("b.1.3")
-    # Now one replica refuses and the other does not: whichever is tried first, a@2 lands where b.1.3 was.
-    raw = sdk(gw).completions.with_raw_response.create(model="a@2", prompt=[1], max_tokens=2)
-    assert raw.headers["x-sampler-adapter"] == "a@2" and raw.headers["x-sampler-replica"] != first
-    assert stubs.adapters[first] == {"a.1.1": "/ckpt/a/1"}
+def test_a_refused_unload_is_placed_on_another_replica(stubs: StubPool, tmp_path: Path) -> None:
+    path = tmp_path / "adapters.json"
+    path.write_text(json.dumps(SPEC))
+    with run_gateway(stubs.urls, "--api-key", KEY, "--adapters-file", str(path), "--lora-slots", "1",
+                     "--refresh-interval-s", "0.5", "--request-timeout-s", str(SLOT_BOUND_S)) as gw:
+        gw.wait_eligible({"r0", "r1"})
+        # One version on each replica, both busy at the replicas but idle for this gateway.
+        sdk(gw).completions.create(model="a@1", prompt=[1], max_tokens=2)
+        sdk(gw).completions.create(model="b@1", prompt=[1], max_tokens=2)
+        assert sorted(n for held in stubs.adapters.values() for n in held) == ["a.1.1", "b.1.3"]
+        first = next(r for r, held in stubs.adapters.items() if "a.1.1" in held)
+        stubs.busy.add("a.1.1")
+        stubs.busy.add("b.1.3")
+        r = httpx.post(gw.url + "/v1/completions", json={"model": "a@2", "prompt": [1]}, headers=AUTH, timeout=60)
+        # Both refused, past its bound: a 503 with Retry-After; nothing unloaded.
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert sorted(n for held in stubs.adapters.values() for n in held) == ["a.1.1", "b.1.3"]
+        assert refused_unloads(gw, "r0") >= 1 and refused_unloads(gw, "r1") >= 1
+        stubs.busy.discard("b.1.3")
+        # Now one replica refuses and the other does not: a@2 lands where b.1.3 was.
+        raw = sdk(gw).completions.with_raw_response.create(model="a@2", prompt=[1], max_tokens=2)
+        assert raw.headers["x-sampler-adapter"] == "a@2" and raw.headers["x-sampler-replica"] != first
+        assert stubs.adapters[first] == {"a.1.1": "/ckpt/a/1"}
 
 
-def test_a_replica_full_beyond_what_the_gateway_knew_places_the_request_elsewhere(gw: RunningGateway,
-                                                                                  stubs: StubPool) -> None:
+def test_a_replica_full_beyond_what_the_gateway_knew_places_the_request_elsewhere(stubs: StubPool,
+                                                                                  tmp_path: Path) -> None:
     """Each replica holds one adapter at most (the gateway counts one slot too): a version loaded
     behind the gateway's back fills r's only slot; the add there is a 409 (full), and the request
-    goes to the other replica, never over a replica's capacity."""
-    stubs.capacity = 1
-    for name in ("a@1", "b@1"):
-        sdk(gw).completions.create(model=name, prompt=[1], max_tokens=2)
-    # Fill each replica behind the gateway's back: its /health (read once a minute here) does not say so.
-    for replica in stubs.adapters:
-        stubs.adapters[replica] = {"x.1.99": "/elsewhere"}
-    r = httpx.post(gw.url + "/v1/completions", json={"model": "a@2", "prompt": [1]}, headers=AUTH)
-    assert r.status_code == 503 and "refused" in r.json()["error"]["message"], r.text
-    assert all(len(held) == 1 for held in stubs.adapters.values())
-    full = sum(metric(gw.metrics(), "sampler_gateway_adapter_loads_total", 0.0, replica=n, outcome="full")
-               for n in ("r0", "r1"))
-    assert full == 2.0  # each replica tried once
-    stubs.adapters["r1"] = {}
-    raw = sdk(gw).completions.with_raw_response.create(model="a@2", prompt=[1], max_tokens=2)
-    assert raw.headers["x-sampler-replica"] == "r1" and stubs.adapters["r1"] == {"a.2.2": "/ckpt/a/2"}
+    goes to the other replica, never over a replica's capacity. With both full, it waits within its
+    bound, each replica tried once until its /health is read again, then a 503 with Retry-After."""
+    path = tmp_path / "adapters.json"
+    path.write_text(json.dumps(SPEC))
+    # /health read once a minute: the gateway's view stays what it was, but for its own news.
+    with run_gateway(stubs.urls, "--api-key", KEY, "--adapters-file", str(path), "--lora-slots", "1",
+                     "--refresh-interval-s", "60", "--request-timeout-s", str(SLOT_BOUND_S)) as gw:
+        gw.wait_eligible({"r0", "r1"})
+        stubs.capacity = 1
+        for name in ("a@1", "b@1"):
+            sdk(gw).completions.create(model=name, prompt=[1], max_tokens=2)
+        # Fill each replica behind the gateway's back: its /health does not say so until it is read.
+        for replica in stubs.adapters:
+            stubs.adapters[replica] = {"x.1.99": "/elsewhere"}
+        r = httpx.post(gw.url + "/v1/completions", json={"model": "a@2", "prompt": [1]}, headers=AUTH, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "refused a load or unload just now" in r.json()["error"]["message"], r.text
+        assert all(len(held) == 1 for held in stubs.adapters.values())
+        full = sum(metric(gw.metrics(), "sampler_gateway_adapter_loads_total", 0.0, replica=n, outcome="full")
+                   for n in ("r0", "r1"))
+        assert full == 2.0  # each replica tried once: no read since
+        stubs.adapters["r1"] = {}
+        # A change of the replica set has the gateway read every /health at once (discovery/refresh.py).
+        seen = gw.health()["refreshes"]
+        write_replicas(gw.replicas_file, [{"name": n, "url": u} for n, u in stubs.urls.items()])
+        gw.wait(lambda h: h["refreshes"] > seen, "a read of every replica")
+        raw = sdk(gw).completions.with_raw_response.create(model="a@2", prompt=[1], max_tokens=2)
+        assert raw.headers["x-sampler-replica"] == "r1" and stubs.adapters["r1"] == {"a.2.2": "/ckpt/a/2"}
