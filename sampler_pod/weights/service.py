@@ -141,6 +141,10 @@ class WeightsService:
         self._lora_ids = itertools.count(1)
         self.schema: dict[str, TensorSpec] | None = None
         self.adapter_info: dict[str, AdapterInfo] = {}
+        # TEST SEAM (routes only with --enable-test-seams, http/routes/test_seams.py): adapter adds
+        # held just before the engine's add, so a test kills the replica with a load under way.
+        self.adds_held: asyncio.Event | None = None
+        self.adds_waiting = 0
 
     @property
     def roots(self) -> list[Path]:
@@ -419,6 +423,12 @@ class WeightsService:
         ref = AdapterRef(name=req.name, lora_id=next(self._lora_ids), path=str(v.path))
         async with core.adapter_mutation(core.cfg.load_timeout_s, f"adding adapter {req.name!r}", field="name"):
             self._check_room(req.name)  # again: adds and removes may have run while we validated
+            if self.adds_held is not None:
+                self.adds_waiting += 1
+                try:
+                    await self.adds_held.wait()
+                finally:
+                    self.adds_waiting -= 1
             try:
                 await engine.add_adapter(ref)
             except Exception as e:

@@ -16,13 +16,21 @@ for is not a stall. `POST /v1/test/engine/stall` is the other kind: it pauses th
 directly, without the server's knowledge (and drops a `pause`'s suspension), so the engine stops
 producing tokens as a hung one would; `/health` reports `engine_stalled` once --stall-timeout-s has
 passed with requests inside (or a canary failed). `resume` thaws it.
+
+`POST /v1/test/adapters/hold` holds every adapter add from then on just before the engine's add
+(validated, the right to mutate taken: a load under way), `GET /v1/test/adapters/held` says how many
+wait there, `POST /v1/test/adapters/release` lets them go: a test kills a replica while a gateway's
+load is under way on it, and knows it is.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from ...weights.service import WeightsService
 from . import core_of
 
 router = APIRouter(prefix="/v1/test", tags=["test seams"])
@@ -86,3 +94,35 @@ class EngineSteps(BaseModel):
 async def engine_steps(request: Request) -> EngineSteps:
     steps = core_of(request).require_engine().recent_steps()
     return EngineSteps(steps=[EngineStepOut(running=s.running, adapters=s.adapters) for s in steps])
+
+
+class AdaptersHeld(BaseModel):
+    held: bool
+    waiting: int
+
+
+def _adapters(request: Request) -> AdaptersHeld:
+    weights: WeightsService = request.app.state.weights
+    return AdaptersHeld(held=weights.adds_held is not None, waiting=weights.adds_waiting)
+
+
+@router.post("/adapters/hold", response_model=AdaptersHeld)
+async def hold_adapter_adds(request: Request) -> AdaptersHeld:
+    weights: WeightsService = request.app.state.weights
+    if weights.adds_held is None:
+        weights.adds_held = asyncio.Event()
+    return _adapters(request)
+
+
+@router.post("/adapters/release", response_model=AdaptersHeld)
+async def release_adapter_adds(request: Request) -> AdaptersHeld:
+    weights: WeightsService = request.app.state.weights
+    held, weights.adds_held = weights.adds_held, None
+    if held is not None:
+        held.set()
+    return _adapters(request)
+
+
+@router.get("/adapters/held", response_model=AdaptersHeld)
+async def adapter_adds_held(request: Request) -> AdaptersHeld:
+    return _adapters(request)

@@ -3,7 +3,10 @@ train LoRA adapters against one SamplerPool of 2 REAL vLLM replicas on the REAL 
 a version every step through the gateway pod (`Pool.push_adapter`) and sampling it through the real
 Tinker SDK on the push's `model_path`. The replicas hold 2 adapters each (`maxCpuLoras: 2`,
 `maxLoras: 1`): 4 slots for the 8 versions alive, so versions are loaded on demand and evicted. One
-replica's pod is force-deleted as loop `a` says its step 1 is pushed (its sampling starts).
+replica's pod is force-deleted while an adapter load is under way on it (issue #54): as loop `a` says
+its step 1 is pushed, that replica's adapter adds are held (its test seam, `POST
+/v1/test/adapters/hold`), and the pod is deleted as soon as one waits there (`GET
+/v1/test/adapters/held`): a gateway's load, or a push's, taken on and never answered.
 
 Both loops must finish; each asserts, and this test reads back from its summary, that every batch of
 step t was sampled by `<run>@<t>` alone (the gateway's `X-Sampler-Adapter` on each Tinker answer:
@@ -20,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from sampler_pod.testing import net
@@ -37,6 +41,7 @@ from tests.operator.node.test_pool_node import (
 )
 from tests.support import REPO_ROOT
 from tests.support import k8s as ks
+from tests.support.server import wait_until
 
 pytestmark = [pytest.mark.node, pytest.mark.vllm]
 k8s_node = ks.node_fixture()
@@ -82,14 +87,24 @@ def test_two_lora_rl_loops_share_the_pool_and_survive_a_killed_replica(api, ns, 
     procs: dict[str, subprocess.Popen[str]] = {}
     lines: dict[str, list[str]] = {run: [] for run in RUNS}
     killed: dict[str, str] = {}
+    killer: list[threading.Thread] = []
     victim = "lr-1"
 
-    def kill() -> None:
+    victim_url = f"http://127.0.0.1:{base + 1}"  # replica i listens on template.port + i
+    seam = {"X-API-Key": admin}
+
+    def kill_during_a_load() -> None:
+        """Hold the victim's adapter adds, and delete its pod once a load waits there."""
         pod = api.core.read_namespaced_pod(api.status(ns, victim)["podName"], ns)
+        r = httpx.post(victim_url + "/v1/test/adapters/hold", headers=seam, timeout=30)
+        assert r.status_code == 200, r.text
+        wait_until(lambda: httpx.get(victim_url + "/v1/test/adapters/held", headers=seam,
+                                     timeout=30).json()["waiting"] > 0, "an adapter load under way on the victim",
+                   timeout=600)
         api.cluster.kubectl("-n", ns, "delete", "pod", pod.metadata.name, "--force", "--grace-period=0",
                             "--wait=false")
         killed.update(name=pod.metadata.name, uid=pod.metadata.uid)
-        _log(f"killed pod {pod.metadata.name} of {victim} as loop a's step 1 began")
+        _log(f"killed pod {pod.metadata.name} of {victim} with an adapter load under way on it")
 
     def read(run: str) -> None:
         out = procs[run].stdout
@@ -97,8 +112,9 @@ def test_two_lora_rl_loops_share_the_pool_and_survive_a_killed_replica(api, ns, 
         for line in out:
             lines[run].append(line.rstrip("\n"))
             _log(f"rl_loop {run} | {lines[run][-1]}")
-            if run == "a" and not killed and line.startswith("  pushed a-step-1"):
-                kill()
+            if run == "a" and not killer and line.startswith("  pushed a-step-1"):
+                killer.append(threading.Thread(target=kill_during_a_load, daemon=True))
+                killer[0].start()
 
     for i, run in enumerate(RUNS):
         argv = [sys.executable, str(REPO_ROOT / "examples" / "rl_loop.py"), "--lora", "--gateway", gw.url,
@@ -121,7 +137,9 @@ def test_two_lora_rl_loops_share_the_pool_and_survive_a_killed_replica(api, ns, 
     for run in RUNS:
         out = "\n".join(lines[run])
         assert rcs[run] == 0, f"loop {run} failed ({rcs[run]}):\n{out[-6000:]}\n{gw.diagnose()}"
-    assert killed, "loop a never said step 1 was pushed:\n" + "\n".join(lines["a"][-50:])
+    assert killer, "loop a never said step 1 was pushed:\n" + "\n".join(lines["a"][-50:])
+    killer[0].join(60)
+    assert killed, "no adapter load went to the victim after loop a's step 1 was pushed"
 
     for run in RUNS:
         got = json.loads((tmp_path / f"{run}.json").read_text())
@@ -133,7 +151,7 @@ def test_two_lora_rl_loops_share_the_pool_and_survive_a_killed_replica(api, ns, 
         assert all(name.startswith(f"{run}@") for name in got["adapter_arrivals"]), got["adapter_arrivals"]
         assert arrived == sorted(arrived) and len(arrived) == 4 * (STEPS + 1), arrived
         assert steps[-1]["reward"] - steps[0]["reward"] >= 0.1, [s["reward"] for s in steps]
-    # The kill was mid-run: loop a sampled step 1 after it.
+    # The kill was mid-run: loop a sampled step 1 after its push.
     first_after = next(i for i, line in enumerate(lines["a"]) if line.startswith("  pushed a-step-1"))
     assert any(line.startswith("step 1:") for line in lines["a"][first_after:]), lines["a"]
     # The pool declares every version of both runs (one write per push), and lists the runs.
