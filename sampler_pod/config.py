@@ -34,6 +34,12 @@ def _words_if_str(value: object) -> object:
     return value.split() if isinstance(value, str) else value
 
 
+# vLLM's own `LogprobsMode` (vllm/config/model.py), spelled out here because this module never imports
+# vLLM (tests/unit/test_logprobs_mode.py checks the two agree). What each value means under each
+# sampling parameter: docs/guide/logprobs.md.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
+
 # What `/health` reports per adapter beside its name and path (core/health.py, `AdapterEntry`): how
 # it is used on this process, nothing a replacement loads.
 HEALTH_ONLY_ADAPTER_FIELDS = frozenset({"in_flight", "last_used_at"})
@@ -75,6 +81,13 @@ class ServerConfig(BaseModel):
         0.9, gt=0, le=1, description="GPU memory share for vLLM, when --kv-cache-memory-bytes is unset")
     enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (always on CPU)")
     seed: int = Field(0, description="engine seed (per-request seeds are separate)")
+    logprobs_mode: LogprobsMode = Field(
+        "raw_logprobs", description="vLLM's --logprobs-mode: what every logprob in an answer is. raw_logprobs: the "
+                                    "model's log-softmax, before temperature, top-p, top-k and penalties; "
+                                    "processed_logprobs: the log-probabilities of the distribution each token was "
+                                    "sampled from (what an RL loop's importance ratios want); raw_logits, "
+                                    "processed_logits: the logits, before or after that processing "
+                                    "(docs/guide/logprobs.md)")
 
     # Serving policy.
     concurrent_task_limit: int = Field(

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from ..config import LogprobsMode
+
 Status = Literal["starting", "ok", "uncertain_weights", "engine_dead", "engine_stalled"]
 
 
@@ -122,6 +124,8 @@ class HealthReport(BaseModel):
     # one engine step may batch (--max-loras). Both 0 without --enable-lora.
     lora_slots: int = 0
     max_loras: int = 0
+    # What the logprobs of every answer are (--logprobs-mode; docs/guide/logprobs.md).
+    logprobs_mode: LogprobsMode
     # Set only with `engine_stalled`.
     stall: StallEvidence | None = None
 

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from sampler_common.errors import InvalidRequest
 
+from ..config import LogprobsMode
 from ..engine.base import GenerationSpec
+from .logprobs_mode import Processing, check_expected, check_prompt_logprobs
 from .schemas import SampleRequest
 
 
@@ -21,8 +23,9 @@ class ModelLimits:
     max_num_samples: int
 
 
-def check_sample_request(req: SampleRequest, limits: ModelLimits) -> None:
+def check_sample_request(req: SampleRequest, limits: ModelLimits, logprobs_mode: LogprobsMode) -> None:
     sp = req.sampling_params
+    check_expected(req.logprobs_mode, logprobs_mode, "logprobs_mode")
     if req.num_samples > limits.max_num_samples:
         raise InvalidRequest(f"num_samples {req.num_samples} is over the limit {limits.max_num_samples}",
                              field="num_samples")
@@ -44,6 +47,10 @@ def check_sample_request(req: SampleRequest, limits: ModelLimits) -> None:
             raise InvalidRequest(
                 f"stop token id {tok} is outside the vocabulary", field=f"sampling_params.stop_token_ids[{k}]"
             )
+    if sp.prompt_logprobs or sp.topk_prompt_logprobs:
+        check_prompt_logprobs(
+            logprobs_mode, Processing(sp.temperature, sp.top_p, sp.top_k, limits.vocab_size),
+            "sampling_params.prompt_logprobs" if sp.prompt_logprobs else "sampling_params.topk_prompt_logprobs")
 
 
 def generation_spec(req: SampleRequest) -> GenerationSpec:

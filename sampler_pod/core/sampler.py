@@ -149,6 +149,7 @@ class SamplerCore:
                                       for n in sorted(self.adapters)],
                             in_flight=self.admission.in_flight, limit=self.admission.limit, model=self.cfg.model,
                             lora_slots=self.cfg.lora_slots, max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0,
+                            logprobs_mode=self.cfg.logprobs_mode,
                             stall=evidence)
 
     # ------------------------------------------------------------------ the stall watch
@@ -372,7 +373,7 @@ class SamplerCore:
     def admit(self, req: SampleRequest, future: bool = False) -> tuple[_Ticket, float, AdapterRef | None]:
         """Everything that can be refused synchronously: 4xx, 503, then 429 last."""
         engine = self.require_serving()
-        check_sample_request(req, self.limits(engine))
+        check_sample_request(req, self.limits(engine), self.cfg.logprobs_mode)
         timeout = effective_timeout(req.timeout_s, self.cfg.request_timeout_s, self.cfg.max_request_timeout_s)
         adapter = None
         if req.adapter is not None:
@@ -547,7 +548,7 @@ class SamplerCore:
         self.metrics.tokens.inc(sum(len(s.tokens) for o in outputs for s in o.sequences))
         # An answer is as new as its newest last token (the gateway's version policy reads this).
         version = max(s.weights_version for r in results for s in r.sequences)
-        return SampleResponse(request_id=request_id, weights_version=version,
+        return SampleResponse(request_id=request_id, logprobs_mode=self.cfg.logprobs_mode, weights_version=version,
                               weights_label=self.weights.label_of(version),
                               weights_step=self.weights.step_of(version),
                               adapter=adapter.name if adapter else None, results=results)

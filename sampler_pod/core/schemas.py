@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from ..config import LogprobsMode
+
 # vLLM seeds a torch.Generator, which overflows past 2**64 (a 500 from deep inside the engine), and
 # maps -1 to "unseeded"; [0, 2**63) is the range every protocol accepts, checked here once.
 SEED_MAX = 2**63
@@ -55,6 +57,9 @@ class SampleRequest(BaseModel):
     adapter: str | None = None
     # Per-request timeout override, capped by the server's max_request_timeout_s.
     timeout_s: float | None = Field(None, gt=0)
+    # The mode the client expects its logprobs in: a replica serving another answers 400 naming this field
+    # (core/logprobs_mode.py). Unset: whatever the replica serves (the answer's `logprobs_mode` says which).
+    logprobs_mode: LogprobsMode | None = None
 
     @field_validator("prompts")
     @classmethod
@@ -84,9 +89,10 @@ class WeightsSpan(BaseModel):
 
 class Sequence(BaseModel):
     tokens: list[int]
-    # logprob of each sampled token, same length as tokens.
+    # logprob of each sampled token, same length as tokens (in the answer's `logprobs_mode`).
     logprobs: list[float]
-    # Optional alternatives per position: [{token_id: logprob}, ...].
+    # Optional alternatives per position: [{token_id: logprob}, ...]. Under a processed_* mode only the
+    # tokens the sampling distribution can draw (those top-k and top-p masked out have no logprob).
     top_logprobs: list[dict[int, float]] | None = None
     stop_reason: StopReason
     # The weights of the sequence's last token (of its first, for an empty sequence).
@@ -105,6 +111,9 @@ class PromptResult(BaseModel):
 
 class SampleResponse(BaseModel):
     request_id: str
+    # What every logprob of the answer is (sampled tokens, their alternatives, prompt tokens): the replica's
+    # vLLM --logprobs-mode (docs/guide/logprobs.md).
+    logprobs_mode: LogprobsMode
     # The newest weights any sequence's last token came from (per sequence: `weights_spans`).
     weights_version: int
     weights_label: str

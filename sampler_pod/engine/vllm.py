@@ -10,6 +10,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import os
 import tempfile
 import time
@@ -194,6 +195,8 @@ class VllmEngine:
             # The server refuses an add past it (weights/service.py): vLLM's own LRU never evicts.
             max_cpu_loras=cfg.max_cpu_loras,
             max_lora_rank=cfg.max_lora_rank,
+            # What every logprob is (vLLM's sampler computes them so): named in every answer from the flag.
+            logprobs_mode=cfg.logprobs_mode,
             worker_extension_cls="sampler_pod.engine.worker_extension.WeightLoaderExtension",
             enable_log_requests=False,
         )
@@ -201,6 +204,9 @@ class VllmEngine:
         llm = start_async_llm(args, stat_loggers=[engine_stats_logger(counters)])
         cache_vllm_envs()
         mc = llm.model_config
+        if mc.logprobs_mode != cfg.logprobs_mode:  # answers name the flag's mode: it must be the engine's
+            llm.shutdown()
+            raise RuntimeError(f"vLLM runs logprobs_mode {mc.logprobs_mode}, not --logprobs-mode {cfg.logprobs_mode}")
         # The tokenizer (and its chat template) is loaded here, once, never per request.
         tokenizer = llm.get_tokenizer()
         return cls(llm=llm, vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, tokenizer=tokenizer,
@@ -449,9 +455,10 @@ def _convert(prompt: list[int], spec: GenerationSpec, out: Any, current_version:
             d = c.logprobs[i] if c.logprobs is not None else {}
             lps.append(float(d[t].logprob) if t in d else float("nan"))
             if tops is not None:
-                tops.append(
-                    {int(k): float(v.logprob) for k, v in d.items() if v.rank is not None and v.rank <= spec.logprobs}
-                )
+                # Under a processed_* mode, the tokens top-k and top-p masked out are at -inf: they are no
+                # alternative of the distribution the token was drawn from (and -inf is no JSON number).
+                tops.append({int(k): float(v.logprob) for k, v in d.items()
+                             if v.rank is not None and v.rank <= spec.logprobs and v.logprob != -math.inf})
         reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
         seqs.append(SequenceOutput(tokens=tokens, logprobs=lps, finish_reason=reason, top_logprobs=tops,
                                    spans=version_spans(c, len(tokens), current_version)))

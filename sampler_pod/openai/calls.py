@@ -1,4 +1,5 @@
-"""What one OpenAI request learned about its weights, and how it is written into the answer.
+"""What one OpenAI request learned about its weights, and how it is written into the answer; and the
+logprobs it may ask of the replica's mode (`check_logprobs`).
 
 `guard.py` opens an `OpenAICall` per request (a context variable, so vLLM's serving code in
 between needs no change); `engine_client.py` records each finished choice's weights spans on it.
@@ -15,6 +16,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import LogprobsMode
+from ..core.logprobs_mode import Processing, check_openai_logprobs, check_prompt_logprobs
+
 # The routes that generate (and so hold an admission slot and report weights).
 GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"})
 
@@ -24,6 +28,10 @@ class OpenAICall:
     path: str
     # When the request times out (time.monotonic()): a wait for the weights lock ends there too.
     deadline: float
+    # The request fields that asked for sampled-token and prompt logprobs, as its client wrote them
+    # (`logprobs_fields`): a refusal names them.
+    logprobs_field: str = "logprobs"
+    prompt_logprobs_field: str = "prompt_logprobs"
     # choice index -> [(version, start, end)], as vLLM reports the finished choice.
     spans: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
     # The newest weights version any token of this request came from (-1: none yet).
@@ -81,6 +89,47 @@ def unreadable_field(path: str, body: Any) -> str | None:
         return None
     return next((f for f in OBJECT_FIELDS.get(path, ()) if body.get(f) is not None
                  and not isinstance(body[f], dict)), None)
+
+
+def logprobs_fields(path: str, body: Any) -> tuple[str, str]:
+    """The fields of a request that ask for sampled-token and for prompt logprobs, as its client wrote
+    them (vLLM turns them into `SamplingParams.logprobs` and `.prompt_logprobs`): `echo` asks for prompt
+    logprobs when `prompt_logprobs` is unset (vLLM's `to_sampling_params`), and the token-in/token-out
+    route nests them in `sampling_params`."""
+    b = body if isinstance(body, dict) else {}
+    if path == "/inference/v1/generate":
+        nested = b.get("sampling_params")
+        sp: dict[str, Any] = nested if isinstance(nested, dict) else {}
+        return ("sampling_params." + ("logprob_token_ids" if sp.get("logprob_token_ids") else "logprobs"),
+                "sampling_params." + ("prompt_logprob_token_ids" if sp.get("prompt_logprob_token_ids") is not None
+                                      else "prompt_logprobs"))
+    return ("logprob_token_ids" if b.get("logprob_token_ids") else "logprobs",
+            "echo" if b.get("prompt_logprobs") is None and b.get("echo") else "prompt_logprobs")
+
+
+def processing_of(params: Any, vocab_size: int) -> Processing:
+    """What vLLM's sampler will do to the logits of a request with these `vllm.SamplingParams`
+    (v1/sample/sampler.py: logits processors and penalties, temperature, then top-k and top-p)."""
+    others = [f"{name} {getattr(params, name):g}" for name, off in
+              (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_p", 0.0))
+              if getattr(params, name, off) != off]
+    if getattr(params, "min_tokens", 0):
+        others.append(f"min_tokens {params.min_tokens}")
+    others += [name for name in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, name, None)]
+    return Processing(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                      vocab_size=vocab_size, others=tuple(others))
+
+
+def check_logprobs(served: LogprobsMode, params: Any, vocab_size: int, logprobs_field: str = "logprobs",
+                   prompt_logprobs_field: str = "prompt_logprobs") -> None:
+    """The logprobs a request asks for, and the replica's mode: a 400 naming the field where the answer
+    would not be what it asked (core/logprobs_mode.py): logprobs from a *_logits replica (OpenAI's are
+    log-probabilities), prompt logprobs from a processed_* one under processing that changes the logits."""
+    if params.logprobs is not None or getattr(params, "logprob_token_ids", None):
+        check_openai_logprobs(served, logprobs_field)
+    if params.prompt_logprobs is not None or getattr(params, "prompt_logprob_token_ids", None) is not None:
+        check_openai_logprobs(served, prompt_logprobs_field)
+        check_prompt_logprobs(served, processing_of(params, vocab_size), prompt_logprobs_field)
 
 
 Labeller = Callable[[int], str]

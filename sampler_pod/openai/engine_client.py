@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from sampler_common.errors import Aborted, SamplerError
+from sampler_common.errors import Aborted, InvalidRequest, SamplerError
 
 from ..core.sampler import SamplerCore
 from ..engine.base import EngineDead, EngineRejected
 from ..engine.vllm import VllmEngine, version_spans
-from .calls import CURRENT, choice_index
+from .calls import CURRENT, OpenAICall, check_logprobs, choice_index
 
 
 def http_error(e: SamplerError) -> Exception:
@@ -71,8 +71,21 @@ class GuardedEngineClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine.llm, name)
 
-    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        """Checks the logprobs the request asks for here, when vLLM's serving code calls this, before it
+        starts a stream: a refusal is then vLLM's 400 naming the field, never an error event in a 200 stream."""
         call = CURRENT.get()
+        try:
+            check_logprobs(self._core.cfg.logprobs_mode, sampling_params, self._engine.vocab_size,
+                           *((call.logprobs_field, call.prompt_logprobs_field) if call is not None else ()))
+        except InvalidRequest as e:
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(e.message, parameter=e.field) from None
+        return self._generate(prompt, sampling_params, request_id, call, **kwargs)
+
+    async def _generate(self, prompt: Any, sampling_params: Any, request_id: str, call: OpenAICall | None,
+                        **kwargs: Any) -> AsyncIterator[Any]:
         deadline = call.deadline if call is not None else time.monotonic() + self._core.cfg.request_timeout_s
         lora = kwargs.get("lora_request")
         if lora is not None:

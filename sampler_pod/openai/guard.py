@@ -12,7 +12,9 @@
   per-adapter `in_flight`; an unload waits for none of them: it is refused).
 - Every answer of a generating route names its weights: `X-Sampler-Weights-Version`, `-Label`
   and `-Step` headers (for a stream, the weights when it started), and `weights_spans` on each
-  finished choice (`calls.py`).
+  finished choice (`calls.py`); and what its logprobs are (`X-Sampler-Logprobs-Mode`). A request
+  that names another mode in that header is refused before it takes a slot, and one asking for
+  logprobs the mode cannot give is refused by `engine_client.py` (core/logprobs_mode.py).
 - Each admitted request ends in exactly one terminal state (`SamplerCore.end`).
 Errors here are in vLLM's OpenAI error shape, as vLLM's own are.
 """
@@ -32,12 +34,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sampler_common.errors import EngineUnavailable, InvalidRequest, RequestTimedOut, SamplerError
 from sampler_common.http.auth import APIKeyAuth
 
+from ..core import logprobs_mode
 from ..core.sampler import SamplerCore
 from .calls import (
     CURRENT,
     GENERATING_PATHS,
     OpenAICall,
     adapter_named,
+    logprobs_fields,
     rewrite_sse,
     sequences_of,
     tokens_of,
@@ -117,13 +121,20 @@ class OpenAIGuard:
             await send_error(send, InvalidRequest(f"{unreadable} must be an object", field=unreadable))
             return
         try:
+            expected = Request(scope).headers.get(logprobs_mode.HEADER)
+            logprobs_mode.check_expected_header(expected, core.cfg.logprobs_mode)
+        except SamplerError as e:
+            await send_error(send, e)
+            return
+        try:
             ticket = core.admit_external(sequences_of(parsed))
         except SamplerError as e:
             await send_error(send, e)
             return
         timeout = core.cfg.request_timeout_s
-        call = OpenAICall(path=scope["path"], deadline=ticket.t0 + timeout,
-                          use_adapter=functools.partial(core.use_adapter, ticket))
+        sampled_field, prompt_field = logprobs_fields(scope["path"], parsed)
+        call = OpenAICall(path=scope["path"], deadline=ticket.t0 + timeout, logprobs_field=sampled_field,
+                          prompt_logprobs_field=prompt_field, use_adapter=functools.partial(core.use_adapter, ticket))
         adapter = adapter_named(parsed, core.adapters)
         if adapter is not None:
             call.use_adapter(adapter)  # no await since `adapter_named` found it loaded
@@ -152,9 +163,11 @@ class OpenAIGuard:
             core.end(ticket, outcome)
 
     def _weights_headers(self, call: OpenAICall) -> list[tuple[bytes, bytes]]:
+        """The answer's weights, and what its logprobs are (OpenAI's body has no place for either)."""
         w = self.core.weights
         version = call.newest if call.newest >= 0 else w.version
-        headers = [(b"x-sampler-weights-version", str(version).encode()),
+        headers = [(logprobs_mode.HEADER.lower().encode(), self.core.cfg.logprobs_mode.encode()),
+                   (b"x-sampler-weights-version", str(version).encode()),
                    (b"x-sampler-weights-label", w.label_of(version).encode("ascii", "backslashreplace"))]
         step = w.step_of(version)
         if step is not None:

@@ -42,10 +42,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sampler_common.adapters import ADAPTER_HEADER
 from sampler_common.errors import Expired, InvalidRequest, NotFound, SamplerError, validation_error
 
+from ..core import logprobs_mode
 from ..core.sampler import SamplerCore
 from ..core.schemas import SampleResponse as CoreSampleResponse
 from .common import openapi_body
-from .tinker_wire import ResponseShape, TinkerSampleRequest, encode_json, encode_proto, tinker_to_core
+from .tinker_wire import (
+    ResponseShape,
+    TinkerSampleRequest,
+    check_logprobs_mode,
+    encode_json,
+    encode_proto,
+    tinker_to_core,
+)
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +243,7 @@ class TinkerService:
         target = resolve_target(self.core, ref.b, ref.m)
         return {"sampler_id": sampler_id, "base_model": target.base_model, "model_path": ref.m}
 
-    def asample(self, req: TinkerSampleRequest) -> Response:
+    def asample(self, req: TinkerSampleRequest, expected_mode: str | None = None) -> Response:
         if req.sampling_session_id is not None:
             ref = decode_sampling_session(req.sampling_session_id)
             target = resolve_target(self.core, req.base_model or ref.b, req.model_path or ref.m)
@@ -246,6 +254,10 @@ class TinkerService:
             # A resubmit of a request we already admitted (its response was lost): same future.
             return _asample_reply(prev, self.pending[prev])
         engine = self.core.require_serving()
+        served = self.core.cfg.logprobs_mode
+        # The SDK sends it on every request when the trainer asks (ServiceClient(default_headers_overrides=...)).
+        logprobs_mode.check_expected_header(expected_mode, served)
+        check_logprobs_mode(req, served, engine.vocab_size)
         core_req, shape = tinker_to_core(req, target.adapter, engine.max_model_len, target.pinned_label)
         request_id = self.core.submit(core_req)  # 4xx/503/429 come back here, as the SDK expects
         pending = _Pending(shape=shape, sequence_ids=[f"{request_id}:{i}" for i in range(req.num_samples)])
@@ -347,7 +359,8 @@ async def get_sampler(sampler_id: str, request: Request) -> Response:
 
 @router.post("/asample", openapi_extra=openapi_body(TinkerSampleRequest))
 async def asample(request: Request) -> Response:
-    return _service(request).asample(parse(TinkerSampleRequest, await request.body()))
+    return _service(request).asample(parse(TinkerSampleRequest, await request.body()),
+                                     request.headers.get(logprobs_mode.HEADER))
 
 
 @router.post("/retrieve_future", openapi_extra=openapi_body(_Retrieve))
@@ -374,8 +387,10 @@ def _sample_reply(result: CoreSampleResponse, shape: ResponseShape, accept: str)
     # SDK builds each sequence as a frozen dataclass of the wire's fields), so each sequence's
     # `weights_spans` travel in a header, a JSON list in sequence order, and the step in another,
     # sent only when the load named one (as `weights_step` is null elsewhere).
+    # The mode of its logprobs too: the protobuf SampleResponse has no field for it.
     spans = [[sp.model_dump() for sp in s.weights_spans] for s in result.results[0].sequences]
-    headers = {"X-Sampler-Weights-Version": str(result.weights_version),
+    headers = {logprobs_mode.HEADER: result.logprobs_mode,
+               "X-Sampler-Weights-Version": str(result.weights_version),
                "X-Sampler-Weights-Label": result.weights_label.encode("ascii", "backslashreplace").decode(),
                "X-Sampler-Weights-Spans": json.dumps(spans, separators=(",", ":"))}
     if result.weights_step is not None:

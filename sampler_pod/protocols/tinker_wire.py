@@ -22,6 +22,8 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from sampler_common.errors import InvalidRequest
 
+from ..config import LogprobsMode
+from ..core.logprobs_mode import Processing, check_prompt_logprobs
 from ..core.schemas import SampleRequest as CoreSampleRequest
 from ..core.schemas import SampleResponse as CoreSampleResponse
 from .common import (
@@ -153,6 +155,15 @@ def tinker_to_core(req: TinkerSampleRequest, adapter: str | None, max_model_len:
     return build_core_request([tokens], req.num_samples, params, adapter), shape
 
 
+def check_logprobs_mode(req: TinkerSampleRequest, served: LogprobsMode, vocab_size: int) -> None:
+    """Prompt logprobs a processed_* replica cannot give in its mode: a 400 naming Tinker's field
+    (core/logprobs_mode.py). `compute_logprobs` asks at temperature 1, no top-p or top-k: always served."""
+    if req.prompt_logprobs or req.topk_prompt_logprobs:
+        sp = req.sampling_params
+        check_prompt_logprobs(served, Processing(sp.temperature, sp.top_p, sp.top_k, vocab_size),
+                              "prompt_logprobs" if req.prompt_logprobs else "topk_prompt_logprobs")
+
+
 # ---------------------------------------------------------------------------- Tinker responses
 
 _PB_STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -224,7 +235,7 @@ def encode_json(resp: CoreSampleResponse, shape: ResponseShape) -> bytes:
         seqs.append(seq)
     body: dict[str, Any] = {"type": "sample", "sequences": seqs, "prompt_logprobs": None,
                             "topk_prompt_logprobs": None, "weights_version": resp.weights_version,
-                            "weights_label": resp.weights_label}
+                            "weights_label": resp.weights_label, "logprobs_mode": resp.logprobs_mode}
     if shape.prompt_logprobs and result.prompt_logprobs is not None:
         body["prompt_logprobs"] = _masked_prompt_logprobs(result.prompt_logprobs, shape.last_n)
     if shape.topk_prompt and result.topk_prompt_logprobs is not None:

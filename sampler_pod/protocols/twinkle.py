@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sampler_common.adapters import POOL_ADAPTER_HEADER
 from sampler_common.errors import InvalidRequest, NotFound, SamplerError
 
+from ..core import logprobs_mode
 from ..core.sampler import SamplerCore
 from ..weights.service import AddAdapterRequest, WeightsService
 from ..weights.validation import resolve_confined
@@ -374,9 +375,11 @@ async def sample(model_id: str, request: Request) -> Response:
     svc, rt = _ident(request)
     svc.check_model(model_id)
     body: SampleBody = parse_json(SampleBody, await request.body())
+    logprobs_mode.check_expected_header(request.headers.get(logprobs_mode.HEADER), svc.core.cfg.logprobs_mode)
     out = await svc.sample(body, rt, request.headers.get(POOL_ADAPTER_HEADER) or None)
     resp = _reply(out, rt)
     resp.headers["X-Sampler-Weights-Version"] = str(out["weights_version"])
+    resp.headers[logprobs_mode.HEADER] = out["logprobs_mode"]
     return resp
 
 

@@ -497,9 +497,10 @@ def shape_response(resp: CoreSampleResponse, prompts: list[Prompt], plan: Plan, 
                                      if k and pr.topk_prompt_logprobs is not None else None),
         })
     # Not silent about which weights answered (and their training step, null when their load named
-    # none); the client reads only `samples`, so these extra keys never reach its models.
+    # none), nor about what the logprobs are; the client reads only `samples`, so these extra keys never
+    # reach its models.
     return {"samples": samples, "weights_version": resp.weights_version, "weights_label": resp.weights_label,
-            "weights_step": resp.weights_step, "adapter": resp.adapter}
+            "weights_step": resp.weights_step, "adapter": resp.adapter, "logprobs_mode": resp.logprobs_mode}
 
 
 # ---------------------------------------------------------------------------- names, headers, errors

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sampler_pod.core.logprobs_mode import HEADER, MODES
+
 GOOD: dict[str, Any] = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 4}}
 
 
@@ -35,4 +37,29 @@ BAD_REQUESTS: list[tuple[str, Any, int, str]] = [
     ("timeout_over_max", _with(timeout_s=10**7), 400, "timeout_s"),
     ("unknown_adapter", _with(adapter="nope"), 400, "adapter"),
     ("body_over_limit", {"prompts": [[1] * 5_000_000]}, 413, "body"),
+    # A mode the replica does not serve (every test server serves raw_logprobs unless it says otherwise).
+    ("logprobs_mode_not_served", _with(logprobs_mode="processed_logprobs"), 400, "logprobs_mode"),
+    ("logprobs_mode_unknown", _with(logprobs_mode="softmax"), 400, "logprobs_mode"),
 ]
+
+
+def mode_mismatches(served: str) -> list[tuple[str, Any, dict[str, str], int, str]]:
+    """Requests that ask a replica serving logprobs mode `served` for logprobs of another kind:
+    (case id, body, headers, expected status, field the error must name). Prompt logprobs under sampling
+    processing are of another kind on a processed_* replica (core/logprobs_mode.py)."""
+    other = next(m for m in MODES if m != served)
+    cases: list[tuple[str, Any, dict[str, str], int, str]] = [
+        ("body_names_another_mode", _with(logprobs_mode=other), {}, 400, "logprobs_mode"),
+        ("header_names_another_mode", GOOD, {HEADER: other}, 400, HEADER),
+        ("header_names_no_mode", GOOD, {HEADER: "softmax"}, 400, HEADER),
+    ]
+    if served.startswith("processed_"):
+        cases += [
+            ("prompt_logprobs_at_temperature_0_7", _with(sampling_params={"temperature": 0.7, "prompt_logprobs": True}),
+             {}, 400, "sampling_params.prompt_logprobs"),
+            ("prompt_logprobs_under_top_p", _with(sampling_params={"top_p": 0.9, "prompt_logprobs": True}),
+             {}, 400, "sampling_params.prompt_logprobs"),
+            ("topk_prompt_logprobs_under_top_k", _with(sampling_params={"top_k": 20, "topk_prompt_logprobs": 3}),
+             {}, 400, "sampling_params.topk_prompt_logprobs"),
+        ]
+    return cases

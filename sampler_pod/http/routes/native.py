@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 
+from ...core import logprobs_mode
 from ...core.schemas import (
     CancelRequest,
     CancelResponse,
@@ -21,16 +22,26 @@ from . import core_of
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
+# The mode the client expects, as a header (any protocol's client can send one): refused with a 400 naming
+# it when the replica serves another. A string, so a wrong value is our 400 naming the header.
+ExpectedMode = Annotated[str | None, Header(
+    alias=logprobs_mode.HEADER, json_schema_extra={"enum": list(logprobs_mode.MODES)},
+    description="the logprobs mode the client expects (as the body's logprobs_mode)")]
+
 
 @router.post("/sample", response_model=SampleResponse)
-async def sample(req: SampleRequest, request: Request) -> SampleResponse:
+async def sample(req: SampleRequest, request: Request, expected: ExpectedMode = None) -> SampleResponse:
+    core = core_of(request)
+    logprobs_mode.check_expected_header(expected, core.cfg.logprobs_mode)
     # A client that disconnects cancels this handler (sampler_common/http/middleware.py), which aborts the request.
-    return await core_of(request).sample(req)
+    return await core.sample(req)
 
 
 @router.post("/sample/submit", response_model=SubmitResponse)
-async def submit(req: SampleRequest, request: Request) -> SubmitResponse:
-    return SubmitResponse(request_id=core_of(request).submit(req))
+async def submit(req: SampleRequest, request: Request, expected: ExpectedMode = None) -> SubmitResponse:
+    core = core_of(request)
+    logprobs_mode.check_expected_header(expected, core.cfg.logprobs_mode)
+    return SubmitResponse(request_id=core.submit(req))
 
 
 @router.post("/sample/retrieve", response_model=SampleResponse,
