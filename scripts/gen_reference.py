@@ -93,8 +93,9 @@ def crds_page() -> str:
             columns = version.get("additionalPrinterColumns") or []
             if columns:
                 lines += ["`kubectl get` columns:", "", "| column | from | meaning |", "|---|---|---|"]
-                lines += [f"| {cell(c['name'])} | `{cell(c['jsonPath'])}` | {cell(c.get('description', ''))} |"
-                          for c in columns]
+                # A column of priority above 0 shows only with `-o wide`.
+                lines += [f"| {cell(c['name'])}{' (`-o wide`)' if c.get('priority') else ''} | `{cell(c['jsonPath'])}` "
+                          f"| {cell(c.get('description', ''))} |" for c in columns]
                 lines.append("")
             lines += ["| field | type | required | default | limits | description |", "|---|---|---|---|---|---|"]
             schema = version["schema"]["openAPIV3Schema"]

@@ -41,6 +41,8 @@ class HealthObservation:
     adapters: tuple[Mapping[str, Any], ...] = ()
     # With engine_stalled: {"since_progress_s": seconds since the engine's last token, "waiting": requests}.
     stall: Mapping[str, Any] | None = None
+    # What the pod's logprobs are (vLLM's --logprobs-mode); None from a pod that does not say.
+    logprobs_mode: str | None = None
 
     @property
     def answered(self) -> bool:
@@ -70,6 +72,7 @@ def classify(http_status: int, body: bytes | str) -> HealthObservation:
         failed_write=doc.get("failed_write") if isinstance(doc.get("failed_write"), dict) else None,
         adapters=tuple(a for a in doc.get("adapters") or [] if isinstance(a, dict)),
         stall=doc.get("stall") if isinstance(doc.get("stall"), dict) else None,
+        logprobs_mode=_str_or_none(doc.get("logprobs_mode")),
     )
 
 

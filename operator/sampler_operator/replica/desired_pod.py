@@ -15,7 +15,7 @@ from typing import Any
 
 from sampler_operator import API_VERSION, GROUP, KIND, pod_security
 from sampler_operator.api_keys import key_env, replica_keys
-from sampler_operator.replica.spec import SamplerReplicaSpec
+from sampler_operator.replica.spec import DEFAULT_LOGPROBS_MODE, SamplerReplicaSpec
 from sampler_operator.replica.weights_intent import WeightsRef
 
 LABEL_REPLICA = f"{GROUP}/replica"
@@ -105,6 +105,10 @@ def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
         args += ["--tool-call-parser", e.tool_call_parser]
     if e.reasoning_parser is not None:
         args += ["--reasoning-parser", e.reasoning_parser]
+    if e.logprobs_mode != DEFAULT_LOGPROBS_MODE:
+        # Only when it differs from the sampler's default: pods of specs that keep it are the pods they
+        # were before the field existed (an operator upgrade rolls no replica).
+        args += ["--logprobs-mode", e.logprobs_mode]
     for root in spec.checkpoints.allowed_roots:
         args += ["--checkpoint-root", root]
     return args + list(e.extra_args)

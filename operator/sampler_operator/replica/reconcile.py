@@ -291,7 +291,7 @@ async def _finish_replacement(ctx: Context, cr: Mapping[str, Any], spec: Sampler
     # Step 4: outcome + clearing the intent, atomically in one status patch.
     status = cr.get("status") or {}
     patch = {"pendingReplacement": None, "podName": new_pod, "podGeneration": int(pending["generation"]),
-             "podIP": None, "weightsVersion": None, "weightsLabel": None, **keys_status,
+             "podIP": None, "weightsVersion": None, "weightsLabel": None, "logprobsMode": None, **keys_status,
              **_outcome(status, old_pod=pending["oldPod"], reason=pending["reason"], message=pending["message"],
                         counts=bool(pending.get("countsTowardCap")), now=ctx.clock(),
                         policy_window=spec.replacement.window_seconds)}

@@ -21,6 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from sampler_operator.pod_security import RESERVED_VOLUMES
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# vLLM's --logprobs-mode values (the sampler's flag); the operator image carries no sampler module to import.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+# The sampler's own default, so a pod of a spec that keeps it gets no flag for it.
+DEFAULT_LOGPROBS_MODE: LogprobsMode = "raw_logprobs"
 
 # A Hugging Face style id: "org/name" or "name", letters, digits, '-', '_', '.'.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -50,6 +54,8 @@ class EngineArgs(_Model):
     served_model_name: list[str] = Field(default_factory=list, alias="servedModelName")
     tool_call_parser: str | None = Field(None, alias="toolCallParser", min_length=1)
     reasoning_parser: str | None = Field(None, alias="reasoningParser", min_length=1)
+    # vLLM's --logprobs-mode, the sampler's flag of the same name: what every logprob a replica answers is.
+    logprobs_mode: LogprobsMode = Field(DEFAULT_LOGPROBS_MODE, alias="logprobsMode")
     extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
 
 

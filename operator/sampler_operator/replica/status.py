@@ -106,6 +106,11 @@ def runtime_status(*, pod: PodView | None, observation: HealthObservation | None
     elif pod is None or pod.name != old_status.get("podName"):
         out["weightsVersion"] = None   # a different pod: the old pod's version says nothing
         out["weightsLabel"] = None
+    # What the pod serves, not what the spec asks: during a replacement the old pod's mode is the truth.
+    if observation is not None and observation.answered and observation.logprobs_mode is not None:
+        out["logprobsMode"] = observation.logprobs_mode
+    elif pod is None or pod.name != old_status.get("podName"):
+        out["logprobsMode"] = None
     return out
 
 

@@ -2,6 +2,7 @@
 import copy
 
 import pytest
+import yaml
 
 from sampler_operator.replica.desired_pod import (
     ANNOTATION_POD_GENERATION,
@@ -19,6 +20,7 @@ from sampler_operator.replica.desired_pod import (
     template_hash,
 )
 from sampler_operator.replica.spec import InvalidSpec, parse_spec
+from tests.support import REPO_ROOT
 
 OWNER = Owner(name="r1", namespace="ns", uid="uid-1")
 
@@ -109,6 +111,39 @@ def test_the_openai_routes_options_become_the_samplers_flags_and_parse_back():
     assert cfg.served_model_name == ["policy", "policy-alias"]
     assert cfg.tool_call_parser == "hermes" and cfg.reasoning_parser == "deepseek_r1"
     assert not {"--served-model-name", "--tool-call-parser", "--reasoning-parser"} & set(sampler_args(spec()))
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_the_logprobs_mode_reaches_the_sampler_and_changing_it_replaces_the_pod(mode):
+    """engineArgs.logprobsMode -> the sampler's --logprobs-mode (which it passes to vLLM), read back by its own
+    parser; another mode is another pod template (hash), so the replica's pod is replaced."""
+    from sampler_pod.config import parse_config
+
+    s = spec(engineArgs={"logprobsMode": mode})
+    assert parse_config(sampler_args(s)).logprobs_mode == mode
+    assert template_hash(pod_template("r1", s)) != template_hash(pod_template("r1", spec()))
+
+
+def test_the_default_logprobs_mode_adds_no_flag_so_an_upgrade_rolls_no_pod():
+    """A spec that keeps the default gets the pod it had before the field existed: no flag, and the sampler's
+    own default is the CRD's and the spec's."""
+    from sampler_operator.replica.spec import DEFAULT_LOGPROBS_MODE
+    from sampler_pod.config import ServerConfig
+
+    assert "--logprobs-mode" not in sampler_args(spec())
+    assert "--logprobs-mode" not in sampler_args(spec(engineArgs={"logprobsMode": "raw_logprobs"}))
+    assert spec().engine_args.logprobs_mode == DEFAULT_LOGPROBS_MODE
+    assert ServerConfig.model_fields["logprobs_mode"].default == DEFAULT_LOGPROBS_MODE
+    crd = yaml.safe_load((REPO_ROOT / "crds" / "samplerreplica.yaml").read_text())
+    engine_args = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "engineArgs"]["properties"]
+    assert engine_args["logprobsMode"]["default"] == DEFAULT_LOGPROBS_MODE
+    assert engine_args["logprobsMode"]["enum"] == list(ServerConfig.model_fields["logprobs_mode"].annotation.__args__)
+
+
+def test_an_unknown_logprobs_mode_is_refused_naming_the_field():
+    with pytest.raises(InvalidSpec, match="spec.engineArgs.logprobsMode"):
+        spec(engineArgs={"logprobsMode": "softmax"})
 
 
 def test_api_key_comes_from_the_secret_via_env_never_argv():

@@ -124,6 +124,25 @@ def test_weights_roll_out_at_most_max_unavailable_at_a_time() -> None:
     assert plan("p", UID, newer, loading) == Plan(update=["p-0"])
 
 
+def test_a_template_changing_the_logprobs_mode_rolls_the_replicas_batch_by_batch() -> None:
+    """engineArgs.logprobsMode in the pool's template is a template change like any other: replica by
+    replica (maxUnavailable), each drained, given the new spec, and its pod replaced with the new flag."""
+    from sampler_operator.replica.desired_pod import pod_template, sampler_args, template_hash
+
+    old = spec(label="step-1")
+    new = old.model_copy(update={"template": {**TEMPLATE, "engineArgs": {"logprobsMode": "processed_logprobs"}}})
+    replicas = [at(old, f"p-{i}") for i in range(3)]
+    assert spec_hash(desired_replica_spec("p", new)) != spec_hash(desired_replica_spec("p", old))
+    assert plan("p", UID, new, replicas) == Plan(update=["p-0"])
+    assert plan("p", UID, new, [at(new, "p-0", phase="Starting", draining=True), *replicas[1:]]) == Plan()
+    assert plan("p", UID, new, [at(new, "p-0", draining=True), *replicas[1:]]) == Plan(update=["p-1"], undrain=["p-0"])
+    # The replica's own controller then replaces the pod: another template, the flag on the sampler.
+    before, after = (parse_spec(replica_spec("p", s, 0)) for s in (old, new))
+    assert template_hash(pod_template("p-0", after)) != template_hash(pod_template("p-0", before))
+    args = sampler_args(after)
+    assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"
+
+
 def test_an_outdated_replica_being_replaced_takes_the_target_at_once_outside_the_budget() -> None:
     old, new = spec(label="step-1"), spec(label="step-2")
     loading = at(new, "p-0", label="step-1", draining=True)

@@ -50,6 +50,23 @@ def test_ready_pod_reports_phase_ip_and_weights():
     assert c["Degraded"]["status"] == "False" and c["SpecValid"]["status"] == "True"
 
 
+def test_the_logprobs_mode_is_what_the_pod_reports():
+    """status.logprobsMode (`kubectl get sr -o wide`) is the pod's own /health, not the spec: during a
+    replacement the old pod's mode is the one answering."""
+    body = b'{"status": "ok", "weights_version": 1, "weights_label": "b", "logprobs_mode": "processed_logprobs"}'
+    s = status_for(classify(200, body))
+    assert s["logprobsMode"] == "processed_logprobs"
+    # A missed probe keeps what the same pod said; another pod has said nothing yet.
+    miss = HealthObservation(HealthState.UNREACHABLE, reason="timeout")
+    assert "logprobsMode" not in status_for(miss, failures=1, old={"podName": "r-0", "logprobsMode": "raw_logits"})
+    other = PodView(**{**POD.__dict__, "name": "r-1"})
+    assert status_for(miss, failures=1, old={"podName": "r-0", "logprobsMode": "raw_logits"},
+                      pod=other)["logprobsMode"] is None
+    # A pod from before the field says nothing: no mode is made up for it.
+    assert "logprobsMode" not in status_for(classify(200, b'{"status": "ok", "weights_version": 1}'),
+                                            old={"podName": "r-0"})
+
+
 def test_uncertain_weights_conditions():
     obs = classify(503, b'{"status": "uncertain_weights", "reason": "boom"}')
     s = status_for(obs)
