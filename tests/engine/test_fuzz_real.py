@@ -27,9 +27,12 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(tiny_model: Pat
     root = tmp_path / "checkpoints"
     root.mkdir()
     # An empty checkpoint root, so loads and adapter adds reach validation (and fail there).
-    # Small caps keep the schema-valid samples cheap on a CPU engine.
+    # Small caps keep the schema-valid samples cheap on a CPU engine. A processed logprobs mode: the
+    # spec's logprobs_mode (body) and X-Sampler-Logprobs-Mode (header) values then ask for modes it does
+    # not serve, prompt logprobs under sampling processing are refused, and alternatives top-k and top-p
+    # mask out (-inf) meet the JSON encoder: all must be 4xx or answers, never a 5xx.
     args = ["--checkpoint-root", str(root), "--enable-lora", "--max-num-samples", "4",
-            "--max-inflight-sequences", "64"]
+            "--max-inflight-sequences", "64", "--logprobs-mode", "processed_logprobs"]
     with run_server(tiny_model, *args) as server:
         t0 = time.monotonic()
         figures = fuzz(server.url, EXAMPLES_PER_OPERATION)
