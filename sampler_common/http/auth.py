@@ -9,7 +9,10 @@ Without `--admin-api-key` both kinds take the API key, as before. A valid API ke
 is a 403 (`forbidden`: the key is fine, the action is not), a missing or wrong key a 401.
 
 The key may come as `X-API-Key` or `Authorization: Bearer` (what the Tinker SDK and Twinkle's
-client send). With no key configured the routes are open: for local runs and tests only; the
+client send), or as the password of `Authorization: Basic` (any user name): what `requests` sends for a
+URL `http://trainer:KEY@host:port`, the one way to give a key to a client that takes only a URL, such
+as vLLM's `HTTPVLLMWeightSyncClient` (docs/guide/sampler.md, "Weights over the network").
+With no key configured the routes are open: for local runs and tests only; the
 operator always configures both keys in a cluster.
 
 The gateway checks its own keys with the same class: `sampling` on every forwarded route, `admin`
@@ -18,21 +21,31 @@ under its stricter `/v1/pool/*` guard (`sampler_gateway/routes/pool.py`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from fastapi import Request
 
 from ..errors import Forbidden, Unauthorized
 
-_HOW = "X-API-Key or Authorization: Bearer"
+_HOW = "X-API-Key, Authorization: Bearer, or the password of Authorization: Basic"
 
 
 def _given(request: Request) -> bytes:
-    given = request.headers.get("x-api-key") or ""
+    given = (request.headers.get("x-api-key") or "").encode()
     auth = request.headers.get("authorization") or ""
-    if auth.lower().startswith("bearer "):
-        given = given or auth[7:]
-    return given.encode()
+    scheme, _, credentials = auth.partition(" ")
+    if given or not credentials:
+        return given
+    if scheme.lower() == "bearer":
+        return credentials.encode()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return b""
+    return b""
 
 
 def _matches(given: bytes, key: bytes | None) -> bool:

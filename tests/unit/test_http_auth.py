@@ -4,6 +4,8 @@ through unguarded."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from fastapi.routing import APIRoute
 
@@ -16,9 +18,13 @@ from tests.support.inproc import fake_client, fake_core
 KEY, ADMIN = "tml-sample-key", "tml-admin-key"
 TWINKLE = "/api/v1/sampler/fake/twinkle"
 
+# vLLM's weight-transfer control calls (a push over the network).
+TRANSFER_CALLS = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                  "/shutdown_weight_transfer_engine"]
 # Every route that changes weights or adapters, on every protocol (Tinker has none: it only samples).
 ADMIN_ROUTES = {("POST", "/v1/checkpoints/load"), ("POST", "/v1/adapters"), ("DELETE", "/v1/adapters/{name}"),
-                ("POST", "/api/v1/sampler/{model_id:path}/twinkle/add_adapter_to_sampler")}
+                ("POST", "/api/v1/sampler/{model_id:path}/twinkle/add_adapter_to_sampler"),
+                *(("POST", path) for path in TRANSFER_CALLS)}
 # Open: the kubelet and the operator probe them without a key.
 PROBES = {"/healthz", "/readyz", "/startedz", "/health", "/metrics", "/api/v1/healthz", "/api/v1/twinkle/healthz"}
 
@@ -27,7 +33,9 @@ PROBES = {"/healthz", "/readyz", "/startedz", "/health", "/metrics", "/api/v1/he
 ADMIN_CALLS = [("POST", "/v1/checkpoints/load", {"path": "/nope", "version_label": "x"}),
                ("POST", "/v1/adapters", {"name": "a", "path": "/nope"}),
                ("DELETE", "/v1/adapters/a", None),
-               ("POST", TWINKLE + "/add_adapter_to_sampler", {"adapter_name": "a", "adapter_uri": "/nope"})]
+               ("POST", TWINKLE + "/add_adapter_to_sampler", {"adapter_name": "a", "adapter_uri": "/nope"}),
+               # The fake core has no --weight-transfer-backend: each is a 400 naming `backend`, past auth.
+               *(("POST", path, None) for path in TRANSFER_CALLS[1:])]
 SAMPLING_CALLS = [("POST", "/v1/sample", GOOD), ("GET", "/v1/adapters", None),
                   ("POST", TWINKLE + "/sample", {"inputs": [{"input_ids": [1, 2]}]}),
                   ("POST", "/api/v1/create_session", {})]
@@ -58,6 +66,10 @@ def test_every_route_but_the_probes_has_one_guard_and_the_admin_routes_are_exact
             admin |= {(m, route.path) for m in route.methods}
     assert admin == ADMIN_ROUTES
     assert PROBES <= seen
+
+
+def _basic(key: str) -> str:
+    return "Basic " + base64.b64encode(f"trainer:{key}".encode()).decode()
 
 
 def _headers(key: str | None, bearer: bool) -> dict[str, str]:
@@ -122,3 +134,21 @@ def test_the_admin_key_comes_from_the_environment_and_must_differ_from_the_api_k
     assert (cfg.api_key, cfg.admin_api_key) == (KEY, ADMIN)
     with pytest.raises(SystemExit):
         parse_config(["--model", "m", "--api-key", KEY, "--admin-api-key", KEY], environ={})
+
+
+async def test_the_key_as_the_password_of_http_basic_auth() -> None:
+    """What `requests` sends for `http://trainer:KEY@host`: how vLLM's HTTPVLLMWeightSyncClient, which takes
+    only a URL, carries the admin key (docs/guide/sampler.md, "Weights over the network")."""
+    core, _ = fake_core(api_key=KEY, admin_api_key=ADMIN, enable_lora=True)
+    async with fake_client(core) as c:
+        for method, path, body in ADMIN_CALLS:
+            r = await c.request(method, path, json=body, headers={"Authorization": _basic(ADMIN)})
+            assert r.status_code not in (401, 403), (path, r.text)
+            r = await c.request(method, path, json=body, headers={"Authorization": _basic(KEY)})
+            assert r.status_code == 403, (path, r.text)
+        no_colon = "Basic " + base64.b64encode(ADMIN.encode()).decode()
+        for header in (_basic("tml-wrong"), "Basic !!not-base64!!", no_colon):
+            r = await c.post("/v1/sample", json=GOOD, headers={"Authorization": header})
+            assert r.status_code == 401, (header, r.text)   # a password is what follows the user name's colon
+        r = await c.post("/v1/sample", json=GOOD, headers={"Authorization": _basic(KEY)})
+        assert r.status_code == 200, r.text
