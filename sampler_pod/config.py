@@ -128,6 +128,10 @@ class ServerConfig(BaseModel):
         default_factory=list,
         description="allowed root for checkpoint/adapter paths (flag --checkpoint-root, repeatable; "
                     "env: colon-separated)")
+    weight_transfer_backend: Literal["gloo"] | None = Field(
+        None, description="accept weights pushed over the network with vLLM's weight-transfer protocol, over this "
+                          "backend (gloo: CPU nodes and any node without NCCL); unset: the protocol's routes answer "
+                          "400 naming `backend`")
     enable_lora: bool = Field(False, description="serve LoRA adapters")
     max_loras: int = Field(4, ge=1, description="adapters one engine step may batch (vLLM's LoRA slots)")
     max_cpu_loras: int | None = Field(

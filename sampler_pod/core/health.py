@@ -14,20 +14,24 @@ Status = Literal["starting", "ok", "uncertain_weights", "engine_dead", "engine_s
 
 
 class IntendedWeights(BaseModel):
-    """The newest checkpoint load that passed validation and whose write started (written or being
-    written): what this replica is meant to serve, and so what a replacement must load."""
+    """The newest load that passed validation and whose write started (written or being written): what
+    this replica is meant to serve, and so what a replacement must load. Weights pushed over the network
+    have no `checkpoint`: their label, step and model digest (`sha256`) say what a replacement would
+    have to find (docs/design/weights-over-network.md)."""
 
-    checkpoint: str  # the checkpoint directory, resolved (absolute, symlinks followed)
+    checkpoint: str | None = None  # the checkpoint directory, resolved (absolute, symlinks followed)
     version_label: str
     sha256_manifest: dict[str, str] | None = None
     # The trainer's training step of these weights, when the load named one: gateways order labels by it.
     step: int | None = None
+    # The model digest of weights pushed over the network (sampler_common/weight_transfer/digest.py).
+    sha256: str | None = None
 
 
 class FailedWrite(BaseModel):
     """The write that left the weights uncertain."""
 
-    checkpoint: str
+    checkpoint: str | None = None
     version_label: str
     reason: str
 
@@ -72,11 +76,15 @@ class WeightsState:
     # The training step of the serving weights and of each recent version, where a load named one.
     step: int | None = None
     steps: dict[int, int] = field(default_factory=dict)
+    # The model digest of the serving weights when they were pushed over the network.
+    sha256: str | None = None
 
-    def bump(self, label: str, checkpoint: str | None = None, step: int | None = None) -> None:
+    def bump(self, label: str, checkpoint: str | None = None, step: int | None = None,
+             sha256: str | None = None) -> None:
         self.version += 1
         self.label = label
         self.checkpoint = checkpoint
+        self.sha256 = sha256
         self.loaded_at = utc_now_iso()
         self.labels[self.version] = label
         self.step = step
@@ -105,6 +113,19 @@ class StallEvidence(BaseModel):
     waiting: int
 
 
+class TransferReport(BaseModel):
+    """The weight-transfer protocol's state on this replica (docs/design/weights-over-network.md): a
+    trainer has joined, a push is being received or written. Absent when no trainer has joined."""
+
+    backend: str
+    # idle, joining, joined, started, receiving, received, writing (weights/transfer_session.py).
+    phase: str
+    since: str | None = None  # when it entered the phase (ISO-8601 UTC)
+    bytes_received: int = 0  # of the push being received
+    total_bytes: int = 0
+    label: str | None = None  # the label a push is being written under
+
+
 class HealthReport(BaseModel):
     status: Status
     reason: str | None = None
@@ -113,6 +134,8 @@ class HealthReport(BaseModel):
     # The training step of the serving weights, when their load named one (gateways order labels by it).
     weights_step: int | None = None
     weights_checkpoint: str | None = None
+    # The model digest of the serving weights, when they were pushed over the network.
+    weights_sha256: str | None = None
     weights_loaded_at: str | None = None
     intended: IntendedWeights | None = None
     failed_write: FailedWrite | None = None
@@ -128,6 +151,8 @@ class HealthReport(BaseModel):
     logprobs_mode: LogprobsMode
     # Set only with `engine_stalled`.
     stall: StallEvidence | None = None
+    # Set while a trainer is joined over vLLM's weight-transfer protocol (a push in progress shows here).
+    weight_transfer: TransferReport | None = None
 
 
 # The start of `/health`'s reason while a replica waits for weights it can load (docs/reference/contract.md):

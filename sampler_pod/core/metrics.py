@@ -34,6 +34,12 @@ class Metrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.weight_loads = Counter("sampler_weight_loads", "Checkpoint/adapter loads by outcome",
                                     ["outcome"], registry=r)
+        # Pushes over the network (weights/transfer.py): received (then written, counted in weight_loads),
+        # refused (a tensor that does not fit, a digest that differs) or torn (a peer died, a timeout).
+        self.weight_transfers = Counter("sampler_weight_transfers", "Pushes over the network by outcome "
+                                        "(received, refused, torn)", ["outcome"], registry=r)
+        self.weight_transfer_bytes = Counter("sampler_weight_transfer_bytes", "Bytes of pushes received and "
+                                             "verified over the network", registry=r)
         self.load_seconds = Histogram("sampler_weight_load_seconds", "Checkpoint load duration (validate + write)",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.validation_seconds = Histogram("sampler_weight_validation_seconds", "Checkpoint validation duration",

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,7 @@ from .aborts import AbortBoard, Reading
 from .adapter_use import AdapterUse
 from .admission import AdmissionController, Slot
 from .futures import FutureStore
-from .health import AdapterEntry, HealthReport, StallEvidence, WeightsState, health_status
+from .health import AdapterEntry, HealthReport, StallEvidence, TransferReport, WeightsState, health_status
 from .metrics import Metrics
 from .request_checks import ModelLimits, check_sample_request, effective_timeout, generation_spec
 from .rwlock import RWLock
@@ -88,6 +88,8 @@ class SamplerCore:
     mutations: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Requests in flight per adapter and each adapter's last use (`/health`; guards an unload).
     adapter_use: AdapterUse = field(default_factory=AdapterUse)
+    # The weight-transfer protocol's state, for /health (set by weights/transfer.py, a layer above).
+    transfer_report: Callable[[], TransferReport | None] = lambda: None
 
     model_dir: str | None = None
     # Set while a started engine still has to load the weights this replica must serve (startup):
@@ -141,7 +143,8 @@ class SamplerCore:
         evidence = (StallEvidence(since_progress_s=round(stalled.since_progress_s, 3), waiting=stalled.waiting)
                     if stalled is not None and status == "engine_stalled" else None)
         return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
-                            weights_checkpoint=w.checkpoint, weights_loaded_at=w.loaded_at, intended=w.intended,
+                            weights_checkpoint=w.checkpoint, weights_sha256=w.sha256, weights_loaded_at=w.loaded_at,
+                            intended=w.intended, weight_transfer=self.transfer_report(),
                             failed_write=w.failed_write, weights_step=w.step,
                             adapters=[AdapterEntry(name=n, path=self.adapters[n].path,
                                                    in_flight=self.adapter_use.in_flight(n),

@@ -37,9 +37,12 @@ def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineSta
             model_dir = await asyncio.to_thread(resolve_model, cfg.model)
             core.set_model_dir(model_dir)
             if cfg.engine == "fake":
-                from ..engine.fake import FakeEngine
+                from ..engine.fake import FakeEngine, FakeWeightReceiver
 
-                core.engine = FakeEngine.for_model(model_dir)
+                fake = FakeEngine.for_model(model_dir)
+                if cfg.weight_transfer_backend is not None:
+                    fake.receiver = FakeWeightReceiver(fake, backend=cfg.weight_transfer_backend)
+                core.engine = fake
             else:
                 from ..engine.vllm import VllmEngine
 

@@ -9,7 +9,7 @@ the client-facing errors of `sampler_common.errors`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 # What a keep-mode load does with the KV cache its kept requests computed under the old weights.
@@ -86,6 +86,67 @@ class StagedCheckpoint:
 
 
 @dataclass(frozen=True)
+class TransferReceived:
+    """A push received over the network into host memory and verified, waiting for its write."""
+
+    tensors: int
+    total_bytes: int
+    sha256: str  # the model digest of what arrived (sampler_common/weight_transfer/digest.py)
+
+
+@dataclass(frozen=True)
+class TransferProgress:
+    """Bytes of the push being received so far, and of the whole push (0 when none is)."""
+
+    bytes: int
+    total_bytes: int
+
+
+class TransferTorn(RuntimeError):
+    """The transfer group tore (a peer died, a timeout): nothing was received that could be written."""
+
+
+class DigestMismatch(RuntimeError):
+    """The bytes received are not the bytes sent: `tensor` names the first that differs (None: the
+    declared model digest differs)."""
+
+    def __init__(self, message: str, tensor: str | None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class WeightReceiver(Protocol):
+    """The replica's end of vLLM's weight-transfer protocol (docs/design/weights-over-network.md): its
+    engine's workers join a trainer's group and receive a push into host memory while sampling goes on.
+    Nothing here writes the weights: `stage` hands a received push to the engine's ordinary write path.
+    Each call raises `TransferTorn` when the group tore, and returns once the workers are done."""
+
+    backend: str
+    # The ranks this replica takes in a transfer group: its engine's workers.
+    workers: int
+
+    # Join the trainer's group (`init_info`: the backend's own fields). Replaces an idle earlier group.
+    async def join(self, init_info: dict[str, Any]) -> None: ...
+
+    # A new round (vLLM's start_weight_update): drops what an earlier round left unstaged.
+    async def begin(self) -> None: ...
+
+    # Receive one push (`update_info`: the backend's own fields) into host memory and verify it;
+    # `DigestMismatch` when it arrived but differs from what was sent.
+    async def receive(self, update_info: dict[str, Any]) -> TransferReceived: ...
+
+    def progress(self) -> TransferProgress: ...
+
+    # The received push as a staged checkpoint, for `Engine.load_staged` / `Engine.load_in_flight`.
+    async def stage(self) -> StagedCheckpoint: ...
+
+    # Drop anything received and leave the group (a refused or torn push: the trainer opens a new one).
+    async def discard(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
 class InFlightWrite:
     tensors: int
     paused_s: float  # how long the engine was paused: the write, plus the pause's own round trips
@@ -116,6 +177,14 @@ class Engine(Protocol):
     # A write with nothing in flight (drain and abort loads, the startup restore): the weights are
     # replaced and every token sampled from then on is tagged `version`. Returns the tensors written.
     async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None, version: int) -> int: ...
+
+    # A staged checkpoint written with nothing in flight (a drain or abort write of a push received
+    # over the network); as `load_checkpoint` otherwise. Returns the tensors written.
+    async def load_staged(self, staged: StagedCheckpoint, version: int) -> int: ...
+
+    # The replica's end of vLLM's weight-transfer protocol; None unless --weight-transfer-backend is set.
+    @property
+    def weight_receiver(self) -> WeightReceiver | None: ...
 
     # Keep-mode loads: why this engine cannot do them (None: it can).
     @property

@@ -13,9 +13,11 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .base import (
     AdapterRef,
+    DigestMismatch,
     EngineStep,
     FinishReason,
     GenerationOutput,
@@ -25,6 +27,9 @@ from .base import (
     NothingWritten,
     SequenceOutput,
     StagedCheckpoint,
+    TransferProgress,
+    TransferReceived,
+    TransferTorn,
     VersionSpan,
 )
 
@@ -53,6 +58,72 @@ def _spans(versions: list[int], current: int) -> list[VersionSpan]:
             spans.append(VersionSpan(version=versions[start], start=start, end=i))
             start = i
     return spans
+
+
+@dataclass
+class FakeWeightReceiver:
+    """A `WeightReceiver` with no network: a push "arrives" at once, its digest and the fake weights it
+    makes a function of its update info. For the protocol's logic tests (call order, validation, the
+    write's modes); the gloo transfer itself is tested on the real engine (tests/engine)."""
+
+    engine: FakeEngine
+    backend: str = "gloo"
+    workers: int = 1
+    joined: dict[str, Any] | None = None
+    # Test hooks: the next join or receive tears; a receive reports a digest mismatch naming this
+    # tensor; a receive holds (half its bytes in) until the gate opens (`receiving` is set meanwhile).
+    tear_next: bool = False
+    mismatch_tensor: str | None = None
+    receive_gate: asyncio.Event | None = None
+    receiving: asyncio.Event = field(default_factory=asyncio.Event)
+    _received: TransferReceived | None = None
+    _progress: TransferProgress = field(default_factory=lambda: TransferProgress(0, 0))
+
+    def _tear(self) -> None:
+        if self.tear_next:
+            self.tear_next = False
+            raise TransferTorn("test hook: the peer closed the connection")
+
+    async def join(self, init_info: dict[str, Any]) -> None:
+        self._tear()
+        self.joined, self._received = dict(init_info), None
+
+    async def begin(self) -> None:
+        self._received = None
+
+    async def receive(self, update_info: dict[str, Any]) -> TransferReceived:
+        total = len(json.dumps(update_info))
+        self._progress = TransferProgress(total // 2, total)
+        self.receiving.set()
+        try:
+            if self.receive_gate is not None:
+                await self.receive_gate.wait()
+            self._tear()
+            if self.mismatch_tensor is not None:
+                raise DigestMismatch(f"test hook: tensor {self.mismatch_tensor!r} differs", self.mismatch_tensor)
+        finally:
+            self.receiving.clear()
+            self._progress = TransferProgress(0, 0)
+        digest = hashlib.sha256(json.dumps(update_info, sort_keys=True).encode()).hexdigest()
+        self._received = TransferReceived(tensors=len(update_info.get("names", ())), total_bytes=total, sha256=digest)
+        return self._received
+
+    def progress(self) -> TransferProgress:
+        return self._progress
+
+    async def stage(self) -> StagedCheckpoint:
+        if self._received is None:
+            raise RuntimeError("nothing received")
+        received, self._received = self._received, None
+        key = f"push-{received.sha256[:16]}-{len(self.engine._staged)}"
+        self.engine._staged[key] = int(received.sha256[:16], 16)
+        return StagedCheckpoint(key=key, tensors=received.tensors, files=())
+
+    async def discard(self) -> None:
+        self.joined, self._received = None, None
+
+    async def shutdown(self) -> None:
+        self.joined, self._received = None, None
 
 
 @dataclass
@@ -89,8 +160,15 @@ class FakeEngine:
     _unpaused: asyncio.Event = field(default_factory=asyncio.Event)
     _poke: asyncio.Event = field(default_factory=asyncio.Event)
 
+    # The protocol's fake receiver (`--weight-transfer-backend`), set by `for_model` or a test.
+    receiver: FakeWeightReceiver | None = None
+
     def __post_init__(self) -> None:
         self._unpaused.set()
+
+    @property
+    def weight_receiver(self) -> FakeWeightReceiver | None:
+        return self.receiver
 
     @classmethod
     def for_model(cls, model_dir: str, token_delay_s: float = 0.001) -> FakeEngine:
@@ -162,6 +240,11 @@ class FakeEngine:
 
     async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None, version: int) -> int:
         n = await self._write(await asyncio.to_thread(_digest, files), len(files), fail_after_tensors)
+        self.version = version
+        return n
+
+    async def load_staged(self, staged: StagedCheckpoint, version: int) -> int:
+        n = await self._write(self._staged.pop(staged.key), staged.tensors, None)
         self.version = version
         return n
 

@@ -22,6 +22,7 @@ from typing import Any, get_args
 from ..config import ServerConfig
 from .base import (
     AdapterRef,
+    DigestMismatch,
     EngineDead,
     EngineRejected,
     EngineStep,
@@ -33,6 +34,9 @@ from .base import (
     NothingWritten,
     SequenceOutput,
     StagedCheckpoint,
+    TransferProgress,
+    TransferReceived,
+    TransferTorn,
     VersionSpan,
 )
 
@@ -147,6 +151,65 @@ STAGE_POLL_S = 0.01
 
 
 @dataclass
+class VllmWeightReceiver:
+    """`WeightReceiver` over the workers' transfer engines (`worker_extension.py`, `sampler_transfer_*`):
+    each call starts the work in every worker and returns at once there, then this side reads the workers'
+    status between engine steps until they are done, as a keep-mode stage does (`STAGE_POLL_S`)."""
+
+    llm: Any
+    backend: str
+    workers: int
+    _progress: TransferProgress = field(default_factory=lambda: TransferProgress(0, 0))
+
+    async def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        return list(await self.llm.collective_rpc(method, kwargs=kwargs))
+
+    async def _until(self, phase: str) -> list[dict[str, Any]]:
+        while True:
+            states = await self._rpc("sampler_transfer_status")
+            self._progress = TransferProgress(bytes=min(s["bytes"] for s in states),
+                                              total_bytes=max(s["total_bytes"] for s in states))
+            failed = [s for s in states if s["phase"] == "failed"]
+            if failed:
+                f = failed[0]
+                if f["failure"] == "sha256_mismatch":
+                    raise DigestMismatch(f["error"], f["tensor"])
+                raise TransferTorn(f["error"])
+            if all(s["phase"] == phase for s in states):
+                return states
+            await asyncio.sleep(STAGE_POLL_S)
+
+    async def join(self, init_info: dict[str, Any]) -> None:
+        await self._rpc("sampler_transfer_init", init_info=init_info)
+        await self._until("joined")
+
+    async def begin(self) -> None:
+        await self._rpc("sampler_transfer_begin")
+
+    async def receive(self, update_info: dict[str, Any]) -> TransferReceived:
+        await self._rpc("sampler_transfer_receive", update_info=update_info)
+        try:
+            done = (await self._until("received"))[0]
+        finally:
+            self._progress = TransferProgress(0, 0)
+        return TransferReceived(tensors=done["tensors"], total_bytes=done["total_bytes"], sha256=done["sha256"])
+
+    def progress(self) -> TransferProgress:
+        return self._progress
+
+    async def stage(self) -> StagedCheckpoint:
+        key = uuid.uuid4().hex
+        counts = await self._rpc("sampler_transfer_stage", key=key)
+        return StagedCheckpoint(key=key, tensors=int(counts[0]), files=())
+
+    async def discard(self) -> None:
+        await self._rpc("sampler_transfer_discard")
+
+    async def shutdown(self) -> None:
+        await self._rpc("sampler_transfer_shutdown")
+
+
+@dataclass
 class VllmEngine:
     """Weights versions: vLLM tags every engine step's tokens with the engine core's weight version
     (`set_weight_version`, changed only while generation is paused) and reports, per finished
@@ -172,14 +235,17 @@ class VllmEngine:
     # Set when a keep-mode write failed: the engine is paused on half-written weights for good.
     _broken: str | None = None
     _counters: EngineCounters = field(default_factory=EngineCounters)
+    _receiver: VllmWeightReceiver | None = None
 
     @classmethod
     def create(cls, model_dir: str, cfg: ServerConfig) -> VllmEngine:
         """Blocking: spawns the engine core and waits until it is ready (~15 s for the tiny model on CPU)."""
         # A per-process RPC dir: vLLM's IPC socket files otherwise pile up in /tmp.
         os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="sampler-vllm-rpc-"))
+        from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        backend = cfg.weight_transfer_backend
         args = AsyncEngineArgs(
             model=model_dir,
             dtype=cfg.dtype,
@@ -198,6 +264,8 @@ class VllmEngine:
             # What every logprob is (vLLM's sampler computes them so): named in every answer from the flag.
             logprobs_mode=cfg.logprobs_mode,
             worker_extension_cls="sampler_pod.engine.worker_extension.WeightLoaderExtension",
+            # Each worker builds its transfer engine from vLLM's factory (the worker extension registers gloo).
+            weight_transfer_config=WeightTransferConfig(backend=backend) if backend else None,
             enable_log_requests=False,
         )
         counters = EngineCounters(steps=collections.deque(maxlen=TRACED_STEPS) if cfg.enable_test_seams else None)
@@ -209,8 +277,14 @@ class VllmEngine:
             raise RuntimeError(f"vLLM runs logprobs_mode {mc.logprobs_mode}, not --logprobs-mode {cfg.logprobs_mode}")
         # The tokenizer (and its chat template) is loaded here, once, never per request.
         tokenizer = llm.get_tokenizer()
+        receiver = VllmWeightReceiver(llm, backend, workers=llm.vllm_config.parallel_config.world_size_across_dp) \
+            if backend else None
         return cls(llm=llm, vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, tokenizer=tokenizer,
-                   _counters=counters)
+                   _counters=counters, _receiver=receiver)
+
+    @property
+    def weight_receiver(self) -> VllmWeightReceiver | None:
+        return self._receiver
 
     async def require_lora_isolation(self) -> None:
         """Refuse --enable-lora where a request without an adapter could be answered by one
@@ -317,9 +391,15 @@ class VllmEngine:
         await self.llm.abort(request_id)
 
     async def load_checkpoint(self, files: list[str], fail_after_tensors: int | None, version: int) -> int:
-        counts = await self.llm.collective_rpc(
-            "sampler_load_checkpoint", kwargs={"files": files, "fail_after_tensors": fail_after_tensors}
-        )
+        return await self._written(await self.llm.collective_rpc(
+            "sampler_load_checkpoint", kwargs={"files": files, "fail_after_tensors": fail_after_tensors}), version)
+
+    async def load_staged(self, staged: StagedCheckpoint, version: int) -> int:
+        return await self._written(await self.llm.collective_rpc(
+            "sampler_load_staged", kwargs={"key": staged.key, "fail_after_tensors": None}), version)
+
+    async def _written(self, counts: list[Any], version: int) -> int:
+        """After a write with nothing in flight: tag the new weights, and drop the old ones' prefixes."""
         await self._set_version(version)
         # Cached prefixes were computed with the old weights (the salt already keeps them apart;
         # nothing is in flight here, so this frees their blocks too).

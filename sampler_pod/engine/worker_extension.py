@@ -9,6 +9,14 @@ host memory while the engine keeps stepping (the RPC returns at once; the server
 `sampler_stage_done`), so that the pause of the write (`sampler_load_staged`) covers only the copy
 into the model.
 
+Pushes over the network (vLLM's weight-transfer protocol, `--weight-transfer-backend`) land in the same
+staging: the worker's transfer engine (`sampler_common/weight_transfer/gloo.py`, registered here, in the
+worker process, where vLLM's factory builds it) receives into host memory in a thread while the engine
+keeps stepping, and `sampler_transfer_stage` turns the verified tensors into a stage that
+`sampler_load_staged` writes like any other. The `sampler_transfer_*` methods call the transfer engine's
+own vLLM API; vLLM's worker-level `start/update/finish_weight_update` wrappers are not used: they track a
+session the server tracks itself, and their finish resets the LoRA state although nothing was written.
+
 Why not `model.load_weights()`: on CPU the linear weights are repacked after load, so
 only `reload_weights` (which restores checkpoint layout, loads, and re-runs weight
 post-processing) works. A failure inside it leaves parameters half-written: that is
@@ -24,12 +32,16 @@ from typing import Any
 
 import torch
 
+from sampler_common.weight_transfer import gloo
+
 from . import lora_isolation, seeded_chunks
 
 # vLLM imports this module in every worker process before it builds the model: the one hook that
-# runs there without a vLLM plugin package (lora_isolation and seeded_chunks say why they need it).
+# runs there without a vLLM plugin package (lora_isolation and seeded_chunks say why they need it; the
+# gloo backend must be in vLLM's factory before the worker builds its transfer engine).
 lora_isolation.install()
 seeded_chunks.install()
+gloo.register_worker_engine()
 
 class InjectedWriteFailure(RuntimeError):
     """Raised by the documented test seam `fail_after_tensors`; never in production paths."""
@@ -61,11 +73,16 @@ def _read_all(files: list[str]) -> list[tuple[str, torch.Tensor]]:
 
 @dataclass
 class _Stage:
-    """A checkpoint being read (or read) into host memory by a worker thread."""
+    """A checkpoint being read (or read) into host memory by a worker thread (none: received over the
+    network, already there)."""
 
-    thread: threading.Thread
+    thread: threading.Thread | None = None
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     error: str | None = None
+
+    @property
+    def reading(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
 
 
 def _failing_after(items: list[tuple[str, torch.Tensor]],
@@ -80,12 +97,18 @@ class WeightLoaderExtension:
     # `self` is the vLLM worker; these are its attributes.
     reload_weights: Any
     model_runner: Any
+    init_weight_transfer_engine: Any
+    shutdown_weight_transfer_engine: Any
+    weight_transfer_engine: Any
     _sampler_stages: dict[str, _Stage]
 
-    def sampler_stage_begin(self, key: str, files: list[str]) -> None:
+    def _stages(self) -> dict[str, _Stage]:
         if not hasattr(self, "_sampler_stages"):
             self._sampler_stages = {}
-        stage = _Stage(thread=threading.Thread(target=lambda: None))
+        return self._sampler_stages
+
+    def sampler_stage_begin(self, key: str, files: list[str]) -> None:
+        stage = _Stage()
 
         def read() -> None:
             try:
@@ -94,26 +117,61 @@ class WeightLoaderExtension:
                 stage.error = f"{type(e).__name__}: {e}"
 
         stage.thread = threading.Thread(target=read, name=f"sampler-stage-{key}", daemon=True)
-        self._sampler_stages[key] = stage
+        self._stages()[key] = stage
         stage.thread.start()
 
     def sampler_stage_done(self, key: str) -> tuple[bool, int, str | None]:
         """(finished, tensors read, error). Never blocks: it runs between engine steps."""
-        stage = self._sampler_stages[key]
-        if stage.thread.is_alive():
+        stage = self._stages()[key]
+        if stage.reading:
             return False, 0, None
         return True, len(stage.tensors), stage.error
 
     def sampler_stage_discard(self, key: str) -> None:
-        getattr(self, "_sampler_stages", {}).pop(key, None)
+        self._stages().pop(key, None)
 
     def sampler_load_staged(self, key: str, fail_after_tensors: int | None = None) -> int:
-        stage = self._sampler_stages.pop(key)
-        stage.thread.join()
+        stage = self._stages().pop(key)
+        if stage.thread is not None:
+            stage.thread.join()
         if stage.error is not None:
             raise RuntimeError(f"staging failed: {stage.error}")
         self.reload_weights(weights_iterator=_failing_after(stage.tensors, fail_after_tensors))
         return len(stage.tensors)
+
+    # -- weights over the network: each call returns at once (the transfer engine works in a thread)
+
+    def _transfer(self) -> Any:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("this engine was started without a weight transfer backend")
+        return engine
+
+    def sampler_transfer_init(self, init_info: dict[str, Any]) -> None:
+        self.init_weight_transfer_engine(init_info)  # vLLM's worker: parses the init info, then our engine's
+
+    def sampler_transfer_begin(self) -> None:
+        self._transfer().start_weight_update()
+
+    def sampler_transfer_receive(self, update_info: dict[str, Any]) -> None:
+        self._transfer().update_weights(update_info)
+
+    def sampler_transfer_status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self._transfer().status()
+        return status
+
+    def sampler_transfer_stage(self, key: str) -> int:
+        engine = self._transfer()
+        engine.finish_weight_update()
+        tensors = engine.take_received()
+        self._stages()[key] = _Stage(tensors=tensors)
+        return len(tensors)
+
+    def sampler_transfer_discard(self) -> None:
+        self._transfer().discard()
+
+    def sampler_transfer_shutdown(self) -> None:
+        self.shutdown_weight_transfer_engine()
 
     def sampler_load_checkpoint(self, files: list[str], fail_after_tensors: int | None = None) -> int:
         count = 0

@@ -27,10 +27,11 @@ from ..core.startup import EngineStarter
 from ..openai.paths import OPENAI_PATHS
 from ..protocols import tinker, twinkle
 from ..weights.service import WeightsService
+from ..weights.transfer import WeightTransferService
 
 if TYPE_CHECKING:
     from ..openai.app import OpenAIRoutes
-from .routes import health, native, test_seams, weights
+from .routes import health, native, test_seams, weight_transfer, weights
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
     app = FastAPI(title="sampler-pod", version="0.1.0", lifespan=lifespan)
     app.state.core = core
     app.state.weights = weights_service or WeightsService(core)
+    app.state.transfer = WeightTransferService(core, app.state.weights)
     app.state.tinker = tinker.TinkerService(core)
     app.state.twinkle = twinkle.TwinkleService(core, app.state.weights, cfg.twinkle_session_ttl_s)
     app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)
@@ -95,9 +97,9 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
 
     for open_router in (health.router, tinker.probe_router, twinkle.probe_router):
         app.include_router(open_router)
-    for router in (native.router, weights.router, tinker.router, twinkle.router):
+    for router in (native.router, weights.router, weight_transfer.router, tinker.router, twinkle.router):
         app.include_router(router, dependencies=[Depends(auth.sampling)])
-    for router in (weights.admin_router, twinkle.admin_router):
+    for router in (weights.admin_router, weight_transfer.admin_router, twinkle.admin_router):
         app.include_router(router, dependencies=[Depends(auth.admin)])
     # vLLM's OpenAI-compatible routes: exactly these paths go to vLLM's own app (openai/app.py).
     for path in OPENAI_PATHS:

@@ -47,7 +47,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -66,7 +67,16 @@ from sampler_common.rollout_trace import trace
 
 from ..core.health import FailedWrite, IntendedWeights
 from ..core.sampler import SamplerCore
-from ..engine.base import AdapterRef, Engine, InFlightWrite, KvMode, NothingWritten, StagedCheckpoint
+from ..engine.base import (
+    AdapterRef,
+    Engine,
+    InFlightWrite,
+    KvMode,
+    NothingWritten,
+    StagedCheckpoint,
+    TransferReceived,
+    WeightReceiver,
+)
 from .state_file import PersistedAdapter, PersistedWeights, StatePersistFailed, write_state
 from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
 
@@ -80,19 +90,20 @@ class WeightWriteFailed(SamplerError):
     category = "weight_write_failed"
 
 
-class LoadCheckpointRequest(BaseModel):
+class WriteOptions(BaseModel):
+    """How a weights write treats the replica: its training step, how long it may wait, and what happens
+    to the samples in flight. One definition for every source of weights: a checkpoint load's body, and
+    a push over the network's `update_info` (weights/transfer.py)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(..., min_length=1)
-    version_label: str = Field(..., min_length=1, max_length=200)
-    sha256_manifest: dict[str, str] | None = None
     step: int | None = Field(
         None, ge=0, description="The trainer's training step of these weights: reported as `weights_step` by "
                                 "/health and every answer, kept across a restart, and what gateways order "
                                 "labels by when no pool history does (docs/design/routing-switch.md).")
     timeout_s: float | None = Field(None, gt=0)
     in_flight: Literal["drain", "abort", "keep"] = Field(
-        "drain", description="What happens to the samples in flight once the checkpoint passed validation: "
+        "drain", description="What happens to the samples in flight once the weights passed validation: "
                              "`drain` waits for them to finish; `abort` aborts them (each answers 503 `aborted`, "
                              "resubmit) so the write starts as soon as the engine lets go of them; `keep` pauses "
                              "them in the engine for the write only and continues them on the new weights (their "
@@ -100,6 +111,24 @@ class LoadCheckpointRequest(BaseModel):
     kv: KvMode | None = Field(
         None, description="`in_flight: keep` only: the kept requests `keep` (default) the KV cache computed under "
                           "the old weights, or `recompute` it under the new ones when they resume.")
+
+
+    def check(self, engine: Engine, prefix: str = "") -> None:
+        """400 naming the field when these options cannot be honoured on `engine` (`prefix`: where the
+        options sit in the request, `update_info.` for a push)."""
+        if self.kv is not None and self.in_flight != "keep":
+            raise InvalidRequest(f"kv applies to in_flight=keep only (this write is in_flight={self.in_flight})",
+                                 field=f"{prefix}kv")
+        if self.in_flight == "keep" and engine.keep_unsupported is not None:
+            # Never a silent fallback to drain: the caller chose keep for what it costs.
+            raise InvalidRequest(f"in_flight=keep is not possible on this server: {engine.keep_unsupported}",
+                                 field=f"{prefix}in_flight")
+
+
+class LoadCheckpointRequest(WriteOptions):
+    path: str = Field(..., min_length=1)
+    version_label: str = Field(..., min_length=1, max_length=200)
+    sha256_manifest: dict[str, str] | None = None
     # TEST SEAM (documented in docs/guide/sampler.md): only honoured with --enable-test-seams.
     # The worker raises after writing this many tensors: a real mid-write failure.
     test_fail_after_tensors: int | None = Field(None, ge=0)
@@ -109,10 +138,13 @@ class LoadCheckpointResponse(BaseModel):
     weights_version: int
     weights_label: str
     weights_step: int | None = None
+    # The model digest of weights pushed over the network (sampler_common/weight_transfer/digest.py).
+    weights_sha256: str | None = None
     tensors: int
     total_bytes: int
     validation_s: float
-    # keep: reading the checkpoint into host memory while sampling went on (0 for drain and abort).
+    # keep: reading the checkpoint into host memory while sampling went on (0 for drain and abort); a
+    # push over the network: receiving it.
     stage_s: float
     drain_wait_s: float
     write_s: float
@@ -135,11 +167,34 @@ class AdapterInfo(BaseModel):
     rank: int | None = None
 
 
+class _Outcome:
+    """A write's outcome as it stands, for its one `sampler_weight_loads_total` count: `rejected` until
+    the write starts, `uncertain` while it runs, `ok` once done."""
+
+    value: str = "rejected"
+
+
+@dataclass(frozen=True)
+class _Written:
+    tensors: int
+    got_lock: float  # monotonic time the write's lock (or the right to mutate) was had
+    paused_s: float
+
+    def response(self, core: SamplerCore, total_bytes: int, validation_s: float, stage_s: float, waited_from: float,
+                 done: float) -> LoadCheckpointResponse:
+        w = core.weights
+        return LoadCheckpointResponse(weights_version=w.version, weights_label=w.label, weights_step=w.step,
+                                      weights_sha256=w.sha256, tensors=self.tensors, total_bytes=total_bytes,
+                                      validation_s=validation_s, stage_s=stage_s,
+                                      drain_wait_s=self.got_lock - waited_from, write_s=done - self.got_lock,
+                                      paused_s=self.paused_s)
+
+
 class WeightsService:
     def __init__(self, core: SamplerCore) -> None:
         self.core = core
         self._lora_ids = itertools.count(1)
-        self.schema: dict[str, TensorSpec] | None = None
+        self._model_schema: dict[str, TensorSpec] | None = None
         self.adapter_info: dict[str, AdapterInfo] = {}
         # TEST SEAM (routes only with --enable-test-seams, http/routes/test_seams.py): adapter adds
         # held just before the engine's add, so a test kills the replica with a load under way.
@@ -152,16 +207,18 @@ class WeightsService:
             raise InvalidRequest("this server has no --checkpoint-root; loads are disabled", field="path")
         return self.core.cfg.checkpoint_roots
 
-    def _schema(self) -> dict[str, TensorSpec]:
-        if self.schema is None:
+    def schema(self, field: str = "path") -> dict[str, TensorSpec]:
+        """The served model's tensors (names in checkpoint naming, shapes, dtypes): what every checkpoint
+        and every push must match. `field`: what a 400 blames when the model is not loaded yet."""
+        if self._model_schema is None:
             from .validation import schema_from_checkpoint_dir
 
             if self.core.model_dir is None:
-                raise InvalidRequest("the base model is not loaded yet", field="path")
+                raise InvalidRequest("the base model is not loaded yet", field=field)
             # Read once from the base model's own safetensors headers: the shapes and dtypes
             # every checkpoint for this replica must match.
-            self.schema = schema_from_checkpoint_dir(self.core.model_dir)
-        return self.schema
+            self._model_schema = schema_from_checkpoint_dir(self.core.model_dir)
+        return self._model_schema
 
     # ------------------------------------------------------------ checkpoints
 
@@ -186,15 +243,9 @@ class WeightsService:
                                  field="test_fail_after_tensors")
         # A replica waiting for loadable weights (its intended checkpoint was unavailable at
         # startup) takes loads: a load is how it recovers (`weights/startup.py`).
-        if req.kv is not None and req.in_flight != "keep":
-            raise InvalidRequest(f"kv applies to in_flight=keep only (this load is in_flight={req.in_flight})",
-                                 field="kv")
         require = core.require_engine if restoring or core.awaiting_weights is not None else core.require_serving
+        req.check(require())
         engine = require()
-        if req.in_flight == "keep" and engine.keep_unsupported is not None:
-            # Never a silent fallback to drain: the caller chose keep for what it costs.
-            raise InvalidRequest(f"in_flight=keep is not possible on this server: {engine.keep_unsupported}",
-                                 field="in_flight")
         if req.in_flight == "keep" and not restoring:
             return await self._load_keep(req, engine, require)
         t0 = time.monotonic()
@@ -219,7 +270,9 @@ class WeightsService:
                         self._persist(intended)
                     core.weights.intended = intended
                     outcome = "uncertain"  # from here on the engine's weights are being overwritten
-                    n = await self._write(engine, validated, intended, req.test_fail_after_tensors)
+                    files = [str(s.path) for s in validated.shards]
+                    n = await self._write(engine, intended, lambda version: engine.load_checkpoint(
+                        files, req.test_fail_after_tensors, version))
                     outcome = "ok"
                     core.awaiting_weights = None  # it serves the weights it was just told to
             except TimeoutError:
@@ -244,7 +297,7 @@ class WeightsService:
         try:
             # The thread cannot be stopped, but the load no longer waits for it: its result is dropped.
             validated = await asyncio.wait_for(
-                asyncio.to_thread(validate_checkpoint, req.path, self.roots, self._schema(),
+                asyncio.to_thread(validate_checkpoint, req.path, self.roots, self.schema(),
                                   sha256_manifest=req.sha256_manifest),
                 timeout=budget)
         except TimeoutError:
@@ -256,13 +309,13 @@ class WeightsService:
 
     async def _load_keep(self, req: LoadCheckpointRequest, engine: Engine,
                          require: Callable[[], Engine]) -> LoadCheckpointResponse:
-        """Validate -> stage (sampling goes on) -> the right to mutate -> record the intent -> pause,
-        write, resume (the samples in flight are kept and continue) -> bump the version."""
+        """Validate -> stage (sampling goes on) -> `write_staged` (the right to mutate, the intent, the
+        pause with every sample kept, the write, the new version)."""
         core, m = self.core, self.core.metrics
         t0 = time.monotonic()
         budget = req.timeout_s or core.cfg.load_timeout_s
         deadline = t0 + budget
-        outcome = "rejected"
+        outcome = _Outcome()
         staged: StagedCheckpoint | None = None
         try:
             validated, validation_s = await self._validated(req, budget)
@@ -278,47 +331,105 @@ class WeightsService:
             except Exception as e:  # the engine could not read it: nothing was written
                 raise EngineFailure(f"could not stage checkpoint {req.version_label!r}: {e}; nothing was written",
                                     field="path") from e
-            try:
-                async with core.mutating(max(0.0, deadline - time.monotonic())):
-                    engine = require()
-                    got_lock = time.monotonic()
-                    validated.assert_unchanged()  # the files may have changed while we staged
-                    intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
-                                               sha256_manifest=req.sha256_manifest, step=req.step)
-                    previous = core.weights.intended
-                    self._persist(intended)
-                    core.weights.intended = intended
-                    outcome = "uncertain"  # from here on the engine's weights are being overwritten
-                    try:
-                        write = await self._write_in_flight(engine, staged, intended, req.kv or "keep",
-                                                            req.test_fail_after_tensors)
-                    except NothingWritten as e:
-                        # The engine never paused: the old weights serve on, and stay the intended ones.
-                        outcome = "rejected"
-                        core.weights.intended = previous
-                        self._persist()
-                        raise EngineFailure(f"load of {req.version_label!r} not done, nothing was written: {e}",
-                                            field="in_flight") from e
-                    staged = None
-                    outcome = "ok"
-            except TimeoutError:
-                raise LoadTimedOut(f"another weights change did not finish within timeout_s={budget:g}s; nothing "
-                                   "was written", field="timeout_s") from None
+            intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
+                                       sha256_manifest=req.sha256_manifest, step=req.step)
+            written = await self.write_staged(engine, require, staged, intended, req, deadline, outcome,
+                                              before_write=validated.assert_unchanged,
+                                              fail_after_tensors=req.test_fail_after_tensors)
         finally:
-            m.weight_loads.labels(outcome=outcome).inc()
-            if staged is not None and outcome == "rejected":
+            m.weight_loads.labels(outcome=outcome.value).inc()
+            if staged is not None and outcome.value == "rejected":
                 await engine.discard_staged(staged)
         done = time.monotonic()
         m.load_seconds.observe(done - t0)
-        wait_s, write_s = got_lock - t0 - validation_s - stage_s, done - got_lock
         log.info("loaded checkpoint %s (%s) as version %d in flight (%d tensors, kv=%s): validation %.2fs, stage %.2fs,"
-                 " engine paused %.3fs", req.version_label, validated.path, core.weights.version, write.tensors,
-                 req.kv or "keep", validation_s, stage_s, write.paused_s)
-        return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
-                                      weights_step=core.weights.step,
-                                      tensors=write.tensors, total_bytes=validated.total_bytes,
-                                      validation_s=validation_s, stage_s=stage_s, drain_wait_s=wait_s,
-                                      write_s=write_s, paused_s=write.paused_s)
+                 " engine paused %.3fs", req.version_label, validated.path, core.weights.version, written.tensors,
+                 req.kv or "keep", validation_s, stage_s, written.paused_s)
+        return written.response(core, validated.total_bytes, validation_s, stage_s, t0 + validation_s + stage_s, done)
+
+    async def write_received(self, receiver: WeightReceiver, received: TransferReceived, label: str,
+                             opts: WriteOptions, validation_s: float, receive_s: float) -> LoadCheckpointResponse:
+        """A push received over the network (weights/transfer.py), verified and in host memory: staged and
+        written in `opts.in_flight`'s way, exactly as a checkpoint's staged tensors are. Its intent has no
+        checkpoint: the label, the step and the model digest (what a replacement would have to find)."""
+        core, m = self.core, self.core.metrics
+        require = core.require_engine if core.awaiting_weights is not None else core.require_serving
+        engine = require()
+        t0 = time.monotonic()
+        deadline = t0 + (opts.timeout_s or core.cfg.load_timeout_s)
+        outcome = _Outcome()
+        staged: StagedCheckpoint | None = None
+        try:
+            staged = await receiver.stage()
+            intended = IntendedWeights(checkpoint=None, version_label=label, step=opts.step, sha256=received.sha256)
+            written = await self.write_staged(engine, require, staged, intended, opts, deadline, outcome)
+        finally:
+            m.weight_loads.labels(outcome=outcome.value).inc()
+            if staged is not None and outcome.value == "rejected":
+                await engine.discard_staged(staged)
+        done = time.monotonic()
+        m.load_seconds.observe(done - t0 + receive_s)
+        trace(TRACE_WHO, "load.done", label=label, in_flight=opts.in_flight, source="network",
+              paused_s=f"{written.paused_s:.6f}")
+        log.info("wrote weights pushed over the network as %s (version %d, %d tensors, sha256 %s, in_flight=%s): "
+                 "received in %.2fs, engine paused %.3fs", label, core.weights.version, written.tensors,
+                 received.sha256, opts.in_flight, receive_s, written.paused_s)
+        return written.response(core, received.total_bytes, validation_s, receive_s, t0, done)
+
+    async def write_staged(self, engine: Engine, require: Callable[[], Engine], staged: StagedCheckpoint,
+                           intended: IntendedWeights, opts: WriteOptions, deadline: float, outcome: _Outcome, *,
+                           before_write: Callable[[], None] = lambda: None,
+                           fail_after_tensors: int | None = None) -> _Written:
+        """Write staged tensors (a checkpoint read into host memory, or a push received over the network):
+        `keep`, pause the engine with every sample kept, write, resume (only the right to mutate is
+        taken); `drain` / `abort`, the write lock, then the write. The intent is recorded at the point of
+        no return; `outcome` follows the write (rejected, then uncertain, then ok). The caller discards
+        the staged tensors if nothing was written."""
+        core = self.core
+        budget = opts.timeout_s or core.cfg.load_timeout_s
+        if opts.in_flight == "keep":
+            try:
+                async with core.mutating(max(0.0, deadline - time.monotonic())):
+                    engine = require()
+                    got = time.monotonic()
+                    before_write()  # e.g. the files may have changed while we staged
+                    previous = core.weights.intended
+                    self._persist(intended)
+                    core.weights.intended = intended
+                    outcome.value = "uncertain"  # from here on the engine's weights are being overwritten
+                    try:
+                        write = await self._write_in_flight(engine, staged, intended, opts.kv or "keep",
+                                                            fail_after_tensors)
+                    except NothingWritten as e:
+                        # The engine never paused: the old weights serve on, and stay the intended ones.
+                        outcome.value = "rejected"
+                        core.weights.intended = previous
+                        self._persist()
+                        raise EngineFailure(f"load of {intended.version_label!r} not done, nothing was written: "
+                                            f"{e}", field="in_flight") from e
+                    outcome.value = "ok"
+                    core.awaiting_weights = None  # it serves the weights it was just told to
+                    return _Written(write.tensors, got, write.paused_s)
+            except TimeoutError:
+                raise LoadTimedOut(f"another weights change did not finish within timeout_s={budget:g}s; nothing "
+                                   "was written", field="timeout_s") from None
+        why = f"a load of {intended.version_label!r} (in_flight=abort)" if opts.in_flight == "abort" else None
+        try:
+            async with core.load_locked(engine, max(0.0, deadline - time.monotonic()), abort_why=why):
+                got = time.monotonic()
+                engine = require()
+                before_write()
+                self._persist(intended)
+                core.weights.intended = intended
+                outcome.value = "uncertain"
+                n = await self._write(engine, intended, lambda version: engine.load_staged(staged, version))
+                outcome.value = "ok"
+                core.awaiting_weights = None
+                return _Written(n, got, time.monotonic() - got)
+        except TimeoutError:
+            ended = "end after their abort" if opts.in_flight == "abort" else "drain"
+            raise LoadTimedOut(f"in-flight samples did not {ended} within timeout_s={budget:g}s; nothing was written",
+                               field="timeout_s") from None
 
     async def _write_in_flight(self, engine: Engine, staged: StagedCheckpoint, intended: IntendedWeights, kv: KvMode,
                                fail_after_tensors: int | None) -> InFlightWrite:
@@ -343,15 +454,13 @@ class WeightsService:
         self._bumped(intended)
         return write
 
-    async def _write(self, engine: Engine, validated: ValidatedCheckpoint, intended: IntendedWeights,
-                     fail_after_tensors: int | None) -> int:
-        """The write itself, under the write lock. Any failure here leaves the weights uncertain."""
+    async def _write(self, engine: Engine, intended: IntendedWeights, write: Callable[[int], Awaitable[int]]) -> int:
+        """The write itself (`write(version)`), under the write lock. Any failure here leaves the weights
+        uncertain."""
         core = self.core
         limit = core.cfg.write_timeout_s
         try:
-            n = await asyncio.wait_for(
-                engine.load_checkpoint([str(s.path) for s in validated.shards], fail_after_tensors,
-                                       core.weights.version + 1), timeout=limit)
+            n = await asyncio.wait_for(write(core.weights.version + 1), timeout=limit)
         except BaseException as e:
             reason = self._uncertain(intended, e, limit)
             if isinstance(e, asyncio.CancelledError):
@@ -373,7 +482,7 @@ class WeightsService:
 
     def _bumped(self, intended: IntendedWeights) -> None:
         core = self.core
-        core.weights.bump(intended.version_label, intended.checkpoint, intended.step)
+        core.weights.bump(intended.version_label, intended.checkpoint, intended.step, intended.sha256)
         core.metrics.set_weights(core.weights.version, core.weights.label)
 
     # ------------------------------------------------------------ the state file
@@ -388,6 +497,7 @@ class WeightsService:
             version_label=intended.version_label if intended else None,
             sha256_manifest=intended.sha256_manifest if intended else None,
             step=intended.step if intended else None,
+            sha256=intended.sha256 if intended else None,
             adapters=[PersistedAdapter(name=n, path=adapters[n].path) for n in sorted(adapters)])
 
     def _persist(self, intended: IntendedWeights | None = None, adapters: dict[str, AdapterRef] | None = None) -> None:
@@ -414,7 +524,7 @@ class WeightsService:
         self._check_room(req.name)
         try:
             v = await asyncio.to_thread(validate_lora_adapter, req.path, self.roots, max_rank=core.cfg.max_lora_rank,
-                                        base_schema=self._schema(), sha256_manifest=req.sha256_manifest)
+                                        base_schema=self.schema(), sha256_manifest=req.sha256_manifest)
         except CheckpointInvalid:
             m.weight_loads.labels(outcome="rejected").inc()
             raise

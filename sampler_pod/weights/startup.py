@@ -75,6 +75,12 @@ async def restore(service: WeightsService, target: PersistedWeights) -> None:
     """Load `target` into a started engine (the core is `restoring`), then record it in the state file.
     Raises `CheckpointUnavailable` when the checkpoint cannot be loaded (nothing was written)."""
     core = service.core
+    if target.pushed:
+        # Nothing to load them from (a peer's catch-up is a later phase of docs/design/weights-over-network.md):
+        # waiting, unready, beats serving other weights under their label.
+        raise CheckpointUnavailable(intended_unavailable_reason(
+            f"network push {target.version_label} (sha256 {target.sha256})",
+            "weights pushed over the network have no durable copy to load; push them again, or load a checkpoint"))
     if target.checkpoint is not None and target.version_label is not None:
         core.restoring = f"loading initial weights {target.version_label}"
         try:

@@ -43,24 +43,35 @@ class PersistedAdapter(BaseModel):
 
 
 class PersistedWeights(BaseModel):
-    """`{"checkpoint", "version_label", "sha256_manifest", "step", "adapters": [{"name", "path"}]}`."""
+    """`{"checkpoint", "version_label", "sha256_manifest", "step", "sha256", "adapters": [{"name", "path"}]}`.
+    Weights pushed over the network have a label and a model digest (`sha256`) but no checkpoint: a
+    restart cannot load them from anywhere yet, and waits, unready (weights/startup.py)."""
 
     checkpoint: str | None = Field(None, min_length=1)
     version_label: str | None = Field(None, min_length=1)
     sha256_manifest: dict[str, str] | None = None
     # The training step of the checkpoint: a restart reports it again (absent in older files).
     step: int | None = Field(None, ge=0)
+    # The model digest of weights pushed over the network (absent for a checkpoint, and in older files).
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     adapters: list[PersistedAdapter] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _checkpoint_has_label(self) -> PersistedWeights:
-        if (self.checkpoint is None) != (self.version_label is None):
+        if self.checkpoint is not None and self.version_label is None:
             raise ValueError("checkpoint and version_label go together")
+        if self.version_label is not None and self.checkpoint is None and self.sha256 is None:
+            raise ValueError("a version_label without a checkpoint needs the sha256 of the weights pushed")
         return self
 
     @property
+    def pushed(self) -> bool:
+        """Weights pushed over the network: a label and a digest, nothing to load them from."""
+        return self.version_label is not None and self.checkpoint is None
+
+    @property
     def empty(self) -> bool:
-        return self.checkpoint is None and not self.adapters
+        return self.version_label is None and not self.adapters
 
 
 def read_state(path: Path | None) -> PersistedWeights | None:

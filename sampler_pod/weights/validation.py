@@ -12,6 +12,8 @@ Public API
   safetensors headers (called once at server startup; the base dir is trusted).
 - ``validate_checkpoint(path, roots, schema, ...)`` -> ``ValidatedCheckpoint``.
 - ``validate_lora_adapter(path, roots, max_rank=..., ...)`` -> ``ValidatedLoraAdapter``.
+- ``validate_tensor_metadata(names, dtype_names, shapes, schema)``: a push over the network (vLLM's
+  weight-transfer update info) against the same schema, before a byte of it is received.
 - ``CheckpointInvalid``: the only exception (besides bugs) these raise.
 
 Rules (the contract a checkpoint must meet)
@@ -55,7 +57,7 @@ from typing import Any, NamedTuple
 
 from sampler_common.errors import SamplerError
 
-from .safetensors_header import SafetensorsHeader, SafetensorsHeaderError, TensorEntry, read_header
+from .safetensors_header import DTYPE_SIZES, SafetensorsHeader, SafetensorsHeaderError, TensorEntry, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SHA256SUMS_FILE = "sha256sums"
@@ -611,6 +613,55 @@ def _shard_info(header: SafetensorsHeader, file: str, digests: Mapping[str, str]
         raise CheckpointInvalid(field, file, None, "changed size during validation", code=CODE_BAD_LAYOUT)
     return ShardInfo(file, header.path, header.names, header.file_size, st.st_mtime_ns,
                      digests.get(file) if digests else None)
+
+
+# --------------------------------------------------------------------------- pushes over the network
+
+# torch's dtype names (what vLLM's update info carries as `dtype_names`) as safetensors names them.
+TORCH_DTYPES: dict[str, str] = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
+    "float8_e8m0fnu": "F8_E8M0", "int16": "I16", "uint16": "U16", "float16": "F16", "bfloat16": "BF16",
+    "int32": "I32", "uint32": "U32", "float32": "F32", "int64": "I64", "uint64": "U64", "float64": "F64",
+}
+
+
+def validate_tensor_metadata(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]],
+                             schema: Mapping[str, tuple[tuple[int, ...], str]], *,
+                             field: str = "update_info") -> int:
+    """A push's tensors (names, torch dtype names and shapes, in the order they will be sent) against the
+    served model's schema, by the same rules as a checkpoint: every tensor of the model exactly once,
+    each with the schema's shape and dtype, nothing else. Errors name the tensor and the request field
+    (`update_info.shapes[3]`); all of one kind come at once, the first raised. Returns the push's bytes."""
+    errors = _Collector()
+    seen: dict[str, int] = {}
+    total = 0
+    for i, (name, dtype_name, shape) in enumerate(zip(names, dtype_names, shapes, strict=True)):
+        spec = schema.get(name)
+        if name in seen:
+            errors.add(CheckpointInvalid(f"{field}.names[{i}]", None, name, f"is sent twice (also at index "
+                                         f"{seen[name]})", code=CODE_DUPLICATE_TENSOR))
+            continue
+        seen[name] = i
+        if spec is None:
+            errors.add(CheckpointInvalid(f"{field}.names[{i}]", None, name, "is not a tensor of the served model",
+                                         code=CODE_UNKNOWN_TENSOR))
+            continue
+        want_shape, want_dtype = tuple(spec[0]), str(spec[1])
+        dtype = TORCH_DTYPES.get(dtype_name)
+        if tuple(shape) != want_shape:
+            errors.add(CheckpointInvalid(f"{field}.shapes[{i}]", None, name, f"has shape {list(shape)}, model "
+                                         f"expects {list(want_shape)}", code=CODE_SHAPE_MISMATCH))
+        elif dtype != want_dtype:
+            expected = next((t for t, st in TORCH_DTYPES.items() if st == want_dtype), want_dtype)
+            errors.add(CheckpointInvalid(f"{field}.dtype_names[{i}]", None, name, f"has dtype {dtype_name!r}, model "
+                                         f"expects {expected!r}", code=CODE_DTYPE_MISMATCH))
+        else:
+            total += DTYPE_SIZES[dtype] * math.prod(shape)
+    for name in sorted(set(schema) - set(seen)):
+        errors.add(CheckpointInvalid(f"{field}.names", None, name, "is missing: a push must send every tensor of "
+                                     "the model", code=CODE_MISSING_TENSOR))
+    errors.raise_if_any()
+    return total
 
 
 # --------------------------------------------------------------------------- LoRA adapters

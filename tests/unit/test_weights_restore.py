@@ -115,7 +115,7 @@ def test_http_load_is_recorded_and_a_restart_comes_back_at_it(ck: Ckpts, referen
         assert not state.exists()  # nothing loaded yet: nothing to record
         assert load(c, "step-1", "step-1").status_code == 200
         assert json.loads(state.read_text()) == {"checkpoint": ck.real("step-1"), "version_label": "step-1",
-                                                 "sha256_manifest": None, "step": None, "adapters": []}
+                                                 "sha256_manifest": None, "step": None, "sha256": None, "adapters": []}
         assert c.post("/v1/adapters", json={"name": "policy", "path": "lora-a"}).status_code == 200
         recorded = json.loads(state.read_text())
         assert recorded["adapters"] == [{"name": "policy", "path": ck.real("lora-a")}]
@@ -127,7 +127,7 @@ def test_http_load_is_recorded_and_a_restart_comes_back_at_it(ck: Ckpts, referen
             assert h["status"] == "ok" and h["weights_label"] == "step-1" and h["weights_version"] == 1, h
             assert h["weights_checkpoint"] == ck.real("step-1") and h["weights_loaded_at"].endswith("Z")
             assert h["intended"] == {"checkpoint": ck.real("step-1"), "version_label": "step-1",
-                                     "sha256_manifest": None, "step": None}
+                                     "sha256_manifest": None, "step": None, "sha256": None}
             # Restored, and unused yet by this process.
             assert h["adapters"] == [{"name": "policy", "path": ck.real("lora-a"), "in_flight": 0,
                                       "last_used_at": None}] and h["failed_write"] is None
