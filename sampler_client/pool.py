@@ -187,6 +187,23 @@ class Pool:
         self.admin_key = admin_key
         self.request_timeout_s = request_timeout_s
         self.poll_interval_s = poll_interval_s
+        self._pusher: Any = None  # weight_transfer.NetworkPusher, once push_weights is used
+
+    def push_weights(self, weights: Any, label: str | None = None, *, step: int | None = None,
+                     in_flight: str | None = None, kv: str | None = None, master_address: str | None = None,
+                     **wire: Any) -> Any:
+        """Push `weights` (a torch module, a state dict, (name, tensor) pairs, or a vLLM `WeightSource`)
+        over the network with vLLM's weight-transfer protocol; returns once it serves them under `label`
+        (default: `sha256-` and the start of their digest), with what was sent (a `PushResult`: the model
+        digest, tensors, bytes, seconds). `step`, `in_flight` (drain, abort, keep) and `kv` as for a
+        checkpoint load. The transfer group is kept between pushes. Needs torch and vLLM (imported here,
+        not by `import sampler_client`). For now `url` is a replica's; a pool's gateway later
+        (docs/design/weights-over-network.md)."""
+        from .weight_transfer import NetworkPusher
+
+        if self._pusher is None:
+            self._pusher = NetworkPusher(self.url, self.admin_key, master_address=master_address, **wire)
+        return self._pusher.push(weights, label, step=step, in_flight=in_flight, kv=kv)
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
               timeout_s: float | None = None) -> dict[str, Any]:

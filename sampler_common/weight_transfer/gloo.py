@@ -58,6 +58,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 
+from .chunks import chunk_plan
 from .digest import DIGEST_BYTES, model_sha256, records, tensor_sha256
 
 BACKEND = "gloo"
@@ -92,21 +93,6 @@ def _broadcast(group: ProcessGroupGloo, tensor: torch.Tensor) -> Any:
     opts = BroadcastOptions()
     opts.rootRank = 0
     return group.broadcast([tensor], opts)
-
-
-def chunk_plan(sizes: list[int], buffer_size_bytes: int) -> list[range]:
-    """Which tensors travel in which chunk, cut exactly as vLLM's `pack_tensors` cuts them: a chunk
-    takes tensors until it holds more than `buffer_size_bytes` (so it may exceed it by one tensor)."""
-    chunks: list[range] = []
-    start, total = 0, 0
-    for i, n in enumerate(sizes):
-        total += n
-        if total > buffer_size_bytes:
-            chunks.append(range(start, i + 1))
-            start, total = i + 1, 0
-    if start < len(sizes):
-        chunks.append(range(start, len(sizes)))
-    return chunks
 
 
 def _digests(packed: torch.Tensor, sizes: list[int]) -> list[bytes]:
@@ -406,6 +392,14 @@ def _wait(work: Any, control: concurrent.futures.Future[Any]) -> None:
     work.wait()
 
 
+def _answer_of(control: concurrent.futures.Future[Any], timeout_s: float) -> BaseException | None:
+    """The control call's error, once it has answered (within `timeout_s`), or None."""
+    try:
+        return control.exception(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        return None
+
+
 def _status_of(error: BaseException) -> int | None:
     """The HTTP status of a control call's error (vLLM's client raises requests' HTTPError)."""
     response = getattr(error, "response", None)
@@ -490,8 +484,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             digests = self._send(source, meta, control)
             control.result()  # the replica received every byte and its digests match
-        except BaseException:
+        except Exception as e:
             self.shutdown()  # torn on both sides: the next push opens a new group
+            # A broadcast that failed because the replica refused the push (and so left the group) failed
+            # for the reason the replica's answer gives: that is the error to raise.
+            refusal = _answer_of(control, self.init_info.timeout_s)
+            if refusal is not None and refusal is not e:
+                raise refusal from e
+            raise
+        except BaseException:
+            self.shutdown()
             raise
         send_s = time.monotonic() - t0
         self.client.finish_weight_update(weight_version)
@@ -527,9 +529,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 in_flight = (_broadcast(group, packed), packed)  # the chunk lives until its broadcast is done
             if in_flight is not None:
                 _wait(in_flight[0], control)
-        trailer = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8)
+        trailer = torch.frombuffer(bytearray(self._trailer([m.name for m in meta], digests)), dtype=torch.uint8)
         _wait(_broadcast(group, trailer), control)
         return digests
+
+    def _trailer(self, names: list[str], digests: list[bytes]) -> bytes:
+        """What follows the last chunk: every tensor's digest, in the order sent."""
+        return b"".join(digests)
 
     def shutdown(self) -> None:
         self._group, self._store = None, None

@@ -57,10 +57,17 @@ class TransferFailed(SamplerError):
 # ---------------------------------------------------------------------------- vLLM's bodies, and ours
 
 
-class GlooInitInfo(BaseModel):
-    """`init_info` of the gloo backend: where the trainer's group is, and this replica's place in it."""
+# Fields of vLLM's NCCL init info that gloo's has not: an init info carrying them is NCCL's (vLLM's NCCL
+# trainer names no backend), and the answer says so rather than "unknown field".
+NCCL_FIELDS = ("packed", "packed_num_buffers", "nccl_unique_id_b64")
 
-    model_config = ConfigDict(extra="forbid")
+
+class GlooInitInfo(BaseModel):
+    """`init_info` of the gloo backend: where the trainer's group is, and this replica's place in it.
+    Unknown fields are refused by the service (`WeightTransferService.init`), after the backend is
+    checked: a trainer of another backend hears that first."""
+
+    model_config = ConfigDict(extra="allow")
 
     backend: str | None = Field(None, description="The backend the trainer speaks; refused unless it is this "
                                                   "replica's (--weight-transfer-backend).")
@@ -206,9 +213,15 @@ class WeightTransferService:
 
     async def init(self, info: GlooInitInfo) -> InitResponse:
         engine, receiver = self._receiver()
-        if info.backend is not None and info.backend != receiver.backend:
-            raise InvalidRequest(f"init_info.backend: unknown backend {info.backend!r}: this replica speaks "
+        extra = sorted(info.model_extra or {})
+        backend = info.backend or ("nccl" if any(f in extra for f in NCCL_FIELDS) else None)
+        if backend is not None and backend != receiver.backend:
+            named = "" if info.backend else f" (its fields {[f for f in extra if f in NCCL_FIELDS]} are NCCL's)"
+            raise InvalidRequest(f"init_info.backend: unknown backend {backend!r}{named}: this replica speaks "
                                  f"{receiver.backend!r} (--weight-transfer-backend)", field="init_info.backend")
+        if extra:
+            raise InvalidRequest(f"init_info.{extra[0]}: not a field of the {receiver.backend} backend's init info",
+                                 field=f"init_info.{extra[0]}")
         if info.rank_offset + receiver.workers > info.world_size:
             raise InvalidRequest(f"init_info.world_size: {info.world_size} leaves no room for this replica's "
                                  f"{receiver.workers} worker(s) at rank_offset {info.rank_offset} (it must be at least "
@@ -218,7 +231,8 @@ class WeightTransferService:
             self.session.enter("joining")
         self._options = None
         try:
-            await receiver.join(info.model_dump(exclude={"backend"}, exclude_none=True))
+            await receiver.join(info.model_dump(include=set(GlooInitInfo.model_fields) - {"backend"},
+                                                exclude_none=True))
         except TransferTorn as e:
             await self._leave(receiver, "torn")
             raise TransferFailed(f"could not join the trainer's group at {info.master_address}:{info.master_port}: "

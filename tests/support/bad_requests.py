@@ -63,3 +63,40 @@ def mode_mismatches(served: str) -> list[tuple[str, Any, dict[str, str], int, st
              {}, 400, "sampling_params.topk_prompt_logprobs"),
         ]
     return cases
+
+
+# vLLM's weight-transfer control calls on a replica with --weight-transfer-backend gloo, sent in order to a
+# replica no trainer has joined (tests run `POST /shutdown_weight_transfer_engine` first): (case id, path,
+# body, expected status, field the error must name). Nothing of them joins or receives anything.
+INIT = {"master_address": "127.0.0.1", "master_port": 29400, "world_size": 2}
+UPDATE = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[512, 128]]}
+BAD_TRANSFER_REQUESTS: list[tuple[str, str, Any, int, str]] = [
+    ("unknown_backend", "/init_weight_transfer_engine", {"init_info": {**INIT, "backend": "nccl"}}, 400,
+     "init_info.backend"),
+    ("nccl_init_info_without_a_backend", "/init_weight_transfer_engine",
+     {"init_info": {**INIT, "rank_offset": 1, "packed": True, "packed_num_buffers": 2}}, 400, "init_info.backend"),
+    ("world_size_without_room_for_the_replica", "/init_weight_transfer_engine",
+     {"init_info": {**INIT, "rank_offset": 2}}, 400, "init_info.world_size"),
+    ("world_size_of_one", "/init_weight_transfer_engine", {"init_info": {**INIT, "world_size": 1}}, 400,
+     "init_info.world_size"),
+    ("rank_offset_zero", "/init_weight_transfer_engine", {"init_info": {**INIT, "rank_offset": 0}}, 400,
+     "init_info.rank_offset"),
+    ("unknown_init_field", "/init_weight_transfer_engine", {"init_info": {**INIT, "bogus": 1}}, 400,
+     "init_info.bogus"),
+    ("port_out_of_range", "/init_weight_transfer_engine", {"init_info": {**INIT, "master_port": 70000}}, 400,
+     "init_info.master_port"),
+    ("no_init_info", "/init_weight_transfer_engine", {}, 400, "init_info"),
+    ("start_before_init", "/start_weight_update", None, 409, "start_weight_update"),
+    ("update_before_start", "/update_weights", {"update_info": UPDATE}, 409, "update_weights"),
+    ("finish_before_update", "/finish_weight_update", {"weight_version": "v1"}, 409, "finish_weight_update"),
+    ("finish_without_a_body_before_update", "/finish_weight_update", None, 409, "finish_weight_update"),
+    ("sha256_not_hex", "/update_weights", {"update_info": {**UPDATE, "sha256": "z" * 64}}, 400,
+     "update_info.sha256"),
+    ("sha256_too_short", "/update_weights", {"update_info": {**UPDATE, "sha256": "ab12"}}, 400,
+     "update_info.sha256"),
+    ("lists_of_different_lengths", "/update_weights", {"update_info": {**UPDATE, "shapes": []}}, 400, "update_info"),
+    ("per_rank_update_info_list", "/update_weights", {"update_info": [UPDATE]}, 400, "update_info"),
+    ("in_flight_unknown", "/update_weights", {"update_info": {**UPDATE, "in_flight": "later"}}, 400,
+     "update_info.in_flight"),
+    ("weight_version_empty", "/finish_weight_update", {"weight_version": ""}, 400, "weight_version"),
+]
