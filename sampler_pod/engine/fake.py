@@ -70,22 +70,20 @@ class FakeWeightReceiver:
     backend: str = "gloo"
     workers: int = 1
     joined: dict[str, Any] | None = None
-    # Test hooks: the next join or receive tears; a receive reports a digest mismatch naming this
-    # tensor; a receive holds (half its bytes in) until the gate opens (`receiving` is set meanwhile).
-    tear_next: bool = False
+    # Test hooks: the next join, or the next receive, tears; a receive reports a digest mismatch naming
+    # this tensor; a receive holds (half its bytes in) until the gate opens (`receiving` is set meanwhile).
+    tear_join: bool = False
+    tear_receive: bool = False
     mismatch_tensor: str | None = None
     receive_gate: asyncio.Event | None = None
     receiving: asyncio.Event = field(default_factory=asyncio.Event)
     _received: TransferReceived | None = None
     _progress: TransferProgress = field(default_factory=lambda: TransferProgress(0, 0))
 
-    def _tear(self) -> None:
-        if self.tear_next:
-            self.tear_next = False
-            raise TransferTorn("test hook: the peer closed the connection")
-
     async def join(self, init_info: dict[str, Any]) -> None:
-        self._tear()
+        if self.tear_join:
+            self.tear_join = False
+            raise TransferTorn("test hook: the trainer's rendezvous refused the connection")
         self.joined, self._received = dict(init_info), None
 
     async def begin(self) -> None:
@@ -98,7 +96,9 @@ class FakeWeightReceiver:
         try:
             if self.receive_gate is not None:
                 await self.receive_gate.wait()
-            self._tear()
+            if self.tear_receive:
+                self.tear_receive = False
+                raise TransferTorn("test hook: the peer closed the connection")
             if self.mismatch_tensor is not None:
                 raise DigestMismatch(f"test hook: tensor {self.mismatch_tensor!r} differs", self.mismatch_tensor)
         finally:
