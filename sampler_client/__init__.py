@@ -11,6 +11,9 @@ environment, without vLLM, kopf or the Kubernetes client (tests/unit/test_sample
     pool.push("/checkpoints/step-120", "step-120", step=120)   # returns once every replica serves it
     pool.push_adapter("math-rl", "/checkpoints/math-rl/120", "step-120", 120).model_path  # a LoRA version
 
+Weights over the network, no checkpoint (needs torch and vLLM; `sampler_client.weight_transfer`, imported
+only then): `Pool(replica_url, admin_key).push_weights(model, "step-121", step=121, in_flight="keep")`.
+
 Or `python -m sampler_client push URL --checkpoint ... --label ... --wait`, and
 `python -m sampler_client push-adapter URL --run R --path P --label L --step N`.
 """
