@@ -19,15 +19,9 @@ import httpx
 import pytest
 
 from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, perturbed_checkpoint
+from tests.support.inflight import L, N, assert_continued, freeze_mid_generation, prompt, retrieve, submit_all
 from tests.support.metrics import metric, total
-from tests.support.server import RunningServer, run_server, wait_until
-
-L = 480           # tokens per sample: the prompt (8) + L fit --max-model-len 512
-N = 16            # samples in flight
-
-
-def prompt(i: int) -> list[int]:
-    return [1, 17 + i, 42, 99, 123 + i, 7, 250, 31]
+from tests.support.server import RunningServer, run_server
 
 
 @dataclass
@@ -45,39 +39,6 @@ def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         perturbed_checkpoint(tiny_model, root / f"step-{step}", seed=step)
     with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-test-seams") as s:
         yield Env(s, root, tiny_model)
-
-
-def submit_all(c: httpx.Client) -> list[str]:
-    rids = []
-    for i in range(N):
-        r = c.post("/v1/sample/submit", json={"prompts": [prompt(i)], "sampling_params": {
-            "max_tokens": L, "temperature": 0.0, "ignore_eos": True}})
-        assert r.status_code == 200, r.text
-        rids.append(r.json()["request_id"])
-    return rids
-
-
-def freeze_mid_generation(c: httpx.Client, rids: list[str]) -> dict[str, int]:
-    """Every sample has produced a token: freeze the engine and return each one's token count."""
-    ids = [f"{rid}-0" for rid in rids]
-
-    def all_started() -> bool:
-        got = c.get("/v1/test/engine/progress").json()["tokens"]
-        return all(got.get(i, 0) >= 1 for i in ids)
-
-    wait_until(all_started, "every sample's first token")
-    assert c.post("/v1/test/engine/pause").status_code == 200
-    got = c.get("/v1/test/engine/progress").json()["tokens"]
-    counts = {rid: got[f"{rid}-0"] for rid in rids}
-    assert all(1 <= n < L for n in counts.values()), counts   # mid-generation, each of them
-    return counts
-
-
-def retrieve(c: httpx.Client, rid: str) -> httpx.Response:
-    while True:
-        r = c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 25})
-        if r.status_code != 202:
-            return r
 
 
 def label(c: httpx.Client) -> tuple[str, int]:
@@ -103,15 +64,7 @@ def test_keep_load_continues_16_samples_mid_generation_with_exact_spans(env: Env
         assert load["weights_label"] == new_label and load["weights_version"] == old_version + 1
         assert 0 < load["paused_s"] <= load["write_s"] and load["stage_s"] > 0
         answers = {rid: retrieve(c, rid) for rid in rids}
-        for rid, a in answers.items():
-            assert a.status_code == 200, a.text
-            seq = a.json()["results"][0]["sequences"][0]
-            b = counts[rid]
-            assert len(seq["tokens"]) == L and seq["stop_reason"] == "length"
-            assert seq["weights_spans"] == [
-                {"label": old_label, "version": old_version, "start": 0, "end": b},
-                {"label": new_label, "version": old_version + 1, "start": b, "end": L}], (rid, b)
-            assert a.json()["weights_label"] == new_label     # the weights of its last token
+        assert_continued(answers, counts, (old_label, old_version), (new_label, old_version + 1))
         text = c.get("/metrics").text
         assert metric(text, "sampler_requests_finished_total", outcome="ok") == finished_before + N  # 0 lost
         assert metric(text, "sampler_requests_in_flight") == 0

@@ -23,6 +23,7 @@ import pytest
 from tests.support import REPO_ROOT
 from tests.support.bad_requests import BAD_TRANSFER_REQUESTS, GOOD
 from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, perturbed_checkpoint
+from tests.support.inflight import N, assert_continued, freeze_mid_generation, retrieve, submit_all
 from tests.support.metrics import metric
 from tests.support.network_push import START_TIMEOUT_S, TrainerProcess, checkpoint_sha256, trainer_process
 from tests.support.server import RunningServer, run_server, wait_until
@@ -32,7 +33,6 @@ PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
 # Small chunks, so a push of the tiny model (1.8 MB) is many broadcasts and can be cut in the middle.
 CHUNK = 64 << 10
 TENSOR = "model.layers.0.self_attn.q_proj.weight"
-L, N = 480, 16  # the keep test: tokens per sample (prompt 8 + L fit --max-model-len 512), samples in flight
 
 
 @dataclass
@@ -158,53 +158,21 @@ def test_a_trainer_killed_mid_transfer_leaves_the_replica_ready_at_its_old_label
         assert greedy(c) == hf_greedy(env.root / "step-4", PROMPT, 16)
 
 
-def _prompt(i: int) -> list[int]:
-    return [1, 17 + i, 42, 99, 123 + i, 7, 250, 31]
-
-
-def _retrieve(c: httpx.Client, rid: str) -> httpx.Response:
-    while True:
-        r = c.post("/v1/sample/retrieve", json={"request_id": rid, "wait_s": 25})
-        if r.status_code != 202:
-            return r
-
-
 def test_a_keep_push_with_16_samples_in_flight_loses_none_and_their_spans_are_exact(env: Env) -> None:
     with env.client() as c:
         old = health(c)
-        rids = []
-        for i in range(N):
-            r = c.post("/v1/sample/submit", json={"prompts": [_prompt(i)], "sampling_params": {
-                "max_tokens": L, "temperature": 0.0, "ignore_eos": True}})
-            assert r.status_code == 200, r.text
-            rids.append(r.json()["request_id"])
-
-        def all_started() -> bool:
-            got = c.get("/v1/test/engine/progress").json()["tokens"]
-            return all(got.get(f"{rid}-0", 0) >= 1 for rid in rids)
-
-        # Every sample mid-generation, then frozen (the test seam) so each one's boundary is known.
-        wait_until(all_started, "every sample's first token")
-        assert c.post("/v1/test/engine/pause").status_code == 200
-        got = c.get("/v1/test/engine/progress").json()["tokens"]
-        counts = {rid: got[f"{rid}-0"] for rid in rids}
-        assert all(1 <= n < L for n in counts.values()), counts
+        rids = submit_all(c)
+        counts = freeze_mid_generation(c, rids)  # every sample mid-generation, the engine frozen
         ok_before = metric(c.get("/metrics").text, "sampler_requests_finished_total", 0.0, outcome="ok")
 
         # The push is received while the engine is frozen, then written under keep (which resumes it):
         # a push that waited for these samples would never end.
         out = env.trainer.push(env.root / "step-5", label="net-5", step=5, in_flight="keep")
         assert out["ok"], out
-        answers = {rid: _retrieve(c, rid) for rid in rids}
+        answers = {rid: retrieve(c, rid) for rid in rids}
         text = c.get("/metrics").text
-    for rid, a in answers.items():
-        assert a.status_code == 200, a.text
-        seq = a.json()["results"][0]["sequences"][0]
-        b = counts[rid]
-        assert len(seq["tokens"]) == L and seq["stop_reason"] == "length"
-        assert seq["weights_spans"] == [
-            {"label": old["weights_label"], "version": old["weights_version"], "start": 0, "end": b},
-            {"label": "net-5", "version": old["weights_version"] + 1, "start": b, "end": L}], (rid, b)
+    assert_continued(answers, counts, (old["weights_label"], old["weights_version"]),
+                     ("net-5", old["weights_version"] + 1))
     assert metric(text, "sampler_requests_finished_total", outcome="ok") == ok_before + N  # 0 lost
     assert metric(text, "sampler_requests_in_flight") == 0
 
