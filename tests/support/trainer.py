@@ -1,6 +1,7 @@
 """A trainer process for the network-push tests: it holds Hugging Face models and pushes them into a replica
-with sampler_client's trainer side (vLLM's trainer API over gloo). One JSON command per line on stdin, one
-JSON answer per line on stdout, so one process (and one vLLM import) serves a test module's pushes:
+with sampler_client's trainer side (`Pool.push_weights`: vLLM's trainer API over gloo). One JSON command per
+line on stdin, one JSON answer per line on stdout, so one process (and one vLLM import) serves a test
+module's pushes:
 
     {"op": "push", "checkpoint": DIR, "label": ..., "step": ..., "in_flight": ..., "kv": ...,
      "tamper": {"rename" | "reshape" | "cast" | "digest": TENSOR}, "stall_after": N}
@@ -24,9 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
+from sampler_client import Pool
 from sampler_client.pool import RequestRefused
-from sampler_client.weight_transfer import NetworkPusher, StateDictSource, WeightSyncClient
-from sampler_common.weight_transfer.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+from sampler_client.weight_transfer import StateDictSource, WeightSyncClient
+from sampler_common.weight_transfer.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, local_address
 
 
 class Stalling(WeightSource):  # type: ignore[misc]
@@ -74,7 +76,7 @@ def tampered(model: torch.nn.Module, how: dict[str, str]) -> WeightSource:
     return StateDictSource(pairs)
 
 
-def push(pusher: NetworkPusher, url: str, key: str, cmd: dict[str, Any]) -> dict[str, Any]:
+def push(pool: Pool, wire: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(cmd["checkpoint"], dtype=torch.float32).eval()
     how = cmd.get("tamper") or {}
     source: WeightSource = tampered(model, how) if how.keys() - {"digest"} else StateDictSource(
@@ -83,24 +85,24 @@ def push(pusher: NetworkPusher, url: str, key: str, cmd: dict[str, Any]) -> dict
         source = Stalling(source, cmd["stall_after"])
     opts = {k: cmd.get(k) for k in ("step", "in_flight", "kv")}
     if "digest" in how:
-        info = GlooTrainerInitInfo(master_address=pusher.master_address, world_size=2, rank=0, **pusher.wire)
+        info = GlooTrainerInitInfo(master_address=local_address("127.0.0.1", 1), world_size=2, rank=0, **wire)
         DigestTampering.tensor = how["digest"]
-        engine = DigestTampering.trainer_init(info, client=WeightSyncClient(url, key), source=source)
+        engine = DigestTampering.trainer_init(info, client=WeightSyncClient(pool.url, pool.admin_key), source=source)
         result = engine.send_weights(weight_version=cmd.get("label"), **opts)
     else:
-        result = pusher.push(source, cmd.get("label"), **opts)
+        result = pool.push_weights(source, cmd.get("label"), **opts, **wire)
     return {"sha256": result.sha256, "tensors": result.tensors, "bytes": result.bytes, "send_s": result.send_s}
 
 
 def main() -> None:
     url, key = sys.argv[1], sys.argv[2]
     wire = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    pusher = NetworkPusher(url, key, **wire)
+    pool = Pool(url, key)
     answer({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
-            answer({"ok": True, "result": push(pusher, url, key, cmd)})
+            answer({"ok": True, "result": push(pool, wire, cmd)})
         except RequestRefused as e:
             answer({"ok": False, "error": {"type": "RequestRefused", "status": e.status, "category": e.category,
                                            "field": e.field, "message": e.message}})
