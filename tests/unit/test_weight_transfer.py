@@ -303,3 +303,30 @@ def test_a_restart_after_a_push_waits_unready_rather_than_serve_other_weights(ti
         r = c.post("/v1/checkpoints/load", json={"path": str(tiny_model), "version_label": "base-again"})
         assert r.status_code == 200, r.text
         assert c.get("/health").json()["status"] == "ok"
+
+
+TRANSFER_PATHS = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                  "/shutdown_weight_transfer_engine", "/get_world_size"}
+
+
+def test_fuzzed_control_calls_get_no_5xx(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The fuzz suite (tests/support/fuzz.py) on the protocol's routes, with the backend ON: the fake engine's
+    receiver joins and receives without a network, so a generated `master_address` is never connected to
+    (the engine tier fuzzes the same routes on vLLM, backend off: tests/engine/test_fuzz_real.py)."""
+    from sampler_pod.http.openapi import SPEC_PATH
+    from tests.support.fuzz import fuzz
+
+    spec = json.loads(SPEC_PATH.read_text())
+    spec["paths"] = {p: ops for p, ops in spec["paths"].items() if p in TRANSFER_PATHS}
+    assert set(spec["paths"]) == TRANSFER_PATHS
+    with run_server(tiny_model, "--weight-transfer-backend", "gloo", "--weights-state-path",
+                    str(tmp_path / "weights.json"), engine="fake") as s, s.client() as c:
+        figures = fuzz(s.url, 60, spec=spec)
+        health = c.get("/health").json()
+        sample = c.post("/v1/sample", json=GOOD)
+    with capsys.disabled():
+        print("\n" + figures.summary())
+    assert figures.requests >= 300, figures.summary()
+    assert not figures.server_errors, "\n".join(figures.server_errors[:20])
+    assert not figures.dropped, "\n".join(figures.dropped[:20])
+    assert health["status"] == "ok" and sample.status_code == 200, (health, sample.text)
