@@ -56,9 +56,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-from .chunks import chunk_plan
+from .chunks import chunk_plan, unpack
 from .digest import DIGEST_BYTES, model_sha256, records, tensor_sha256
 
 BACKEND = "gloo"
@@ -200,8 +200,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 setattr(self._status, k, v)
 
     def _busy(self, what: str) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError(f"{what}: the transfer engine is {self._status.phase}")
+        # The phase, not the thread: a thread's last act is to set its outcome, and a caller that read
+        # that outcome may go on (the thread only returns after it).
+        phase = self._status.phase
+        if phase in ("joining", "receiving"):
+            raise RuntimeError(f"{what}: the transfer engine is {phase}")
 
     def _run(self, name: str, work: Callable[[], None]) -> None:
         def main() -> None:
@@ -288,8 +291,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         def close(buf: torch.Tensor, span: range) -> None:
             part = [sizes[i] for i in span]
             digests.extend(_digests(buf, part))
-            chunks.append(unpack_tensor(buf, [info.names[i] for i in span], [info.shapes[i] for i in span],
-                                        [dtypes[i] for i in span], part))
+            chunks.append(unpack(buf, [info.names[i] for i in span], [info.shapes[i] for i in span],
+                                 [dtypes[i] for i in span], part))
 
         for span in chunk_plan(sizes, buffer_size):
             buf = torch.empty(sum(sizes[i] for i in span), dtype=torch.uint8)
