@@ -202,12 +202,15 @@ class WeightTransferService:
     async def _leave(self, receiver: WeightReceiver, outcome: str) -> None:
         """A refused or torn push: drop what was received, leave the group; the replica is `idle`."""
         self.core.metrics.weight_transfers.labels(outcome=outcome).inc()
-        self.session.reset()
-        self._options = None
         try:
             await receiver.discard()
         except Exception:  # a dead engine holds nothing to drop; the replica reports it dead anyway
             log.exception("could not drop a refused or torn push")
+        finally:
+            # Idle only once the group is gone: a trainer's init meanwhile is a 409, never a join the
+            # discard would then drop.
+            self.session.reset()
+            self._options = None
 
     # -- the calls
 
