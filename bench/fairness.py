@@ -4,7 +4,7 @@ One REAL vLLM replica (the tiny model, CPU, `--max-num-seqs 16`: its engine batc
 sequences, the rest wait in its own first-come queue) and two gateway processes in front of it, side
 by side:
 - `fair`: `--replica-capacity 16`: past 16 requests in flight on the replica the
-  gateway queues per flow and lets them through by deficit round robin (sampler_gateway/admission.py);
+  gateway queues per flow and lets them through by deficit round robin (sampler_gateway/admission/gate.py);
 - `fifo`: the same gateway with a capacity no load reaches: every request goes on at once and waits
   in the engine's queue, served as it came (what the gateway did before the gate).
 The gateway's capacity is the engine's batch: the setting the gate is meant for (a capacity above
@@ -45,7 +45,7 @@ import httpx
 
 from bench.report import publish
 from bench.rounds import orders
-from sampler_gateway.fair_queue import FAIRNESS_HEADER
+from sampler_gateway.admission.fair_queue import FAIRNESS_HEADER
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.server import RunningServer, run_server

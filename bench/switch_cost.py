@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from bench.report import RAW
 
 MODES = ("Drain", "Abort", "Keep")
-# The message of a 503 whose answer the switch withheld twice (sampler_gateway/forward.py).
+# The message of a 503 whose answer the switch withheld twice (sampler_gateway/forwarding/forward.py).
 WITHHELD_TWICE = "answered on weights"
 
 

@@ -1,11 +1,11 @@
 """A pool's gateway Leases, read (pure): what each gateway of a pool says it enforces.
 
 Each gateway pod renews a coordination.k8s.io Lease (holder: the pod, labelled with its pool;
-sampler_gateway/routing.py writes it) that carries, in annotations, what it enforces now:
+sampler_gateway/routing/switch.py writes it) that carries, in annotations, what it enforces now:
 - the routing switch's generation (ROUTING_ACK): the pool controller waits for it before it opens a
   new label (operator/sampler_operator/pool/routing.py);
 - the serial of the declared adapters it routes by (ADAPTERS_ACK, `spec.adapters.serial`): a LoRA
-  push waits for it before it answers (sampler_gateway/adapter_acks.py), so that once a trainer's
+  push waits for it before it answers (sampler_gateway/admin/adapter_acks.py), so that once a trainer's
   push returned, no gateway of the pool resolves `<run>` to an older step.
 
 A Lease not renewed within its `leaseDurationSeconds` (plus CLOCK_SKEW_S: `renewTime` is the gateway's

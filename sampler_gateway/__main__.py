@@ -9,14 +9,14 @@ import uvicorn
 
 from sampler_common import rollout_trace
 
+from .admin.pool_object import PoolObject
 from .app import create_app
 from .config import GatewayConfig, parse_config
 from .discovery.source import Source
 from .discovery.static import StaticDiscovery
-from .listen import shared_listener
-from .pool_events import EventSink
-from .pool_object import PoolObject
-from .routing import RoutingLease
+from .kube.events import EventSink
+from .routing.switch import RoutingLease
+from .server.listen import shared_listener
 
 
 def source_for(cfg: GatewayConfig) -> Source:
@@ -31,7 +31,7 @@ def pool_object_for(cfg: GatewayConfig) -> PoolObject | None:
     """The SamplerPool the admin routes write: with kube discovery only (static has no pool object)."""
     if cfg.discovery == "static":
         return None
-    from .pool_object import KubePoolObject
+    from .admin.pool_object import KubePoolObject
 
     return KubePoolObject(cfg.pool, cfg.namespace)
 
@@ -43,7 +43,7 @@ def events_for(cfg: GatewayConfig) -> EventSink | None:
     import os
     import socket
 
-    from .pool_events import KubeEvents
+    from .kube.events import KubeEvents
 
     return KubeEvents(cfg.pool, cfg.namespace, cfg.pod_name or f"{socket.gethostname()}-{os.getpid()}")
 
@@ -57,7 +57,7 @@ def routing_lease_for(cfg: GatewayConfig, source: Source | None = None) -> Routi
     import socket
 
     from .discovery.kube import KubeDiscovery
-    from .routing import KubeRoutingLease
+    from .routing.switch import KubeRoutingLease
 
     # Unique per process when no pod name is given: two gateways sharing one Lease would each
     # overwrite the other's acknowledgement.

@@ -19,21 +19,21 @@ from sampler_common.http.auth import APIKeyAuth
 from sampler_common.http.errors import install_error_handlers
 from sampler_common.http.middleware import ClientRequestMiddleware
 
-from .added_latency import AddedLatency
+from .admin.pool_object import PoolObject
 from .config import GatewayConfig
 from .discovery.refresh import refresh_forever, refresh_once
 from .discovery.source import Source
-from .forward import Gateway
-from .http1 import Http1Client
-from .metrics import GatewayMetrics
-from .pool import Pool
-from .pool_events import EventSink, NoEvents
-from .pool_object import PoolObject
+from .forwarding.forward import Gateway
+from .kube.events import EventSink, NoEvents
+from .metrics.added_latency import AddedLatency
+from .metrics.registry import GatewayMetrics
 from .routes import adapter_push, health, native, openai, tinker, twinkle
 from .routes import pool as pool_routes
-from .routing import RoutingLease, Switch
-from .served_by import ServedBy
-from .upstream import CONNECT_TIMEOUT_S, Upstream
+from .routing.pool import Pool
+from .routing.switch import RoutingLease, Switch
+from .server.served_by import ServedBy
+from .upstream.exchange import CONNECT_TIMEOUT_S, Upstream
+from .upstream.http1 import Http1Client
 
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
@@ -42,8 +42,8 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
                routing_lease: RoutingLease | None = None, events: EventSink | None = None) -> FastAPI:
     """`pool_object`: the SamplerPool the admin routes write (kube discovery); None: they answer 404.
     `routing_lease`: makes this gateway's routing Lease from the pool's switch and what to call when it
-    moves (kube discovery, routing.py); None: no switch. `events`: where Events on the pool go
-    (pool_events.py; None: the log only)."""
+    moves (kube discovery, routing/switch.py); None: no switch. `events`: where Events on the pool go
+    (kube/events.py; None: the log only)."""
     metrics = GatewayMetrics()
     pool = Pool(cfg, metrics)
     lease = None
@@ -61,7 +61,7 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, client, min(cfg.health_timeout_s, cfg.refresh_interval_s))
         # The pool's routing before serving: a gateway started mid-switch enforces it from its first
-        # answer (until a renewal succeeds it returns none: routing.py).
+        # answer (until a renewal succeeds it returns none: routing/switch.py).
         renewer = None
         if lease is not None:
             with contextlib.suppress(Exception):

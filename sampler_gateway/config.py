@@ -50,7 +50,7 @@ class GatewayConfig(BaseModel):
         3, ge=1, description="consecutive unanswered /health reads before a ready replica leaves routing "
                              "(a busy replica answers late; an answer that is not ok counts at once)")
 
-    # The pool's routing switch (kube discovery: routing.py).
+    # The pool's routing switch (kube discovery: routing/switch.py).
     pod_name: str | None = Field(
         None, min_length=1, description="this gateway's pod, the holder of its routing Lease (kube discovery; "
                                         "the operator sets it from the pod's name; default: HOSTNAME-PID)")
@@ -87,9 +87,9 @@ class GatewayConfig(BaseModel):
     replica_capacity: int = Field(
         128, ge=1, description="in-flight requests per replica past which an affinity key spills over to another "
                                "replica (the replicas' --concurrent-task-limit); past it for every eligible "
-                               "replica, new requests wait their flow's turn (admission.py)")
+                               "replica, new requests wait their flow's turn (admission/gate.py)")
 
-    # Fairness across flows once the pool is full (admission.py, fair_queue.py).
+    # Fairness across flows once the pool is full (admission/gate.py, fair_queue.py).
     fair_shares: list[str] = Field(
         default_factory=list, description="a run's share of turns as RUN=WEIGHT (flag --fair-share, repeatable; "
                                           "env: comma-separated); every other flow has 1")

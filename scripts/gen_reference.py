@@ -242,7 +242,7 @@ def _collectors(obj: object) -> list[Any]:
 
 
 def metrics_page() -> str:
-    from sampler_gateway.metrics import GatewayMetrics
+    from sampler_gateway.metrics.registry import GatewayMetrics
     from sampler_operator import metrics as operator_metrics
     from sampler_pod.core.metrics import Metrics
 
@@ -253,7 +253,7 @@ def metrics_page() -> str:
              "Source: `sampler_pod/core/metrics.py`. vLLM's own engine series (`vllm:*`) are served beside them.",
              ""]
     lines += _metric_rows(_collectors(Metrics()))
-    lines += ["## Gateway (`GET /metrics` on its port)", "", "Source: `sampler_gateway/metrics.py`.", ""]
+    lines += ["## Gateway (`GET /metrics` on its port)", "", "Source: `sampler_gateway/metrics/registry.py`.", ""]
     lines += _metric_rows(_collectors(GatewayMetrics()))
     lines += ["## Operator (its metrics port, `SAMPLER_OPERATOR_METRICS_PORT`)", "",
               "Source: `operator/sampler_operator/metrics.py` (the module's docstring says what each counts).", ""]

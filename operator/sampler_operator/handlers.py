@@ -247,7 +247,7 @@ def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
         flag.set()
 
 
-# The gateways' routing Leases (sampler_gateway/routing.py; the API server filters them by label,
+# The gateways' routing Leases (sampler_gateway/routing/switch.py; the API server filters them by label,
 # settings.apply). Without this the loop saw an acknowledgement only at its next poll while fenced
 # (FENCE_POLL_S, pool/loop.py): the last fifth of a second of every switch's dark span. Each event
 # also keeps the loop's view of its gateways current (PoolMemory.acks): a fence then names whom it

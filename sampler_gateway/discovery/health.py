@@ -24,9 +24,9 @@ from typing import Any
 
 import orjson
 
-from ..adapter_health import ReplicaLora, lora_of
-from ..http1 import ConnectFailed, ConnectionBroken, Http1Client
-from ..replicas import Member, ReplicaView
+from ..replicas.adapter_health import ReplicaLora, lora_of
+from ..replicas.view import Member, ReplicaView
+from ..upstream.http1 import ConnectFailed, ConnectionBroken, Http1Client
 
 
 async def read_health(client: Http1Client, member: Member, timeout_s: float,

@@ -30,8 +30,8 @@ from typing import Any
 from sampler_common.adapters import AdapterState, adapter_state
 from sampler_common.errors import Conflict
 
-from ..kube_config import load_kube_config
-from ..replicas import Member
+from ..kube.client import load_kube_config
+from ..replicas.view import Member
 from .signal import ChangeSignal
 from .source import Membership
 
@@ -60,7 +60,7 @@ class _Watch(threading.Thread):
     """List, then watch from that list's resourceVersion; on any error or expiry, list again. After a
     failure it waits before listing again, longer after each (up to 30 s): kind to an API server in
     trouble. `retry_now` ends that wait: the gateway has heard from the API server again (its routing
-    Lease renewed, routing.py), and a gateway that keeps a stale pool after that serves nothing new
+    Lease renewed, routing/switch.py), and a gateway that keeps a stale pool after that serves nothing new
     (its target label, the order of labels) for the rest of the wait."""
 
     first_backoff_s = 1.0

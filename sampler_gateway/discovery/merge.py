@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..replicas import Member, PoolView, ReplicaView
+from ..replicas.view import Member, PoolView, ReplicaView
 from .source import Membership
 
 

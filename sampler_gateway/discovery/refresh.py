@@ -16,9 +16,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..http1 import Http1Client
-from ..pool import Pool
-from ..replicas import Member, ReplicaView
+from ..replicas.view import Member, ReplicaView
+from ..routing.pool import Pool
+from ..upstream.http1 import Http1Client
 from .health import read_health
 from .merge import Reads, merge
 from .source import Source

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from sampler_common.adapters import AdapterState
 
-from ..replicas import Member
+from ..replicas.view import Member
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from sampler_common.adapters import AdapterState, adapter_state
 from sampler_common.errors import Conflict
 
-from ..ids import valid_replica_name
-from ..replicas import Member
+from ..replicas.ids import valid_replica_name
+from ..replicas.view import Member
 from .source import Membership
 
 POLL_S = 0.05

@@ -1,6 +1,6 @@
 """`POST /v1/pool/adapters` (admin key, as the pool's other admin routes in `routes/pool.py`): declare
 a run's adapter version in the SamplerPool and load it until servable. The decision is
-`adapter_push.py`'s, the carrying out `pool_adapters.py`'s."""
+`adapter_push.py`'s, the carrying out `admin/adapters.py`'s."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..adapter_push import parse_adapter_push
-from ..adapter_route import error_of
-from ..pool_adapters import ReplicaAnswer, push_adapter
-from ..pool_events import LOAD_FAILED
+from ..admin.adapter_push import parse_adapter_push
+from ..admin.adapters import ReplicaAnswer, push_adapter
+from ..kube.events import LOAD_FAILED
+from ..lora.router import error_of
 from .common import REPLICA_HEADER, gateway_of, json_object
 from .pool import PUSH_ATTEMPTS, _pool_object
 

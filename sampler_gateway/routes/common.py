@@ -10,11 +10,11 @@ from fastapi.responses import Response
 
 from sampler_common.errors import InvalidRequest
 
-from ..adapter_names import VersionTarget
-from ..fair_queue import FAIRNESS_HEADER, flow_of
-from ..forward import Gateway
-from ..replicas import ReplicaView
-from ..upstream import Outgoing, Reply, forwardable
+from ..admission.fair_queue import FAIRNESS_HEADER, flow_of
+from ..forwarding.forward import Gateway
+from ..lora.names import VersionTarget
+from ..replicas.view import ReplicaView
+from ..upstream.exchange import Outgoing, Reply, forwardable
 
 REPLICA_HEADER = "X-Sampler-Replica"
 # The replicas' own names for these (the Tinker and Twinkle routes already send them).
@@ -111,7 +111,7 @@ def affinity_of(request: Request) -> str | None:
 
 def own_timeout(gw: Gateway, requested: Any) -> float:
     """A request's own timeout as the replica caps it: its `timeout_s`, else `--request-timeout-s`
-    (what bounds its wait for a LoRA slot, adapter_route.py)."""
+    (what bounds its wait for a LoRA slot, lora/router.py)."""
     own = requested if isinstance(requested, int | float) and not isinstance(requested, bool) and requested > 0 \
         else gw.cfg.request_timeout_s
     return min(float(own), gw.cfg.max_request_timeout_s)

@@ -40,7 +40,7 @@ async def health(request: Request) -> Response:
         "replicas": [{**asdict(r), "eligible": r.name in eligible, "in_flight": pool.in_flight.get(r.name, 0)}
                      for r in pool.view.replicas],
         "refreshes": pool.refreshes,
-        # The pool's routing switch as this gateway enforces it (routing.py); null: no switch (static).
+        # The pool's routing switch as this gateway enforces it (routing/switch.py); null: no switch (static).
         "routing": pool.switch.state() if pool.switch is not None else None,
     }, status_code=200 if eligible else 503)
 

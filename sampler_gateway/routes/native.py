@@ -5,7 +5,7 @@ the operator's job in a pool: refused here with a clear answer.
 A future's result is judged as a sync answer is, on every gateway: under `Latest`, one on weights
 older than some client already got is not returned (410, resubmit). For a future submitted for a
 LoRA run's newest version (`adapter: "<run>"`), its id carries the run (ids.py), and the same holds
-per run (adapter_names.RunOrder): a result on an older step of the run is not returned either, and
+per run (lora.names.RunOrder): a result on an older step of the run is not returned either, and
 one that is names the run as the client did. Every future's result sampled by one of the pool's
 versions names it (`adapter_version`), as a sync answer does; a pinned one's `adapter` is
 `<run>@<step>` (the gateway does not keep the client's spelling of a pin)."""
@@ -22,14 +22,14 @@ from fastapi.responses import Response
 
 from sampler_common.errors import Expired, NotFound
 
-from .. import ids
-from ..adapter_forward import to_version
-from ..adapter_names import VersionTarget, sampled_by
-from ..admission import cost_of
+from ..admission.gate import cost_of
 from ..errors import NotThroughGateway
-from ..forward import Gateway, OwnerGone, to_new, to_owner
-from ..replicas import ReplicaView
-from ..upstream import Outgoing, Reply
+from ..forwarding.adapter_forward import to_version
+from ..forwarding.forward import Gateway, OwnerGone, to_new, to_owner
+from ..lora.names import VersionTarget, sampled_by
+from ..replicas import ids
+from ..replicas.view import ReplicaView
+from ..upstream.exchange import Outgoing, Reply
 from .common import (
     affinity_of,
     flow,
@@ -57,7 +57,7 @@ def _label(reply: Reply) -> str | None:
 def _stamped(replica: ReplicaView, reply: Reply, routed_id: str | None,
              adapter: tuple[str, dict[str, Any]] | None = None) -> Response:
     """Pass the answer on, its `request_id` replaced by the routed one, its weights in headers;
-    `adapter`: the client's name for the adapter and the version that answered (adapter_route.py)."""
+    `adapter`: the client's name for the adapter and the version that answered (lora/router.py)."""
     body = reply.json
     if body is None:
         return respond(replica, reply)

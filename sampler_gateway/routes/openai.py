@@ -33,13 +33,12 @@ from sampler_common.adapters import ADAPTER_HEADER
 from sampler_common.errors import SamplerError
 from sampler_common.http.errors import error_response
 
-from ..adapter_forward import to_version
-from ..adapter_names import VersionTarget
-from ..admission import openai_cost
-from ..forward import Gateway, to_new, weights_of
-from ..openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, model_cards, wants_stream
-from ..replicas import ReplicaView
-from ..upstream import Lost, Reply, Stream, TimedOut
+from ..admission.gate import openai_cost
+from ..forwarding.adapter_forward import to_version
+from ..forwarding.forward import Gateway, to_new, weights_of
+from ..lora.names import VersionTarget
+from ..replicas.view import ReplicaView
+from ..upstream.exchange import Lost, Reply, Stream, TimedOut
 from .common import (
     ADAPTER_LABEL_HEADER,
     LABEL_HEADER,
@@ -53,6 +52,7 @@ from .common import (
     respond,
     timeout_of,
 )
+from .openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, model_cards, wants_stream
 
 router = APIRouter(tags=["openai"])
 

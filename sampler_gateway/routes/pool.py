@@ -1,7 +1,7 @@
 """The pool's admin routes (admin key only): `POST /v1/pool/weights` sets the SamplerPool's
 `spec.weights` (the operator rolls them out), `GET /v1/pool/rollout` tells how far that went (at once, or
 once the pool changed: a long poll).
-The decisions are `pool_admin.py`'s; the object is `pool_object.py`'s."""
+The decisions are `admin/weights.py`'s; the object is `pool_object.py`'s."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from sampler_common.errors import Forbidden, NotFound
 from sampler_common.http.auth import APIKeyAuth
 
-from ..pool_admin import WeightsPush, parse_push, parse_rollout_wait, rollout_of, weights_patch
-from ..pool_object import PoolObject, StaleRead
+from ..admin.pool_object import PoolObject, StaleRead
+from ..admin.weights import WeightsPush, parse_push, parse_rollout_wait, rollout_of, weights_patch
 from .common import json_object
 
 router = APIRouter(prefix="/v1/pool", tags=["pool"])

@@ -11,7 +11,7 @@ Everything else under `/api/v1` goes to any eligible replica unchanged.
 
 **A pool's adapters** (issue #31): a `model_path` naming one of the pool's versions
 (`tinker://<run>/sampler_weights/<label>`, as a push answers it) is placed by adapter
-(adapter_route.py): `create_sampling_session` goes to a replica that holds the version (loading it
+(lora/router.py): `create_sampling_session` goes to a replica that holds the version (loading it
 there: the first samples pay no load), with the version's engine name as its `model_path`
 (`tinker://<run>.<step>.<serial>`), so the sampling session it mints names exactly that version on
 every replica; `asample` and `GET samplers/{id}` of such a session go to a holder of it too (loaded
@@ -35,14 +35,14 @@ from fastapi.responses import Response
 
 from sampler_common.adapters import ADAPTER_HEADER
 
-from .. import ids
-from ..adapter_forward import to_version
-from ..adapter_names import VersionTarget, answered_as
-from ..adapter_route import tinker_path
-from ..admission import cost_of
-from ..forward import Gateway, OwnerGone, to_new, to_owner
-from ..replicas import ReplicaView
-from ..upstream import Reply
+from ..admission.gate import cost_of
+from ..forwarding.adapter_forward import to_version
+from ..forwarding.forward import Gateway, OwnerGone, to_new, to_owner
+from ..lora.names import VersionTarget, answered_as
+from ..lora.router import tinker_path
+from ..replicas import ids
+from ..replicas.view import ReplicaView
+from ..upstream.exchange import Reply
 from .common import (
     ADAPTER_LABEL_HEADER,
     LABEL_HEADER,

@@ -20,14 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from sampler_common.adapters import POOL_ADAPTER_HEADER
 from sampler_common.errors import NotFound
 
-from .. import ids
-from ..adapter_forward import to_version
-from ..adapter_names import VersionTarget
-from ..admission import cost_of
-from ..forward import Gateway, OwnerGone, to_new, to_owner
-from ..pool_adapters import push_next_version
-from ..pool_object import PoolObject
-from ..upstream import Outgoing, Reply
+from ..admin.adapters import push_next_version
+from ..admin.pool_object import PoolObject
+from ..admission.gate import cost_of
+from ..forwarding.adapter_forward import to_version
+from ..forwarding.forward import Gateway, OwnerGone, to_new, to_owner
+from ..lora.names import VersionTarget
+from ..replicas import ids
+from ..upstream.exchange import Outgoing, Reply
 from .adapter_push import shielded_push
 from .common import (
     affinity_of,

@@ -10,7 +10,7 @@ not a misleading 404 Not Found.
 
 `wait` says whether a future has ended without handing its result out: a pool's gateway counts a
 future it let through against the pool's capacity until it ends on its replica, not until it was
-accepted (sampler_gateway/future_places.py), and must not take the client's result to find out.
+accepted (sampler_gateway/admission/future_places.py), and must not take the client's result to find out.
 """
 
 from __future__ import annotations

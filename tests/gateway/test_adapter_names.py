@@ -1,4 +1,4 @@
-"""A request's model name on a pool with adapters (sampler_gateway/adapter_names.py, pure): the base
+"""A request's model name on a pool with adapters (sampler_gateway/lora/names.py, pure): the base
 model, a run's latest version, a pinned one, a tinker:// path; anything else a 404 naming the field.
 And "latest" per run under the Latest policy: never an answer on an older version after a newer one."""
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from sampler_common.adapters import AdapterState
 from sampler_common.errors import NotFound
-from sampler_gateway.adapter_names import BaseTarget, RunOrder, VersionTarget, answered_as, base_names, resolve
-from sampler_gateway.adapter_push import AdapterPush, decide_push
+from sampler_gateway.admin.adapter_push import AdapterPush, decide_push
+from sampler_gateway.lora.names import BaseTarget, RunOrder, VersionTarget, answered_as, base_names, resolve
 
 MODEL = "Qwen/Qwen3-0.6B"
 

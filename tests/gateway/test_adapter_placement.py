@@ -1,5 +1,5 @@
 """Where a request for one adapter version goes, and what is unloaded to make room for it
-(sampler_gateway/adapter_placement.py, pure). The invariants, as properties: a version with a request
+(sampler_gateway/lora/placement.py, pure). The invariants, as properties: a version with a request
 in flight is never unloaded, and the chosen replica holds the version or has room for it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sampler_gateway.adapter_placement import Placement, ReplicaAdapters, place, runs_over_share, to_close, victims
+from sampler_gateway.lora.placement import Placement, ReplicaAdapters, place, runs_over_share, to_close, victims
 
 V = "a.5.9"  # the version asked for
 

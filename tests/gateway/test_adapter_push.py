@@ -1,4 +1,4 @@
-"""An adapter push, decided (sampler_gateway/adapter_push.py, pure): the run's order of steps, its
+"""An adapter push, decided (sampler_gateway/admin/adapter_push.py, pure): the run's order of steps, its
 labels, the pool's roots, the version cap, and the merge patch a valid push writes. Every refusal
 names its field and leaves the declared state as it was."""
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from sampler_common.adapters import MAX_SPEC_BYTES, AdapterState, adapter_state
 from sampler_common.errors import Conflict, InvalidRequest, SamplerError
-from sampler_gateway.adapter_names import resolve
-from sampler_gateway.adapter_push import AdapterPush, adapters_patch, decide_push, parse_adapter_push
+from sampler_gateway.admin.adapter_push import AdapterPush, adapters_patch, decide_push, parse_adapter_push
+from sampler_gateway.lora.names import resolve
 
 ROOTS = ["/ckpt", "/more/"]
 MODEL = "Qwen/Qwen3-0.6B"

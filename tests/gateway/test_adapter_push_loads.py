@@ -1,4 +1,4 @@
-"""The loads an adapter push makes on full replicas (sampler_gateway/pool_adapters.py), against scripted
+"""The loads an adapter push makes on full replicas (sampler_gateway/admin/adapters.py), against scripted
 replicas that keep the contract of a sampler with `--max-cpu-loras` (docs/reference/contract.md):
 `/health` reports `lora_slots`, `in_flight` and each adapter's `in_flight` and `last_used_at`; an add
 past the slots is a 409 naming `max_cpu_loras`, an add of a loaded name a 409 naming `name`, an unload
@@ -17,15 +17,15 @@ import orjson
 import pytest
 
 from sampler_common.adapters import adapter_state
-from sampler_gateway.adapter_push import AdapterPush
+from sampler_gateway.admin.adapter_push import AdapterPush
+from sampler_gateway.admin.adapters import push_adapter
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.errors import NoReplica
-from sampler_gateway.forward import Gateway
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.pool_adapters import push_adapter
-from sampler_gateway.replicas import PoolView, ReplicaView
-from sampler_gateway.upstream import Lost, Outgoing, Reply
+from sampler_gateway.forwarding.forward import Gateway
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.view import PoolView, ReplicaView
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.upstream.exchange import Lost, Outgoing, Reply
 from tests.support.memory_pool import MemoryPool
 
 

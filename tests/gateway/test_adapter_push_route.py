@@ -1,10 +1,10 @@
-"""`POST /v1/pool/adapters` through the real route (sampler_gateway/routes/adapter_push.py, pool_adapters.py):
+"""`POST /v1/pool/adapters` through the real route (sampler_gateway/routes/adapter_push.py, admin/adapters.py):
 the gateway in process over an in-memory pool object (a merge patch applied at its resourceVersion,
 else 409, as the API server does), in front of two REAL fake-engine sampler processes with LoRA on,
 which validate and load the adapter files themselves. Every refusal names its field and leaves the
 pool object unchanged (its writes are counted) and no adapter behind on a replica. The same route
 against a real kube-apiserver, with a concurrent race: tests/operator/envtest/test_adapter_push_envtest.py.
-Also the one function that makes a replica's /health placement's input (`pool_adapters.replica_adapters`)."""
+Also the one function that makes a replica's /health placement's input (`admin.adapters.replica_adapters`)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import httpx
 import pytest
 
 from sampler_common.adapters import adapter_state
+from sampler_gateway.admin.adapters import NEVER_USED, UNKNOWN_SLOTS, replica_adapters
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
-from sampler_gateway.pool_adapters import NEVER_USED, UNKNOWN_SLOTS, replica_adapters
 from sampler_gateway.routes.pool import PUSH_ATTEMPTS
 from tests.support.asgi import call
 from tests.support.checkpoints import make_lora_adapter

@@ -1,5 +1,5 @@
 """The pure parts of routing by adapter: a replica's `/health` read with its defaults
-(adapter_health.py), what placement reads of each replica (adapter_route.placement_inputs), a
+(adapter_health.py), what placement reads of each replica (lora.router.placement_inputs), a
 replica's "unknown adapter" answer, the names Tinker and a sampling session carry, and the declared
 adapters read from the pool object or the static stand-in file."""
 
@@ -15,16 +15,16 @@ import pytest
 
 from sampler_common.adapters import AdapterState, adapter_state
 from sampler_common.errors import NotFound
-from sampler_gateway.adapter_health import HeldAdapter, ReplicaLora, lora_of
-from sampler_gateway.adapter_route import AdapterRouter, placement_inputs, unknown_adapter
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.kube import adapters_of
 from sampler_gateway.discovery.static import StaticDiscovery
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import PoolView, ReplicaView
+from sampler_gateway.lora.router import AdapterRouter, placement_inputs, unknown_adapter
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.adapter_health import HeldAdapter, ReplicaLora, lora_of
+from sampler_gateway.replicas.view import PoolView, ReplicaView
 from sampler_gateway.routes.tinker import session_model_path
-from sampler_gateway.upstream import Reply
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.upstream.exchange import Reply
 
 SPEC = {"serial": 3, "runs": {"a": {"versions": [{"label": "s1", "step": 1, "path": "/c/a1", "serial": 1},
                                                  {"label": "s2", "step": 2, "path": "/c/a2", "serial": 2}]}}}

@@ -1,4 +1,4 @@
-"""Issue #54: requests waiting for a LoRA slot get it in fair order across runs (adapter_route.py,
+"""Issue #54: requests waiting for a LoRA slot get it in fair order across runs (lora/router.py,
 "Waiting for a slot"), driven in-process: the router over one replica whose two slots hold versions
 with requests in flight, a stand-in upstream that loads and unloads at once, and the test freeing one
 slot at a time by ending the request on the version that the request in turn closed.
@@ -17,15 +17,15 @@ from collections.abc import Callable
 import pytest
 
 from sampler_common.adapters import adapter_state
-from sampler_gateway.adapter_health import HeldAdapter, ReplicaLora
-from sampler_gateway.adapter_names import VersionTarget
-from sampler_gateway.adapter_route import AdapterRouter, Key
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.errors import NoReplica
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import PoolView, ReplicaView
-from sampler_gateway.upstream import Outgoing, Reply
+from sampler_gateway.lora.names import VersionTarget
+from sampler_gateway.lora.router import AdapterRouter, Key
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.adapter_health import HeldAdapter, ReplicaLora
+from sampler_gateway.replicas.view import PoolView, ReplicaView
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.upstream.exchange import Outgoing, Reply
 
 RUNS = {"a": 4, "b": 1, "c": 1, "d": 1}  # versions per run
 

@@ -1,4 +1,4 @@
-"""The gateway's added latency (sampler_gateway/added_latency.py): a request's time in the app minus its
+"""The gateway's added latency (sampler_gateway/metrics/added_latency.py): a request's time in the app minus its
 exchanges with replicas, observed only for requests that reached a replica. The clock is scripted, so the
 arithmetic is checked exactly; test_dashboards.py sees the histogram filled by a real gateway."""
 
@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from starlette.types import Receive, Scope, Send
 
-from sampler_gateway import added_latency
-from sampler_gateway.added_latency import BUCKETS, AddedLatency, added_seconds, exchanges
+from sampler_gateway.metrics import added_latency
+from sampler_gateway.metrics.added_latency import BUCKETS, AddedLatency, added_seconds, exchanges
 
 
 def _histogram() -> Histogram:

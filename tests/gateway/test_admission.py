@@ -1,4 +1,4 @@
-"""The fair gate (sampler_gateway/admission.py), in process: nothing waits below capacity; past it a
+"""The fair gate (sampler_gateway/admission/gate.py), in process: nothing waits below capacity; past it a
 request waits for a turn and gets the place a finished one gives back; a request refused (its flow's
 queue full, or the pool full for --fair-wait-s) is a 429 naming `flow`; a waiter cancelled (its client
 gone) leaves the queue and takes no place; no eligible replica lets everything through (the routes'
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from sampler_common.errors import Overloaded
-from sampler_gateway.admission import FairGate, cost_of, openai_cost
-from sampler_gateway.metrics import GatewayMetrics
+from sampler_gateway.admission.gate import FairGate, cost_of, openai_cost
+from sampler_gateway.metrics.registry import GatewayMetrics
 from tests.support.metrics import metric
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from sampler_gateway.discovery.kube import _Watch
-from sampler_gateway.routing import KubeRoutingLease, Switch
+from sampler_gateway.routing.switch import KubeRoutingLease, Switch
 from tests.support.gateway import NoAdapters
 from tests.support.k8s import wait_for
 

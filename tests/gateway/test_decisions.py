@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from sampler_gateway import ids
 from sampler_gateway.config import GatewayConfig, parse_config
 from sampler_gateway.discovery.kube import members_of
 from sampler_gateway.errors import NoReplica
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.picker import pick, preferred
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import Member, PoolView, ReplicaView
-from sampler_gateway.versions import LabelOrder, is_stale, version_filter
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas import ids
+from sampler_gateway.replicas.view import Member, PoolView, ReplicaView
+from sampler_gateway.routing.picker import pick, preferred
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.routing.versions import LabelOrder, is_stale, version_filter
 
 
 def name_of(r: ReplicaView | None) -> str | None:

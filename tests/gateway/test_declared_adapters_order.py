@@ -1,7 +1,7 @@
 """The declared adapters a gateway routes by never move back (pool.Pool): discovery's watch and the
 routing Lease's renewals both deliver the pool object, in either order; the newer serial wins, the
 Lease's hook hears each move (its acknowledgement is written at once), and `<run>` answers of a step
-older than the newest declared are not returned (adapter_names.RunOrder): another gateway may have
+older than the newest declared are not returned (lora.names.RunOrder): another gateway may have
 returned that newest step already."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import asyncio
 from typing import Any
 
 from sampler_common.adapters import AdapterState, AdapterVersion, adapter_state
-from sampler_gateway.adapter_names import RunOrder, VersionTarget
 from sampler_gateway.config import GatewayConfig
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import PoolView
+from sampler_gateway.lora.names import RunOrder, VersionTarget
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.view import PoolView
+from sampler_gateway.routing.pool import Pool
 
 
 def state(serial: int, steps: tuple[int, ...] = ()) -> dict[str, Any]:

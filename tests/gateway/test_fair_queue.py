@@ -1,4 +1,4 @@
-"""Deficit round robin over flows (sampler_gateway/fair_queue.py): nothing lost or duplicated, FIFO
+"""Deficit round robin over flows (sampler_gateway/admission/fair_queue.py): nothing lost or duplicated, FIFO
 within a flow, DRR's fairness bound between backlogged flows, a full flow refused alone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sampler_gateway.fair_queue import QUANTUM, FairQueue, FlowFull, Ticket, flow_of
+from sampler_gateway.admission.fair_queue import QUANTUM, FairQueue, FlowFull, Ticket, flow_of
 
 FLOWS = ["a", "b", "c"]
 

@@ -1,4 +1,4 @@
-"""Fairness across flows once the pool is full (sampler_gateway/admission.py, issue #31 "Fairness"): a
+"""Fairness across flows once the pool is full (sampler_gateway/admission/gate.py, issue #31 "Fairness"): a
 REAL gateway process in front of a REAL fake-engine sampler process whose engine the test freezes
 (`--enable-test-seams`), so the gateway's queue is filled exactly as the test says before anything runs.
 
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sampler_gateway.fair_queue import FAIRNESS_HEADER, QUANTUM
+from sampler_gateway.admission.fair_queue import FAIRNESS_HEADER, QUANTUM
 from tests.support.gateway import Pool, RunningGateway, fake_replicas, run_gateway
 from tests.support.metrics import metric
 from tests.support.server import engine_paused

@@ -11,7 +11,7 @@ import pytest
 
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.errors import NoReplica, ReplicaLost, ReplicaTimeout
-from sampler_gateway.forward import (
+from sampler_gateway.forwarding.forward import (
     RETRIED_HEADER,
     Gateway,
     OwnerGone,
@@ -20,11 +20,11 @@ from sampler_gateway.forward import (
     to_new,
     to_owner,
 )
-from sampler_gateway.ids import RoutedId
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import PoolView, ReplicaView
-from sampler_gateway.upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.ids import RoutedId
+from sampler_gateway.replicas.view import PoolView, ReplicaView
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.upstream.exchange import Lost, NotStarted, Outgoing, Reply, TimedOut
 
 OUT = Outgoing("POST", "/v1/sample", b"{}", (), 5.0)
 Script = Callable[[ReplicaView], Reply]

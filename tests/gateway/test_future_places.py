@@ -1,4 +1,4 @@
-"""A submitted future's place in the fair gate, held by its watcher (sampler_gateway/future_places.py),
+"""A submitted future's place in the fair gate, held by its watcher (sampler_gateway/admission/future_places.py),
 in process against a scripted replica: kept past the route's end (`Place.keep`), long-polled on the
 replica's /v1/sample/wait with the client's key, given back when the replica says the future ended
 and not before; on 404/410 for the id, a replica gone or unreachable, the sample's bound, an older
@@ -12,11 +12,11 @@ from typing import Any
 import orjson
 import pytest
 
-from sampler_gateway.admission import FairGate
-from sampler_gateway.future_places import LONG_POLL_S, WAIT_PATH, FuturePlaces
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.replicas import ReplicaView
-from sampler_gateway.upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
+from sampler_gateway.admission.future_places import LONG_POLL_S, WAIT_PATH, FuturePlaces
+from sampler_gateway.admission.gate import FairGate
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.view import ReplicaView
+from sampler_gateway.upstream.exchange import Lost, NotStarted, Outgoing, Reply, TimedOut
 from tests.support.metrics import metric
 
 GRACE_S = 5.0

@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 
 from sampler_gateway.discovery.health import read_health
-from sampler_gateway.http1 import Http1Client
-from sampler_gateway.replicas import Member
+from sampler_gateway.replicas.view import Member
+from sampler_gateway.upstream.http1 import Http1Client
 
 
 class Replica:

@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 client (sampler_gateway/http1.py) against real sockets on 127.0.0.1: a
+"""The gateway's HTTP/1.1 client (sampler_gateway/upstream/http1.py) against real sockets on 127.0.0.1: a
 scripted asyncio server per test answers with exactly the bytes the case needs (chunked, closed
 halfway, garbage), and records what reached it. Every case runs on asyncio's loop and on uvloop
 (conftest.py)."""
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sampler_gateway.http1 import ConnectFailed, ConnectionBroken, Http1Client
+from sampler_gateway.upstream.http1 import ConnectFailed, ConnectionBroken, Http1Client
 from sampler_pod.testing.net import free_port
 
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
@@ -256,7 +256,7 @@ async def test_a_stream_cut_mid_way_is_a_broken_connection_and_one_closed_early_
 
 
 async def test_a_slow_consumer_stops_the_socket_being_read_and_then_gets_every_byte() -> None:
-    from sampler_gateway.http1 import STREAM_HIGH_WATER
+    from sampler_gateway.upstream.http1 import STREAM_HIGH_WATER
 
     piece = b"x" * 65536
     pieces = 3 * STREAM_HIGH_WATER // len(piece)

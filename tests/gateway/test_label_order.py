@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from sampler_gateway.discovery.kube import history_of
-from sampler_gateway.replicas import ReplicaView
-from sampler_gateway.versions import LabelOrder, is_stale, version_filter
+from sampler_gateway.replicas.view import ReplicaView
+from sampler_gateway.routing.versions import LabelOrder, is_stale, version_filter
 
 
 def rv(name: str, label: str, version: int) -> ReplicaView:
@@ -56,7 +56,7 @@ def test_history_is_read_from_the_pool_status() -> None:
 def test_discovery_hands_the_history_to_the_view() -> None:
     from sampler_gateway.discovery.merge import merge
     from sampler_gateway.discovery.source import Membership
-    from sampler_gateway.replicas import PoolView
+    from sampler_gateway.replicas.view import PoolView
 
     view = merge(Membership((), target_label="b", history=(("a", 1), ("b", 2))), PoolView())
     assert view.history == (("a", 1), ("b", 2)) and view.target_label == "b"

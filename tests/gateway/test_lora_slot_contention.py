@@ -4,7 +4,7 @@ request is refused for it: each waits for a slot in its flow's turn, within its 
 One fake-engine replica with 2 LoRA slots (`--max-cpu-loras 2`) behind a real gateway process; the
 pool declares 4 runs x 2 versions. Eight closed-loop clients, one per version, each sending its next
 request as soon as the last is answered: the versions loaded are never idle by themselves, so a
-request for any other version gets a slot only because the gateway takes turns (adapter_route.py,
+request for any other version gets a slot only because the gateway takes turns (lora/router.py,
 "Waiting for a slot"). An "oracle" replica outside the pool, holding every version, says what each
 answers (the fake engine's tokens depend on the adapter's name).
 

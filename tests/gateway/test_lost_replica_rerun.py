@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from sampler_gateway.picker import rendezvous_score
+from sampler_gateway.routing.picker import rendezvous_score
 from tests.support.closed_loop import ClosedLoop
 from tests.support.gateway import fake_replicas, run_gateway
 from tests.support.metrics import metric

@@ -108,7 +108,7 @@ def test_a_replica_that_no_longer_holds_the_version_is_not_the_answer(gw: Runnin
 
 
 # A request's own bound when it waits for a slot, in the tests of refused unloads: the OpenAI routes
-# name no timeout, so the gateway's --request-timeout-s bounds the wait (adapter_route.py).
+# name no timeout, so the gateway's --request-timeout-s bounds the wait (lora/router.py).
 SLOT_BOUND_S = 3.0
 
 

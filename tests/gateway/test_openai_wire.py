@@ -1,11 +1,11 @@
-"""The little of the OpenAI wire the gateway reads (sampler_gateway/openai_wire.py, pure): whether a
+"""The little of the OpenAI wire the gateway reads (sampler_gateway/routes/openai_wire.py, pure): whether a
 request streams, event boundaries whatever the chunking, the error event, the final weights."""
 
 from __future__ import annotations
 
 import json
 
-from sampler_gateway.openai_wire import EventSplitter, ends_stream, error_event, final_labels, wants_stream
+from sampler_gateway.routes.openai_wire import EventSplitter, ends_stream, error_event, final_labels, wants_stream
 
 EVENTS = [b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n',
           b'data: {"choices": [{"index": 0, "text": "b"}]}\r\n\r\n',

@@ -1,5 +1,5 @@
 """The gateway's pool admin routes (`POST /v1/pool/weights`, `GET /v1/pool/rollout`): the pure checks
-and report (sampler_gateway/pool_admin.py), then the routes in process over an in-memory pool object
+and report (sampler_gateway/admin/weights.py), then the routes in process over an in-memory pool object
 that keeps every write, so "the pool unchanged" is the list of writes being empty. The same routes on a
 real API server with a real operator: tests/operator/envtest/test_pool_push.py."""
 
@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from sampler_common.errors import InvalidRequest
+from sampler_gateway.admin.pool_object import StaleRead
+from sampler_gateway.admin.weights import STEP_ANNOTATION, WeightsPush, rollout_of, weights_patch
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
-from sampler_gateway.pool_admin import STEP_ANNOTATION, WeightsPush, rollout_of, weights_patch
-from sampler_gateway.pool_object import StaleRead
 from sampler_gateway.routes.pool import PUSH_ATTEMPTS
 from tests.support.asgi import call
 

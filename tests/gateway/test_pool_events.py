@@ -1,4 +1,4 @@
-"""Events the gateway posts on its SamplerPool (sampler_gateway/pool_events.py): a repeat within
+"""Events the gateway posts on its SamplerPool (sampler_gateway/kube/events.py): a repeat within
 REPEAT_S is not posted again, and the Event names the pool so `kubectl describe sp` lists it. The
 real API server's side: tests/operator/envtest/test_adapter_push_envtest.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sampler_gateway.pool_events import LOAD_FAILED, Throttle, event_body
+from sampler_gateway.kube.events import LOAD_FAILED, Throttle, event_body
 
 
 def test_a_repeat_within_the_window_is_not_posted_again_and_a_later_one_is() -> None:

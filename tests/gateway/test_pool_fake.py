@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sampler_gateway import ids
+from sampler_gateway.replicas import ids
 from tests.support.gateway import Pool, RunningGateway, fake_replicas, run_gateway, write_replicas
 from tests.support.metrics import metric
 

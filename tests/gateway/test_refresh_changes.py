@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from sampler_gateway.adapter_health import HeldAdapter, ReplicaLora
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.merge import Reads, merge
 from sampler_gateway.discovery.refresh import refresh_forever
 from sampler_gateway.discovery.signal import ChangeSignal
 from sampler_gateway.discovery.source import Membership, Source
 from sampler_gateway.discovery.static import StaticDiscovery
-from sampler_gateway.http1 import Http1Client
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import Member, PoolView, ReplicaView
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.adapter_health import HeldAdapter, ReplicaLora
+from sampler_gateway.replicas.view import Member, PoolView, ReplicaView
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.upstream.http1 import Http1Client
 
 LONG_S = 30.0
 

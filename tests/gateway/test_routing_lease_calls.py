@@ -1,4 +1,4 @@
-"""Every API call of a gateway's routing renewal carries a timeout (sampler_gateway.routing.call_timeout_s):
+"""Every API call of a gateway's routing renewal carries a timeout (sampler_gateway.routing.switch.call_timeout_s):
 on a silent network a call without one hangs for as long as TCP takes to give up, and every renewal
 behind it, so the gateway would come back minutes after the network does. The calls are recorded
 on stand-ins for the kubernetes client (the real renewal against a real API server: the envtest
@@ -10,7 +10,7 @@ import datetime as dt
 from types import SimpleNamespace
 from typing import Any
 
-from sampler_gateway.routing import KubeRoutingLease, Switch, call_timeout_s
+from sampler_gateway.routing.switch import KubeRoutingLease, Switch, call_timeout_s
 from tests.support.gateway import NoAdapters
 
 

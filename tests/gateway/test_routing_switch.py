@@ -1,5 +1,5 @@
 """The gateway's side of the pool's one routing switch (issue #24, part 3): what it may return and
-route to, by the pool's `status.routing` and its own Lease (sampler_gateway/routing.py), and what
+route to, by the pool's `status.routing` and its own Lease (sampler_gateway/routing/switch.py), and what
 its `/health` says of it."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import PoolView, ReplicaView
-from sampler_gateway.routing import Routing, Switch, permitted, routing_of
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.view import PoolView, ReplicaView
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.routing.switch import Routing, Switch, permitted, routing_of
 from tests.support.asgi import call
 from tests.support.gateway import NoAdapters
 
@@ -229,7 +229,7 @@ def test_a_routing_learned_from_the_watch_moves_forward_only_and_extends_nothing
 def test_a_newer_routing_from_the_watch_is_enforced_and_acknowledged_at_once() -> None:
     """`heard` (the watch's event on the loop): the switch moves, requests waiting look again, and the
     renewal that writes the acknowledgement starts now, not after the renewal interval."""
-    from sampler_gateway.routing import KubeRoutingLease
+    from sampler_gateway.routing.switch import KubeRoutingLease
 
     class Lease(KubeRoutingLease):
         def __init__(self, switch: Switch, on_change: Callable[[], None]) -> None:  # no kubeconfig: no API

@@ -1,14 +1,14 @@
-"""Sticky sessions (sampler_gateway/sessions.py, pure) and the rule they make with the pool's pick
+"""Sticky sessions (sampler_gateway/routing/sessions.py, pure) and the rule they make with the pool's pick
 (`Pool.choose(prefer=...)`): first turn least loaded, later turns on the session's replica while it
 is eligible, a move once when it is not, and the table bounded by size and by idleness."""
 
 from __future__ import annotations
 
 from sampler_gateway.config import GatewayConfig
-from sampler_gateway.metrics import GatewayMetrics
-from sampler_gateway.pool import Pool
-from sampler_gateway.replicas import PoolView, ReplicaView
-from sampler_gateway.sessions import SessionTable
+from sampler_gateway.metrics.registry import GatewayMetrics
+from sampler_gateway.replicas.view import PoolView, ReplicaView
+from sampler_gateway.routing.pool import Pool
+from sampler_gateway.routing.sessions import SessionTable
 
 
 def test_a_session_is_bound_to_the_replica_that_answered_and_a_move_is_reported() -> None:

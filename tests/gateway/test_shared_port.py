@@ -11,7 +11,7 @@ import pytest
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig, parse_config
 from sampler_gateway.discovery.static import StaticDiscovery
-from sampler_gateway.listen import shared_listener
+from sampler_gateway.server.listen import shared_listener
 from sampler_pod.testing.net import free_port
 from tests.support.asgi import call
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sampler_common.adapters import adapter_state
+from sampler_gateway.admin.pool_object import StaleRead
 from sampler_gateway.discovery.source import Membership
-from sampler_gateway.pool_object import StaleRead
-from sampler_gateway.replicas import Member
+from sampler_gateway.replicas.view import Member
 
 
 def merge(target: dict[str, Any], patch: dict[str, Any]) -> None:

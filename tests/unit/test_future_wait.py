@@ -1,6 +1,6 @@
 """`POST /v1/sample/wait` over the fake engine: a long-poll on a future that says when it has ended
 and leaves its result for retrieve (a pool's gateway holds the future's place in its fair admission
-until then: sampler_gateway/future_places.py). The same for a Tinker `asample` future, whose id is
+until then: sampler_gateway/admission/future_places.py). The same for a Tinker `asample` future, whose id is
 the replica's own. Unknown ids are a 404, dropped ones a 410, both naming `request_id`."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ its discovery needs (get/list/watch of the namespace's SamplerReplicas, SamplerP
 `patch` on its own SamplerPool only (`resourceNames`), and get/list/watch/create/update of Leases
 (its acknowledgement of the pool's routing switch, pool/routing.py, and of the declared adapters it
 routes by, read by a LoRA push on another gateway): a trainer pushes weights through the gateway's
-admin route (`POST /v1/pool/weights`, sampler_gateway/pool_admin.py), which writes `spec.weights`.
+admin route (`POST /v1/pool/weights`, sampler_gateway/admin/weights.py), which writes `spec.weights`.
 
 Every object is owned by the pool (garbage-collected with it). The gateway's flags carry what the
 pool's spec says about routing; the pool's target label is NOT a flag: the gateway reads it from
@@ -75,11 +75,11 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
         env.append({"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": admin_key.as_dict()}})
     # The user's extras come after ours; one named like a key is dropped: the gateway must check
     # exactly the keys its replicas check.
-    # The pod's name: its routing Lease's holder (sampler_gateway/routing.py, pool/routing.py).
+    # The pod's name: its routing Lease's holder (sampler_gateway/routing/switch.py, pool/routing.py).
     env.append({"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     user_env = [dict(v) for v in gw.get("env") or [] if v.get("name") not in _KEY_ENV]
     env += pod_security.env(pod_security.GATEWAY_ENV, user_env) + user_env
-    # On the node's network every replica shares the port (sampler_gateway/listen.py): declared, the
+    # On the node's network every replica shares the port (sampler_gateway/server/listen.py): declared, the
     # port would be a host port, and the scheduler would put one replica per node (a second one, or a
     # rolling update's new pod, Pending for good on a node it has). So none is declared there, and the
     # probes and the Service name the port by number.
@@ -123,10 +123,10 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
              # Its routing Lease: the acknowledgement of the pool's routing switch (pool/routing.py)
              # and of the declared adapters it routes by. Names are not known before the pod exists,
              # so not by resourceNames. list and watch: a LoRA push waits for the other gateways'
-             # acknowledgements (sampler_gateway/adapter_acks.py); no delete: it writes its own only.
+             # acknowledgements (sampler_gateway/admin/adapter_acks.py); no delete: it writes its own only.
              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
               "verbs": ["get", "list", "watch", "create", "update"]},
-             # Events on its pool: a LoRA load a replica refused (sampler_gateway/pool_events.py). Create
+             # Events on its pool: a LoRA load a replica refused (sampler_gateway/kube/events.py). Create
              # only: it never reads or changes another component's Events.
              {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     return [

@@ -50,7 +50,7 @@ and the in-flight counts are arguments: the plan stays pure.
 The weights history (`status.weightsHistory`, `weights_history`) makes the order of labels a fact
 in the API server instead of each gateway's memory: every label the pool declared, with a generation
 that grows by one per declaration, its checkpoint, its step and when it was first rolled out. Each
-gateway of the pool ranks labels by it (sampler_gateway/versions.py), so two gateways, or one
+gateway of the pool ranks labels by it (sampler_gateway/routing/versions.py), so two gateways, or one
 restarted mid-rollout, agree on which label is newer. It is derived from the last written status
 and the spec only (pure), so an operator restart continues it. Bounded at HISTORY_LIMIT entries.
 

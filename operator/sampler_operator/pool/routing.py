@@ -20,7 +20,7 @@ returns no X any more: no client gets X after Y, whichever gateways it talks to.
 
 Acknowledgements are coordination.k8s.io Leases, one per gateway pod (labelled with the pool, holder
 = the pod), renewed every second or so with the generation the gateway enforces in the annotation
-ACK_ANNOTATION (sampler_gateway/routing.py). A Lease not renewed within its `leaseDurationSeconds`
+ACK_ANNOTATION (sampler_gateway/routing/switch.py). A Lease not renewed within its `leaseDurationSeconds`
 (plus CLOCK_SKEW_S: renewTime is the gateway's clock, `now` the operator's) is not waited for. That is
 safe because a gateway that has not renewed its Lease AND re-read the pool within that duration
 returns no answer (it fences itself, by its own monotonic clock, from the start of its last complete

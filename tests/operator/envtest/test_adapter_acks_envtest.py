@@ -1,6 +1,6 @@
 """`Latest` per run across gateways (issue #31, docs/design/lora-pool.md "Latest per run"): a LoRA push
 answers only once every live gateway of the pool routes by the version it declared, as each says in
-its routing Lease (sampler_gateway/adapter_acks.py). A REAL kube-apiserver, the operator, REAL sampler
+its routing Lease (sampler_gateway/admin/adapter_acks.py). A REAL kube-apiserver, the operator, REAL sampler
 processes (fake engine, LoRA on) run by the process kubelet, two gateway PROCESSES with kube
 discovery, and a third gateway played by the test: a Lease of its own, labelled with the pool.
 

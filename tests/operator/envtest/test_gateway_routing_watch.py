@@ -1,5 +1,5 @@
 """A gateway enforces and acknowledges a new `status.routing` when the pool's watch delivers it, not
-at its next Lease renewal (sampler_gateway/routing.py), against a REAL kube-apiserver.
+at its next Lease renewal (sampler_gateway/routing/switch.py), against a REAL kube-apiserver.
 
 No operator: the test writes the pool's `status.routing` itself, as the pool controller does, and
 reads the gateway's Lease and /health. The gateway renews every 30 s: each step below must happen

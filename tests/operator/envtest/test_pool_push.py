@@ -132,7 +132,7 @@ def test_a_rollout_long_poll_answers_with_the_pool_its_watch_delivered(k8s: Any,
     import threading
     import time
 
-    from sampler_gateway.pool_object import KubePoolObject
+    from sampler_gateway.admin.pool_object import KubePoolObject
 
     monkeypatch.setenv("KUBECONFIG", k8s.kubeconfig)
     tpl = template(ks.free_port())

@@ -16,7 +16,7 @@ rewrites to the Service's endpoints, with a new connection per request, so each 
 chosen by the Service's address, not by the client; every answer names its gateway pod
 (X-Sampler-Gateway), and the test checks both served. This node has no pod network, so the gateway runs
 on the node's network (`spec.gateway.hostNetwork`, as in test_pool_node.py) and its 2 replicas share the
-pool's port (SO_REUSEPORT: sampler_gateway/listen.py): both pods are at the one address 127.0.0.1:<port>,
+pool's port (SO_REUSEPORT: sampler_gateway/server/listen.py): both pods are at the one address 127.0.0.1:<port>,
 which the Service's EndpointSlice holds once (its controller keeps one endpoint per address, naming one
 of the pods; the test checks that shape). So kube-proxy's DNAT takes each new connection to that port,
 and the kernel's SO_REUSEPORT spreads the connections over the 2 gateways' sockets: the last step is the

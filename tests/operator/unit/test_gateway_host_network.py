@@ -1,5 +1,5 @@
 """A pool's gateway on the node's network (`spec.gateway.hostNetwork`) with several replicas: every
-replica shares the port (sampler_gateway/listen.py), so none declares it. A declared port on the
+replica shares the port (sampler_gateway/server/listen.py), so none declares it. A declared port on the
 host network is a host port: the scheduler would run one gateway per node, a second replica on a
 one-node cluster (and a one-replica gateway's rolling update anywhere the old pod holds the port)
 Pending for good."""

@@ -75,7 +75,7 @@ def test_only_live_leases_are_waited_for() -> None:
     assert waiting_for(acks, 3, T0 + 1) == ["b", "c"]        # c has not said what it enforces yet
     assert waiting_for(acks, 2, T0 + 1) == ["c"]
     # A Lease not renewed within its duration (+ the clock skew allowed) is not waited for: its
-    # gateway has fenced itself by then (sampler_gateway/routing.py).
+    # gateway has fenced itself by then (sampler_gateway/routing/switch.py).
     assert waiting_for(acks, 3, T0 + 10 + CLOCK_SKEW_S) == ["b", "c"]
     assert waiting_for(acks, 3, T0 + 10 + CLOCK_SKEW_S + 0.01) == []
     assert not acks[0].stale(T0 + 11) and acks[0].stale(T0 + 10 + 301) and acks[3].stale(T0)

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from .added_latency import Exchanges, exchanges
+from ..metrics.added_latency import Exchanges, exchanges
+from ..replicas.view import ReplicaView
 from .http1 import ConnectFailed, ConnectionBroken, Http1Client, StreamedResponse
-from .replicas import ReplicaView
 
 # Connection-level headers are the two hops' own business; never copied across the gateway.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

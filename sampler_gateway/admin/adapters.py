@@ -1,7 +1,7 @@
 """`POST /v1/pool/adapters`, carried out: a trainer's adapter version validated on a replica, declared
 in the SamplerPool's `spec.adapters`, and loaded where the push's `servable` asks before the answer
 (docs/design/lora-pool.md, "A push"). The decisions are pure and elsewhere: `adapter_push.decide_push`
-(may it be declared, and the state after), `adapter_placement.place` and `victims` (which replica,
+(may it be declared, and the state after), `lora.placement.place` and `victims` (which replica,
 what it unloads first), `replica_adapters` below (a replica's /health as placement reads it).
 
 The order, and why:
@@ -49,15 +49,15 @@ from sampler_common.adapters import AdapterVersion, adapter_state
 from sampler_common.errors import InvalidRequest, SamplerError
 from sampler_common.gateway_leases import CLOCK_SKEW_S
 
-from .adapter_health import lora_of
-from .adapter_placement import ReplicaAdapters, place, runs_over_share, victims
+from ..errors import GatewaysBehind, NoReplica, ReplicaLost, ReplicaTimeout
+from ..forwarding.forward import Gateway
+from ..lora.placement import ReplicaAdapters, place, runs_over_share, victims
+from ..replicas.adapter_health import lora_of
+from ..replicas.view import ReplicaView
+from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, TimedOut
 from .adapter_push import AdapterPush, adapters_patch, decide_push, parse_adapter_push, push_answer
-from .errors import GatewaysBehind, NoReplica, ReplicaLost, ReplicaTimeout
-from .forward import Gateway
-from .pool_admin import allowed_roots
 from .pool_object import PoolObject, StaleRead
-from .replicas import ReplicaView
-from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
+from .weights import allowed_roots
 
 ADAPTERS = "/v1/adapters"
 # Slots of a replica whose /health does not say (an older sampler): larger than any real

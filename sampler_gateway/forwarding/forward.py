@@ -38,18 +38,18 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .adapter_route import AdapterRouter
-from .admission import FairGate
-from .config import GatewayConfig
-from .errors import NoReplica, ReplicaLost, ReplicaTimeout
-from .future_places import FuturePlaces
-from .ids import RoutedId
-from .metrics import GatewayMetrics
-from .pool import Pool
-from .pool_events import EventSink, NoEvents
-from .replicas import ReplicaView
-from .sessions import SessionTable
-from .upstream import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
+from ..admission.future_places import FuturePlaces
+from ..admission.gate import FairGate
+from ..config import GatewayConfig
+from ..errors import NoReplica, ReplicaLost, ReplicaTimeout
+from ..kube.events import EventSink, NoEvents
+from ..lora.router import AdapterRouter
+from ..metrics.registry import GatewayMetrics
+from ..replicas.ids import RoutedId
+from ..replicas.view import ReplicaView
+from ..routing.pool import Pool
+from ..routing.sessions import SessionTable
+from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
 
 # A reply's weights label, when it carries one (a successful sample); None otherwise.
 LabelOf = Callable[[Reply], str | None]
@@ -152,7 +152,7 @@ class Gateway:
     sessions: SessionTable = field(init=False)
     adapters: AdapterRouter = field(init=False)
     gate: FairGate = field(init=False)
-    # Held while an adapter push makes room on a replica and loads there (pool_adapters.py): pushes
+    # Held while an adapter push makes room on a replica and loads there (admin/adapters.py): pushes
     # through one gateway change the replicas' slots one after the other, not in each other's way.
     push_slots: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
     places: FuturePlaces = field(init=False)

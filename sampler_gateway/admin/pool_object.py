@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sampler_common.errors import Conflict, InvalidRequest, NotFound, SamplerError
 
-from .kube_config import load_kube_config
+from ..kube.client import load_kube_config
 
 if TYPE_CHECKING:
     from .adapter_acks import KubeAdapterAcks
@@ -97,8 +97,8 @@ class KubePoolObject:
 
     async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
         if self._acks is None:
+            from ..routing.switch import label_value
             from .adapter_acks import KubeAdapterAcks
-            from .routing import label_value
 
             self._acks = KubeAdapterAcks(label_value(self.pool), self.namespace)
         return await self._acks.behind(serial, timeout_s)

@@ -1,7 +1,7 @@
 """Routing a request for one adapter version (docs/design/lora-pool.md, "Placement and eviction").
 
 A request that names an adapter (native `adapter`, OpenAI `model`) is resolved to the base model or
-one version (`adapter_names.resolve`), and a version is placed (`adapter_placement.place`) among the
+one version (`lora.names.resolve`), and a version is placed (`lora.placement.place`) among the
 replicas the version policy allows for new work (`Pool.allowed`). Placement's inputs are each
 replica's last `/health` (adapter_health.py) with this gateway's own news on top:
 
@@ -37,7 +37,7 @@ flight, a request whose version is nowhere loaded waits for a slot, up to its ow
 `timeout_s`; `--request-timeout-s` for a route that names none), in its flow's queue (the fair
 gate's flows: the client's fairness id, else its run; `fair_queue.FairQueue`, deficit round robin),
 and gets a 503 with `Retry-After` only past it. The request whose turn it is closes one version
-(`adapter_placement.to_close`: undeclared first, then a run over its share, then the longest held):
+(`lora.placement.to_close`: undeclared first, then a run over its share, then the longest held):
 that version takes no new request there, and once its last one ends (an event: `release`), it is
 the victim and the waiting version is loaded in its place. A request for a closed version waits its
 own turn like any other. While anyone waits, a new request may still run where its version is
@@ -67,26 +67,17 @@ from sampler_common.adapters import AdapterState, AdapterVersion
 from sampler_common.errors import Overloaded, SamplerError
 from sampler_common.rollout_trace import trace
 
-from .adapter_health import HeldAdapter, ReplicaLora
-from .adapter_names import (
-    SAMPLER_WEIGHTS,
-    TINKER_PREFIX,
-    BaseTarget,
-    RunOrder,
-    Target,
-    VersionTarget,
-    base_names,
-    resolve,
-)
-from .adapter_placement import Placement, ReplicaAdapters, place, to_close
-from .config import GatewayConfig
-from .errors import NoReplica
-from .fair_queue import FairQueue, FlowFull, Ticket
-from .metrics import GatewayMetrics
-from .pool import Pool
-from .pool_events import LOAD_FAILED, EventSink, NoEvents
-from .replicas import ReplicaView
-from .upstream import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
+from ..admission.fair_queue import FairQueue, FlowFull, Ticket
+from ..config import GatewayConfig
+from ..errors import NoReplica
+from ..kube.events import LOAD_FAILED, EventSink, NoEvents
+from ..metrics.registry import GatewayMetrics
+from ..replicas.adapter_health import HeldAdapter, ReplicaLora
+from ..replicas.view import ReplicaView
+from ..routing.pool import Pool
+from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
+from .names import SAMPLER_WEIGHTS, TINKER_PREFIX, BaseTarget, RunOrder, Target, VersionTarget, base_names, resolve
+from .placement import Placement, ReplicaAdapters, place, to_close
 
 Key = tuple[str, str]  # (replica, engine name)
 EMPTY = AdapterState()
@@ -97,7 +88,7 @@ def placement_inputs(replicas: Sequence[ReplicaView], *, default_slots: int, loa
                      loading: Collection[Key], unloading: Collection[Key], closing: Collection[Key] = (),
                      no_loads: Collection[str] = (), ours_at_read: Mapping[Key, int] | None = None
                      ) -> list[ReplicaAdapters]:
-    """Pure: what `adapter_placement.place` reads of each replica (module docstring). `closing`: the
+    """Pure: what `lora.placement.place` reads of each replica (module docstring). `closing`: the
     versions closed for the request whose turn it is; `no_loads`: replicas whose view was proven wrong
     since their last `/health` read (holders only); `ours_at_read`: this gateway's own in-flight
     counts when each replica's last read landed (None: the replica's count and ours, the larger)."""
@@ -158,7 +149,7 @@ class _Left(Exception):
     """The replica a request waited on a load at left placement meanwhile: place the request again."""
 
 
-# What a replica's failure to answer a placement's exchange is: the same as for a sample (upstream.py).
+# What a replica's failure to answer a placement's exchange is: the same as for a sample (upstream/exchange.py).
 UPSTREAM_FAILURES = (NotStarted, Lost, TimedOut)
 
 
@@ -187,7 +178,7 @@ class AdapterRouter:
     upstream: Sender
     metrics: GatewayMetrics
     clock: Callable[[], float] = time.time  # last use: wall clock, as the replicas' `last_used_at`
-    # A load a replica refused is also an Event on the pool (pool_events.py): only a gateway sees it.
+    # A load a replica refused is also an Event on the pool (kube/events.py): only a gateway sees it.
     events: EventSink = field(default_factory=NoEvents)
     in_flight: dict[Key, int] = field(default_factory=dict)
     last_used: dict[Key, float] = field(default_factory=dict)
@@ -232,7 +223,7 @@ class AdapterRouter:
         return sorted({r.model for r in self.pool.view.replicas if r.model})
 
     def resolve(self, name: str, fieldname: str) -> Target:
-        """`adapter_names.resolve`, the base model's names being every replica's `model`."""
+        """`lora.names.resolve`, the base model's names being every replica's `model`."""
         models = self.base_models()
         if any(name.lower() in base_names(m) for m in models):
             return BaseTarget()
@@ -436,7 +427,7 @@ class AdapterRouter:
 
     def _close_for(self, ticket: Ticket, engine: str, inputs: Sequence[ReplicaAdapters]) -> None:
         """The request whose turn it is closes one version, whose slot it takes once that version is
-        idle (`adapter_placement.to_close`); kept while that replica still holds it."""
+        idle (`lora.placement.to_close`); kept while that replica still holds it."""
         w = self.waiters[ticket]
         if w.closing is not None:
             if any(r.name == w.closing[0] and w.closing[1] in r.loaded for r in inputs):

@@ -3,14 +3,14 @@
 A push lands in `spec.adapters` and reaches each gateway by its own watch, moments apart. Without a
 wait, a trainer whose push returned could still have `<run>` resolved to the older step by a gateway
 one watch event behind. So each gateway says in its routing Lease which declared adapters it routes
-by (`spec.adapters.serial`, sampler_common/gateway_leases.py; written by routing.py at once when they
+by (`spec.adapters.serial`, sampler_common/gateway_leases.py; written by routing/switch.py at once when they
 move on), and the push answers only once every live gateway's Lease says the pushed version's serial
 or later. A gateway routing by a newer declared state also stops returning `<run>` answers of an
-older step (adapter_names.RunOrder), so from the push's answer on, no gateway returns an older step
+older step (lora.names.RunOrder), so from the push's answer on, no gateway returns an older step
 of the run either.
 
 The wait is bounded: a gateway whose Lease is not renewed within its duration (+ the clock skew
-allowance) is not waited for, because it then returns nothing (routing.py's self-fence), and a
+allowance) is not waited for, because it then returns nothing (routing/switch.py's self-fence), and a
 gateway that renews reads the pool at each renewal and routes by what it read before it serves on
 (Pool.learn_declared), so a live gateway says the new serial at most one renewal after the write.
 Past the bound the push answers 503 `gateways` naming those still behind (a repeat of the push is
@@ -30,7 +30,7 @@ from typing import Any
 
 from sampler_common.gateway_leases import CLOCK_SKEW_S, GATEWAY_LABEL, GatewayAck, adapters_waiting_for
 
-from .kube_config import load_kube_config
+from ..kube.client import load_kube_config
 
 # A list or watch call never takes longer than this (the API server away: the bound still holds).
 CALL_TIMEOUT_S = 5.0

@@ -32,7 +32,7 @@ from pathlib import PurePosixPath
 from sampler_common.adapters import RUN_RE, AdapterState, AdapterVersion
 from sampler_common.errors import NotFound
 
-from .config import VersionPolicy
+from ..config import VersionPolicy
 
 TINKER_PREFIX = "tinker://"
 SAMPLER_WEIGHTS = "sampler_weights"

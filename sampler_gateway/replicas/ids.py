@@ -10,7 +10,7 @@ several gateway replicas) routes them exactly as the one that issued them.
 
 A native future submitted for a LoRA run's newest version (`adapter: "<run>"`) also carries the run:
 `<replica>+<run>~<inner id>`, so that its retrieve, on any gateway, judges the result by the per-run
-`Latest` order (adapter_names.RunOrder) as a sync answer is judged. `+` is in neither a Kubernetes
+`Latest` order (lora.names.RunOrder) as a sync answer is judged. `+` is in neither a Kubernetes
 name nor a run's name. A pinned version's future (`<run>@<step>`) carries none: it asked for that
 version and is always returned.
 """

@@ -34,7 +34,7 @@ class GatewayMetrics:
         self.no_replica = Counter("sampler_gateway_no_replica", "Requests answered 503: no eligible replica",
                                   registry=r)
         self.fair_waiting = Gauge("sampler_gateway_fair_waiting", "New requests waiting for a turn while the pool is "
-                                  "full, by flow (a run, base, or id: every client fairness id), admission.py",
+                                  "full, by flow (a run, base, or id: every client fairness id), admission/gate.py",
                                   ["flow"], registry=r)
         self.fair_refused = Counter("sampler_gateway_fair_refused", "New requests refused 429 while the pool was full, "
                                     "by flow and why (queue_full: --fair-queue-max; waited_too_long: "
@@ -71,10 +71,10 @@ class GatewayMetrics:
                                        ["replica", "outcome"], registry=r)
         self.adapter_slot_waiting = Gauge("sampler_gateway_adapter_slot_waiting", "Adapter requests waiting for a "
                                           "LoRA slot (every slot holds versions with requests in flight), in turn "
-                                          "across flows, adapter_route.py", registry=r)
+                                          "across flows, lora/router.py", registry=r)
         self.adapter_replaced = Counter("sampler_gateway_adapter_replaced", "Adapter requests placed again because "
                                         "their replica no longer held the version (its unknown-adapter answer), or "
-                                        "failed or left while placing it (adapter_route.py)",
+                                        "failed or left while placing it (lora/router.py)",
                                         ["replica"], registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
         self.added_latency = Histogram(

@@ -9,7 +9,7 @@ adapter in front of either.
 
 - `lora_slots` missing: the replica's `max_loras` when it reports that (an older sampler's vLLM
   then holds exactly that many), else None: unknown, the gateway's `--lora-slots` decides
-  (adapter_route.py).
+  (lora/router.py).
 - `in_flight` missing: 0 (the gateway's own counts still protect what IT has in flight).
 - `last_used_at` missing or unreadable: None (never used: the first victim among idle ones).
 """

@@ -40,7 +40,7 @@ class ReplicaView:
     # The base model it serves (`model` of /health): a request may name it instead of an adapter.
     model: str | None = None
     # Its LoRA adapters and slots as its last /health said (adapter_health.py); the gateway's own
-    # loads and unloads since are applied on top (adapter_route.py).
+    # loads and unloads since are applied on top (lora/router.py).
     lora: ReplicaLora = field(default_factory=lambda: ReplicaLora(None))
 
 

@@ -13,7 +13,7 @@ arrives so each event reaches the client when the replica sends it. Its reading 
 consumer: past `STREAM_HIGH_WATER` bytes not yet taken, the socket stops being read (TCP then slows
 the replica), so a slow client cannot make the gateway hold a whole generation.
 
-What it guarantees, because forwarding depends on it (`upstream.py` maps these to retry decisions):
+What it guarantees, because forwarding depends on it (`upstream/exchange.py` maps these to retry decisions):
 - `ConnectFailed`: no connection could be made; the replica never saw the request.
 - `ConnectionBroken`: the connection closed or sent garbage after the request went out (the replica
   may have started on it). A connection is reused only after a complete response that allows it.

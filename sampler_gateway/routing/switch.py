@@ -47,7 +47,7 @@ from sampler_common.gateway_leases import ADAPTERS_ACK, GATEWAY_LABEL
 from sampler_common.gateway_leases import ROUTING_ACK as ACK_ANNOTATION
 from sampler_common.rollout_trace import trace
 
-from .kube_config import load_kube_config
+from ..kube.client import load_kube_config
 
 log = logging.getLogger(__name__)
 

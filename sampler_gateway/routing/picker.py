@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 
-from .replicas import ReplicaView
+from ..replicas.view import ReplicaView
 
 
 def rendezvous_score(key: str, replica: str) -> int:

@@ -3,10 +3,10 @@ pool's declared adapter state after it (docs/design/lora-pool.md, "A push").
 
 A trainer pushes one version per step, as it pushes full weights: through the gateway, with the
 pool's admin key. The push is checked against the state it then writes (the read's resourceVersion,
-as `pool_admin.weights_patch`): two trainers, or a trainer and the operator's status writes, never
+as `admin.weights.weights_patch`): two trainers, or a trainer and the operator's status writes, never
 interleave a check and a write. What is checked here is what the declared state and the path can
 tell; the adapter's files (rank, target modules, a corrupt or partial file) only a replica can check,
-before the state is written (the push route loads it on one replica first: `pool_adapters.py`).
+before the state is written (the push route loads it on one replica first: `admin/adapters.py`).
 
 - `run`: the syntax of `sampler_common.adapters.RUN_PATTERN`, not a name of the base model (a
   request for it would be ambiguous), and at most `maxRuns` runs (400 / 409 naming `run`);
@@ -41,8 +41,8 @@ from sampler_common.adapters import (
 )
 from sampler_common.errors import Conflict, InvalidRequest, validation_error
 
-from .adapter_names import SAMPLER_WEIGHTS, TINKER_PREFIX, base_names
-from .pool_admin import check_checkpoint
+from ..lora.names import SAMPLER_WEIGHTS, TINKER_PREFIX, base_names
+from .weights import check_checkpoint
 
 
 class AdapterPush(BaseModel):

@@ -16,11 +16,11 @@ docs/design/lora-pool.md, "Placement").
 3. With `capacity` (the gateway's `--replica-capacity`), holders at it spill over to step 2, as an
    affinity key spills over in `picker.pick`: one hot version does not queue behind one replica
    while another has room. Everyone at capacity: the least loaded holder, else loader.
-4. None of them: no placement. The caller waits (adapter_route.py): for a replica, as any request
+4. None of them: no placement. The caller waits (lora/router.py): for a replica, as any request
    without an eligible replica does; or, when every slot holds a version with requests in flight,
    for a slot, in its turn.
 
-Two inputs let the caller take turns for slots (adapter_route.py, "Waiting for a slot"):
+Two inputs let the caller take turns for slots (lora/router.py, "Waiting for a slot"):
 - a version **closing** on a replica takes no new request there (it is neither a holder nor a
   version that replica may load again) and is the first victim once idle: the one version that the
   request whose turn it is waits for;

@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .config import VersionPolicy
-from .replicas import ReplicaView
+from ..config import VersionPolicy
+from ..replicas.view import ReplicaView
 
 # A label's rank: (tier, value), compared as tuples. Tiers, lowest first: first seen by this
 # process, by step, by the pool's history; the target above all.

@@ -34,8 +34,8 @@ from typing import Any
 
 from sampler_common.errors import Overloaded
 
+from ..metrics.registry import GatewayMetrics
 from .fair_queue import FairQueue, FlowFull, Ticket
-from .metrics import GatewayMetrics
 
 
 def cost_of(body: Mapping[str, Any], prompts_field: str = "prompts", samples_field: str = "num_samples") -> int:

@@ -19,13 +19,13 @@ from sampler_common.adapters import AdapterState, adapter_state
 from sampler_common.errors import Conflict
 from sampler_common.rollout_trace import trace
 
-from .adapter_health import ReplicaLora
-from .config import GatewayConfig
-from .errors import NoReplica
-from .metrics import GatewayMetrics
+from ..config import GatewayConfig
+from ..errors import NoReplica
+from ..metrics.registry import GatewayMetrics
+from ..replicas.adapter_health import ReplicaLora
+from ..replicas.view import PoolView, ReplicaView
 from .picker import pick
-from .replicas import PoolView, ReplicaView
-from .routing import Switch
+from .switch import Switch
 from .versions import LabelOrder, is_stale, rank, version_filter
 
 
@@ -45,13 +45,13 @@ class Pool:
         # does not count against it, discovery/health.py).
         self._answered_at: dict[str, float] = {}
         self.refreshes = 0
-        # The pool's routing switch (routing.py), with kube discovery: which labels may be returned
+        # The pool's routing switch (routing/switch.py), with kube discovery: which labels may be returned
         # and routed to now. None: no switch (static discovery).
         self.switch: Switch | None = None
         # Called when the declared adapters this gateway routes by move on (its routing Lease says
-        # which it routes by: routing.py, adapter_acks.py).
+        # which it routes by: routing/switch.py, adapter_acks.py).
         self.on_adapters: Callable[[], None] | None = None
-        # Called at each change that decides routing: the fair gate's room may have grown (admission.py).
+        # Called at each change that decides routing: the fair gate's room may have grown (admission/gate.py).
         self.on_room: Callable[[], None] | None = None
         self.who = f"gateway/{cfg.pod_name or 'gateway'}"  # in the rollout trace
 
@@ -160,7 +160,7 @@ class Pool:
             rank(self.order.ranks, label, self.target) > rank(self.order.ranks, routing.label, self.target))
 
     def switched(self) -> None:
-        """The pool's routing switch moved (routing.py): requests waiting for a replica look again."""
+        """The pool's routing switch moved (routing/switch.py): requests waiting for a replica look again."""
         self._notify()
 
     def eligible(self) -> list[ReplicaView]:
@@ -214,7 +214,7 @@ class Pool:
 
     def allowed(self, exclude: frozenset[str] = frozenset(), label: str | None = None) -> list[ReplicaView]:
         """The replicas a new request may go to now (`_pick`'s choice is among them; adapter
-        placement chooses among them too, adapter_route.py)."""
+        placement chooses among them too, lora/router.py)."""
         label = self._returnable(label)
         cands = [r for r in self.candidates() if r.name not in exclude and (label is None or r.weights_label == label)]
         allowed, rejected = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)

@@ -1,5 +1,5 @@
 """A new request for one adapter version through the gateway: `forward.to_new`'s life, placed by
-adapter (adapter_route.py) instead of the picker.
+adapter (lora/router.py) instead of the picker.
 
 The client's name (`<run>`, `<run>@<step>`, a tinker:// path) was resolved to one version; the
 replica is sent the version's ENGINE name (`<run>.<step>.<serial>`) in its place (`rewrite`), so it
@@ -15,7 +15,7 @@ for it. The reasons to send a request once more, each at most once:
 The full weights' version policy judges every answer as for any new work (`Pool.returned`).
 Before the send, placing it (its slot, its load) is the router's: a replica that fails a load or an
 unload leaves placement and the request is placed again, as often as its bound allows
-(adapter_route.py).
+(lora/router.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from .adapter_names import VersionTarget
-from .adapter_route import unknown_adapter
-from .errors import NoReplica
+from ..errors import NoReplica
+from ..lora.names import VersionTarget
+from ..lora.router import unknown_adapter
+from ..replicas.view import ReplicaView
+from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, TimedOut
 from .forward import Gateway, LabelOf, SecondChances, _discard, _open, after_failed_send, returnable, with_retried
-from .replicas import ReplicaView
-from .upstream import Lost, NotStarted, Outgoing, Reply, TimedOut
 
 
 async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarget,
@@ -38,7 +38,7 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
     """Place, load if needed, send `rewrite(engine name)`, judge the answer (module docstring).
     Returns the replica, its answer and the version that answered. `stream`: an event stream is
     returned at its head (as `to_new`); the version stays counted in flight until it is closed.
-    `flow`, `cost`, `wait_s`: its turn and bound when it waits for a LoRA slot (adapter_route.py)."""
+    `flow`, `cost`, `wait_s`: its turn and bound when it waits for a LoRA slot (lora/router.py)."""
     router = gw.adapters
     tried: set[str] = set()
     label: str | None = None

@@ -1,6 +1,6 @@
 """A submitted future's place in the fair admission, held until the future ends on its replica.
 
-The gate (admission.py) counts what it let through against `--replica-capacity` until it ends. A
+The gate (admission/gate.py) counts what it let through against `--replica-capacity` until it ends. A
 sync sample ends with its answer. A submitted future (native `POST /v1/sample/submit`, Tinker's
 `asample`, which is how the Tinker SDK samples) is answered once its replica accepted it, and runs
 there after. Given back at that answer, its place would let one run's flood of futures through the
@@ -32,10 +32,10 @@ from typing import Protocol
 
 import orjson
 
-from .ids import RoutedId
-from .metrics import GatewayMetrics
-from .replicas import ReplicaView
-from .upstream import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
+from ..metrics.registry import GatewayMetrics
+from ..replicas.ids import RoutedId
+from ..replicas.view import ReplicaView
+from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
 
 log = logging.getLogger(__name__)
 
