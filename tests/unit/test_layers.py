@@ -20,9 +20,24 @@ Inside `sampler_pod`, each folder is one layer and imports point only down:
     engine                   the Engine interface, vLLM and fake engines, startup lock
     config, testing          leaves: import nothing of sampler_pod above them
 
-A module may import its own layer and any layer below it. The walk reads every import
-statement (ast), including imports inside functions, so a cycle or a forbidden import hidden in a
-function fails too.
+A module may import its own layer and any layer below it.
+
+Inside `sampler_gateway`, each package is one concern (its `__init__` says which) and imports point
+only down, to a package of a lower rank; two packages of one rank import neither the other:
+
+    __main__                 starts the gateway
+    app                      the FastAPI application
+    routes, server           the routes per protocol; the socket and who answered
+    admin                    the pool's admin side: pushes, the SamplerPool object
+    forwarding               a request's life
+    lora, discovery          a request for an adapter version; where the replica set comes from
+    routing, admission       which replica answers: the live pool, versions, the switch; fairness
+    upstream                 one exchange with one replica
+    replicas, metrics, kube  the replica set as data; what is measured; the Kubernetes client
+    config, errors           leaves
+
+The walk reads every import statement (ast), including imports inside functions, so a cycle or a
+forbidden import hidden in a function fails too.
 """
 
 from __future__ import annotations
@@ -39,8 +54,13 @@ PACKAGE = REPO_ROOT / "sampler_pod"
 LAYERS = {"config": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "protocols": 4, "openai": 4, "http": 5,
           "__main__": 6, "__init__": 0}
 
-# Every first-party top-level package (the operator's lives in operator/).
-FIRST_PARTY = ("sampler_common", "sampler_pod", "sampler_gateway", "sampler_client", "sampler_operator")
+# Every first-party top-level package (the operator's lives in operator/), and the trees that import them.
+FIRST_PARTY = ("sampler_common", "sampler_pod", "sampler_gateway", "sampler_client", "sampler_operator", "bench",
+               "tests")
+# Every first-party folder: what `from pkg import x` resolves x against. scripts/ and examples/ are programs,
+# not packages: their files are named `scripts.x`, `examples.x` here (nothing imports them).
+TREES = ("sampler_common", "sampler_pod", "sampler_gateway", "sampler_client", "operator/sampler_operator", "bench",
+         "tests", "scripts", "examples")
 # What each server package, and the layer under both, may import of FIRST_PARTY.
 ALLOWED = {
     "sampler_common": {"sampler_common"},
@@ -51,14 +71,19 @@ ALLOWED = {
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    if parts[0] == "operator":
+        parts = parts[1:]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
+# Every first-party module (and package), by its name.
+ALL_MODULES = {_module_name(p): p for tree in TREES for p in sorted((REPO_ROOT / tree).rglob("*.py"))}
+
+
 def _is_module(name: str) -> bool:
-    path = REPO_ROOT / name.replace(".", "/")
-    return path.with_suffix(".py").exists() or path.is_dir()
+    return name in ALL_MODULES
 
 
 def _layer(module: str) -> str:
@@ -89,11 +114,8 @@ def imports_of(source: str, module: str, *, is_package: bool = False) -> set[str
             else:
                 target = node.module or ""
             if _first_party(target):
-                # `from . import x` imports submodule x, or a name of the package itself.
-                if node.module:
-                    found.add(target)
-                else:
-                    found |= {f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target for a in node.names}
+                # `from pkg import x` imports submodule x, or a name of the package itself.
+                found |= {f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target for a in node.names}
     return found
 
 
@@ -104,6 +126,22 @@ def _own(imports: set[str]) -> set[str]:
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 # sampler_pod's own modules each module imports: the graph of its layers.
 GRAPH = {m: {i for i in _own(_imports(p)) if i != m} for m, p in MODULES.items()}
+GATEWAY = REPO_ROOT / "sampler_gateway"
+# Rank of each package of the gateway (and of each module at its root): a module may import its own
+# package and the packages of a LOWER rank; two packages of one rank import neither the other.
+GATEWAY_LAYERS = {"__init__": 0, "config": 0, "errors": 0,
+                  "replicas": 1, "metrics": 1, "kube": 1,
+                  "upstream": 2,
+                  "routing": 3, "admission": 3,
+                  "lora": 4, "discovery": 4,
+                  "forwarding": 5,
+                  "admin": 6,
+                  "routes": 7, "server": 7,
+                  "app": 8,
+                  "__main__": 9}
+# What may sit at the gateway's root; another module there is one its package docstring says is.
+GATEWAY_ROOT = {"__init__", "__main__", "app", "config"}
+GATEWAY_MODULES = {_module_name(p): p for p in sorted(GATEWAY.rglob("*.py"))}
 # Every module of the packages ALLOWED rules, with all its first-party imports.
 PACKAGE_IMPORTS = {_module_name(p): _imports(p)
                    for pkg in sorted(ALLOWED) for p in sorted((REPO_ROOT / pkg).rglob("*.py"))}
@@ -112,6 +150,13 @@ PACKAGE_IMPORTS = {_module_name(p): _imports(p)
 def upward(module: str, imports: set[str]) -> list[str]:
     """The imports of a sampler_pod module from a higher layer of sampler_pod."""
     return sorted(i for i in _own(imports) if LAYERS[_layer(i)] > LAYERS[_layer(module)])
+
+
+def gateway_upward(module: str, imports: set[str]) -> list[str]:
+    """The imports of a gateway module from another gateway package of its own rank or a higher one."""
+    own = _layer(module)
+    return sorted(i for i in imports if i.split(".")[0] == "sampler_gateway" and _layer(i) != own
+                  and GATEWAY_LAYERS[_layer(i)] >= GATEWAY_LAYERS[own])
 
 
 def forbidden(module: str, imports: set[str]) -> list[str]:
@@ -167,6 +212,50 @@ def test_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_every_gateway_module_is_in_a_known_layer() -> None:
+    layers = {_layer(m) for m in GATEWAY_MODULES}
+    assert layers == set(GATEWAY_LAYERS), (sorted(layers - set(GATEWAY_LAYERS)), sorted(set(GATEWAY_LAYERS) - layers))
+
+
+def test_the_gateway_root_holds_its_entry_points_and_config_only() -> None:
+    doc = " ".join((ast.get_docstring(ast.parse((GATEWAY / "__init__.py").read_text())) or "").split())
+    others = sorted({p.stem for p in GATEWAY.glob("*.py")} - GATEWAY_ROOT)
+    assert [m for m in others if f"`{m}.py` sits at the root" not in doc] == []
+    assert all(m in GATEWAY_LAYERS for m in others)
+
+
+def test_every_gateway_package_says_what_it_owns() -> None:
+    packages = sorted(p.parent.name for p in GATEWAY.glob("*/__init__.py"))
+    assert {"routes", "lora", "routing", "replicas"} <= set(packages)
+    silent = [p for p in packages if not ast.get_docstring(ast.parse((GATEWAY / p / "__init__.py").read_text()))]
+    assert not silent, silent
+
+
+@pytest.mark.parametrize("module", sorted(GATEWAY_MODULES))
+def test_gateway_imports_point_down(module: str) -> None:
+    up = gateway_upward(module, _imports(GATEWAY_MODULES[module]))
+    assert not up, f"{module} ({_layer(module)}) imports a package of its rank or higher: {up}"
+
+
+def test_the_gateway_checker_sees_an_upward_or_sideways_import_even_inside_a_function() -> None:
+    """The rule can fail: the replica data importing the live pool lazily, a package importing another of
+    its own rank, and the root's leaves importing a package, are each caught; a module's own package is not."""
+    view = (GATEWAY / "replicas" / "view.py").read_text()
+    module = "sampler_gateway.replicas.view"
+    assert gateway_upward(module, imports_of(view, module)) == []
+    lazy = view + "\n\ndef f():\n    from ..routing.pool import Pool\n"
+    assert gateway_upward(module, imports_of(lazy, module)) == ["sampler_gateway.routing.pool"]
+    gate = (GATEWAY / "admission" / "gate.py").read_text() + "\nfrom ..routing import versions\n"
+    assert gateway_upward("sampler_gateway.admission.gate", imports_of(gate, "sampler_gateway.admission.gate")) == [
+        "sampler_gateway.routing.versions"]
+    errors = (GATEWAY / "errors.py").read_text() + "\nfrom .replicas.ids import RoutedId\n"
+    assert gateway_upward("sampler_gateway.errors", imports_of(errors, "sampler_gateway.errors")) == [
+        "sampler_gateway.replicas.ids"]
+    router = (GATEWAY / "lora" / "router.py").read_text()
+    assert "sampler_gateway.lora.names" in imports_of(router, "sampler_gateway.lora.router")  # its own package
+    assert gateway_upward("sampler_gateway.lora.router", imports_of(router, "sampler_gateway.lora.router")) == []
+
+
 def test_the_checker_sees_an_upward_import_even_inside_a_function() -> None:
     """The rule can fail: a core module importing the http layer lazily is caught."""
     source = (PACKAGE / "core" / "sampler.py").read_text() + "\n\ndef f():\n    from ..http.app import create_app\n"
@@ -186,7 +275,7 @@ def test_the_checker_sees_a_server_importing_the_other_even_inside_a_function() 
     assert forbidden("sampler_pod.http.app", imports_of(pod, "sampler_pod.http.app")) == ["sampler_gateway.app"]
     common = (REPO_ROOT / "sampler_common" / "http" / "auth.py").read_text()
     for extra, found in [("from sampler_pod.config import ServerConfig", "sampler_pod.config"),
-                         ("from sampler_gateway import config", "sampler_gateway"),
+                         ("from sampler_gateway import config", "sampler_gateway.config"),
                          ("import sampler_operator.settings", "sampler_operator.settings")]:
         source = common + f"\n\ndef f():\n    {extra}\n"
         assert forbidden("sampler_common.http.auth", imports_of(source, "sampler_common.http.auth")) == [found]
@@ -195,3 +284,4 @@ def test_the_checker_sees_a_server_importing_the_other_even_inside_a_function() 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
