@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import kopf
 
+from sampler_common.gateway_leases import GATEWAY_LABEL
 from sampler_operator import FINALIZER, GROUP
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, MANAGED_BY
 from sampler_operator.replica.replacement_policy import fleet_cap
@@ -124,9 +125,7 @@ def apply(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
     # Watch only our pods, filtered by the API server: not every pod of the cluster.
     settings.watching.label_selectors["v1", "pods"] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     # Likewise only the pools' gateways' routing Leases (handlers.wake_pool_on_ack), not the nodes'
-    # heartbeats and every controller's election. (Imported here: pool.gateway imports this module.)
-    from sampler_operator.pool.gateway import LABEL_GATEWAY
-
-    settings.watching.label_selectors["coordination.k8s.io", "leases"] = LABEL_GATEWAY
+    # heartbeats and every controller's election.
+    settings.watching.label_selectors["coordination.k8s.io", "leases"] = GATEWAY_LABEL
     # Info-level lines stay in the log; posting each as an Event would cost an API call.
     settings.posting.level = cfg.post_events_from_level

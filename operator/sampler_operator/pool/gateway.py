@@ -16,13 +16,16 @@ import hashlib
 import json
 from typing import Any
 
+from sampler_common.gateway_leases import GATEWAY_LABEL
 from sampler_operator import pod_security
 from sampler_operator.api_keys import KeyRef
 from sampler_operator.pool.plan import pool_owner_ref
 from sampler_operator.replica.desired_pod import LABEL_MANAGED_BY, MANAGED_BY, label_value
 from sampler_operator.settings import gateway_image
 
-LABEL_GATEWAY = "sampler.rl.dev/gateway"
+# The pool's name on its gateway's pods, and on their routing Leases, which the operator watches by it
+# (settings.py): sampler_common's GATEWAY_LABEL, the one name the gateway writes.
+LABEL_GATEWAY = GATEWAY_LABEL
 # spec.gateway.resources when unset (docs/guide/pool.md).
 DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}}
 STARTUP_PROBE_FAILURES = 60  # x 2 s
