@@ -4,15 +4,14 @@ headless). Each function takes plain numbers, so a plot is redrawn only by re-ru
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib
 import matplotlib.ticker
 
-matplotlib.use("Agg")  # no display here or in CI; pyplot is imported only after this (see _plt)
+from bench.timeline import Timeline, place_labels
 
-if TYPE_CHECKING:
-    from bench.rollout_trace import Timeline
+matplotlib.use("Agg")  # no display here or in CI; pyplot is imported only after this (see _plt)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -73,9 +72,8 @@ _SPAN_STYLE = {  # kind: (colour, alpha, bar's bottom and top around its lane's 
 
 def rollout_timeline(path: Path, tl: Timeline) -> None:
     """One rollout's trace (bench/rollout_trace.py timeline): a lane per process, each step a labelled
-    point, the fence shaded across every lane. Labels are stacked in rows so that none overlaps."""
-    from bench.rollout_trace import place_labels
-
+    point, the fence shaded across every lane. Labels are stacked in rows so that none overlaps
+    (bench/timeline.py place_labels)."""
     plt = _plt()
     from matplotlib.patches import Patch
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.rollout_trace import Lane, Mark, pick, place_labels, read, rollouts, timeline
+from bench.rollout_trace import pick, read, rollouts, timeline
+from bench.timeline import Lane, Mark, place_labels
 from sampler_common import rollout_trace
 
 
