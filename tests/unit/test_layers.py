@@ -36,8 +36,9 @@ only down, to a package of a lower rank; two packages of one rank import neither
     replicas, metrics, kube  the replica set as data; what is measured; the Kubernetes client
     config, errors           leaves
 
-The walk reads every import statement (ast), including imports inside functions, so a cycle or a
-forbidden import hidden in a function fails too.
+Across the whole tree (every first-party package, bench/, tests/, scripts/, examples/) there is no
+import cycle. The walk reads every import statement (ast), including imports inside functions, so a
+cycle or a forbidden import hidden in a function fails too.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ LAYERS = {"config": 0, "testing": 0, "engine": 1, "core": 2, "weights": 3, "prot
 # Every first-party top-level package (the operator's lives in operator/), and the trees that import them.
 FIRST_PARTY = ("sampler_common", "sampler_pod", "sampler_gateway", "sampler_client", "sampler_operator", "bench",
                "tests")
-# Every first-party folder: what `from pkg import x` resolves x against. scripts/ and examples/ are programs,
-# not packages: their files are named `scripts.x`, `examples.x` here (nothing imports them).
+# Every first-party folder: what the cycle walk reads, and what `from pkg import x` resolves x against.
+# scripts/ and examples/ are programs, not packages: their files are named `scripts.x`, `examples.x` here
+# (nothing imports them).
 TREES = ("sampler_common", "sampler_pod", "sampler_gateway", "sampler_client", "operator/sampler_operator", "bench",
          "tests", "scripts", "examples")
 # What each server package, and the layer under both, may import of FIRST_PARTY.
@@ -164,6 +166,37 @@ def forbidden(module: str, imports: set[str]) -> list[str]:
     return sorted(i for i in imports if i.split(".")[0] not in ALLOWED[module.split(".")[0]])
 
 
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, as the sorted modules of each strongly connected component with more than one
+    module (or a module importing itself): the count of independent circles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in sorted(edges.get(m, ())):
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while (n := stack.pop()) != m:
+                component.append(n)
+            component.append(m)
+            if len(component) > 1 or m in edges.get(m, ()):
+                found.append(sorted(component))
+
+    for m in sorted(edges):
+        if m not in index:
+            visit(m)
+    return found
+
+
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
@@ -210,6 +243,16 @@ def test_no_import_cycle() -> None:
     edges = {m: {i for i in deps if i in MODULES} for m, deps in GRAPH.items()}
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_in_the_whole_tree() -> None:
+    """Every first-party file, the operator's, the benchmarks', the tests', the scripts' and the
+    examples' included: 0 circles, lazy imports counted."""
+    assert {"sampler_operator.settings", "bench.plots", "tests.unit.test_layers", "scripts.gen_reference",
+            "examples.rl_loop", "sampler_gateway.routing.pool"} <= set(ALL_MODULES)
+    edges = {m: {i for i in _imports(p) if i in ALL_MODULES and i != m} for m, p in ALL_MODULES.items()}
+    found = cycles(edges)
+    assert not found, f"{len(found)} import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_every_gateway_module_is_in_a_known_layer() -> None:
@@ -285,3 +328,16 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
+
+def test_the_cycle_count_counts_each_circle_once() -> None:
+    edges = {"a": {"b"}, "b": {"a", "c"}, "c": {"d"}, "d": {"c"}, "e": {"e"}, "f": {"a"}}
+    assert cycles(edges) == [["c", "d"], ["a", "b"], ["e"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_whole_tree_walk_sees_a_lazy_circle_between_two_benchmarks() -> None:
+    """The rule can fail: a benchmark that imports, in a function, one that imports it."""
+    a = "from bench.report import Table\n"
+    b = "def f():\n    from bench.plots import save\n"
+    edges = {"bench.plots": imports_of(a, "bench.plots"), "bench.report": imports_of(b, "bench.report")}
+    assert cycles(edges) == [["bench.plots", "bench.report"]]
