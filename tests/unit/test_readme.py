@@ -32,6 +32,57 @@ def test_readme_is_a_front_page_without_history():
     assert "<!-- times: measured by the lead -->" in README
 
 
+_MONTH = (r"(Jan(uary)?|Feb(ruary)?|Mar(ch)?|Apr(il)?|May|June?|July?|Aug(ust)?|Sept?(ember)?|Oct(ober)?"
+          r"|Nov(ember)?|Dec(ember)?)")
+# The shapes a date takes in prose: numeric (2026-12-06, 12/06/2026, 6.12.2026), a month with a day or a
+# year (Dec 6, December 2026, 6 Dec, 6th of December), a month alone (but May, also a verb), a year of
+# this project's era alone, a weekday, or a day told relative to when it was written.
+_DATES = [
+    r"\b\d{4}[-/.]\d{1,2}[-/.]\d{1,2}\b",
+    r"\b\d{1,2}/\d{1,2}/\d{2,4}\b",
+    r"\b\d{1,2}\.\d{1,2}\.\d{4}\b",
+    rf"\b{_MONTH}\.?,?\s+\d{{1,4}}(st|nd|rd|th)?\b",
+    rf"\b\d{{1,2}}(st|nd|rd|th)?\s+(of\s+)?{_MONTH}\b",
+    r"\b(January|February|March|April|June|July|August|September|October|November|December)\b",
+    r"\b20[23]\d\b",
+    r"\b(Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)\b",
+    r"(?i)\b(today|yesterday|tomorrow|(this|last|that) (morning|afternoon|evening|night|week|month|year)"
+    r"|earlier that day)\b",
+]
+# A duration as the README writes one: "25 min", "1 min 46 s", "90 s", "2 h".
+_DURATION = re.compile(r"\b\d+(\.\d+)?\s*(h|hours?|min|minutes?)(\s+\d+\s*s)?\b|\b\d+(\.\d+)?\s*(s|seconds?)\b")
+
+
+def dates_in(text: str) -> list[str]:
+    return [m.group(0) for pattern in _DATES for m in re.finditer(pattern, text)]
+
+
+def test_readme_names_no_date():
+    """The front page says what to expect, not when it was measured: the history of the times is
+    docs/development.md's."""
+    assert dates_in(README) == []
+
+
+def test_the_date_check_sees_every_shape_of_a_date():
+    for dated in ["run on 2026-12-06", "on 2026/12/06", "12/06/2026", "on 6.12.2026", "Dec 6", "Dec. 6",
+                  "6 Dec", "6th of December", "December 2026", "in December", "Sept 30", "May 3", "in 2026",
+                  "on Saturday", "measured this morning", "yesterday", "late that afternoon",
+                  "earlier that day"]:
+        assert dates_in(dated), dated
+    for undated in ["port 8080", "vLLM 0.8.5", "2048 tokens", "it may decode", "we march on", "25 min",
+                    "Decode the May", "1.2.3", "step-120"]:
+        assert dates_in(undated) == [], undated
+
+
+def test_readme_gives_each_command_one_time():
+    block = README.split("<!-- times: measured by the lead -->\n", 1)[1].split("\n\n", 1)[0]
+    lines = block.splitlines()
+    assert [line.split("`")[1] for line in lines] == ["./scripts/demo.sh", "./scripts/test.sh"]
+    for line in lines:
+        assert len(_DURATION.findall(line)) == 1, line
+    assert len(_DURATION.findall("1 min 46 s")) == 1 and len(_DURATION.findall("24 min, warm 22 min")) == 2
+
+
 def test_every_readme_link_resolves():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
         if target.startswith("http"):
