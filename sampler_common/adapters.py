@@ -13,7 +13,7 @@ adapter name, and a replica holds adapters by name, so two versions never share 
 
 The model is pydantic at the edge only: it parses what the API server holds (camelCase, as in the
 CRD) and renders it back; the decisions on it are pure functions elsewhere (the gateway's
-`adapter_push.py`, `lora/names.py`, `lora/placement.py`).
+`admin/adapter_push.py`, `lora/names.py`, `lora/placement.py`).
 """
 
 from __future__ import annotations
