@@ -18,12 +18,11 @@ Or `python -m sampler_client push URL --checkpoint ... --label ... --wait`, and
 `python -m sampler_client push-adapter URL --run R --path P --label L --step N`.
 """
 
+from .errors import PoolError, RequestRefused
 from .pool import (
     AdapterPushed,
     Pool,
-    PoolError,
     ReplicaRollout,
-    RequestRefused,
     Rollout,
     RolloutStopped,
     RolloutSuperseded,

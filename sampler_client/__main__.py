@@ -17,11 +17,11 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from .errors import PoolError
 from .pool import (
     ADAPTER_PUSH_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     Pool,
-    PoolError,
     RolloutStopped,
     RolloutSuperseded,
     RolloutTimeout,

@@ -41,7 +41,7 @@ from sampler_common.weight_transfer.gloo import (
     register_trainer_engine,
 )
 
-from .pool import PoolError, RequestRefused
+from .errors import PoolError, RequestRefused
 
 register_trainer_engine()
 

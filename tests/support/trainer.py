@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from sampler_client import Pool
-from sampler_client.pool import RequestRefused
+from sampler_client.errors import RequestRefused
 from sampler_client.weight_transfer import StateDictSource, WeightSyncClient
 from sampler_common.weight_transfer.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine, local_address
 
