@@ -117,13 +117,16 @@ class FaultProxy:
             self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
 
     async def _down(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self._stop_listening()
         for w in list(self._writers):
             w.transport.abort()
         self._writers.clear()
         await self._release_stalls()
+
+    def _stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     async def _release_stalls(self) -> None:
         for f in self._stalls:
@@ -169,8 +172,11 @@ class FaultProxy:
                 writer.transport.abort()
                 await self._down()
             elif action == "answer_then_refuse":
-                # The whole answer out and the connection closed before the replica goes: `_down`
-                # aborts the connections it finds, and an abort drops what is not sent yet.
+                # No connection accepted once the answer is out (a connection made meanwhile would sit
+                # in the closed listener's queue, unanswered, not refused); and the whole answer out
+                # before the replica goes (`_down` aborts the connections it finds, and an abort drops
+                # what is not sent yet).
+                self._stop_listening()
                 self._writers.discard(writer)
                 writer.write(answer)
                 with contextlib.suppress(ConnectionError):
