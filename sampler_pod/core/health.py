@@ -153,6 +153,15 @@ class HealthReport(BaseModel):
     stall: StallEvidence | None = None
     # Set while a trainer is joined over vLLM's weight-transfer protocol (a push in progress shows here).
     weight_transfer: TransferReport | None = None
+    # What a gateway routes by (sampler_gateway/routing/score.py): the engine's prefix-cache block size in
+    # tokens (null: no prefix cache, or no engine yet) and its KV cache's blocks; the requests waiting in
+    # the engine and the fraction of its KV blocks in use, at its last step (0 when it holds none).
+    kv_block_size: int | None = None
+    kv_cache_blocks: int | None = None
+    queue_depth: int = 0
+    kv_cache_usage: float = 0.0
+    # When this server process started (ISO-8601 UTC, `Z`): a new value is a restart, whose caches are empty.
+    started_at: str | None = None
 
 
 # The start of `/health`'s reason while a replica waits for weights it can load (docs/reference/contract.md):

@@ -50,7 +50,15 @@ from .aborts import AbortBoard, Reading
 from .adapter_use import AdapterUse
 from .admission import AdmissionController, Slot
 from .futures import FutureStore
-from .health import AdapterEntry, HealthReport, StallEvidence, TransferReport, WeightsState, health_status
+from .health import (
+    AdapterEntry,
+    HealthReport,
+    StallEvidence,
+    TransferReport,
+    WeightsState,
+    health_status,
+    utc_now_iso,
+)
 from .metrics import Metrics
 from .request_checks import ModelLimits, check_sample_request, effective_timeout, generation_spec
 from .rwlock import RWLock
@@ -99,6 +107,9 @@ class SamplerCore:
     # reason `/health` gives for `starting` until a later load succeeds. Samples are refused, loads not.
     awaiting_weights: str | None = None
 
+    # When this process's core was made: /health's `started_at` (a restart shows as a new value).
+    started_at: str = field(default_factory=utc_now_iso)
+
     def set_model_dir(self, model_dir: str) -> None:
         self.model_dir = model_dir
 
@@ -142,6 +153,7 @@ class SamplerCore:
                                        stalled.reason if stalled is not None else None)
         evidence = (StallEvidence(since_progress_s=round(stalled.since_progress_s, 3), waiting=stalled.waiting)
                     if stalled is not None and status == "engine_stalled" else None)
+        cache = self.engine.cache_state() if self.engine is not None else None
         return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
                             weights_checkpoint=w.checkpoint, weights_sha256=w.sha256, weights_loaded_at=w.loaded_at,
                             intended=w.intended, weight_transfer=self.transfer_report(),
@@ -153,7 +165,11 @@ class SamplerCore:
                             in_flight=self.admission.in_flight, limit=self.admission.limit, model=self.cfg.model,
                             lora_slots=self.cfg.lora_slots, max_loras=self.cfg.max_loras if self.cfg.enable_lora else 0,
                             logprobs_mode=self.cfg.logprobs_mode,
-                            stall=evidence)
+                            stall=evidence, started_at=self.started_at,
+                            kv_block_size=cache.block_size if cache is not None else None,
+                            kv_cache_blocks=cache.blocks if cache is not None else None,
+                            queue_depth=cache.waiting if cache is not None else 0,
+                            kv_cache_usage=round(cache.usage, 4) if cache is not None else 0.0)
 
     # ------------------------------------------------------------------ the stall watch
 

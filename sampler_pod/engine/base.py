@@ -77,6 +77,20 @@ class EngineStep:
 
 
 @dataclass(frozen=True)
+class CacheState:
+    """The engine's KV cache and queue as its scheduler last counted them (what a gateway routes by:
+    /health, sampler_gateway/routing/score.py)."""
+
+    # Tokens per block of its prefix cache; None: no prefix cache (off, or an engine without one).
+    block_size: int | None
+    # Blocks its KV cache holds in all; None: unknown.
+    blocks: int | None
+    # Requests waiting in the engine, not yet scheduled, and the fraction of KV blocks in use.
+    waiting: int = 0
+    usage: float = 0.0
+
+
+@dataclass(frozen=True)
 class StagedCheckpoint:
     """A checkpoint read into host memory by `Engine.stage_checkpoint`, waiting for its write."""
 
@@ -225,6 +239,10 @@ class Engine(Protocol):
     # that only grows. The stall watch (`core/stall.py`) reads it a few times a second, so it must cost
     # next to nothing to read and to keep.
     def tokens_produced(self) -> int: ...
+
+    # Its prefix cache's block size and size, its queue and KV use at its last step (`CacheState`). Read
+    # by every /health, so it must cost next to nothing: the scheduler's own per-step stats.
+    def cache_state(self) -> CacheState: ...
 
     # The make-up of the engine's last steps' batches, oldest first. Test seams only: proves that
     # requests (base and adapters) really ran in one batch, from the engine's own stats, not timing.

@@ -17,6 +17,7 @@ from typing import Any
 
 from .base import (
     AdapterRef,
+    CacheState,
     DigestMismatch,
     EngineStep,
     FinishReason,
@@ -32,6 +33,9 @@ from .base import (
     TransferTorn,
     VersionSpan,
 )
+
+# The block size the fake engine reports (vLLM's default on a GPU).
+FAKE_KV_BLOCK_SIZE = 16
 
 
 class FakeWriteFailure(RuntimeError):
@@ -304,6 +308,11 @@ class FakeEngine:
 
     def recent_steps(self) -> list[EngineStep]:
         return []  # no batches here: each request generates on its own
+
+    def cache_state(self) -> CacheState:
+        # It caches nothing, but reports vLLM's GPU block size so that a gateway in front of fake replicas
+        # routes by prefix as in front of real ones (tests/gateway); no queue: every request runs at once.
+        return CacheState(block_size=FAKE_KV_BLOCK_SIZE, blocks=None)
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         self.adapters[ref.name] = ref

@@ -22,6 +22,7 @@ from typing import Any, get_args
 from ..config import ServerConfig
 from .base import (
     AdapterRef,
+    CacheState,
     DigestMismatch,
     EngineDead,
     EngineRejected,
@@ -95,6 +96,9 @@ class EngineCounters:
     tokens: int = 0
     # The last steps' batch make-up (`Engine.recent_steps`), kept only with the test seams on.
     steps: collections.deque[EngineStep] | None = None
+    # The scheduler's queue and KV use at the last step (`Engine.cache_state`).
+    waiting: int = 0
+    usage: float = 0.0
 
 
 def engine_stats_logger(counters: EngineCounters) -> Any:
@@ -107,7 +111,8 @@ def engine_stats_logger(counters: EngineCounters) -> Any:
     asks for FINAL_ONLY outputs, so it never sees tokens before a sequence ends. Prompt tokens count
     too, so a prefill finishing is progress (vLLM reports them when a request's prefill completes).
     The batch make-up is vLLM's own count: the scheduler's running requests, and its running
-    requests per LoRA adapter (the numbers behind vLLM's `vllm:lora_requests_info` metric).
+    requests per LoRA adapter (the numbers behind vLLM's `vllm:lora_requests_info` metric). The
+    queue and the KV use are the scheduler's too (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`).
     """
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -119,6 +124,9 @@ def engine_stats_logger(counters: EngineCounters) -> Any:
                    engine_idx: int = 0) -> None:
             if iteration_stats is not None:
                 counters.tokens += iteration_stats.num_generation_tokens + iteration_stats.num_prompt_tokens
+            if scheduler_stats is not None:
+                counters.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+                counters.usage = scheduler_stats.kv_cache_usage
             if counters.steps is not None and scheduler_stats is not None:
                 counters.steps.append(EngineStep(running=scheduler_stats.num_running_reqs,
                                                  adapters=dict(scheduler_stats.running_lora_adapters)))
@@ -236,6 +244,10 @@ class VllmEngine:
     _broken: str | None = None
     _counters: EngineCounters = field(default_factory=EngineCounters)
     _receiver: VllmWeightReceiver | None = None
+    # The prefix cache's block size (None: prefix caching off) and the KV cache's blocks, as the engine
+    # was built (`cache_state`).
+    _block_size: int | None = None
+    _blocks: int | None = None
 
     @classmethod
     def create(cls, model_dir: str, cfg: ServerConfig) -> VllmEngine:
@@ -279,8 +291,11 @@ class VllmEngine:
         tokenizer = llm.get_tokenizer()
         receiver = VllmWeightReceiver(llm, backend, workers=llm.vllm_config.parallel_config.world_size_across_dp) \
             if backend else None
+        cache = llm.vllm_config.cache_config
         return cls(llm=llm, vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, tokenizer=tokenizer,
-                   _counters=counters, _receiver=receiver)
+                   _counters=counters, _receiver=receiver,
+                   _block_size=int(cache.block_size) if cache.enable_prefix_caching else None,
+                   _blocks=int(cache.num_gpu_blocks) if cache.num_gpu_blocks else None)
 
     @property
     def weight_receiver(self) -> VllmWeightReceiver | None:
@@ -497,6 +512,13 @@ class VllmEngine:
 
     def recent_steps(self) -> list[EngineStep]:
         return list(self._counters.steps or ())
+
+    def cache_state(self) -> CacheState:
+        c = self._counters
+        # The last step's stats outlive its requests: an engine holding none queues none and uses no block
+        # (a freed block that keeps its prefix cached is free to vLLM too).
+        idle = not self.llm.get_num_unfinished_requests()
+        return CacheState(self._block_size, self._blocks, 0 if idle else c.waiting, 0.0 if idle else c.usage)
 
     async def add_adapter(self, ref: AdapterRef) -> None:
         from vllm.lora.request import LoRARequest

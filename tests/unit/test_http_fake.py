@@ -71,6 +71,24 @@ async def test_health_endpoints_shapes() -> None:
         assert "sampler_requests_in_flight" in metrics and "sampler_request_latency_seconds_bucket" in metrics
 
 
+async def test_health_says_what_a_gateway_routes_by() -> None:
+    """The engine's prefix-cache block size, KV blocks, queue and KV use, and the process's start
+    (sampler_gateway/routing/score.py reads them): the fake engine reports vLLM's GPU block size and
+    no cache size, queues nothing; the start time is the process's, the same at every read."""
+    core, _ = fake_core(token_delay_s=0.02)
+    async with fake_client(core) as c:
+        h = (await c.get("/health")).json()
+        assert (h["kv_block_size"], h["kv_cache_blocks"], h["queue_depth"], h["kv_cache_usage"]) == (16, None, 0, 0.0)
+        assert h["started_at"].endswith("Z") and h["started_at"] == core.started_at
+        busy = asyncio.create_task(c.post("/v1/sample", json={**GOOD, "sampling_params": {"max_tokens": 20}}))
+        await until(lambda: core.admission.in_flight == 1)
+        assert (await c.get("/health")).json()["started_at"] == h["started_at"]
+        assert (await busy).status_code == 200
+    # Without an engine (starting): no prefix cache to route by yet.
+    core.engine = None
+    assert core.health().kv_block_size is None and core.health().queue_depth == 0
+
+
 async def test_api_key_required_when_configured() -> None:
     core, _ = fake_core(api_key="tml-secret")
     async with fake_client(core) as c:
