@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from ..replicas.adapter_health import ReplicaLora, lora_of
-from ..replicas.view import Member, ReplicaView
+from ..replicas.view import EngineView, Member, ReplicaView
 from ..upstream.http1 import ConnectFailed, ConnectionBroken, Http1Client
 
 
@@ -38,6 +38,7 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
     step = last.weights_step if last is not None else None
     model = last.model if last is not None else None
     lora = last.lora if last is not None else ReplicaLora(None)
+    engine = last.engine if last is not None else EngineView()
     try:
         async with asyncio.timeout(timeout_s):
             r = await client.request(member.url, "GET", "/health", (), b"")
@@ -49,14 +50,14 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
         if last is not None and last.ready and unanswered < failure_threshold:
             return ReplicaView(member.name, member.url, ready=True, draining=member.draining, weights_label=label,
                                weights_version=version, unanswered=unanswered, weights_step=step, model=model,
-                               lora=lora)
+                               lora=lora, engine=engine)
         return ReplicaView(member.name, member.url, ready=False, draining=member.draining, weights_label=label,
                            weights_version=version, reason=f"/health unreachable ({unanswered} in a row): "
                                                            f"{type(e).__name__}: {e}"[:300], unanswered=unanswered,
-                           weights_step=step, model=model, lora=lora)
+                           weights_step=step, model=model, lora=lora, engine=engine)
     if not isinstance(body, dict):
         return ReplicaView(member.name, member.url, False, member.draining, label, version, "/health: not an object",
-                           weights_step=step, model=model, lora=lora)
+                           weights_step=step, model=model, lora=lora, engine=engine)
     status = body.get("status")
     lbl, ver, stp = body.get("weights_label"), body.get("weights_version"), body.get("weights_step")
     return ReplicaView(member.name, member.url, ready=status == "ok", draining=member.draining,
@@ -66,4 +67,20 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
                        weights_step=stp if isinstance(stp, int) and not isinstance(stp, bool) else
                        (step if not isinstance(lbl, str) else None),
                        reason=None if status == "ok" else f"{status}: {body.get('reason')}",
-                       model=body["model"] if isinstance(body.get("model"), str) else model, lora=lora_of(body))
+                       model=body["model"] if isinstance(body.get("model"), str) else model, lora=lora_of(body),
+                       engine=engine_of(body))
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def engine_of(body: dict[str, Any]) -> EngineView:
+    """The engine's cache and queue from a `/health` body (docs/reference/contract.md); a field absent or
+    malformed (an older sampler) reads as unknown: no prefix cache, nothing queued."""
+    usage, started = body.get("kv_cache_usage"), body.get("started_at")
+    return EngineView(block_size=_positive(body.get("kv_block_size")), blocks=_positive(body.get("kv_cache_blocks")),
+                      queue=_positive(body.get("queue_depth")) or 0,
+                      usage=min(1.0, max(0.0, float(usage)))
+                      if isinstance(usage, int | float) and not isinstance(usage, bool) else 0.0,
+                      started_at=started if isinstance(started, str) else None)

@@ -24,6 +24,20 @@ class Member:
 
 
 @dataclass(frozen=True)
+class EngineView:
+    """What a replica's `/health` says of its engine, read by the endpoint scorer (routing/score.py):
+    its prefix cache's block size in tokens (None: no prefix cache, or a sampler too old to say), its
+    KV cache's blocks, the requests waiting in its engine and the fraction of KV blocks in use at its
+    last step, and when its process started (a new value: a restart, its caches empty)."""
+
+    block_size: int | None = None
+    blocks: int | None = None
+    queue: int = 0
+    usage: float = 0.0
+    started_at: str | None = None
+
+
+@dataclass(frozen=True)
 class ReplicaView:
     name: str
     url: str
@@ -42,6 +56,8 @@ class ReplicaView:
     # Its LoRA adapters and slots as its last /health said (adapter_health.py); the gateway's own
     # loads and unloads since are applied on top (lora/router.py).
     lora: ReplicaLora = field(default_factory=lambda: ReplicaLora(None))
+    # Its engine's cache and queue as its last /health said.
+    engine: EngineView = field(default_factory=EngineView)
 
 
 @dataclass(frozen=True)

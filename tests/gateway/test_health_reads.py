@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from sampler_gateway.discovery.health import read_health
-from sampler_gateway.replicas.view import Member
+from sampler_gateway.discovery.health import engine_of, read_health
+from sampler_gateway.replicas.view import EngineView, Member
 from sampler_gateway.upstream.http1 import Http1Client
 
 
@@ -22,13 +22,14 @@ class Replica:
     def __init__(self) -> None:
         self.mode = "ok"
         self.release = asyncio.Event()
+        self.extra: dict[str, object] = {}
 
     async def health(self, _: web.Request) -> web.Response:
         if self.mode == "late":
             await self.release.wait()  # held until the test ends: the reader's timeout fires first
         status = "starting" if self.mode == "starting" else "ok"
         return web.json_response({"status": status, "reason": "engine is starting" if status != "ok" else None,
-                                  "weights_label": "step-1", "weights_version": 1})
+                                  "weights_label": "step-1", "weights_version": 1, **self.extra})
 
 
 @pytest.fixture
@@ -98,3 +99,30 @@ async def test_late_reads_of_a_replica_answering_requests_do_not_count(served) -
     # Not ready already: a request answered meanwhile does not bring it back without a read.
     view = await read_health(session, member, 0.2, view, failure_threshold=3, serving=lambda: True)
     assert not view.ready
+
+
+async def test_the_engine_fields_are_read_and_kept_over_unanswered_reads(served) -> None:
+    """What the scorer routes by (routing/score.py): read from /health; an unanswered read keeps the
+    last values (it says nothing new); a sampler without them reads as no prefix cache, nothing queued."""
+    replica, member, session = served
+    view = await read_health(session, member, 0.5, None)
+    assert view.engine == EngineView()
+    replica.extra = {"kv_block_size": 128, "kv_cache_blocks": 4096, "queue_depth": 3, "kv_cache_usage": 0.25,
+                     "started_at": "2026-01-01T00:00:00.000Z"}
+    view = await read_health(session, member, 0.5, view)
+    read = EngineView(block_size=128, blocks=4096, queue=3, usage=0.25, started_at="2026-01-01T00:00:00.000Z")
+    assert view.engine == read
+    replica.mode = "late"
+    view = await read_health(session, member, 0.2, view, failure_threshold=3)
+    assert view.ready and view.unanswered == 1 and view.engine == read
+
+
+@pytest.mark.parametrize("body", [
+    {"kv_block_size": 0, "kv_cache_blocks": -1, "queue_depth": -2, "kv_cache_usage": 3.5, "started_at": 7},
+    {"kv_block_size": True, "kv_cache_blocks": "4096", "queue_depth": None, "kv_cache_usage": True},
+    {"kv_block_size": 12.5, "kv_cache_usage": "0.5"},
+])
+def test_malformed_engine_fields_read_as_unknown_or_clamped(body: dict[str, object]) -> None:
+    engine = engine_of(body)
+    assert engine.block_size is None and engine.blocks is None and engine.queue == 0
+    assert engine.started_at is None and 0.0 <= engine.usage <= 1.0
