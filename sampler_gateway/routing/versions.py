@@ -105,19 +105,22 @@ def version_filter(candidates: Sequence[ReplicaView], policy: VersionPolicy, ord
     if policy == "Any" or not candidates:
         return list(candidates), []
     ranks = order.ranks
+    # Each distinct label ranked once (a pool serves a few labels; ranking per replica was most of a
+    # pick's cost at 256 replicas, bench/pick_cost.py).
+    of = {label: rank(ranks, label, target) for label in {r.weights_label for r in candidates}}
     if policy == "MinVersion":
         if min_label is None or rank(ranks, min_label, target) == UNKNOWN:
             return list(candidates), []
         floor = rank(ranks, min_label, target)
+        keep = {label for label, rk in of.items() if rk >= floor}
     else:
-        floor = max(rank(ranks, r.weights_label, target) for r in candidates)
+        floor = max(of.values())
         if floor < rank(ranks, order.newest_returned, target):
             return [], list(candidates)
-    allowed = [r for r in candidates if rank(ranks, r.weights_label, target) >= floor]
-    if policy == "Latest":
-        allowed = [r for r in allowed if rank(ranks, r.weights_label, target) == floor]
-    rejected = [r for r in candidates if r not in allowed]
-    return allowed, rejected
+        keep = {label for label, rk in of.items() if rk == floor}
+    if len(keep) == len(of):
+        return list(candidates), []
+    return ([r for r in candidates if r.weights_label in keep], [r for r in candidates if r.weights_label not in keep])
 
 
 def is_stale(label: str, policy: VersionPolicy, order: LabelOrder, target: str | None) -> bool:
