@@ -85,9 +85,45 @@ class GatewayConfig(BaseModel):
         4, ge=0, description="adapters a replica may hold at once when its /health does not say (an older sampler "
                              "without lora_slots and max_loras): the sampler's default --max-loras")
     replica_capacity: int = Field(
-        128, ge=1, description="in-flight requests per replica past which an affinity key spills over to another "
-                               "replica (the replicas' --concurrent-task-limit); past it for every eligible "
-                               "replica, new requests wait their flow's turn (admission/gate.py)")
+        128, ge=1, description="in-flight requests per replica past which an affinity key, a session or a burst "
+                               "spills over to another replica (the replicas' --concurrent-task-limit); past it "
+                               "for every eligible replica, new requests wait their flow's turn "
+                               "(admission/gate.py)")
+
+    # The endpoint picker (routing/score.py, prefix.py; docs/design/prefix-routing.md).
+    picker: Literal["score", "least-loaded"] = Field(
+        "score", description="score: prefix-cache overlap against load, behind a load gate (routing/score.py); "
+                             "least-loaded: the gateway's in-flight requests only, affinity keys spilling at "
+                             "--replica-capacity, a session's replica whenever eligible (the picker before #52)")
+    score_prefix_weight: float = Field(
+        1.0, ge=0, description="weight of the prompt's prefix overlap with a replica's cached blocks (0..1): 0 "
+                               "routes by load alone")
+    score_load_weight: float = Field(
+        1.0, ge=0, description="weight of the sequences this gateway has in flight on a replica, over "
+                               "--replica-capacity")
+    score_tokens_weight: float = Field(
+        1.0, ge=0, description="weight of the tokens (prompts and max_tokens) this gateway has in flight on a "
+                               "replica, over its KV cache's tokens (its /health kv_cache_blocks x kv_block_size)")
+    score_queue_weight: float = Field(
+        1.0, ge=0, description="weight of the requests waiting in a replica's engine (its /health queue_depth), "
+                               "over --replica-capacity")
+    score_kv_weight: float = Field(
+        1.0, ge=0, description="weight of a replica's KV-cache usage (its /health kv_cache_usage, 0..1)")
+    score_imbalance: int = Field(
+        4, ge=0, description="a replica more than this many sequences above the least loaded one (and past "
+                             "--score-imbalance-ratio) is hot: its cached prefix, a session or an affinity key "
+                             "no longer keeps requests on it")
+    score_imbalance_ratio: float = Field(
+        1.5, ge=1.0, description="... and more than this many times the least loaded one's sequences (both "
+                                 "thresholds must be passed, as in vllm-router's cache_aware)")
+    burst_window_s: float = Field(
+        2.0, ge=0, description="a request whose whole prompt went to a replica this recently joins it while it "
+                               "has fewer than --replica-capacity sequences, hot or not: n samples of a prompt sent "
+                               "as n requests land together; 0: off")
+    prefix_index_blocks: int = Field(
+        8192, ge=1, description="prompt blocks remembered per replica, least recently routed out first (at most "
+                                "256 bytes each: 2 MiB per replica at the default); set it near a replica's KV "
+                                "cache blocks (/health kv_cache_blocks), more for text prompts")
 
     # Fairness across flows once the pool is full (admission/gate.py, fair_queue.py).
     fair_shares: list[str] = Field(

@@ -48,6 +48,7 @@ from ..metrics.registry import GatewayMetrics
 from ..replicas.ids import RoutedId
 from ..replicas.view import ReplicaView
 from ..routing.pool import Pool
+from ..routing.score import Prompt
 from ..routing.sessions import SessionTable
 from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
 
@@ -178,11 +179,11 @@ def _discard(reply: Reply) -> None:
         reply.stream.close()
 
 
-async def _open(gw: Gateway, replica: ReplicaView, out: Outgoing) -> Reply:
+async def _open(gw: Gateway, replica: ReplicaView, out: Outgoing, prompt: Prompt | None = None) -> Reply:
     """`upstream.open` under the replica's lease, which a stream keeps until it is closed: an open
     stream is a request in flight, for least-loaded picks as for the replica."""
     with contextlib.ExitStack() as lease:
-        lease.enter_context(gw.pool.lease(replica, "new"))
+        lease.enter_context(gw.pool.lease(replica, "new", prompt))
         reply = await gw.upstream.open(replica, out)
         if reply.stream is not None:
             reply.stream.on_close(lease.pop_all().close)
@@ -191,9 +192,10 @@ async def _open(gw: Gateway, replica: ReplicaView, out: Outgoing) -> Reply:
 
 async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, prefer: str | None = None,
                  resendable: bool = False, rerun: bool = False, label_of: LabelOf | None = None,
-                 stream: bool = False) -> tuple[ReplicaView, Reply]:
+                 stream: bool = False, prompt: Prompt | None = None) -> tuple[ReplicaView, Reply]:
     """`rerun`: a sync sample, re-run once elsewhere if its replica is lost while running it.
-    `stream`: an event stream is returned at its head (`Reply.stream`; the caller closes it)."""
+    `stream`: an event stream is returned at its head (`Reply.stream`; the caller closes it).
+    `prompt`: what the endpoint scorer reads of the request (routing/score.py); its decision is set on it."""
     tried: set[str] = set()
     label: str | None = None  # a retry stays on the weights the request was routed to
     lost: str | None = None   # the replica lost while running the request, when it is re-run
@@ -201,7 +203,7 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
     while True:
         try:
             replica = await gw.pool.choose_within(gw.cfg.no_replica_wait_s, affinity, exclude=frozenset(tried),
-                                                  label=label, prefer=prefer)
+                                                  label=label, prefer=prefer, prompt=prompt)
         except NoReplica as e:
             if lost is None or resendable:
                 raise
@@ -212,9 +214,9 @@ async def to_new(gw: Gateway, out: Outgoing, *, affinity: str | None = None, pre
         tried.add(replica.name)
         try:
             if stream:
-                reply = await _open(gw, replica, out)
+                reply = await _open(gw, replica, out, prompt)
             else:
-                with gw.pool.lease(replica, "new"):
+                with gw.pool.lease(replica, "new", prompt):
                     reply = await gw.upstream.send(replica, out)
         except (NotStarted, Lost, TimedOut) as e:
             retry = after_failed_send(gw, replica, e, used, resendable, rerun)

@@ -77,10 +77,23 @@ class GatewayMetrics:
                                         "failed or left while placing it (lora/router.py)",
                                         ["replica"], registry=r)
         self.replicas = Gauge("sampler_gateway_replicas", "Replicas by state", ["state"], registry=r)
+        self.routed_by = Counter("sampler_gateway_routed_by_rule", "New requests by the endpoint scorer's rule that "
+                                 "chose their replica (session, affinity, burst, prefix, least-loaded; "
+                                 "routing/score.py)", ["rule"], registry=r)
+        self.prompt_blocks = Counter("sampler_gateway_prompt_blocks", "Prompt blocks of the new requests the scorer "
+                                     "routed (routing/prefix.py: the replica's KV block size, in tokens or "
+                                     "characters)", registry=r)
+        self.prompt_blocks_held = Counter("sampler_gateway_prompt_blocks_held", "Of them, the blocks the prefix "
+                                          "index predicted cached on the replica chosen: over "
+                                          "sampler_gateway_prompt_blocks, the predicted prefix-cache hit rate",
+                                          registry=r)
+        self.index_blocks = Gauge("sampler_gateway_prefix_index_blocks", "Prompt blocks the prefix index holds, all "
+                                  "replicas (--prefix-index-blocks per replica at most)", registry=r)
         self.added_latency = Histogram(
             "sampler_gateway_added_latency_seconds", "Per forwarded request: its time in the gateway minus its "
             "exchanges with replicas (added_latency.py defines it exactly)", buckets=BUCKETS, registry=r)
         self._per_request: dict[tuple[str, str], tuple[Counter, Gauge]] = {}
+        self._rules: dict[str, Counter] = {}
 
     def of(self, replica: str, kind: str) -> tuple[Counter, Gauge]:
         """The two series every request touches (routed, in flight), looked up once per replica and
@@ -89,6 +102,12 @@ class GatewayMetrics:
         if (found := self._per_request.get(key)) is None:
             found = self._per_request[key] = (self.routed.labels(replica=replica, kind=kind),
                                               self.in_flight.labels(replica=replica))
+        return found
+
+    def rule(self, rule: str) -> Counter:
+        """`routed_by` for one rule, looked up once (a handful of rules, each request touches one)."""
+        if (found := self._rules.get(rule)) is None:
+            found = self._rules[rule] = self.routed_by.labels(rule=rule)
         return found
 
     def render(self) -> bytes:

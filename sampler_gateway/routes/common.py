@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ from ..admission.fair_queue import FAIRNESS_HEADER, flow_of
 from ..forwarding.forward import Gateway
 from ..lora.names import VersionTarget
 from ..replicas.view import ReplicaView
+from ..routing.score import Prompt
 from ..upstream.exchange import Outgoing, Reply, forwardable
 
 REPLICA_HEADER = "X-Sampler-Replica"
@@ -103,6 +105,29 @@ def rerun_allowed(request: Request) -> bool:
         raise InvalidRequest(f"{NO_RETRY_HEADER} must be 1, true, 0 or false, got {ascii_header(value)[:40]!r}",
                              field=NO_RETRY_HEADER)
     return not opted_out
+
+
+# A request carrying this header (1 or true) gets its routing decision back in ROUTE_HEADER: the rule that
+# chose the replica, its score terms, and the runner-up's (routing/score.py `Decision.as_dict`, JSON).
+EXPLAIN_HEADER = "X-Sampler-Explain"
+ROUTE_HEADER = "X-Sampler-Route"
+
+
+def explain_asked(request: Request) -> bool:
+    value = request.headers.get(EXPLAIN_HEADER)
+    return value is not None and value.strip().lower() in ("1", "true")
+
+
+def explained(reply: Reply, replica: ReplicaView, prompt: Prompt | None) -> Reply:
+    """`reply` with ROUTE_HEADER when its request asked why (`prompt.explain`). Under `--picker
+    least-loaded` there is no score: the header names the picker and the replica only."""
+    if prompt is None or not prompt.explain:
+        return reply
+    d = prompt.decision
+    why = d.as_dict() if d is not None and d.replica.name == replica.name else {
+        "rule": "least-loaded picker", "chosen": {"replica": replica.name}, "runner_up": None}
+    return dataclasses.replace(reply, headers=(*reply.headers, (ROUTE_HEADER, ascii_header(
+        orjson.dumps(why).decode()))))
 
 
 def affinity_of(request: Request) -> str | None:

@@ -29,9 +29,12 @@ from ..forwarding.forward import Gateway, OwnerGone, to_new, to_owner
 from ..lora.names import VersionTarget, sampled_by
 from ..replicas import ids
 from ..replicas.view import ReplicaView
+from ..routing.score import Prompt
 from ..upstream.exchange import Outgoing, Reply
 from .common import (
     affinity_of,
+    explain_asked,
+    explained,
     flow,
     gateway_of,
     json_object,
@@ -132,10 +135,26 @@ async def _send_new(request: Request, gw: Gateway, out: Outgoing, body: dict[str
         if "adapter" in body and body["adapter"] is not None:
             # A name of the base model: the replica samples the base model, as without it.
             out = out.with_body(orjson.dumps({**body, "adapter": None}))
+        prompt = native_prompt(body, explain_asked(request))
         replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=submit,
                                       rerun=not submit and rerun_allowed(request),
-                                      label_of=None if submit else _label)
+                                      label_of=None if submit else _label, prompt=prompt)
+        reply = explained(reply, replica, prompt)
     return replica, reply, adapter
+
+
+def native_prompt(body: dict[str, Any], explain: bool = False) -> Prompt:
+    """What the endpoint scorer reads of a native sample (routing/score.py): its first prompt's token ids
+    (a batch goes to one replica), its sequences, and its tokens (prompts and `max_tokens` per sample).
+    Malformed fields read as absent: the replica judges the request."""
+    prompts = body.get("prompts")
+    first = prompts[0] if isinstance(prompts, list) and prompts and isinstance(prompts[0], list) else None
+    params = body.get("sampling_params")
+    max_tokens = params.get("max_tokens") if isinstance(params, dict) else None
+    sequences = cost_of(body)
+    per = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0 else 0
+    prompt_tokens = sum(len(p) for p in prompts if isinstance(p, list)) if isinstance(prompts, list) else 0
+    return Prompt(tokens=first, sequences=sequences, load_tokens=prompt_tokens + sequences * per, explain=explain)
 
 
 @router.post("/sample")

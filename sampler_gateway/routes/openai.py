@@ -38,6 +38,7 @@ from ..forwarding.adapter_forward import to_version
 from ..forwarding.forward import Gateway, to_new, weights_of
 from ..lora.names import VersionTarget
 from ..replicas.view import ReplicaView
+from ..routing.score import Prompt
 from ..upstream.exchange import Lost, Reply, Stream, TimedOut
 from .common import (
     ADAPTER_LABEL_HEADER,
@@ -45,6 +46,8 @@ from .common import (
     REPLICA_HEADER,
     affinity_of,
     ascii_header,
+    explain_asked,
+    explained,
     flow,
     gateway_of,
     outgoing,
@@ -52,7 +55,17 @@ from .common import (
     respond,
     timeout_of,
 )
-from .openai_wire import EventSplitter, ends_stream, error_body, error_event, final_labels, model_cards, wants_stream
+from .openai_wire import (
+    EventSplitter,
+    body_of,
+    ends_stream,
+    error_body,
+    error_event,
+    final_labels,
+    model_cards,
+    prompt_of,
+    wants_stream,
+)
 
 router = APIRouter(tags=["openai"])
 
@@ -82,30 +95,17 @@ async def models(request: Request) -> Response:
     return respond(replica, reply, orjson.dumps(body))
 
 
-def _adapter(gw: Gateway, raw: bytes) -> tuple[str, VersionTarget, dict[str, Any]] | None:
+def _adapter(gw: Gateway, body: dict[str, Any] | None) -> tuple[str, VersionTarget, dict[str, Any]] | None:
     """The adapter version a generating request's `model` names, when the pool declares adapters
     (404 naming `model` for a name it does not declare); None: the base model, or a pool without
     adapters (the body then goes as sent, byte for byte, and the replica judges `model`)."""
-    if not gw.adapters.state.runs:
+    if not gw.adapters.state.runs or body is None:
         return None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    name = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(name, str) or not isinstance(body, dict):
+    name = body.get("model")
+    if not isinstance(name, str):
         return None
     target = gw.adapters.resolve(name, "model")
     return (name, target, body) if isinstance(target, VersionTarget) else None
-
-
-def _body_of(raw: bytes) -> dict[str, Any] | None:
-    """The body as an object, for its cost only (the replica judges it): None when it is not one."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return body if isinstance(body, dict) else None
 
 
 @router.post("/tokenize")
@@ -125,10 +125,11 @@ async def generate(request: Request) -> Response:
     session = request.headers.get(gw.cfg.session_header) or None
     owner = gw.sessions.owner(session, gw.pool.clock()) if session is not None else None
     out = outgoing(request, raw, timeout_of(gw, None))
-    named = _adapter(gw, raw)
+    body = body_of(raw)
+    named = _adapter(gw, body)
     # Its place is held until the answer ends: a stream's last event, else the answer itself.
     flow_ = flow(request, named[1] if named is not None else None)
-    cost = openai_cost(named[2] if named is not None else _body_of(raw))
+    cost = openai_cost(body)
     release = await gw.gate.enter(flow_, cost)
     streaming = False
     try:
@@ -141,8 +142,14 @@ async def generate(request: Request) -> Response:
                 cost=cost)
             reply = _named(reply, gw.adapters.version_of(target))
         else:
+            prompt = prompt_of(request.scope["path"], body, cost)
+            if explain_asked(request):
+                prompt = prompt or Prompt(sequences=cost)
+                prompt.explain = True
             replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,
-                                          rerun=rerun_allowed(request), label_of=_label, stream=wants_stream(raw))
+                                          rerun=rerun_allowed(request), label_of=_label,
+                                          stream=wants_stream(body), prompt=prompt)
+            reply = explained(reply, replica, prompt)
         if reply.stream is not None:
             reply.stream.on_close(release)
             streaming = True

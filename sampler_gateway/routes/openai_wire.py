@@ -15,6 +15,12 @@ only where it must, which is why this module is small:
 - **The final weights.** The replica puts each choice's `weights_spans` on its last event; the last
   span's label is the weights the stream ended on (a Keep load may move a stream onto newer
   weights): the version policy records it as returned, as it does for a whole answer.
+- **The prompt**, for the endpoint scorer (routing/score.py): token ids where the request has them (a
+  completions token prompt, `/inference/v1/generate`'s `token_ids`), else the text (a completions
+  string; chat messages as `role` and text content, one after the other: the replica's chat template
+  is not known here, and a conversation's next turn starts with the same messages, so with the same
+  text). A completions batch is scored by its first prompt. Not a check: a body the replica refuses is
+  still sent to it.
 """
 
 from __future__ import annotations
@@ -23,19 +29,29 @@ from typing import Any
 
 import orjson
 
+from ..routing.score import Prompt
+
+# Characters a token takes on average, for the load of a text prompt (the Inference Extension's estimate).
+CHARS_PER_TOKEN = 4
+
 # What ends an SSE event: a blank line, with any of SSE's three line endings.
 _ENDS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 DONE = b"data: [DONE]"
 
 
-def wants_stream(raw: bytes) -> bool:
-    """Whether the request asks for a stream. A body that is not a JSON object is not one: it goes to
-    the replica as sent, which answers it in vLLM's own error shape."""
+def body_of(raw: bytes) -> dict[str, Any] | None:
+    """The body as an object, read once for what the gateway needs of it (its adapter, cost, prompt,
+    stream): None when it is not one (the replica judges it, and answers in vLLM's own error shape)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return False
-    return isinstance(body, dict) and body.get("stream") is True
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def wants_stream(body: dict[str, Any] | None) -> bool:
+    """Whether the request asks for a stream (`"stream": true`; a body that is not an object does not)."""
+    return body is not None and body.get("stream") is True
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
@@ -94,3 +110,55 @@ def model_cards(base: dict[str, Any], adapters: list[tuple[str, str]]) -> list[d
     LoRA adapter: the base model's card with the adapter's `id` (the name a client writes in
     `model`), `root` its path and `parent` the base model's id (`adapters`: (name, path) pairs)."""
     return [{**base, "id": name, "root": path, "parent": base.get("id")} for name, path in adapters]
+
+
+def _int(value: Any, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _chat_text(messages: list[Any]) -> str:
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        parts.append(str(m.get("role", "")))
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [c["text"] if isinstance(c, dict) and isinstance(c.get("text"), str) else
+                      orjson.dumps(c).decode() for c in content]
+    return "\n".join(parts)
+
+
+def prompt_of(path: str, body: dict[str, Any] | None, sequences: int, key: str = "") -> Prompt | None:
+    """What the endpoint scorer reads of a generating request (module docstring); None: no prompt in it.
+    `sequences`: its cost (admission/gate.py `openai_cost`); `key`: the adapter version's engine name,
+    "" for the base model (vLLM shares the base model's blocks whatever name a request gives it)."""
+    if body is None:
+        return None
+    tokens: list[int] | None = None
+    text: str | None = None
+    if path == "/inference/v1/generate":
+        ids = body.get("token_ids")
+        tokens = ids if isinstance(ids, list) else None
+        params = body.get("sampling_params")
+        max_tokens = _int(params.get("max_tokens")) if isinstance(params, dict) else 0
+    else:
+        if path == "/v1/chat/completions":
+            messages = body.get("messages")
+            text = _chat_text(messages) if isinstance(messages, list) else None
+        else:
+            p = body.get("prompt")
+            first = p[0] if isinstance(p, list) and p and isinstance(p[0], str | list) else p
+            if isinstance(first, str):
+                text = first
+            elif isinstance(first, list):
+                tokens = first
+        max_tokens = _int(body.get("max_completion_tokens"), _int(body.get("max_tokens")))
+    if tokens is None and text is None:
+        return None
+    salt = body.get("cache_salt")
+    prompt_tokens = len(tokens) if tokens is not None else len(text or "") // CHARS_PER_TOKEN
+    return Prompt(tokens=tokens, text=text, key=f"{key}\x00{salt}" if isinstance(salt, str) else key,
+                  sequences=sequences, load_tokens=prompt_tokens + sequences * max_tokens)

@@ -1,6 +1,8 @@
-"""The gateway's live state: the latest view of the replicas, its own in-flight counts, the label
-order, and which replicas it saw fail since their last health check. Routes ask it for a replica;
-it calls the pure decisions (`versions.version_filter`, `picker.pick`) and keeps the metrics.
+"""The gateway's live state: the latest view of the replicas, its own in-flight counts (requests, and
+the sequences and tokens of new work), the label order, which replicas it saw fail since their last
+health check, and which prompt prefixes it sent where (`prefix.PrefixIndex`, `prefix.BurstWindow`).
+Routes ask it for a replica; it calls the pure decisions (`versions.version_filter`, then
+`score.decide`, or `picker.pick` under `--picker least-loaded`) and keeps the metrics.
 
 All of it lives in one event loop (uvicorn's), so plain dicts and ints need no locks.
 """
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,10 +26,14 @@ from ..config import GatewayConfig
 from ..errors import NoReplica
 from ..metrics.registry import GatewayMetrics
 from ..replicas.adapter_health import ReplicaLora
-from ..replicas.view import PoolView, ReplicaView
-from .picker import pick
+from ..replicas.view import EngineView, PoolView, ReplicaView
+from .picker import pick, preferred
+from .prefix import BurstWindow, PrefixIndex
+from .score import Prompt, Weights, decide, load_cost
 from .switch import Switch
 from .versions import LabelOrder, is_stale, rank, version_filter
+
+log = logging.getLogger(__name__)
 
 
 class Pool:
@@ -36,9 +43,35 @@ class Pool:
         self.view = PoolView()
         self.order = LabelOrder()
         self.in_flight: dict[str, int] = {}
+        # New work's sequences and tokens in flight per replica, and each replica's load cost from them and
+        # its last /health (score.load_cost), kept up to date here so a pick reads it, never computes it.
+        self.seqs: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+        self._load: dict[str, float] = {}
+        self.weights = Weights(prefix=cfg.score_prefix_weight, load=cfg.score_load_weight,
+                               tokens=cfg.score_tokens_weight, queue=cfg.score_queue_weight, kv=cfg.score_kv_weight,
+                               imbalance=cfg.score_imbalance, imbalance_ratio=cfg.score_imbalance_ratio)
+        # Which prompt blocks went to which replica, and where each recent whole prompt went.
+        self.index = PrefixIndex(cfg.prefix_index_blocks)
+        self.bursts = BurstWindow(cfg.burst_window_s)
+        self._block_sizes: tuple[int, ...] = ()
+        # The last eligible list scored and where each replica sits in it: a pool's eligible replicas
+        # rarely change between two requests, and finding them anew would be a Python loop per pick.
+        self._scored: list[ReplicaView] = []
+        # `candidates` and the version policy's filter of them, kept until what they read changes.
+        self._cands: list[ReplicaView] = []
+        self._cands_view: PoolView | None = None
+        self._cands_key: tuple[int, frozenset[str] | None] = (-1, None)
+        self._filtered: tuple[list[ReplicaView], list[ReplicaView]] = ([], [])
+        self._filtered_from: list[ReplicaView] | None = None
+        self._filtered_key: tuple[object, ...] = ()
+        self._names: list[str] = []
+        self._positions: dict[str, int] = {}
+        metrics.index_blocks.set_function(self.index.size)
         # Replica -> (when, why) the gateway saw it fail; it stays out until a refresh that started
         # later finds it ready again (a failed connection is fresher news than the last /health).
         self._lost: dict[str, tuple[float, str]] = {}
+        self._lost_changes = 0
         self._turn = itertools.count()
         self._changed = asyncio.Event()
         # Replica -> when it last answered a request (passive health: a busy replica's late /health
@@ -72,8 +105,10 @@ class Pool:
             r = view.by_name.get(name)
             if r is None or (r.ready and view.started_at > at):
                 del self._lost[name]
+                self._lost_changes += 1
         view = self._newest_adapters(view)
         moved = _serial(view.adapters) != _serial(self.view.adapters)
+        self._track(self.view, view)
         self.view = view
         if moved and self.on_adapters is not None:
             self.on_adapters()
@@ -90,6 +125,25 @@ class Pool:
         for state, n in states.items():
             self.metrics.replicas.labels(state=state).set(n)
         self._notify()
+
+    def _track(self, old: PoolView, new: PoolView) -> None:
+        """The prefix index forgets each replica that left, moved, restarted or changed its weights (its
+        prefix cache is gone); the load cost follows each changed /health read."""
+        for r in old.replicas:
+            now = new.by_name.get(r.name)
+            if now is None or cache_reset(r, now):
+                self.index.forget(r.name)
+                self.bursts.forget(r.name)
+        for r in new.replicas:
+            if old.by_name.get(r.name) is not r or r.name not in self._load:
+                self._reload_cost(r.name, r.engine)
+        for name in [n for n in self._load if n not in new.by_name]:
+            del self._load[name]
+        self._block_sizes = tuple(sorted({r.engine.block_size for r in new.replicas if r.engine.block_size}))
+
+    def _reload_cost(self, name: str, engine: EngineView) -> None:
+        self._load[name] = load_cost(engine, self.seqs.get(name, 0), self.tokens.get(name, 0), self.weights,
+                                     self.cfg.replica_capacity)
 
     def _newest_adapters(self, view: PoolView) -> PoolView:
         """`view` with the newer of its declared adapters and those routed by now: two readers of the
@@ -128,10 +182,15 @@ class Pool:
 
     def candidates(self) -> list[ReplicaView]:
         """Ready, not draining, not seen failing, at a label the pool's switch permits: before the
-        version policy."""
+        version policy. Kept until one of those changes (a new view, a replica lost or back, the switch):
+        asked per request, it would otherwise be a Python loop over the pool each time. Not to mutate."""
         permitted = self.switch.permitted() if self.switch is not None else None
-        return [r for r in self.view.replicas if self._usable(r)
-                and (permitted is None or r.weights_label in permitted)]
+        if self.view is not self._cands_view or (self._lost_changes, permitted) != self._cands_key:
+            lost = self._lost
+            self._cands = [r for r in self.view.replicas if r.ready and not r.draining and r.name not in lost
+                           and (permitted is None or r.weights_label in permitted)]
+            self._cands_view, self._cands_key = self.view, (self._lost_changes, permitted)
+        return self._cands
 
     async def held(self, label: str) -> None:
         """Before an answer on `label` is offered to `returned`: while the pool's switch forbids it
@@ -164,37 +223,49 @@ class Pool:
         self._notify()
 
     def eligible(self) -> list[ReplicaView]:
-        return version_filter(self.candidates(), self.cfg.version_policy, self.order, self.target, self.min_label)[0]
+        """The replicas a new request may go to now, no exclusion (as `allowed()`, uncounted). Not to mutate."""
+        return self._filter()[0]
+
+    def _filter(self) -> tuple[list[ReplicaView], list[ReplicaView]]:
+        """The version policy over `candidates()`, kept until they or the label order change."""
+        cands = self.candidates()
+        key = (self.order.ranks, self.order.newest_returned, self.target, self.min_label)
+        if cands is not self._filtered_from or key != self._filtered_key:
+            self._filtered = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)
+            self._filtered_from, self._filtered_key = cands, key
+        return self._filtered
 
     # ---------------------------------------------------------------- decisions
 
     def choose(self, affinity: str | None = None, exclude: frozenset[str] = frozenset(),
-               label: str | None = None, prefer: str | None = None) -> ReplicaView:
+               label: str | None = None, prefer: str | None = None, prompt: Prompt | None = None) -> ReplicaView:
         """The replica for a new request; `label` restricts to one weights label (a retry stays on
-        the version it started on); `prefer` names a replica that takes it whenever it is eligible
-        (the owner of the client's session). Raises NoReplica (503) when none may take it."""
-        chosen = self._pick(affinity, exclude, label, prefer)
+        the version it started on); `prefer` names the replica of the client's session, `affinity` its
+        affinity key; `prompt`: what the scorer reads of the request (its decision is set on it).
+        Raises NoReplica (503) when none may take it."""
+        chosen = self._pick(affinity, exclude, label, prefer, prompt)
         if chosen is None:
             self.metrics.no_replica.inc()
             raise NoReplica(self.why_none(exclude, self._returnable(label)), self.cfg.retry_after_s)
         return chosen
 
     async def choose_within(self, wait_s: float, affinity: str | None = None, exclude: frozenset[str] = frozenset(),
-                            label: str | None = None, prefer: str | None = None) -> ReplicaView:
+                            label: str | None = None, prefer: str | None = None,
+                            prompt: Prompt | None = None) -> ReplicaView:
         """`choose`, but when no replica may take the request now, wait up to `wait_s` for one that
         may, re-trying at each change of the pool: during a rollout step under Latest the first
         answer on the new weights can come back before its replica is in routing again, and the
         old ones may no longer answer; a trainer is better served by a short wait than by a 503."""
         deadline = self.clock() + wait_s
-        chosen = self._pick(affinity, exclude, label, prefer)
+        chosen = self._pick(affinity, exclude, label, prefer, prompt)
         if chosen is not None:
             return chosen
         self.metrics.waiting.inc()
         try:
-            while (chosen := self._pick(affinity, exclude, label, prefer)) is None:
+            while (chosen := self._pick(affinity, exclude, label, prefer, prompt)) is None:
                 left = deadline - self.clock()
                 if left <= 0:
-                    return self.choose(affinity, exclude, label, prefer)  # the 503, counted, with the reason
+                    return self.choose(affinity, exclude, label, prefer, prompt)  # the 503, counted, with the reason
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), left)
             return chosen
@@ -214,10 +285,15 @@ class Pool:
 
     def allowed(self, exclude: frozenset[str] = frozenset(), label: str | None = None) -> list[ReplicaView]:
         """The replicas a new request may go to now (`_pick`'s choice is among them; adapter
-        placement chooses among them too, lora/router.py)."""
+        placement chooses among them too, lora/router.py). Not to mutate: a first try's list is
+        kept until the candidates or the label order change (`candidates`)."""
         label = self._returnable(label)
-        cands = [r for r in self.candidates() if r.name not in exclude and (label is None or r.weights_label == label)]
-        allowed, rejected = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)
+        if exclude or label is not None:
+            cands = [r for r in self.candidates()
+                     if r.name not in exclude and (label is None or r.weights_label == label)]
+            allowed, rejected = version_filter(cands, self.cfg.version_policy, self.order, self.target, self.min_label)
+        else:
+            allowed, rejected = self._filter()
         for r in rejected:
             self.metrics.rejected_by_version.labels(replica=r.name).inc()
         return allowed
@@ -239,11 +315,60 @@ class Pool:
         self._notify()
 
     def _pick(self, affinity: str | None, exclude: frozenset[str], label: str | None,
-              prefer: str | None) -> ReplicaView | None:
+              prefer: str | None, prompt: Prompt | None) -> ReplicaView | None:
         allowed = self.allowed(exclude, label)
-        owner = next((r for r in allowed if r.name == prefer), None)
-        return owner or pick(allowed, self.in_flight, affinity=affinity, capacity=self.cfg.replica_capacity,
-                             turn=next(self._turn))
+        if self.cfg.picker == "least-loaded":
+            owner = next((r for r in allowed if r.name == prefer), None)
+            return owner or pick(allowed, self.in_flight, affinity=affinity, capacity=self.cfg.replica_capacity,
+                                 turn=next(self._turn))
+        return self.score(allowed, affinity, prefer, prompt)
+
+    def score(self, allowed: list[ReplicaView], affinity: str | None = None, prefer: str | None = None,
+              prompt: Prompt | None = None) -> ReplicaView | None:
+        """The scorer's choice among `allowed` (score.decide): the prompt's overlap with what each replica
+        was sent, and where its burst went, read here; its blocks are recorded under the replica chosen
+        (and the burst's place), so the next sibling finds them before this request is answered."""
+        if not allowed:
+            return None
+        overlap: dict[str, float] = {}
+        burst, now = None, self.clock()
+        if prompt is not None:
+            for size in self._block_sizes:
+                blocks = prompt.chain(size)
+                if blocks:
+                    for name, held in self.index.match(blocks).items():
+                        overlap[name] = held / len(blocks)
+                    whole = prompt.whole(size)
+                    if burst is None and whole is not None and self.cfg.burst_window_s > 0:
+                        burst = self.bursts.get(whole, now)
+        rule = "session"
+        if prefer is None and affinity:
+            prefer, rule = preferred(affinity, allowed).name, "affinity"
+        debug = log.isEnabledFor(logging.DEBUG)
+        if allowed != self._scored:  # the same replicas, the same objects: a compare by identity, C speed
+            self._scored, self._names = allowed, [r.name for r in allowed]
+            self._positions = {n: i for i, n in enumerate(self._names)}
+        decision = decide(allowed, load=self._load, seqs=self.seqs, tokens=self.tokens, overlap=overlap,
+                          w=self.weights, capacity=self.cfg.replica_capacity, turn=next(self._turn), prefer=prefer,
+                          prefer_rule=rule, burst=burst, explain=debug or (prompt is not None and prompt.explain),
+                          names=self._names, positions=self._positions)
+        assert decision is not None
+        chosen = decision.replica
+        if prompt is not None:
+            prompt.decision = decision
+            own = chosen.engine.block_size
+            blocks = prompt.chain(own) if own else ()
+            if own and blocks:
+                self.metrics.prompt_blocks.inc(len(blocks))
+                self.metrics.prompt_blocks_held.inc(round(overlap.get(chosen.name, 0.0) * len(blocks)))
+                self.index.record(chosen.name, blocks)
+                whole = prompt.whole(own)
+                if whole is not None and self.cfg.burst_window_s > 0:
+                    self.bursts.put(whole, chosen.name, now)
+        self.metrics.rule(decision.rule).inc()
+        if debug:
+            log.debug("routed to %s: %s", chosen.name, decision.as_dict())
+        return chosen
 
     def notify(self) -> None:
         """Something placement reads changed (an adapter request ended: a victim may be free now)."""
@@ -263,6 +388,7 @@ class Pool:
 
     def mark_lost(self, replica: ReplicaView, why: str) -> None:
         self._lost[replica.name] = (self.clock(), why)
+        self._lost_changes += 1
 
     def returned(self, replica: ReplicaView, label: str, version: int | None = None, step: int | None = None) -> bool:
         """A response on `label` (at training `step`, when the answer says) is about to go back to a
@@ -303,22 +429,38 @@ class Pool:
             return  # an answer computed before the replica's last load: it says nothing about now
         updated = dataclasses.replace(current, weights_label=label,
                                       weights_version=version if version is not None else current.weights_version)
+        # New weights: the replica reset its prefix cache with the write.
+        self.index.forget(replica.name)
+        self.bursts.forget(replica.name)
         self.view = dataclasses.replace(self.view, replicas=tuple(updated if r.name == replica.name else r
                                                                   for r in self.view.replicas))
 
     @contextlib.contextmanager
-    def lease(self, replica: ReplicaView, kind: str) -> Iterator[None]:
-        """Count a request as open to `replica` for as long as the block runs."""
+    def lease(self, replica: ReplicaView, kind: str, prompt: Prompt | None = None) -> Iterator[None]:
+        """Count a request as open to `replica` for as long as the block runs; new work counts its
+        sequences and tokens too (the scorer's load)."""
         name = replica.name
         routed, gauge = self.metrics.of(name, kind)
         routed.inc()
         self.in_flight[name] = self.in_flight.get(name, 0) + 1
         gauge.set(self.in_flight[name])
+        seqs, tokens = (prompt.sequences, prompt.load_tokens) if prompt is not None else (1, 0)
+        if kind == "new":
+            self._count(name, seqs, tokens)
         try:
             yield
         finally:
             self.in_flight[name] -= 1
             gauge.set(self.in_flight[name])
+            if kind == "new":
+                self._count(name, -seqs, -tokens)
+
+    def _count(self, name: str, seqs: int, tokens: int) -> None:
+        self.seqs[name] = self.seqs.get(name, 0) + seqs
+        self.tokens[name] = self.tokens.get(name, 0) + tokens
+        r = self.view.by_name.get(name)
+        if r is not None:
+            self._reload_cost(name, r.engine)
 
     def why_none(self, exclude: frozenset[str] = frozenset(), label: str | None = None) -> str:
         if not self.view.replicas:
@@ -346,6 +488,15 @@ class Pool:
                              f"{self.cfg.version_policy} (newest returned {self.order.newest_returned!r}, "
                              f"target {self.target!r})")
         return "no replica may take this request now: " + "; ".join(parts)
+
+
+def cache_reset(old: ReplicaView, new: ReplicaView) -> bool:
+    """Pure: did the replica's prefix cache go between two views of it? A new address (another pod), a
+    new process (`started_at`), or other weights (vLLM resets its prefix cache at every weights write)."""
+    def changed(a: object, b: object) -> bool:
+        return a is not None and b is not None and a != b
+    return (old.url != new.url or changed(old.engine.started_at, new.engine.started_at)
+            or changed(old.weights_version, new.weights_version) or changed(old.weights_label, new.weights_label))
 
 
 def _serial(state: AdapterState | None) -> int:

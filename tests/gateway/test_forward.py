@@ -25,6 +25,7 @@ from sampler_gateway.replicas.ids import RoutedId
 from sampler_gateway.replicas.view import PoolView, ReplicaView
 from sampler_gateway.routing.pool import Pool
 from sampler_gateway.upstream.exchange import Lost, NotStarted, Outgoing, Reply, TimedOut
+from tests.support.pool_load import hold
 
 OUT = Outgoing("POST", "/v1/sample", b"{}", (), 5.0)
 Script = Callable[[ReplicaView], Reply]
@@ -140,8 +141,8 @@ async def test_a_rerun_on_a_label_latest_has_moved_past_runs_on_the_newest() -> 
         return ok(r.weights_label or "")
 
     gw, up = gateway(script, [rv("a"), rv("b"), rv("c")], policy="Latest")
-    gw.pool.in_flight.update(b=1, c=1)  # "a" is the least loaded: the first pick
-    replica, reply = await to_new(gw, OUT, rerun=True, label_of=label_of)
+    with hold(gw.pool, b=1, c=1):  # "a" is the least loaded: the first pick
+        replica, reply = await to_new(gw, OUT, rerun=True, label_of=label_of)
     # c still serves step-1: never the re-run (its answer could not be returned).
     assert up.calls == ["a", "b"] and replica.name == "b" and label_of(reply) == "step-2"
     assert reply.header(RETRIED_HEADER) == "a"
@@ -174,18 +175,20 @@ async def test_a_sample_sent_again_for_another_reason_is_still_rerun_when_lost()
         return ok(r.weights_label or "")
 
     gw, up = gateway(script, [rv("old"), rv("new"), rv("other")], policy="Latest")
-    gw.pool.in_flight.update(new=1, other=2)   # old first, then new, then other
+    held = hold(gw.pool, new=1, other=2)   # old first, then new, then other
     replica, reply = await to_new(gw, OUT, rerun=True, label_of=label_of)
     assert up.calls == ["old", "new", "other"] and replica.name == "other" and label_of(reply) == "step-2"
     assert reply.header(RETRIED_HEADER) == "new" and counter(gw, "sampler_gateway_rerun_total", "new") == 1
     # Refused before starting, then lost while running: re-run as well; a second loss is the 502.
     gw, up = gateway(raise_for({"a": NotStarted("refused"), "b": Lost("reset")}), [rv("a"), rv("b"), rv("c")])
-    gw.pool.in_flight.update(b=1, c=2)
+    held.close()
+    held = hold(gw.pool, b=1, c=2)
     replica, reply = await to_new(gw, OUT, rerun=True)
     assert up.calls == ["a", "b", "c"] and reply.header(RETRIED_HEADER) == "b"
     gw, up = gateway(raise_for({"a": NotStarted("refused"), "b": Lost("reset"), "c": Lost("reset")}),
                      [rv("a"), rv("b"), rv("c")])
-    gw.pool.in_flight.update(b=1, c=2)
+    held.close()
+    held = hold(gw.pool, b=1, c=2)
     with pytest.raises(ReplicaLost, match="replica c .*was lost while running the request"):
         await to_new(gw, OUT, rerun=True)
     assert up.calls == ["a", "b", "c"]
@@ -208,13 +211,13 @@ async def test_latest_never_returns_older_weights_after_newer() -> None:
         return ok(r.weights_label or "")
 
     gw, up = gateway(script, [rv("old"), rv("new")], policy="Latest")
-    gw.pool.in_flight["new"] = 1  # "old" is the least loaded: the first pick
+    held = hold(gw.pool, new=1)  # "old" is the least loaded: the first pick
     replica, reply = await to_new(gw, OUT, label_of=label_of)
     # The step-1 answer came back after a step-2 one: dropped, and the request re-run on step-2.
     assert up.calls == ["old", "new"] and replica.name == "new" and label_of(reply) == "step-2"
     assert gw.metrics.registry.get_sample_value("sampler_gateway_stale_responses_total", {"replica": "old"}) == 1
     # The answer moved "new" to step-2 in the gateway's view at once: only it takes requests now.
-    gw.pool.in_flight["new"] = 0
+    held.close()
     assert {gw.pool.choose().name for _ in range(4)} == {"new"}
     # Without a replica at step-2, Latest refuses (capacity dips) rather than answer on step-1.
     gw.pool.update(PoolView((rv("old", "step-1"),)))

@@ -1,6 +1,7 @@
 """Sticky sessions (sampler_gateway/routing/sessions.py, pure) and the rule they make with the pool's pick
 (`Pool.choose(prefer=...)`): first turn least loaded, later turns on the session's replica while it
-is eligible, a move once when it is not, and the table bounded by size and by idleness."""
+is eligible and not hot (routing/score.py: the load gate; under `--picker least-loaded`, whatever its
+load), a move once when it is not, and the table bounded by size and by idleness."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from sampler_gateway.metrics.registry import GatewayMetrics
 from sampler_gateway.replicas.view import PoolView, ReplicaView
 from sampler_gateway.routing.pool import Pool
 from sampler_gateway.routing.sessions import SessionTable
+from tests.support.pool_load import hold
 
 
 def test_a_session_is_bound_to_the_replica_that_answered_and_a_move_is_reported() -> None:
@@ -58,9 +60,9 @@ def rv(name: str, label: str = "step-1", draining: bool = False) -> ReplicaView:
     return ReplicaView(name, f"http://{name}", True, draining, label, 1)
 
 
-def pool(replicas: list[ReplicaView], policy: str = "Latest") -> Pool:
+def pool(replicas: list[ReplicaView], policy: str = "Latest", picker: str = "score") -> Pool:
     cfg = GatewayConfig.model_validate({"pool": "p", "discovery": "static", "replicas": ["a=http://a"],
-                                        "version_policy": policy})
+                                        "version_policy": policy, "picker": picker})
     p = Pool(cfg, GatewayMetrics())
     p.update(PoolView(tuple(replicas)))
     return p
@@ -72,28 +74,55 @@ def turn(p: Pool, table: SessionTable, session: str, now: float) -> tuple[str, b
     return chosen, table.bind(session, chosen, now)
 
 
-def test_first_turns_go_least_loaded_and_later_turns_stay_whatever_the_load() -> None:
+def test_first_turns_go_least_loaded_and_later_turns_stay_until_their_replica_is_hot() -> None:
     p, t = pool([rv("r0"), rv("r1")]), SessionTable(100, 600)
-    p.in_flight.update({"r0": 5, "r1": 0})
+    held = hold(p, r0=5)
     assert turn(p, t, "s1", 0) == ("r1", False)   # the least loaded
-    p.in_flight.update({"r0": 0, "r1": 5})
+    held.close()
+    held = hold(p, r1=5)
     assert turn(p, t, "s2", 1) == ("r0", False)
-    for i in range(5):                            # loads flip; the sessions do not move
-        p.in_flight.update({"r0": i % 2 * 9, "r1": (i + 1) % 2 * 9})
+    held.close()
+    # Loads flip within the gate (--score-imbalance 4 sequences): the sessions do not move.
+    for i in range(4):
+        held = hold(p, r0=i % 2 * 4, r1=(i + 1) % 2 * 4)
         assert turn(p, t, "s1", 2 + i) == ("r1", False)
         assert turn(p, t, "s2", 2 + i) == ("r0", False)
+        held.close()
+    # r1 hot (9 sequences, the least loaded 0: past 4 above it and 1.5 times it): s1 spills over, moves
+    # once, and stays on its new replica, r1 cool again notwithstanding.
+    held = hold(p, r1=9)
+    assert turn(p, t, "s1", 10) == ("r0", True)
+    held.close()
+    assert turn(p, t, "s1", 11) == ("r0", False)
+    # The ratio counts too: 16 against 11 is 5 above it, but not 1.5 times it.
+    held = hold(p, r0=16, r1=11)
+    assert turn(p, t, "s1", 12) == ("r0", False)
+    held.close()
+
+
+def test_under_the_least_loaded_picker_later_turns_stay_whatever_the_load() -> None:
+    p, t = pool([rv("r0"), rv("r1")], picker="least-loaded"), SessionTable(100, 600)
+    held = hold(p, r0=5)
+    assert turn(p, t, "s1", 0) == ("r1", False)
+    held.close()
+    for i in range(5):
+        held = hold(p, r0=(i + 1) % 2 * 9, r1=i % 2 * 9)
+        assert turn(p, t, "s1", 1 + i) == ("r1", False)
+        held.close()
 
 
 def test_a_drained_or_older_replica_moves_its_sessions_once_and_they_stay_after_it_is_back() -> None:
     p, t = pool([rv("r0"), rv("r1")]), SessionTable(100, 600)
-    p.in_flight.update({"r0": 0, "r1": 1})
+    held = hold(p, r1=1)
     assert turn(p, t, "s", 0) == ("r0", False)
+    held.close()
     p.update(PoolView((rv("r0", draining=True), rv("r1"))))
     assert turn(p, t, "s", 1) == ("r1", True)     # moved once...
     assert turn(p, t, "s", 2) == ("r1", False)
     p.update(PoolView((rv("r0"), rv("r1"))))
-    p.in_flight.update({"r0": 0, "r1": 9})
+    held = hold(p, r1=3)
     assert turn(p, t, "s", 3) == ("r1", False)    # ...and stays, r0 back and idle notwithstanding
+    held.close()
     # Under Latest a replica left on older weights is not eligible: its sessions move to the newest.
     p.update(PoolView((rv("r0", "step-2"), rv("r1", "step-1"))))
     assert turn(p, t, "s", 4) == ("r0", True)
@@ -102,7 +131,8 @@ def test_a_drained_or_older_replica_moves_its_sessions_once_and_they_stay_after_
 
 def test_a_lost_replica_moves_its_sessions() -> None:
     p, t = pool([rv("r0"), rv("r1")]), SessionTable(100, 600)
-    p.in_flight.update({"r0": 0, "r1": 1})
+    held = hold(p, r1=1)
     assert turn(p, t, "s", 0) == ("r0", False)
+    held.close()
     p.mark_lost(p.view.by_name["r0"], "connection refused")
     assert turn(p, t, "s", 1) == ("r1", True)
