@@ -27,6 +27,7 @@ from ..errors import NoReplica
 from ..lora.names import VersionTarget
 from ..lora.router import unknown_adapter
 from ..replicas.view import ReplicaView
+from ..routing.score import Prompt
 from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, TimedOut
 from .forward import Gateway, LabelOf, SecondChances, _discard, _open, after_failed_send, returnable, with_retried
 
@@ -34,11 +35,14 @@ from .forward import Gateway, LabelOf, SecondChances, _discard, _open, after_fai
 async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarget,
                      rewrite: Callable[[str], Outgoing], *, resendable: bool = False, rerun: bool = False,
                      label_of: LabelOf | None = None, stream: bool = False, flow: str = "base", cost: int = 1,
-                     wait_s: float | None = None) -> tuple[ReplicaView, Reply, VersionTarget]:
+                     wait_s: float | None = None, prompt: Prompt | None = None
+                     ) -> tuple[ReplicaView, Reply, VersionTarget]:
     """Place, load if needed, send `rewrite(engine name)`, judge the answer (module docstring).
     Returns the replica, its answer and the version that answered. `stream`: an event stream is
     returned at its head (as `to_new`); the version stays counted in flight until it is closed.
-    `flow`, `cost`, `wait_s`: its turn and bound when it waits for a LoRA slot (lora/router.py)."""
+    `flow`, `cost`, `wait_s`: its turn and bound when it waits for a LoRA slot (lora/router.py).
+    `prompt`: what the endpoint scorer reads of it, scoped by the version placed (its decision is set
+    on the prompt of the last placement: `Prompt.for_adapter`, returned through `prompt.decision`)."""
     router = gw.adapters
     tried: set[str] = set()
     label: str | None = None
@@ -46,16 +50,20 @@ async def to_version(gw: Gateway, name: str, fieldname: str, target: VersionTarg
     used = SecondChances()
     placed_again = False
     while True:
-        replica, key = await router.acquire(target, frozenset(tried), label, flow=flow, cost=cost, wait_s=wait_s)
+        scoped = prompt.for_adapter(target.engine_name) if prompt is not None else None
+        replica, key = await router.acquire(target, frozenset(tried), label, flow=flow, cost=cost, wait_s=wait_s,
+                                            prompt=scoped)
+        if prompt is not None and scoped is not None:
+            prompt.decision = scoped.decision
         held = False  # the version's count is the open stream's, released when it closes
         try:
             if stream:
-                reply = await _open(gw, replica, rewrite(target.engine_name))
+                reply = await _open(gw, replica, rewrite(target.engine_name), scoped)
                 if reply.stream is not None:
                     reply.stream.on_close(functools.partial(router.release, key))
                     held = True
             else:
-                with gw.pool.lease(replica, "new"):
+                with gw.pool.lease(replica, "new", scoped):
                     reply = await gw.upstream.send(replica, rewrite(target.engine_name))
         except (NotStarted, Lost, TimedOut) as e:
             tried.add(replica.name)

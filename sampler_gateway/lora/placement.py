@@ -3,6 +3,10 @@ docs/design/lora-pool.md, "Placement").
 
 1. A **holder**: among the eligible replicas that hold the version (loaded, or being loaded for
    another request), the least loaded. The version's weights and its cached prefixes are there.
+   Among several holders, the endpoint scorer's preferences come first (routing/score.py, the
+   version's blocks being its own, keyed by its engine name): the holder a burst of this prompt went
+   to while it has room, else the holder with most of the prompt's blocks unless it is hot against
+   the least loaded holder (`hot`: the scorer's load gate).
 2. Else a replica that **loads it on demand**: the least loaded one with room, a free slot first,
    else a slot whose least-recently-used version has no request in flight (it is unloaded first).
    Versions the pool no longer declares go before any declared one, whatever their last use; then
@@ -46,7 +50,7 @@ adapter has requests in flight there), since another gateway's requests are not 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -70,6 +74,8 @@ class Placement:
     engine_name: str
     load: bool  # the replica must load the version first
     evict: tuple[str, ...] = ()  # versions to unload on it first, in this order
+    # Why this replica (its routing decision's rule): burst, prefix or holder (the least loaded), load.
+    why: str = field(default="holder", compare=False)
 
 
 def run_of(engine_name: str) -> str:
@@ -108,10 +114,13 @@ def victims(replica: ReplicaAdapters, keep: str, declared: Collection[str],
 
 
 def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Collection[str],
-          capacity: int | None = None, turn: int = 0, load: bool = True) -> Placement | None:
+          capacity: int | None = None, turn: int = 0, load: bool = True, overlap: Mapping[str, float] | None = None,
+          burst: str | None = None, hot: Callable[[int, int], bool] | None = None) -> Placement | None:
     """The placement of one request for `engine_name` among the eligible `replicas` (ready, not
     draining, allowed by the version policy), or None when no replica can take it now. `load=False`:
-    only a holder (module docstring)."""
+    only a holder (module docstring). `overlap`, `burst`, `hot`: the endpoint scorer's preferences
+    among holders (the fraction of the prompt each replica holds, where its burst went, and whether a
+    load is hot against the least loaded holder's)."""
     # A replica where the version is closing takes no request for it.
     lora = [r for r in replicas if r.slots > 0 and engine_name not in r.closing]
     holders = sorted((r for r in lora if engine_name in r.loaded), key=lambda r: (r.load, r.name))
@@ -134,8 +143,18 @@ def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Co
     # turn spreads the ties left (an idle pool's free slots).
     loaders.sort(key=lambda re: (re[0].load, len(re[1]), staleness(*re), re[0].name))
 
+    shares = overlap or {}
+
     def first_holder() -> Placement:
-        tied = [r for r in holders if r.load == holders[0].load]
+        least = holders[0].load
+        joined = next((r for r in holders if r.name == burst and (capacity is None or r.load < capacity)), None)
+        if joined is not None:
+            return Placement(joined.name, engine_name, load=False, why="burst")
+        cached = [r for r in holders if shares.get(r.name, 0.0) > 0 and (hot is None or not hot(r.load, least))]
+        if cached:
+            best = max(cached, key=lambda r: (shares[r.name], -r.load))
+            return Placement(best.name, engine_name, load=False, why="prefix")
+        tied = [r for r in holders if r.load == least]
         return Placement(tied[turn % len(tied)].name, engine_name, load=False)
 
     def first_loader() -> Placement:
@@ -143,7 +162,7 @@ def place(engine_name: str, replicas: Sequence[ReplicaAdapters], *, declared: Co
         rank = (best[0].load, len(best[1]), staleness(*best))
         tied = [re for re in loaders if (re[0].load, len(re[1]), staleness(*re)) == rank]
         r, evict = tied[turn % len(tied)]
-        return Placement(r.name, engine_name, load=True, evict=evict)
+        return Placement(r.name, engine_name, load=True, evict=evict, why="load")
 
     if holders and (capacity is None or holders[0].load < capacity):
         return first_holder()

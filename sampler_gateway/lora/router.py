@@ -75,6 +75,7 @@ from ..metrics.registry import GatewayMetrics
 from ..replicas.adapter_health import HeldAdapter, ReplicaLora
 from ..replicas.view import ReplicaView
 from ..routing.pool import Pool
+from ..routing.score import Prompt, is_hot
 from ..upstream.exchange import Lost, NotStarted, Outgoing, Reply, Sender, TimedOut
 from .names import SAMPLER_WEIGHTS, TINKER_PREFIX, BaseTarget, RunOrder, Target, VersionTarget, base_names, resolve
 from .placement import Placement, ReplicaAdapters, place, to_close
@@ -290,11 +291,14 @@ class AdapterRouter:
                 "; retry")
 
     async def acquire(self, target: VersionTarget, exclude: frozenset[str], label: str | None, *,
-                      flow: str = "base", cost: int = 1, wait_s: float | None = None) -> tuple[ReplicaView, Key]:
+                      flow: str = "base", cost: int = 1, wait_s: float | None = None,
+                      prompt: Prompt | None = None) -> tuple[ReplicaView, Key]:
         """A replica holding `target`'s version (loaded there now if needed), counted in flight for it
         until `release`. With no eligible replica, waits up to `--no-replica-wait-s` for one; with
         every slot busy, for a slot in its flow's turn, up to `wait_s` (the request's own timeout;
-        default `--request-timeout-s`); then a 503 naming why per replica (module docstring)."""
+        default `--request-timeout-s`); then a 503 naming why per replica (module docstring).
+        `prompt` (scoped by the version): among several holders, the endpoint scorer's preferences
+        (lora.placement, step 1); its blocks are recorded where it goes, as `Pool.score` does."""
         engine = target.engine_name
         start = time.monotonic()
         slot_bound = self.cfg.request_timeout_s if wait_s is None else wait_s
@@ -305,8 +309,9 @@ class AdapterRouter:
                 inputs = self._inputs(replicas)
                 # A slot is taken in turn: by anyone while nobody waits for one, else by the turn's owner.
                 in_turn = ticket == self.turn if ticket is not None else self.turn is None and not self.slot_queue
+                overlap, burst = self.pool.prefix_of(prompt)
                 p = place(engine, inputs, declared=self.declared(), capacity=self.cfg.replica_capacity,
-                          turn=next(self._ties), load=in_turn)
+                          turn=next(self._ties), load=in_turn, overlap=overlap, burst=burst, hot=self._hot)
                 if p is not None:
                     if ticket is not None:
                         self._leave(ticket)
@@ -314,6 +319,7 @@ class AdapterRouter:
                     replica = next(r for r in replicas if r.name == p.replica)
                     key = await self._take(replica, target, p)
                     if key is not None:
+                        self.pool.placed(replica, prompt, f"adapter-{p.why}", overlap)
                         return replica, key
                     continue  # its replica failed the placement: placed again
                 bound = self.cfg.no_replica_wait_s
@@ -338,6 +344,10 @@ class AdapterRouter:
         finally:
             if ticket is not None:
                 self._leave(ticket)
+
+    def _hot(self, load: int, least: int) -> bool:
+        """The endpoint scorer's load gate (routing/score.py), on requests in flight."""
+        return is_hot(load, least, self.pool.weights, self.cfg.replica_capacity)
 
     async def _take(self, replica: ReplicaView, target: VersionTarget, p: Placement) -> Key | None:
         """Count the request in flight on `replica` for its version, loading it there first when the

@@ -123,24 +123,24 @@ async def _send_new(request: Request, gw: Gateway, out: Outgoing, body: dict[str
                     named: tuple[str, VersionTarget] | None, submit: bool,
                     flow_: str) -> tuple[ReplicaView, Reply, tuple[str, dict[str, Any]] | None]:
     adapter = None
+    prompt = native_prompt(body, explain_asked(request))
     if named is not None:
         name, target = named
         replica, reply, target = await to_version(gw, name, "adapter", target, _rewrite(out, body),
                                                   resendable=submit, rerun=not submit and rerun_allowed(request),
                                                   label_of=None if submit else _label, flow=flow_,
-                                                  cost=cost_of(body), wait_s=own_timeout(gw, body.get("timeout_s")))
+                                                  cost=cost_of(body), wait_s=own_timeout(gw, body.get("timeout_s")),
+                                                  prompt=prompt)
         version = gw.adapters.version_of(target)
         adapter = (name, version) if version is not None else None
     else:
         if "adapter" in body and body["adapter"] is not None:
             # A name of the base model: the replica samples the base model, as without it.
             out = out.with_body(orjson.dumps({**body, "adapter": None}))
-        prompt = native_prompt(body, explain_asked(request))
         replica, reply = await to_new(gw, out, affinity=affinity_of(request), resendable=submit,
                                       rerun=not submit and rerun_allowed(request),
                                       label_of=None if submit else _label, prompt=prompt)
-        reply = explained(reply, replica, prompt)
-    return replica, reply, adapter
+    return replica, explained(reply, replica, prompt), adapter
 
 
 def native_prompt(body: dict[str, Any], explain: bool = False) -> Prompt:

@@ -132,6 +132,10 @@ async def generate(request: Request) -> Response:
     cost = openai_cost(body)
     release = await gw.gate.enter(flow_, cost)
     streaming = False
+    prompt = prompt_of(request.scope["path"], body, cost)
+    if explain_asked(request):
+        prompt = prompt or Prompt(sequences=cost)
+        prompt.explain = True
     try:
         if named is not None:
             # Placed by adapter (the session's replica is not preferred: the version's holders are).
@@ -139,17 +143,13 @@ async def generate(request: Request) -> Response:
             replica, reply, target = await to_version(
                 gw, name, "model", target, lambda engine: out.with_body(orjson.dumps({**body, "model": engine})),
                 rerun=rerun_allowed(request), label_of=_label, stream=body.get("stream") is True, flow=flow_,
-                cost=cost)
+                cost=cost, prompt=prompt)
             reply = _named(reply, gw.adapters.version_of(target))
         else:
-            prompt = prompt_of(request.scope["path"], body, cost)
-            if explain_asked(request):
-                prompt = prompt or Prompt(sequences=cost)
-                prompt.explain = True
             replica, reply = await to_new(gw, out, affinity=affinity_of(request), prefer=owner,
                                           rerun=rerun_allowed(request), label_of=_label,
                                           stream=wants_stream(body), prompt=prompt)
-            reply = explained(reply, replica, prompt)
+        reply = explained(reply, replica, prompt)
         if reply.stream is not None:
             reply.stream.on_close(release)
             streaming = True

@@ -131,10 +131,10 @@ def _chat_text(messages: list[Any]) -> str:
     return "\n".join(parts)
 
 
-def prompt_of(path: str, body: dict[str, Any] | None, sequences: int, key: str = "") -> Prompt | None:
+def prompt_of(path: str, body: dict[str, Any] | None, sequences: int) -> Prompt | None:
     """What the endpoint scorer reads of a generating request (module docstring); None: no prompt in it.
-    `sequences`: its cost (admission/gate.py `openai_cost`); `key`: the adapter version's engine name,
-    "" for the base model (vLLM shares the base model's blocks whatever name a request gives it)."""
+    `sequences`: its cost (admission/gate.py `openai_cost`). Scoped by the base model (an adapter
+    request's route scopes it by its version: `Prompt.for_adapter`)."""
     if body is None:
         return None
     tokens: list[int] | None = None
@@ -160,5 +160,5 @@ def prompt_of(path: str, body: dict[str, Any] | None, sequences: int, key: str =
         return None
     salt = body.get("cache_salt")
     prompt_tokens = len(tokens) if tokens is not None else len(text or "") // CHARS_PER_TOKEN
-    return Prompt(tokens=tokens, text=text, key=f"{key}\x00{salt}" if isinstance(salt, str) else key,
-                  sequences=sequences, load_tokens=prompt_tokens + sequences * max_tokens)
+    return Prompt(tokens=tokens, text=text, salt=salt if isinstance(salt, str) else "", sequences=sequences,
+                  load_tokens=prompt_tokens + sequences * max_tokens)

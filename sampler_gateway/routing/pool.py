@@ -29,7 +29,7 @@ from ..replicas.adapter_health import ReplicaLora
 from ..replicas.view import EngineView, PoolView, ReplicaView
 from .picker import pick, preferred
 from .prefix import BurstWindow, PrefixIndex
-from .score import Prompt, Weights, decide, load_cost
+from .score import Decision, Prompt, Weights, decide, load_cost, terms_of
 from .switch import Switch
 from .versions import LabelOrder, is_stale, rank, version_filter
 
@@ -330,29 +330,50 @@ class Pool:
         (and the burst's place), so the next sibling finds them before this request is answered."""
         if not allowed:
             return None
-        overlap: dict[str, float] = {}
-        burst, now = None, self.clock()
-        if prompt is not None:
-            for size in self._block_sizes:
-                blocks = prompt.chain(size)
-                if blocks:
-                    for name, held in self.index.match(blocks).items():
-                        overlap[name] = held / len(blocks)
-                    whole = prompt.whole(size)
-                    if burst is None and whole is not None and self.cfg.burst_window_s > 0:
-                        burst = self.bursts.get(whole, now)
+        overlap, burst = self.prefix_of(prompt)
         rule = "session"
         if prefer is None and affinity:
             prefer, rule = preferred(affinity, allowed).name, "affinity"
-        debug = log.isEnabledFor(logging.DEBUG)
+        explain = log.isEnabledFor(logging.DEBUG) or (prompt is not None and prompt.explain)
         if allowed != self._scored:  # the same replicas, the same objects: a compare by identity, C speed
             self._scored, self._names = allowed, [r.name for r in allowed]
             self._positions = {n: i for i, n in enumerate(self._names)}
         decision = decide(allowed, load=self._load, seqs=self.seqs, tokens=self.tokens, overlap=overlap,
                           w=self.weights, capacity=self.cfg.replica_capacity, turn=next(self._turn), prefer=prefer,
-                          prefer_rule=rule, burst=burst, explain=debug or (prompt is not None and prompt.explain),
-                          names=self._names, positions=self._positions)
+                          prefer_rule=rule, burst=burst, explain=explain, names=self._names,
+                          positions=self._positions)
         assert decision is not None
+        self._routed(decision, prompt, overlap)
+        return decision.replica
+
+    def prefix_of(self, prompt: Prompt | None) -> tuple[dict[str, float], str | None]:
+        """What the index says of `prompt`: the fraction of its blocks each replica holds (those holding
+        some), and the replica its burst went to within the window (None: none)."""
+        overlap: dict[str, float] = {}
+        burst = None
+        if prompt is None:
+            return overlap, burst
+        for size in self._block_sizes:
+            blocks = prompt.chain(size)
+            if blocks:
+                for name, held in self.index.match(blocks).items():
+                    overlap[name] = held / len(blocks)
+                whole = prompt.whole(size)
+                if burst is None and whole is not None and self.cfg.burst_window_s > 0:
+                    burst = self.bursts.get(whole, self.clock())
+        return overlap, burst
+
+    def placed(self, replica: ReplicaView, prompt: Prompt | None, rule: str, overlap: dict[str, float]) -> None:
+        """An adapter request was placed on `replica` (lora/router.py, by `rule`): what `score` does once
+        it has chosen, so its siblings find its blocks and its burst."""
+        share = overlap.get(replica.name, 0.0)
+        explain = log.isEnabledFor(logging.DEBUG) or (prompt is not None and prompt.explain)
+        self._routed(Decision(replica, rule, self.weights.prefix * share - self._load.get(replica.name, 0.0),
+                              terms_of(replica, self.weights.prefix * share - self._load.get(replica.name, 0.0),
+                                       overlap, self.seqs, self.tokens, self.weights, self.cfg.replica_capacity)
+                              if explain else None), prompt, overlap)
+
+    def _routed(self, decision: Decision, prompt: Prompt | None, overlap: dict[str, float]) -> None:
         chosen = decision.replica
         if prompt is not None:
             prompt.decision = decision
@@ -364,11 +385,10 @@ class Pool:
                 self.index.record(chosen.name, blocks)
                 whole = prompt.whole(own)
                 if whole is not None and self.cfg.burst_window_s > 0:
-                    self.bursts.put(whole, chosen.name, now)
+                    self.bursts.put(whole, chosen.name, self.clock())
         self.metrics.rule(decision.rule).inc()
-        if debug:
+        if log.isEnabledFor(logging.DEBUG):
             log.debug("routed to %s: %s", chosen.name, decision.as_dict())
-        return chosen
 
     def notify(self) -> None:
         """Something placement reads changed (an adapter request ended: a victim may be free now)."""

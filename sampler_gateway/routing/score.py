@@ -63,14 +63,16 @@ class Weights:
 @dataclass
 class Prompt:
     """What the scorer reads of one request, built by its route from the body: its prompt (token ids,
-    else text), the key its cached blocks are scoped by (the model or adapter version, and the
-    request's `cache_salt`), its sequences, and its tokens (prompt, estimated at 4 characters a token
-    for text, plus `max_tokens` per sequence). `explain`: the client asked why (routes/common.py); the
-    pool sets `decision` at each pick."""
+    else text), what its cached blocks are scoped by (vLLM's: the adapter version's engine name, ""
+    for the base model whatever name the request gives it, and the request's `cache_salt`), its
+    sequences, and its tokens (prompt, estimated at 4 characters a token for text, plus `max_tokens`
+    per sequence). `explain`: the client asked why (routes/common.py); the pool sets `decision` at
+    each pick."""
 
     tokens: Sequence[int] | None = None
     text: str | None = None
-    key: str = ""
+    adapter: str = ""
+    salt: str = ""
     sequences: int = 1
     load_tokens: int = 0
     explain: bool = False
@@ -78,11 +80,18 @@ class Prompt:
     _chains: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
     _wholes: dict[int, int] = field(default_factory=dict, repr=False)
 
+    def for_adapter(self, engine_name: str) -> Prompt:
+        """This prompt for an adapter version (its engine name, once resolved): its blocks are its own."""
+        if engine_name == self.adapter:
+            return self
+        return Prompt(self.tokens, self.text, engine_name, self.salt, self.sequences, self.load_tokens, self.explain)
+
     def chain(self, block_size: int) -> tuple[int, ...]:
         """Its block hashes at `block_size` (prefix.chain), computed once per block size."""
         found = self._chains.get(block_size)
         if found is None:
-            found = self._chains[block_size] = chain_of(self.tokens, self.text, self.key, block_size)
+            found = self._chains[block_size] = chain_of(self.tokens, self.text, f"{self.adapter}\x00{self.salt}",
+                                                           block_size)
         return found
 
     def whole(self, block_size: int) -> int | None:
@@ -205,12 +214,13 @@ def decide(candidates: Sequence[ReplicaView], *, load: Mapping[str, float], seqs
     replica = candidates[best]
     if not explain:
         return Decision(replica, rule, best_score)
-    return Decision(replica, rule, best_score, _terms(replica, best_score, overlap, seqs, tokens, w, capacity),
+    return Decision(replica, rule, best_score, terms_of(replica, best_score, overlap, seqs, tokens, w, capacity),
                     _runner_up(candidates, best, costs, overlap, seqs, tokens, w, capacity))
 
 
-def _terms(r: ReplicaView, score: float, overlap: Mapping[str, float], seqs: Mapping[str, int],
+def terms_of(r: ReplicaView, score: float, overlap: Mapping[str, float], seqs: Mapping[str, int],
            tokens: Mapping[str, int], w: Weights, capacity: int) -> Terms:
+    """`r`'s score terms, for a decision that explains itself."""
     n = seqs.get(r.name, 0)
     load, tok, queue, kv = load_terms(r.engine, n, tokens.get(r.name, 0), w, capacity)
     return Terms(r.name, score, overlap.get(r.name, 0.0), load, tok, queue, kv, n)
@@ -224,4 +234,4 @@ def _runner_up(candidates: Sequence[ReplicaView], best: int, costs: list[float],
     if not others:
         return None
     score, _, i = max(others)
-    return _terms(candidates[i], score, overlap, seqs, tokens, w, capacity)
+    return terms_of(candidates[i], score, overlap, seqs, tokens, w, capacity)

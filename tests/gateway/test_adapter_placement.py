@@ -30,6 +30,25 @@ def test_among_holders_the_least_loaded_and_ties_rotate() -> None:
     assert place(V, hs, declared={V}, turn=1) == Placement("r2", V, load=False)
 
 
+def test_among_holders_the_scorers_preferences_come_first_and_never_place_off_the_holders() -> None:
+    """Issue #52: the holder a burst of the prompt went to while it has room; else the holder with most
+    of the prompt's blocks unless hot against the least loaded holder; a replica that does not hold
+    the version is never chosen for its blocks (they are another version's, or the base model's)."""
+    hs = [r("r0", 3, loaded={V: 1}), r("r1", 1, loaded={V: 1}), r("r2", 6, loaded={V: 1}), r("r3", 0)]
+
+    def gate(load: int, least: int) -> bool:
+        return load - least > 4
+
+    p = place(V, hs, declared={V}, overlap={"r0": 0.5, "r2": 1.0, "r3": 1.0}, hot=gate)
+    assert p == Placement("r0", V, load=False) and p.why == "prefix"  # r2 holds more, but is hot
+    p = place(V, hs, declared={V}, overlap={"r0": 0.5, "r2": 1.0}, burst="r2", hot=gate, capacity=8)
+    assert p == Placement("r2", V, load=False) and p.why == "burst"   # a burst joins it, hot or not...
+    p = place(V, hs, declared={V}, overlap={"r0": 0.5}, burst="r2", hot=gate, capacity=6)
+    assert p == Placement("r0", V, load=False)                         # ...while it has room
+    p = place(V, hs, declared={V}, overlap={"r3": 1.0}, burst="r3", hot=gate)
+    assert p == Placement("r1", V, load=False) and p.why == "holder"  # r3 does not hold V
+
+
 def test_no_holder_the_least_loaded_replica_with_a_free_slot_loads_it() -> None:
     full = r("r0", 0, slots=1, loaded={"b.1.1": 5.0}, in_flight={"b.1.1": 1})
     p = place(V, [full, r("r1", 4), r("r2", 2, loaded={"c.1.2": 1.0})], declared={V, "b.1.1", "c.1.2"})

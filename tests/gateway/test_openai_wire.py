@@ -71,8 +71,10 @@ def test_the_prompt_the_scorer_reads_of_each_generating_route() -> None:
     assert p is not None and p.tokens == [5, 6, 7] and p.text is None and p.load_tokens == 3 + 2 * 4
     batch = prompt_of("/v1/completions", {"prompt": [[1, 2], [3]]}, 2)
     assert batch is not None and batch.tokens == [1, 2]                      # a batch: its first prompt
-    text = prompt_of("/v1/completions", {"prompt": "x" * 40, "cache_salt": "s"}, 1, key="run.1.1")
-    assert text is not None and text.text == "x" * 40 and text.key == "run.1.1\x00s" and text.load_tokens == 10
+    text = prompt_of("/v1/completions", {"prompt": "x" * 40, "cache_salt": "s"}, 1)
+    assert text is not None and text.text == "x" * 40 and text.salt == "s" and text.load_tokens == 10
+    assert text.for_adapter("run.1.1").chain(8) != text.chain(8)  # an adapter's blocks are its own
+    assert text.for_adapter("run.1.1").salt == "s" and text.for_adapter("").chain(8) == text.chain(8)
     gen = prompt_of("/inference/v1/generate", {"token_ids": [9] * 5, "sampling_params": {"max_tokens": 3}}, 1)
     assert gen is not None and gen.tokens == [9] * 5 and gen.load_tokens == 8
     turn1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

@@ -266,3 +266,16 @@ def test_decide_alone_rotates_ties_and_never_chooses_outside_the_candidates() ->
                burst="c")
     assert d is not None and d.replica.name in "ab" and d.rule == "least-loaded"
     assert decide([], load={}, seqs={}, tokens={}, overlap={}, w=Weights(), capacity=8) is None
+
+
+def test_an_adapter_requests_blocks_are_its_versions_own() -> None:
+    """A request placed by adapter (lora/router.py calls `Pool.placed`) records its blocks scoped by the
+    version's engine name: the same prompt for the base model or another version holds none of them."""
+    p = pool([rv("a"), rv("b")])
+    base = prompt(3)
+    v1, v2 = base.for_adapter("run.1.1"), base.for_adapter("run.2.2")
+    p.placed(p.view.by_name["a"], v1, "adapter-load", {})
+    assert v1.decision is not None and v1.decision.rule == "adapter-load"
+    assert p.prefix_of(prompt(3).for_adapter("run.1.1"))[0] == {"a": 1.0}
+    assert p.prefix_of(v2)[0] == {} and p.prefix_of(prompt(3))[0] == {}
+    assert p.prefix_of(prompt(3).for_adapter("run.1.1"))[1] == "a"  # its burst too
