@@ -32,6 +32,26 @@ STARTUP_PROBE_FAILURES = 60  # x 2 s
 _KEY_ENV = frozenset({"SAMPLER_GATEWAY_API_KEY", "SAMPLER_GATEWAY_ADMIN_API_KEY"})
 
 
+# spec.routing.score's fields, as the gateway's flags; a field unset is not passed, so the gateway's own
+# default applies (sampler_gateway/config.py: the defaults are written once, there).
+SCORE_FLAGS = {"picker": "--picker", "prefixWeight": "--score-prefix-weight", "loadWeight": "--score-load-weight",
+               "tokensWeight": "--score-tokens-weight", "queueWeight": "--score-queue-weight",
+               "kvWeight": "--score-kv-weight", "imbalance": "--score-imbalance",
+               "imbalanceRatio": "--score-imbalance-ratio", "burstWindowSeconds": "--burst-window-s",
+               "indexBlocks": "--prefix-index-blocks"}
+PICKERS = {"Score": "score", "LeastLoaded": "least-loaded"}
+
+
+def score_args(score: dict[str, Any]) -> list[str]:
+    """The gateway's flags for spec.routing.score (pure)."""
+    args: list[str] = []
+    for field, flag in SCORE_FLAGS.items():
+        value = score.get(field)
+        if value is not None:
+            args += [flag, PICKERS.get(value, value) if field == "picker" else str(value)]
+    return args
+
+
 def gateway_name(pool: str) -> str:
     return f"{pool}-gateway"
 
@@ -67,7 +87,8 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     args = ["--pool", pool, "--namespace", namespace, "--discovery", "kube", "--host", "0.0.0.0",
             "--port", str(port), "--version-policy", routing.get("versionPolicy", "Latest"),
             "--affinity-header", affinity.get("header", "X-Sampler-Affinity"),
-            "--replica-capacity", str(affinity.get("replicaCapacity", 128))]
+            "--replica-capacity", str(affinity.get("replicaCapacity", 128)),
+            *score_args(routing.get("score") or {})]
     if isinstance(template.get("requestTimeoutSeconds"), int | float):
         args += ["--request-timeout-s", str(template["requestTimeoutSeconds"])]
     # The replicas' own key: the gateway checks it and forwards it as sent. Never an open gateway.

@@ -68,6 +68,10 @@ def test_declared_adapters_take_their_defaults_and_parse_back(k8s: Any, pool_crd
                                        "runs": {"math-rl": {"versions": [{**version, "pinned": False}]}}}
     state = adapter_state(got)
     assert state.runs["math-rl"].newest.engine_name("math-rl") == "math-rl.1.1"
+    # The scorer's fields are kept as written, no default filled in: the gateway's own defaults apply.
+    score = {"picker": "Score", "prefixWeight": 0.5, "imbalance": 8, "burstWindowSeconds": 0.5}
+    k8s.kubectl("-n", quiet_ns, "apply", "-f", "-", input=pool("p4", routing={"score": score}))
+    assert k8s.kubectl_json("-n", quiet_ns, "get", "sp", "p4")["spec"]["routing"]["score"] == score
     # A pool that declares no adapters gets no spec.adapters (nothing added to every existing pool).
     k8s.kubectl("-n", quiet_ns, "apply", "-f", "-", input=pool("p3"))
     assert "adapters" not in k8s.kubectl_json("-n", quiet_ns, "get", "sp", "p3")["spec"]
@@ -88,6 +92,9 @@ def test_declared_adapters_take_their_defaults_and_parse_back(k8s: Any, pool_crd
     ({"adapters": {"runs": {"a": {"versions": [{"label": "s", "step": -1, "path": "/ckpt/a", "serial": 1}]}}}},
      "spec.adapters.runs.a.versions.step"),
     ({"adapters": {"runs": {"a": {"versions": []}}}}, "spec.adapters.runs.a.versions"),
+    ({"routing": {"score": {"picker": "Random"}}}, "spec.routing.score.picker"),
+    ({"routing": {"score": {"imbalanceRatio": 0.5}}}, "spec.routing.score.imbalanceRatio"),
+    ({"routing": {"score": {"prefixWeight": -1}}}, "spec.routing.score.prefixWeight"),
 ])
 def test_schema_errors_name_the_field(k8s: Any, pool_crd: None, ns: str, spec: dict[str, Any], field: str) -> None:
     with pytest.raises(ks.CommandError) as e:

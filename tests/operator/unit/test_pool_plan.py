@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import yaml
+
 from sampler_operator.api_keys import replica_keys
 from sampler_operator.pool.conditions import rollout_events
 from sampler_operator.pool.plan import (
@@ -28,6 +30,7 @@ from sampler_operator.pool.plan import (
 )
 from sampler_operator.replica.spec import parse_spec
 from sampler_operator.replica.status import iso, parse_iso
+from tests.support import REPO_ROOT
 
 UID = "uid-1"
 TEMPLATE = {"model": "/models/tiny", "image": "img", "engine": "fake", "checkpoints": {"allowedRoots": ["/ckpt"]}}
@@ -273,6 +276,33 @@ def test_from_object_reads_the_drain_mark() -> None:
     obj: dict[str, Any] = {"metadata": {"name": "p-0", "annotations": {ANNOTATION_DRAINING: "true"}}, "status": {}}
     st = ReplicaState.from_object(obj)
     assert st.draining and st.owner_uid is None and st.phase is None and st.label is None
+
+
+def test_the_scorers_fields_are_the_gateways_flags_and_unset_ones_keep_its_defaults() -> None:
+    from sampler_gateway.config import parse_config
+    from sampler_operator.pool.gateway import SCORE_FLAGS, gateway_objects
+
+    score = {"picker": "LeastLoaded", "prefixWeight": 0.5, "loadWeight": 2, "tokensWeight": 0, "queueWeight": 1.5,
+             "kvWeight": 0.25, "imbalance": 8, "imbalanceRatio": 2.0, "burstWindowSeconds": 0, "indexBlocks": 4096}
+    spec = {"template": {**TEMPLATE, "apiKeySecretRef": {"name": "k"}}, "routing": {"score": score}}
+    keys = pool_keys("p", PoolSpec.model_validate(spec))
+    dep = next(o for o in gateway_objects("p", "ns", UID, spec, keys.api, keys.admin) if o["kind"] == "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    cfg = parse_config(args, environ={})
+    assert (cfg.picker, cfg.score_prefix_weight, cfg.score_load_weight, cfg.score_tokens_weight) == (
+        "least-loaded", 0.5, 2.0, 0.0)
+    assert (cfg.score_queue_weight, cfg.score_kv_weight, cfg.score_imbalance, cfg.score_imbalance_ratio) == (
+        1.5, 0.25, 8, 2.0)
+    assert (cfg.burst_window_s, cfg.prefix_index_blocks) == (0.0, 4096)
+    # Every field of the CRD's score is passed; none unset is: the gateway's defaults stand.
+    crd = yaml.safe_load((REPO_ROOT / "crds" / "samplerpool.yaml").read_text())
+    routing = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["routing"]
+    assert set(routing["properties"]["score"]["properties"]) == set(SCORE_FLAGS)
+    bare = {**spec, "routing": {}}
+    dep = next(o for o in gateway_objects("p", "ns", UID, bare, keys.api, keys.admin) if o["kind"] == "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not set(SCORE_FLAGS.values()) & set(args)
+    assert parse_config(args, environ={}).picker == "score"
 
 
 def test_gateway_objects_follow_the_pool_spec() -> None:
