@@ -44,7 +44,7 @@ def pool_of(n: int, rng: random.Random) -> tuple[Pool, list[ReplicaView]]:
     for r in replicas:
         # A full index: blocks of other prompts, and some families' prefixes (a few replicas each).
         for k in range(cfg.prefix_index_blocks // 4):
-            pool.index.record(r.name, Prompt(tokens=[k, *range(PROMPT_TOKENS - 1)], key=r.name).chain(BLOCK))
+            pool.index.record(r.name, Prompt(tokens=[k, *range(PROMPT_TOKENS - 1)], salt=r.name).chain(BLOCK))
         for _ in range(3):
             pool.index.record(r.name, family(rng.randrange(FAMILIES), -1).chain(BLOCK)[:3])
         for _ in range(rng.randrange(8)):
