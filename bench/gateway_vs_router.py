@@ -12,8 +12,9 @@ the replicas, so a round starts and stops nothing):
 - throughput: a closed loop at concurrency 32 (MAX_TOKENS tokens per request, ignore_eos), rounds in
   balanced orders (bench/rounds.py); "direct" spreads the requests over both replicas by seed. The
   paired ratios front / direct per round, their median.
-The router runs its `round_robin` policy and the gateway its default (least loaded among the
-eligible): neither request carries a session header. Neither front retries here (a broken connection
+The router runs its `round_robin` policy and the gateway its default (the endpoint scorer, issue #52:
+these prompts are shorter than a KV block, so it routes them by load): neither request carries a
+session header. Neither front retries here (a broken connection
 is counted, not hidden). The 1-minute load average is printed per cell.
 """
 
@@ -48,13 +49,13 @@ CONCURRENCY = 32
 
 
 @contextlib.contextmanager
-def vllm_router(urls: list[str]) -> Iterator[tuple[str, int]]:
-    """`vllm-router` over `urls`: (its base URL, its pid) once it answers for a model (it checks its workers
-    first)."""
+def vllm_router(urls: list[str], policy: str = "round_robin") -> Iterator[tuple[str, int]]:
+    """`vllm-router` over `urls` with `policy` (its own defaults otherwise): (its base URL, its pid) once it
+    answers for a model (it checks its workers first)."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="bench-router-")) / "router.log"
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", *urls, "--policy", "round_robin", "--log-level", "warning", "--disable-retries"]
+           "--worker-urls", *urls, "--policy", policy, "--log-level", "warning", "--disable-retries"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
