@@ -19,7 +19,8 @@ Read top-down. Each package owns one concern and imports only packages below it
     lora/         a request for an adapter version: what the name means, where it goes, loading it
     discovery/    where the replica set comes from, and the refresh loop that publishes it
     routing/      which replicas may answer and which takes a request: the live pool, the version
-                  policy, the pool's routing switch, the picker, sticky sessions
+                  policy, the pool's routing switch, the endpoint scorer and its prefix index, the
+                  least-loaded picker, sticky sessions
     admission/    admission and fairness once the pool is full
     upstream/     one HTTP exchange with one replica, over the gateway's HTTP/1.1 client
     replicas/     the replica set as pure data: each replica's view, its adapters, ids that name it

@@ -1,6 +1,7 @@
 """A request's life through the gateway. Two kinds:
 
-- **New work** (`to_new`): the picker chooses a replica (least loaded, affinity, version policy);
+- **New work** (`to_new`): the scorer chooses a replica (the version policy first, then a session or
+  affinity key, a burst, prefix overlap against load: routing/score.py);
   when none may take it now, the request waits for one up to `--no-replica-wait-s` (a rollout step),
   then 503.
   A replica lost before it got the request is left out and the request goes once more, to another

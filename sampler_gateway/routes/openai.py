@@ -5,7 +5,8 @@ Every replica serves these routes itself (vLLM's own serving layer, `sampler_pod
 gateway only chooses the replica and passes bodies through as sent, both ways:
 
 - **Generating** (`/v1/completions`, `/v1/chat/completions`, `/inference/v1/generate`): new work,
-  as a native sync sample (`forward.to_new`): least loaded, the version policy judged on every
+  as a native sync sample (`forward.to_new`): routed by its prompt's prefix and load
+  (routing/score.py; the prompt read by `openai_wire.prompt_of`), the version policy judged on every
   answer by its `X-Sampler-Weights-Label` header, re-run once if its replica is lost while running
   it (not with `X-Sampler-No-Retry: 1`). With `X-Session-ID` (`--session-header`), a session's turns
   stay on one replica (sessions.py). `"stream": true` is relayed event by event (`Relay`): until

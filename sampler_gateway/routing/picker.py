@@ -1,4 +1,6 @@
-"""Which replica takes a new request (pure): the endpoint picker.
+"""The least-loaded picker (pure): the gateway's picker before the endpoint scorer (score.py), kept
+behind `--picker least-loaded`; its rendezvous hashing also names an affinity key's replica for the
+scorer.
 
 Least-loaded by the gateway's OWN in-flight counts (scraped metrics lag; the gateway knows every
 request it has open), ties broken by a rotating turn so an idle pool still spreads sequential

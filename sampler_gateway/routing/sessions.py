@@ -4,10 +4,13 @@ A multi-turn episode sends each turn with the whole conversation so far; the rep
 the previous turn holds its prefix in its KV cache, so sending the next turn there skips recomputing
 it (verifiers measured ~40% prefix-cache hits without a session header). The rule:
 
-- a session's first turn goes to the least-loaded eligible replica (no hashing: an idle pool spreads
-  new sessions as it spreads requests, and a hot key cannot pile sessions on one replica);
+- a session's first turn goes where the endpoint scorer sends any request (score.py: its prefix, else
+  the least loaded eligible replica; no hashing: an idle pool spreads new sessions as it spreads
+  requests, and a hot key cannot pile sessions on one replica);
 - later turns go to the replica that answered the last one while it is eligible (ready, not
-  draining, not seen failing, allowed by the version policy: `pool.choose(prefer=...)`);
+  draining, not seen failing, allowed by the version policy: `pool.choose(prefer=...)`) and not hot
+  (score.py: loaded well past the least loaded replica; under `--picker least-loaded`, whatever its
+  load);
 - when it is not, the turn goes where a first turn would, and the session is bound to the replica
   that answered it: it moves once and stays on its new replica, even once the old one is back (its
   cache has the prefix now, the old one's went stale).
