@@ -131,6 +131,8 @@ class Pool:
         prefix cache is gone); the load cost follows each changed /health read."""
         for r in old.replicas:
             now = new.by_name.get(r.name)
+            if now is r:
+                continue
             if now is None or cache_reset(r, now):
                 self.index.forget(r.name)
                 self.bursts.forget(r.name)
@@ -335,7 +337,7 @@ class Pool:
         if prefer is None and affinity:
             prefer, rule = preferred(affinity, allowed).name, "affinity"
         explain = log.isEnabledFor(logging.DEBUG) or (prompt is not None and prompt.explain)
-        if allowed != self._scored:  # the same replicas, the same objects: a compare by identity, C speed
+        if allowed is not self._scored and allowed != self._scored:  # the same objects: compared by identity
             self._scored, self._names = allowed, [r.name for r in allowed]
             self._positions = {n: i for i, n in enumerate(self._names)}
         decision = decide(allowed, load=self._load, seqs=self.seqs, tokens=self.tokens, overlap=overlap,
