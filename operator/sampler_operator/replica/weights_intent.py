@@ -280,5 +280,10 @@ def weights_synced(spec: SamplerReplicaSpec, weights: Mapping[str, Any], obs: He
     target, why = startup_weights(spec, weights)
     label = target.version_label if target else "base"
     if obs.weights_label == label:
+        if declared is not None and declared.version_label == label:
+            # One fact, one message, whether or not the declared load's bookkeeping (`declared`) is
+            # written yet: a pod started at its declared weights is Synced in its first status, and
+            # recording the bookkeeping later is no second condition write.
+            why = "declared in spec.weights"
         return Synced(True, "Synced", f"serving {label!r} (version {obs.weights_version}): {why}")
     return Synced(False, "Loading", f"serving {obs.weights_label!r}; intended {label!r} ({why})")

@@ -150,6 +150,10 @@ def test_weights_synced_condition() -> None:
     w = declared_outcome(s, LOADED, "ok")
     synced = weights_synced(s, w, ok1)
     assert synced is not None and synced.status is True
+    # The same message before the declared load's bookkeeping is written (a pod started at its declared
+    # weights) as after: recording it is no second write of the condition (issue #53, steady state).
+    before = weights_synced(s, {}, ok1)
+    assert before is not None and (before.status, before.message) == (True, synced.message)
     bad = declared_outcome(s, INVALID, "model.safetensors: tensor 'x' has shape [2], expected [3]")
     synced = weights_synced(s, bad, health(label="base"))
     assert synced is not None and (synced.status, synced.reason) == (False, "InvalidCheckpoint")
