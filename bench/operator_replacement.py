@@ -14,13 +14,10 @@ Run:  .venv/bin/python -m bench.operator_replacement [--replicas 100] [--runs 5]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import os
 import re
-import ssl
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -28,83 +25,16 @@ from tests.support import k8s as ks
 
 ks.ensure_kubeconfig_env()  # before `kubernetes` is imported (pyproject: E402 allowed here)
 
-import aiohttp
 import kubernetes
-import yaml
-from aiohttp import web
 
 from bench.plots import DOCS, replacement_timeline
+from tests.support.api_counts import CountingProxy
 from tests.support.operator_harness import FakeKubelet, OperatorProcess, ok, uncertain
 
 REPO = Path(__file__).resolve().parents[1]
 
 G, V, P = "sampler.rl.dev", "v1alpha1", "samplerreplicas"
 TIMELINE = DOCS / "bench-replacement-timeline.png"
-
-
-class CountingProxy:
-    """Plain-HTTP reverse proxy to the API server that counts requests (watches included)."""
-
-    def __init__(self, upstream: str, ca_file: str) -> None:
-        self.upstream, self.ca_file = upstream, ca_file
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.port = ks.free_port()
-        self._started = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-        self._started.wait(10)
-
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    @staticmethod
-    def _key(request: web.Request) -> str:
-        path = re.sub(r"/namespaces/[^/]+", "/namespaces/*", request.path)
-        path = re.sub(r"/(pods|samplerreplicas|events|kopfpeerings)/[^/]+", r"/\1/*", path)
-        watch = "watch " if request.query.get("watch") in ("true", "1") else ""
-        return f"{request.method} {watch}{path}"
-
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        ssl_ctx = ssl.create_default_context(cafile=self.ca_file)
-
-        async def handle(request: web.Request) -> web.StreamResponse:
-            self.counts[self._key(request)] += 1
-            hop = ("host", "content-length", "transfer-encoding", "connection", "keep-alive")
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
-            body = await request.read()
-            async with self.session.request(
-                request.method,
-                self.upstream + request.path_qs,
-                headers=headers,
-                data=body if body else None,
-                ssl=ssl_ctx,
-                skip_auto_headers=("Content-Type",),
-                timeout=aiohttp.ClientTimeout(total=None),
-            ) as up:
-                resp = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items()
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection")})
-                await resp.prepare(request)
-                try:
-                    async for chunk in up.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                except (aiohttp.ClientError, ConnectionError):
-                    pass  # a watch ended by either side mid-stream
-                return resp
-
-        async def main() -> None:
-            self.session = aiohttp.ClientSession(auto_decompress=False)
-            app = web.Application(client_max_size=64 << 20)
-            app.router.add_route("*", "/{tail:.*}", handle)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", self.port).start()
-            self._started.set()
-            await asyncio.Event().wait()
-
-        loop.run_until_complete(main())
-
 
 
 def spread(values: list[float]) -> str:
@@ -139,13 +69,8 @@ def main() -> None:
     try:
         cluster.kubectl("apply", "-f", str(REPO / "crds" / "samplerreplica.yaml"))
         ks.wait_crd_established("samplerreplicas.sampler.rl.dev", cluster=cluster)
-        kc = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-        proxy = CountingProxy(
-            kc["clusters"][0]["cluster"]["server"], kc["clusters"][0]["cluster"]["certificate-authority"]
-        )
-        kc["clusters"][0]["cluster"] = {"server": f"http://127.0.0.1:{proxy.port}"}
-        proxied = Path(cluster.state_dir) / "proxied.kubeconfig"
-        proxied.write_text(yaml.safe_dump(kc))
+        proxy = CountingProxy.for_kubeconfig(cluster.kubeconfig)
+        proxied = proxy.kubeconfig(cluster.kubeconfig, Path(cluster.state_dir) / "proxied.kubeconfig")
 
         client = cluster.api_client()
         core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
@@ -162,7 +87,7 @@ def main() -> None:
         op.wait_live()
         time.sleep(1)
         base = proxy.total()
-        base_counts = collections.Counter(proxy.counts)
+        base_counts = collections.Counter(proxy.paths)
 
         # --- ramp-up: N replicas until all Ready -----------------------------------------------
         names = [f"r{i:03d}" for i in range(args.replicas)]
@@ -177,7 +102,7 @@ def main() -> None:
         ks.wait_for(lambda: ready_count() == len(names), 300, 0.5, "all replicas Ready")
         t_ready = time.monotonic() - t0
         ramp_requests = proxy.total() - base
-        ramp_breakdown = proxy.counts - base_counts
+        ramp_breakdown = proxy.paths - base_counts
         rss_ready, _ = rss_mb(op.proc.pid)
         print(f"{len(names)} Ready in {t_ready:.1f}s (creates took {t_created:.1f}s), {ramp_requests} API requests",
               flush=True)

@@ -1,0 +1,250 @@
+"""bench/scale.py's section of docs/benchmarks.md: the table, each target of issue #53 against what the
+run measured, and one picture per control loop against N (a line per G). Plain numbers in, text and
+PNGs out: the figures are redrawn only by running the benchmark."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from bench.plots import DOCS, _plt
+
+PICTURES = {
+    "api": "API requests per minute at steady state",
+    "health": "/health reads per second per replica at steady state",
+    "resources": "CPU and RSS at steady state",
+    "rollouts": "push -> Complete",
+    "switch": "the routing switch",
+    "replacement": "a replacement: uncertain_weights -> Ready",
+    "adapters": "an adapter push -> servable, 64 runs declared",
+    "pick": "a pick in the gateway",
+}
+
+
+def path(loop: str) -> Any:
+    return DOCS / f"bench-scale-{loop}.png"
+
+
+def _get(r: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(r, dict) or r.get(k) is None:
+            return None
+        r = r[k]
+    return r
+
+
+def _total(d: dict[str, float] | None, where: Callable[[str], bool] = lambda k: True) -> float | None:
+    return None if d is None else round(sum(v for k, v in d.items() if where(k)), 1)
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _replacement(r: dict[str, Any], key: str) -> float | None:
+    rep = _get(r, *key.split("."))
+    if isinstance(rep, dict):
+        return rep.get("ready_s")
+    return getattr(rep, "ready_s", None)
+
+
+def row(r: dict[str, Any]) -> dict[str, Any]:
+    """One size's figures, flat (what the table and the pictures read)."""
+    st = r.get("steady") or {}
+    keep, drain = r.get("keep") or {}, r.get("drain") or {}
+    batches = math.ceil(r["n"] / max(1, r["n"] // 10))
+    return {
+        "n": r["n"], "g": r["g"],
+        "op_api": _total(st.get("operator")), "gw_api": _total(st.get("gateways")),
+        "op_writes": _total(st.get("operator_writes")), "gw_writes": _total(st.get("gateway_writes")),
+        "gw_lease_writes": _total(st.get("gateway_writes"), lambda k: k.endswith(" leases")),
+        "health_gw": _get(st, "health", "gateways", "mean"), "health_op": _get(st, "health", "operator", "mean"),
+        "op_cpu": st.get("operator_cpu_pct"), "gw_cpu": st.get("gateway_cpu_pct"),
+        "op_rss": st.get("operator_rss_mb"), "gw_rss": st.get("gateway_rss_mb"),
+        "keep_s": keep.get("push_s"), "keep_dip": keep.get("dip_s"), "keep_loads": keep.get("loads_s"),
+        "drain_s": drain.get("push_s"), "drain_dip": drain.get("dip_s"), "drain_loads": drain.get("loads_s"),
+        "drain_batches": batches,
+        "fence_s": keep.get("fence_s"), "open_s": keep.get("open_s"), "acks_s": keep.get("acks_s"),
+        "drain_fence_s": drain.get("fence_s"),
+        "replace_s": _replacement(r, "replacement"), "replace_rollout_s": _replacement(r, "drain.replacement"),
+        "adapter_s": _get(r, "adapters", "push_s"), "pick_us": r.get("pick_us"), "error": r.get("error"),
+    }
+
+
+COLUMNS = [("N", "n", 0), ("G", "g", 0), ("operator API/min", "op_api", 1), ("gateways API/min", "gw_api", 1),
+           ("operator writes/min", "op_writes", 1), ("gateways writes/min", "gw_writes", 1),
+           ("/health reads/s/replica: gateways", "health_gw", 2), ("operator", "health_op", 2),
+           ("CPU % operator / gateway", None, 0), ("RSS MB operator / gateway", None, 0),
+           ("Keep push -> Complete s", "keep_s", 2), ("Keep dip s", "keep_dip", 2),
+           ("Drain (10%) push -> Complete s", "drain_s", 2), ("fence s", "fence_s", 2), ("open s", "open_s", 3),
+           ("replacement s (idle / in a rollout)", None, 0), ("adapter push s", "adapter_s", 2),
+           ("pick us", "pick_us", 1)]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(c for c, _, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(COLUMNS)]
+    for x in rows:
+        cells = []
+        for title, key, digits in COLUMNS:
+            if title.startswith("CPU"):
+                cells.append(f"{_fmt(x['op_cpu'], 1)} / {_fmt(x['gw_cpu'], 1)}")
+            elif title.startswith("RSS"):
+                cells.append(f"{_fmt(x['op_rss'])} / {_fmt(x['gw_rss'])}")
+            elif title.startswith("replacement"):
+                cells.append(f"{_fmt(x['replace_s'])} / {_fmt(x['replace_rollout_s'])}")
+            else:
+                cells.append(_fmt(x[key], digits) if digits else _fmt(x[key]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _at(rows: list[dict[str, Any]], n: int, g: int, key: str) -> Any:
+    return next((x[key] for x in rows if x["n"] == n and x["g"] == g), None)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """Each target of issue #53 against the run: met, not met (with the figures), or not measured."""
+    ns, gs = sorted({x["n"] for x in rows}), sorted({x["g"] for x in rows})
+    lo, hi, g_lo, g_hi = ns[0], ns[-1], gs[0], gs[-1]
+    out = []
+
+    def say(what: str, ok: bool | None, detail: str) -> None:
+        out.append(f"- {what}: **{'met' if ok else 'not met' if ok is not None else 'not measured'}** ({detail})")
+
+    ow = [x["op_writes"] for x in rows if x["op_writes"] is not None]
+    gw_other = [round((x["gw_writes"] or 0) - (x["gw_lease_writes"] or 0), 1) for x in rows
+                if x["gw_writes"] is not None]
+    say("the operator writes nothing at steady state", all(v == 0 for v in ow) if ow else None,
+        f"writes/min per size: {ow}")
+    say("the gateways write nothing at steady state but their Lease renewals", all(v == 0 for v in gw_other)
+        if gw_other else None, f"other writes/min per size: {gw_other}; Lease renewals/min: "
+        f"{[x['gw_lease_writes'] for x in rows]}")
+    for g in gs:
+        h = [_at(rows, n, g, "health_gw") for n in ns]
+        say(f"/health reads per replica flat in G (G={g})", None if None in h else max(h) <= 1.5 * 2.0,
+            f"gateways' reads/s per replica at N={ns}: {h}; one reader per interval is 2.0")
+    for key, name, factor in (("keep_s", "Keep push -> Complete at N={hi} <= 3 x at N={lo}", 3.0),):
+        for g in gs:
+            a, b = _at(rows, lo, g, key), _at(rows, hi, g, key)
+            say(name.format(hi=hi, lo=lo) + f" (G={g})", None if a is None or b is None else b <= factor * a,
+                f"{_fmt(a)} s -> {_fmt(b)} s")
+    for g in gs:
+        per = [(n, _at(rows, n, g, "drain_s"), _at(rows, n, g, "drain_loads"), _at(rows, n, g, "drain_batches"))
+               for n in ns]
+        over = [None if s is None or loads is None else round((s - loads) / b, 3) for n, s, loads, b in per]
+        say(f"Drain: no more than 0.1 s of overhead per batch (G={g})",
+            None if None in over else max(o for o in over if o is not None) <= 0.1,
+            f"(push -> Complete - loads' span) / batches at N={ns}: {over} s")
+    for key in ("fence_s", "open_s"):
+        for n in ns:
+            a, b = _at(rows, n, g_lo, key), _at(rows, n, g_hi, key)
+            say(f"{key[:-2]} at G={g_hi} <= 1.5 x at G={g_lo} (N={n})",
+                None if a is None or b is None or g_lo == g_hi else b <= 1.5 * a, f"{_fmt(a, 3)} -> {_fmt(b, 3)} s")
+    for g in gs:
+        for key, what in (("replace_s", "idle"), ("replace_rollout_s", "in a rollout")):
+            a, b = _at(rows, lo, g, key), _at(rows, hi, g, key)
+            say(f"a replacement ({what}) at N={hi} within 2 x at N={lo} (G={g})",
+                None if a is None or b is None else b <= 2 * a, f"{_fmt(a)} -> {_fmt(b)} s")
+    at_hi = [x for x in rows if x["n"] == hi]
+    say(f"operator RSS <= 300 MB at N={hi}", all((x["op_rss"] or 1e9) <= 300 for x in at_hi) if at_hi else None,
+        f"{[x['op_rss'] for x in at_hi]} MB")
+    say(f"each gateway's RSS <= 200 MB at N={hi}", all((x["gw_rss"] or 1e9) <= 200 for x in at_hi) if at_hi else None,
+        f"{[x['gw_rss'] for x in at_hi]} MB")
+    say(f"a pick <= 50 us at N={hi}", all((x["pick_us"] or 1e9) <= 50 for x in at_hi) if at_hi else None,
+        f"{[x['pick_us'] for x in at_hi]} us")
+    return out
+
+
+def body(results: list[dict[str, Any]], steady_s: float, clients: int) -> str:
+    rows = [row(r) for r in results]
+    errors = [f"- N={x['n']} G={x['g']}: {x['error']}" for x in rows if x["error"]]
+    pics = "\n\n".join(f"![{title}](bench-scale-{loop}.png)" for loop, title in PICTURES.items())
+    loads = ", ".join(f"N={r['n']} G={r['g']}: {r.get('load1', 0):.2f}" for r in results)
+    return f"""Each size (N replicas, G gateways) on its own fresh API server:
+
+{table(rows)}
+
+Method: envtest (a real etcd, kube-apiserver v1.20 and kube-controller-manager on 127.0.0.1), the operator
+process, a SamplerPool of N replicas whose pods are the real sampler app on the fake engine, all N in
+one process (`tests/support/replica_host.py`), and G gateway processes with kube discovery and their
+own routing Leases (`tests/support/scale_pool.py`). The operator and the gateways reach the API server
+through a counting proxy each (`tests/support/api_counts.py`), so "API/min" is each side's own. Steady
+state: {steady_s:.0f} s with nothing changing and no client, after the pool settled (each replica's
+declared load recorded, every Lease acknowledging the routing). `/health` reads are counted at the
+replicas, by who read. Rollouts: pushed through a gateway as a trainer does
+(`Pool.push(wait=True)`, push -> Complete), Keep then Drain with maxUnavailable N // 10, under {clients}
+closed-loop clients spread over the gateways (16-token samples); the dip is the last answer on the old
+label to the first on the new, the fence Fence(Y) written -> Open(Y) written and the opening Open(Y)
+written -> the last gateway enforcing it, from the rollout trace. A replacement: a replica's pod made to
+report `uncertain_weights`, timed to the replica Ready on its new pod, once while the Drain rollout ran
+and once idle. An adapter push: 3 pushes with 64 runs declared (median). A pick: `Pool.choose` over N
+ready replicas in one process. The 1-minute load average at each size's start: {loads}. 2 cores, shared by
+the API server, etcd, the operator, every gateway and every replica.
+
+The targets of issue #53:
+
+{chr(10).join(targets(rows))}
+
+{chr(10).join(errors)}
+
+{pics}
+"""
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> dict[int, tuple[list[int], list[float]]]:
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for g in sorted({x["g"] for x in rows}):
+        pts = sorted((x["n"], x[key]) for x in rows if x["g"] == g and x[key] is not None)
+        out[g] = ([p[0] for p in pts], [p[1] for p in pts])
+    return out
+
+
+def _panel(ax: Any, rows: list[dict[str, Any]], lines: list[tuple[str, str]], ylabel: str) -> None:
+    import matplotlib.ticker
+
+    for key, name in lines:
+        for g, (xs, ys) in _series(rows, key).items():
+            if xs:
+                ax.plot(xs, ys, marker="o", label=f"{name}, G={g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({x["n"] for x in rows}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("replicas (N)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+PANELS: dict[str, list[tuple[list[tuple[str, str]], str]]] = {
+    "api": [([("op_api", "operator"), ("gw_api", "gateways")], "requests / min"),
+            ([("op_writes", "operator"), ("gw_writes", "gateways")], "writes / min")],
+    "health": [([("health_gw", "gateways"), ("health_op", "operator")], "reads / s / replica")],
+    "resources": [([("op_cpu", "operator"), ("gw_cpu", "a gateway")], "CPU, % of one core"),
+                  ([("op_rss", "operator"), ("gw_rss", "a gateway")], "RSS, MB")],
+    "rollouts": [([("keep_s", "Keep"), ("keep_loads", "Keep: loads' span")], "s"),
+                 ([("drain_s", "Drain 10%"), ("drain_loads", "Drain: loads' span")], "s")],
+    "switch": [([("fence_s", "fence (Keep)"), ("drain_fence_s", "fence (Drain)"), ("acks_s", "acks (Keep)")], "s"),
+               ([("open_s", "opening (Keep)"), ("keep_dip", "dip (Keep)"), ("drain_dip", "dip (Drain)")], "s")],
+    "replacement": [([("replace_s", "idle"), ("replace_rollout_s", "during a Drain rollout")], "s")],
+    "adapters": [([("adapter_s", "push -> servable")], "s")],
+    "pick": [([("pick_us", "Pool.choose")], "us")],
+}
+
+
+def draw(results: list[dict[str, Any]]) -> None:
+    rows = [row(r) for r in results]
+    plt = _plt()
+    for loop, panels in PANELS.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), dpi=110, squeeze=False)
+        for ax, (lines, ylabel) in zip(axes[0], panels, strict=True):
+            _panel(ax, rows, lines, ylabel)
+        fig.suptitle(PICTURES[loop], fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path(loop))
+        plt.close(fig)
