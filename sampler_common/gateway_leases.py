@@ -6,7 +6,9 @@ sampler_gateway/routing/switch.py writes it) that carries, in annotations, what 
   new label (operator/sampler_operator/pool/routing.py);
 - the serial of the declared adapters it routes by (ADAPTERS_ACK, `spec.adapters.serial`): a LoRA
   push waits for it before it answers (sampler_gateway/admin/adapter_acks.py), so that once a trainer's
-  push returned, no gateway of the pool resolves `<run>` to an older step.
+  push returned, no gateway of the pool resolves `<run>` to an older step;
+- where its peers reach it (PEER_URL): the gateways of a pool share their replicas' `/health`
+  reads (sampler_gateway/discovery/peers.py), each reading its share and serving it to the others.
 
 A Lease not renewed within its `leaseDurationSeconds` (plus CLOCK_SKEW_S: `renewTime` is the gateway's
 clock, `now` the reader's) is not waited for. That is safe because a gateway that has not renewed
@@ -25,6 +27,7 @@ from .timestamps import epoch_seconds
 
 ROUTING_ACK = "sampler.rl.dev/routing-generation"
 ADAPTERS_ACK = "sampler.rl.dev/adapters-serial"
+PEER_URL = "sampler.rl.dev/peer-url"
 # The label every gateway Lease of a pool carries (its value: the pool's name, `label_value`).
 GATEWAY_LABEL = "sampler.rl.dev/gateway"
 # How far a reader's clock may be ahead of a gateway's: a Lease is waited for this much longer.
@@ -49,6 +52,7 @@ class GatewayAck:
     renewed: float | None   # renewTime, epoch seconds
     duration_s: float
     adapters_serial: int | None = None  # the `spec.adapters.serial` it routes by (None: not said)
+    peer_url: str | None = None          # where the pool's other gateways reach it (None: it shares no reads)
 
     @classmethod
     def from_lease(cls, obj: dict[str, Any]) -> GatewayAck:
@@ -58,7 +62,8 @@ class GatewayAck:
         return cls(name=str(spec.get("holderIdentity") or meta.get("name") or ""),
                    generation=_int(annotations.get(ROUTING_ACK)), renewed=epoch_seconds(spec.get("renewTime")),
                    duration_s=float(duration) if isinstance(duration, int) and duration > 0 else 0.0,
-                   adapters_serial=_int(annotations.get(ADAPTERS_ACK)))
+                   adapters_serial=_int(annotations.get(ADAPTERS_ACK)),
+                   peer_url=peer if isinstance(peer := annotations.get(PEER_URL), str) and peer else None)
 
     def live(self, now: float) -> bool:
         return self.renewed is not None and now <= self.renewed + self.duration_s + CLOCK_SKEW_S

@@ -21,13 +21,15 @@ from sampler_common.http.middleware import ClientRequestMiddleware
 
 from .admin.pool_object import PoolObject
 from .config import GatewayConfig
-from .discovery.refresh import refresh_forever, refresh_once
+from .discovery.peers import Board, Directory, Sharing
+from .discovery.refresh import Ledger, refresh_forever, refresh_once
 from .discovery.source import Source
 from .forwarding.forward import Gateway
 from .kube.events import EventSink, NoEvents
 from .metrics.added_latency import AddedLatency
 from .metrics.registry import GatewayMetrics
 from .routes import adapter_push, health, native, openai, tinker, twinkle
+from .routes import peers as peer_routes
 from .routes import pool as pool_routes
 from .routing.pool import Pool
 from .routing.switch import RoutingLease, Switch
@@ -39,12 +41,16 @@ ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
 def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | None = None,
-               routing_lease: RoutingLease | None = None, events: EventSink | None = None) -> FastAPI:
+               routing_lease: RoutingLease | None = None, events: EventSink | None = None,
+               peers: tuple[str, Directory] | None = None) -> FastAPI:
     """`pool_object`: the SamplerPool the admin routes write (kube discovery); None: they answer 404.
     `routing_lease`: makes this gateway's routing Lease from the pool's switch and what to call when it
     moves (kube discovery, routing/switch.py); None: no switch. `events`: where Events on the pool go
-    (kube/events.py; None: the log only)."""
+    (kube/events.py; None: the log only). `peers`: this gateway's name and where the pool's other
+    gateways are, to share the replicas' /health reads with them (discovery/peers.py); None: it reads
+    every replica itself."""
     metrics = GatewayMetrics()
+    board = Board(peers[0]) if peers is not None else None
     pool = Pool(cfg, metrics)
     lease = None
     if routing_lease is not None:
@@ -72,9 +78,14 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
         # on every full collection (as vLLM's API server does at startup).
         gc.collect()
         gc.freeze()
+        sharing = app.state.sharing = None
+        if peers is not None:
+            key = cfg.api_key or cfg.admin_api_key
+            sharing = app.state.sharing = Sharing(peers[0], peers[1], client, (("X-API-Key", key),) if key else (),
+                                                  board)
         refresher = asyncio.create_task(
             refresh_forever(source, pool, client, cfg.refresh_interval_s, cfg.health_timeout_s,
-                            cfg.health_failure_threshold), name="refresh")
+                            cfg.health_failure_threshold, sharing, app.state.ledger), name="refresh")
         try:
             yield
         finally:
@@ -96,12 +107,15 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     install_error_handlers(app)
     openai.install_error_shape(app)
     app.state.pool_object = pool_object
+    app.state.board = board
+    # Who read each replica last, and when (discovery/refresh.py): the refresh loop's, kept here to be looked at.
+    app.state.ledger = Ledger()
     app.include_router(health.router)
     admin = [Depends(pool_routes.PoolAdminAuth(cfg.api_key, cfg.admin_api_key))]
     for admin_router in (pool_routes.router, adapter_push.router):
         app.include_router(admin_router, dependencies=admin)
     auth = [Depends(APIKeyAuth(cfg.api_key, cfg.admin_api_key).sampling)]
-    for router in (native.router, tinker.router, twinkle.router, openai.router):
+    for router in (native.router, tinker.router, twinkle.router, openai.router, peer_routes.router):
         app.include_router(router, dependencies=auth)
     # Last: whatever else is under /api/v1 goes to any replica unchanged.
     app.add_api_route("/api/v1/{path:path}", tinker.anywhere, methods=ANY_METHOD, dependencies=auth,

@@ -49,6 +49,14 @@ class GatewayConfig(BaseModel):
     health_failure_threshold: int = Field(
         3, ge=1, description="consecutive unanswered /health reads before a ready replica leaves routing "
                              "(a busy replica answers late; an answer that is not ok counts at once)")
+    share_health_reads: bool = Field(
+        True, description="kube discovery: share the replicas' /health reads with the pool's other gateways, each "
+                          "replica read by one of them every --refresh-interval-s (discovery/peers.py); needs an "
+                          "address of its own for its peers (--pod-ip, or a --host that is not a wildcard), and is "
+                          "off with --reuse-port")
+    pod_ip: str | None = Field(
+        None, min_length=1, description="this gateway pod's IP (the operator sets it from the pod's status.podIP): "
+                                        "where the pool's other gateways reach it to share /health reads")
 
     # The pool's routing switch (kube discovery: routing/switch.py).
     pod_name: str | None = Field(
@@ -181,6 +189,16 @@ class GatewayConfig(BaseModel):
                 raise ValueError(f"--fair-share {entry!r}: expected RUN=WEIGHT with a positive weight")
             out[run] = share
         return out
+
+    def peer_url(self) -> str | None:
+        """Where the pool's other gateways reach this one to share /health reads (discovery/peers.py);
+        None: it shares none (static discovery, sharing off, a shared port, no address of its own)."""
+        if self.discovery != "kube" or not self.share_health_reads or self.reuse_port:
+            return None
+        host = self.pod_ip or (None if self.host in ("0.0.0.0", "::", "") else self.host)
+        if host is None:
+            return None
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def static_members(self) -> list[tuple[str, str]]:
         """(name, url) of every --replica flag."""

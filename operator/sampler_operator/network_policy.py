@@ -7,7 +7,8 @@ node) need them. So each SamplerPool gets two policies, owned by the pool (garba
   <pool>-replicas  the pool's sampler pods accept, on their port, only the pool's gateway pods, the
                    operator's pods, and `spec.networkPolicy.replicaFrom` (e.g. a Prometheus);
   <pool>-gateway   the gateway accepts, on its port, the pods of its namespace, or
-                   `spec.networkPolicy.gatewayFrom` when set.
+                   `spec.networkPolicy.gatewayFrom` when set (and then the pool's gateway pods too:
+                   they share their replicas' /health reads with each other).
 
 A lone SamplerReplica (no pool) gets `<replica>-sampler`: the operator, plus its `spec.networkPolicy.from`
 allow-list (the trainers that sample from it directly). The node is never named: NetworkPolicy cannot
@@ -96,8 +97,11 @@ def pool_policies(pool: str, namespace: str, owner: dict[str, Any], spec: Mappin
     gateway_port = int((spec.get("gateway") or {}).get("port", 8080))
     replica_peers = [{"podSelector": {"matchLabels": gateway_selector(pool)}}, operator.peer(),
                      *[dict(p) for p in np.get("replicaFrom") or []]]
-    # Unset: the gateway's namespace, the pods of the pool's users by default.
-    gateway_peers = [dict(p) for p in np.get("gatewayFrom") or []] or [{"podSelector": {}}]
+    # Unset: the gateway's namespace, the pods of the pool's users by default. Set: those, and the pool's
+    # other gateways, which share their replicas' /health reads on that port (sampler_gateway/discovery/peers.py).
+    allowed = [dict(p) for p in np.get("gatewayFrom") or []]
+    gateway_peers = [*allowed, {"podSelector": {"matchLabels": gateway_selector(pool)}}] if allowed \
+        else [{"podSelector": {}}]
     return [_policy(replicas_name, namespace, labels, owner, replica_selector(pool), replica_peers, replica_ports),
             _policy(gateway_name, namespace, labels, owner, gateway_selector(pool), gateway_peers, [gateway_port])]
 

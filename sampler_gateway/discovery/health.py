@@ -14,12 +14,17 @@ traffic (the other was loading) to three late reads during a rollout step.
 
 The label matters even for a replica that is not ready: a retrieve of its futures still goes to
 it, and the error that names a lost replica names its version.
+
+Two halves, so that a read another gateway of the pool made counts as this gateway's own
+(discovery/peers.py): `fetch_health` is the network (what the replica answered, or why nothing),
+`view_of` the one place a `/health` answer becomes a `ReplicaView` (pure).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,23 +33,42 @@ from ..replicas.adapter_health import ReplicaLora, lora_of
 from ..replicas.view import EngineView, Member, ReplicaView
 from ..upstream.http1 import ConnectFailed, ConnectionBroken, Http1Client
 
+# Who reads: the replica's logs and a benchmark's count of reads tell the gateways' reads from the operator's.
+USER_AGENT = ("User-Agent", "sampler-gateway/0.1.0")
 
-async def read_health(client: Http1Client, member: Member, timeout_s: float,
-                      last: ReplicaView | None = None, failure_threshold: int = 1,
-                      serving: Callable[[], bool] = lambda: False) -> ReplicaView:
-    """`serving()`, asked when a read times out: has the replica answered a request lately?"""
+
+@dataclass(frozen=True)
+class HealthAnswer:
+    """One `/health` read's outcome: the answer's body (parsed JSON), or why there is none.
+    `timed_out`: no answer within the timeout (a busy replica may still serve, `view_of`)."""
+
+    body: Any = None
+    error: str | None = None
+    timed_out: bool = False
+
+
+async def fetch_health(client: Http1Client, url: str, timeout_s: float) -> HealthAnswer:
+    """GET `url`/health within `timeout_s`: never raises for the network, nor for a body that is not JSON."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            r = await client.request(url, "GET", "/health", (USER_AGENT,), b"")
+        return HealthAnswer(body=orjson.loads(r.body))
+    except (TimeoutError, ConnectFailed, ConnectionBroken, OSError, ValueError) as e:
+        return HealthAnswer(error=f"{type(e).__name__}: {e}", timed_out=isinstance(e, TimeoutError))
+
+
+def view_of(member: Member, answer: HealthAnswer, last: ReplicaView | None = None, failure_threshold: int = 1,
+            serving: Callable[[], bool] = lambda: False) -> ReplicaView:
+    """Pure: `member` as `answer` shows it, after `last` (its view before this read). `serving()`,
+    asked when the read timed out: has the replica answered a request lately?"""
     label = last.weights_label if last is not None else None
     version = last.weights_version if last is not None else None
     step = last.weights_step if last is not None else None
     model = last.model if last is not None else None
     lora = last.lora if last is not None else ReplicaLora(None)
     engine = last.engine if last is not None else EngineView()
-    try:
-        async with asyncio.timeout(timeout_s):
-            r = await client.request(member.url, "GET", "/health", (), b"")
-        body: Any = orjson.loads(r.body)
-    except (TimeoutError, ConnectFailed, ConnectionBroken, OSError, ValueError) as e:
-        if isinstance(e, TimeoutError) and last is not None and last.ready and serving():
+    if answer.error is not None:
+        if answer.timed_out and last is not None and last.ready and serving():
             return last  # busy, not gone: this read says nothing new
         unanswered = (last.unanswered if last is not None else 0) + 1
         if last is not None and last.ready and unanswered < failure_threshold:
@@ -53,8 +77,9 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
                                lora=lora, engine=engine)
         return ReplicaView(member.name, member.url, ready=False, draining=member.draining, weights_label=label,
                            weights_version=version, reason=f"/health unreachable ({unanswered} in a row): "
-                                                           f"{type(e).__name__}: {e}"[:300], unanswered=unanswered,
+                                                           f"{answer.error}"[:300], unanswered=unanswered,
                            weights_step=step, model=model, lora=lora, engine=engine)
+    body = answer.body
     if not isinstance(body, dict):
         return ReplicaView(member.name, member.url, False, member.draining, label, version, "/health: not an object",
                            weights_step=step, model=model, lora=lora, engine=engine)
@@ -69,6 +94,13 @@ async def read_health(client: Http1Client, member: Member, timeout_s: float,
                        reason=None if status == "ok" else f"{status}: {body.get('reason')}",
                        model=body["model"] if isinstance(body.get("model"), str) else model, lora=lora_of(body),
                        engine=engine_of(body))
+
+
+async def read_health(client: Http1Client, member: Member, timeout_s: float,
+                      last: ReplicaView | None = None, failure_threshold: int = 1,
+                      serving: Callable[[], bool] = lambda: False) -> ReplicaView:
+    """`serving()`, asked when a read times out: has the replica answered a request lately?"""
+    return view_of(member, await fetch_health(client, member.url, timeout_s), last, failure_threshold, serving)
 
 
 def _positive(value: Any) -> int | None:

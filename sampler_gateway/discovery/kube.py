@@ -15,9 +15,13 @@ Its `status.weightsHistory` (each label's generation, written by the pool contro
 order of labels every gateway of the pool shares (versions.LabelOrder), whenever it started.
 
 Three list+watch loops (SamplerReplicas, pods, the SamplerPool) run in threads with the blocking
-kubernetes client and keep the latest objects in memory; `membership()` reads that memory. Every
-event and every (re)list raises a `ChangeSignal`, so the refresh loop acts on a drain mark as soon
-as the API server tells of it, not on its next poll.
+kubernetes client and keep the latest objects in memory; `membership()` reads that memory (worked
+out again only after an event). Every event and every (re)list raises a `ChangeSignal`, so the
+refresh loop acts on a drain mark as soon as the API server tells of it, not on its next poll; each
+member carries its objects' revision, so the loop reads only the members an event concerns. A
+fourth loop, when the gateway shares its `/health` reads, watches the pool's gateway Leases: where
+its peers are (discovery/peers.py). A watch that times out is watched again from where it was; only
+an error lists again.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from typing import Any
 
 from sampler_common.adapters import AdapterState, adapter_state
 from sampler_common.errors import Conflict
+from sampler_common.gateway_leases import GATEWAY_LABEL, GatewayAck
 
 from ..kube.client import load_kube_config
 from ..replicas.view import Member
+from ..routing.switch import label_value
 from .signal import ChangeSignal
 from .source import Membership
 
@@ -82,30 +88,41 @@ class _Watch(threading.Thread):
         from kubernetes import watch
 
         backoff = self.first_backoff_s
+        version: str | None = None  # where the next watch starts; None: list first
         while not self._ending.is_set():
             try:
-                listed = _plain(self.list_fn(**self.kwargs))
-                backoff = self.first_backoff_s
-                with self._lock:
-                    self.items = {o["metadata"]["name"]: o for o in listed.get("items", [])}
-                self.synced.set()
-                self.on_change()
+                if version is None:
+                    listed = _plain(self.list_fn(**self.kwargs))
+                    backoff = self.first_backoff_s
+                    with self._lock:
+                        self.items = {o["metadata"]["name"]: o for o in listed.get("items", [])}
+                    version = listed["metadata"]["resourceVersion"]
+                    self.synced.set()
+                    self.on_change()
+                # A watch that ends at its timeout is watched again from the last version it delivered,
+                # not listed again: a list of the namespace's every SamplerReplica and pod each minute
+                # was a steady-state read growing with N (issue #53). Only an error lists again.
                 w = watch.Watch()
-                for ev in w.stream(self.list_fn, resource_version=listed["metadata"]["resourceVersion"],
-                                   timeout_seconds=WATCH_TIMEOUT_S, **self.kwargs):
+                for ev in w.stream(self.list_fn, resource_version=version, timeout_seconds=WATCH_TIMEOUT_S,
+                                   **self.kwargs):
                     obj = _plain(ev["object"])
                     if ev["type"] == "ERROR":
-                        break  # e.g. 410 Gone (resourceVersion too old): list again
+                        version = None  # e.g. 410 Gone (resourceVersion too old): list again
+                        break
                     name = obj["metadata"]["name"]
                     with self._lock:
                         if ev["type"] == "DELETED":
                             self.items.pop(name, None)
                         else:
                             self.items[name] = obj
+                    version = obj["metadata"].get("resourceVersion") or version
                     self.on_change()
                     if self._ending.is_set():
                         w.stop()
             except Exception as e:  # the API server restarting, a network blip, no such CRD: list again
+                version = None
+                if getattr(e, "status", None) == 410:
+                    continue  # the version expired (etcd compacted it): list again now, nothing failed
                 log.warning("watch of %s failed (again in %.0fs): %s", self.what, backoff, e)
                 self._retry.wait(backoff)
                 self._retry.clear()
@@ -160,8 +177,16 @@ def adapters_of(pools: list[dict[str, Any]], last: AdapterState | None) -> Adapt
 def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[Member, ...]:
     """Pure: the pool's members from the namespace's SamplerReplicas and the pool's pods (a replica
     without a pod IP is not a member: nothing can reach it, and its futures went with its last pod)."""
+    return members_and_revisions(pool, replicas, pods)[0]
+
+
+def members_and_revisions(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, Any]],
+                          ) -> tuple[tuple[Member, ...], dict[str, str]]:
+    """Pure: `members_of`, and each member's revision: its SamplerReplica's and its pod's
+    resourceVersions (either written, the member may have changed: refresh.py reads it again)."""
     by_name = {p["metadata"]["name"]: p for p in pods}
     out = []
+    revisions = {}
     for cr in sorted((o for o in replicas if in_pool(o, pool)), key=lambda o: o["metadata"]["name"]):
         name = cr["metadata"]["name"]
         pod = by_name.get((cr.get("status") or {}).get("podName") or "")
@@ -174,11 +199,24 @@ def members_of(pool: str, replicas: list[dict[str, Any]], pods: list[dict[str, A
         annotations = cr["metadata"].get("annotations") or {}
         draining = annotations.get(DRAINING_ANNOTATION) == "true" or bool(pod["metadata"].get("deletionTimestamp"))
         out.append(Member(name=name, url=f"http://{ip}:{port}", draining=draining))
-    return tuple(out)
+        revisions[name] = f"{cr['metadata'].get('resourceVersion')}/{pod['metadata'].get('resourceVersion')}"
+    return tuple(out), revisions
+
+
+def peers_of(leases: list[dict[str, Any]], now: float) -> dict[str, str]:
+    """Pure: the pool's gateways that share their `/health` reads (discovery/peers.py), from their
+    routing Leases: name -> peer URL, for each Lease live at `now` (epoch seconds) that names one."""
+    out = {}
+    for lease in leases:
+        ack = GatewayAck.from_lease(lease)
+        if ack.peer_url is not None and ack.live(now):
+            out[ack.name] = ack.peer_url
+    return out
 
 
 class KubeDiscovery:
-    def __init__(self, pool: str, namespace: str) -> None:
+    def __init__(self, pool: str, namespace: str, peers: bool = False) -> None:
+        """`peers`: also watch the pool's gateway Leases, for the gateways that share their reads."""
         from kubernetes import client
 
         load_kube_config()
@@ -186,27 +224,50 @@ class KubeDiscovery:
         custom, core = client.CustomObjectsApi(), client.CoreV1Api()
         self.pool = pool
         self._changes = ChangeSignal()
-        changed = self._changes.raise_
+        # Bumped at every watch event: `membership()` is worked out again only after one (it is read
+        # at every landing of a round of reads, and costs O(N)).
+        self._version = 0
+        self._memo: tuple[int, Membership] | None = None
+
+        def changed() -> None:
+            self._version += 1
+            self._changes.raise_()
         # Every SamplerReplica of the namespace: one applied by hand names its pool in spec.pool only.
         self._replicas = _Watch("samplerreplicas", changed, custom.list_namespaced_custom_object, group=GROUP,
                                 version=VERSION, namespace=namespace, plural=PLURAL)
         self._pods = _Watch("pods", changed, core.list_namespaced_pod, namespace=namespace, label_selector=selector)
         self._pool = _Watch("samplerpool", changed, custom.list_namespaced_custom_object, group=GROUP, version=VERSION,
                             namespace=namespace, plural=POOL_PLURAL, field_selector=f"metadata.name={pool}")
-        self._watches = (self._replicas, self._pods, self._pool)
+        self._watches: tuple[_Watch, ...] = (self._replicas, self._pods, self._pool)
+        # The gateways' Leases change at every renewal of each: no change of the membership.
+        self._leases = (_Watch("leases", lambda: None, client.CoordinationV1Api().list_namespaced_lease,
+                               namespace=namespace, label_selector=f"{GATEWAY_LABEL}={label_value(pool)}")
+                        if peers else None)
+        if self._leases is not None:
+            self._watches += (self._leases,)
         self._adapters: AdapterState | None = None
         self._adapters_of: str | None = None  # the pool's resourceVersion they were parsed from
         for w in self._watches:
             w.start()
 
     async def membership(self) -> Membership:
+        seen = self._version
+        if self._memo is not None and self._memo[0] == seen:
+            return self._memo[1]
         pools = self._pool.snapshot()
-        # Parsed once per version of the pool object: membership is read at every /health read landing.
+        # Parsed once per version of the pool object.
         version = next((p["metadata"].get("resourceVersion") for p in pools), None)
         if version is None or version != self._adapters_of:
             self._adapters, self._adapters_of = adapters_of(pools, self._adapters), version
-        return Membership(members_of(self.pool, self._replicas.snapshot(), self._pods.snapshot()),
-                          target_label=target_of(pools), history=history_of(pools), adapters=self._adapters)
+        members, revisions = members_and_revisions(self.pool, self._replicas.snapshot(), self._pods.snapshot())
+        out = Membership(members, target_label=target_of(pools), history=history_of(pools), adapters=self._adapters,
+                         revisions=revisions)
+        self._memo = (seen, out)
+        return out
+
+    def peers(self, now: float) -> dict[str, str]:
+        """The pool's other gateways that share their reads (peers.Directory), as their Leases say at `now`."""
+        return peers_of(self._leases.snapshot(), now) if self._leases is not None else {}
 
     async def changed(self) -> None:
         await self._changes.wait()

@@ -4,6 +4,7 @@ on its next poll (refresh.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +22,10 @@ class Membership:
     history: tuple[tuple[str, int], ...] = ()
     # The pool's declared adapters (its `spec.adapters`; static discovery: --adapters-file).
     adapters: AdapterState | None = None
+    # Member name -> the revision of the objects it comes from (kube: its SamplerReplica's and its
+    # pod's resourceVersions). A change reads only the members whose revision moved (refresh.py);
+    # None: the source cannot tell which changed, and a change reads them all.
+    revisions: Mapping[str, str] | None = None
 
 
 class Source(Protocol):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 # The Lease's annotations and label, as the operator and a LoRA push read them.
-from sampler_common.gateway_leases import ADAPTERS_ACK, GATEWAY_LABEL
+from sampler_common.gateway_leases import ADAPTERS_ACK, GATEWAY_LABEL, PEER_URL
 from sampler_common.gateway_leases import ROUTING_ACK as ACK_ANNOTATION
 from sampler_common.rollout_trace import trace
 
@@ -192,11 +192,12 @@ class KubeRoutingLease:
 
     def __init__(self, pool: str, namespace: str, holder: str, duration_s: int, renew_s: float, switch: Switch,
                  on_change: Callable[[], None], adapters: DeclaredAdapters,
-                 reconnected: Callable[[], None] | None = None) -> None:
+                 reconnected: Callable[[], None] | None = None, peer_url: str | None = None) -> None:
         """`adapters`: the declared adapters routed by; the Lease says their serial, and each read of
         the pool (a renewal's, the watch's) hands them the pool object. `reconnected`: called when a
         renewal succeeds after one failed (the API server answers again), so what else this gateway
-        reads from it (discovery) need not wait out its backoff."""
+        reads from it (discovery) need not wait out its backoff. `peer_url`: where the pool's other
+        gateways reach this one to share /health reads (discovery/peers.py), said in the Lease."""
         from kubernetes import client
 
         load_kube_config()
@@ -204,6 +205,7 @@ class KubeRoutingLease:
         self.duration_s, self.renew_s, self.switch, self.on_change = duration_s, renew_s, switch, on_change
         self.adapters = adapters
         self.reconnected = reconnected
+        self.peer_url = peer_url
         self._leases, self._custom = client.CoordinationV1Api(), client.CustomObjectsApi()
         self._timeout_s = call_timeout_s(duration_s)
         self._pool_uid: str | None = None
@@ -217,6 +219,8 @@ class KubeRoutingLease:
         annotations = {ACK_ANNOTATION: str(generation)}
         if serial is not None:
             annotations[ADAPTERS_ACK] = str(serial)
+        if self.peer_url is not None:
+            annotations[PEER_URL] = self.peer_url
         meta: dict[str, Any] = {"name": lease_name(self.holder), "namespace": self.namespace,
                                 "labels": {GATEWAY_LABEL: label_value(self.pool)}, "annotations": annotations}
         if self._pool_uid is not None:  # collected with the pool

@@ -35,7 +35,7 @@ def lease(duration_s: int, leases: Recorder, custom: Recorder) -> KubeRoutingLea
     # Built without __init__, which loads a kubeconfig; the attributes are the ones __init__ sets.
     g = object.__new__(KubeRoutingLease)
     g.pool, g.namespace, g.holder, g.duration_s, g.renew_s = "p", "ns", "gw-a", duration_s, 1.0
-    g.switch, g.on_change, g.reconnected, g.adapters = Switch(), lambda: None, None, NoAdapters()
+    g.switch, g.on_change, g.reconnected, g.adapters, g.peer_url = Switch(), lambda: None, None, NoAdapters(), None
     g._leases, g._custom, g._timeout_s = leases, custom, call_timeout_s(duration_s)
     g._pool_uid, g._version, g._acked = None, None, -1
     g._who, g._where = "gateway/gw-a", "ns/p"

@@ -101,6 +101,8 @@ def gateway_objects(pool: str, namespace: str, uid: str, spec: dict[str, Any],
     # exactly the keys its replicas check.
     # The pod's name: its routing Lease's holder (sampler_gateway/routing/switch.py, pool/routing.py).
     env.append({"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    # Its IP: where the pool's other gateways reach it to share /health reads (sampler_gateway/discovery/peers.py).
+    env.append({"name": "SAMPLER_GATEWAY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     user_env = [dict(v) for v in gw.get("env") or [] if v.get("name") not in _KEY_ENV]
     env += pod_security.env(pod_security.GATEWAY_ENV, user_env) + user_env
     # On the node's network every replica shares the port (sampler_gateway/server/listen.py): declared, the

@@ -149,6 +149,9 @@ def test_pool_owns_scales_and_reports(k8s: Any, api: Any, ns: str, operator: Any
                             # its routing Lease's holder (#24)
                             {"name": "SAMPLER_GATEWAY_POD_NAME",
                              "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
+                            # where the pool's other gateways reach it to share /health reads (#53)
+                            {"name": "SAMPLER_GATEWAY_POD_IP",
+                             "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
                             # HOME on its writable /tmp, a user name without a passwd entry (pod_security.py)
                             {"name": "HOME", "value": "/tmp"}, {"name": "USER", "value": "sampler-gateway"},
                             {"name": "LOGNAME", "value": "sampler-gateway"}]

@@ -8,6 +8,7 @@ from typing import Any
 from sampler_operator.network_policy import (
     NAMESPACE_NAME_LABEL,
     OperatorPeer,
+    gateway_selector,
     policy_hash,
     pool_policies,
     replica_policy,
@@ -78,7 +79,8 @@ def test_a_pools_allow_lists_and_its_switch():
     assert replicas["spec"]["ingress"][0]["from"][2:] == [prom]
     # outside a cluster the operator's namespace is unknown: its pods in any namespace
     assert replicas["spec"]["ingress"][0]["from"][1]["namespaceSelector"] == {}
-    assert gateway["spec"]["ingress"][0]["from"] == [users]
+    # The pool's gateways reach each other too: they share their replicas' /health reads.
+    assert gateway["spec"]["ingress"][0]["from"] == [users, {"podSelector": {"matchLabels": gateway_selector("p")}}]
     assert pool_policies("p", "ns", pool_owner_ref("p", UID), {**spec, "networkPolicy": {"enabled": False}},
                          OPERATOR) == []
 

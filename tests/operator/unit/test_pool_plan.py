@@ -333,6 +333,8 @@ def test_gateway_objects_follow_the_pool_spec() -> None:
                         {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY",
                          "valueFrom": {"secretKeyRef": {"name": "p-sampler-keys", "key": "admin-api-key"}}},
                         {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        # where the pool's other gateways reach it to share /health reads (#53)
+                        {"name": "SAMPLER_GATEWAY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                         # HOME on its writable /tmp, and a user name without a passwd entry (pod_security.py)
                         {"name": "HOME", "value": "/tmp"}, {"name": "USER", "value": "sampler-gateway"},
                         {"name": "LOGNAME", "value": "sampler-gateway"}]
@@ -373,6 +375,7 @@ def test_gateway_on_the_node_network_with_extra_env_and_volumes_keeps_its_key() 
         {"name": "SAMPLER_GATEWAY_API_KEY", "valueFrom": {"secretKeyRef": keys.api.as_dict()}},
         {"name": "SAMPLER_GATEWAY_ADMIN_API_KEY", "valueFrom": {"secretKeyRef": keys.admin.as_dict()}},
         {"name": "SAMPLER_GATEWAY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "SAMPLER_GATEWAY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HOME", "value": "/tmp"}, {"name": "USER", "value": "sampler-gateway"},
         {"name": "LOGNAME", "value": "sampler-gateway"}, extra[0]]
     # the user's volume after the gateway's writable /tmp (pod_security.GATEWAY_WRITABLE)
