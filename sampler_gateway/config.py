@@ -67,7 +67,9 @@ class GatewayConfig(BaseModel):
                                       "the pool) for this long returns no answer, and the pool's switch stops "
                                       "waiting for it")
     routing_renew_s: float = Field(
-        1.0, gt=0, description="how often the routing Lease is renewed and the pool's routing read")
+        3.0, gt=0, description="how often the routing Lease is renewed and the pool's routing read when nothing "
+                               "changes (a change is acknowledged at once, a failed renewal retried within 1 s): the "
+                               "gateway's only writes at steady state, one per interval")
 
     # Routing.
     version_policy: VersionPolicy = Field(

@@ -148,6 +148,8 @@ class Switch:
 WATCH_TIMEOUT_S = 60
 # After a failed watch: wait this long before watching again (not a hot loop while the API server is away).
 WATCH_RETRY_S = 1.0
+# After a failed renewal: at most this long before the next one (routing_renew_s when shorter).
+RETRY_S = 1.0
 
 
 class DeclaredAdapters(Protocol):
@@ -353,7 +355,10 @@ class KubeRoutingLease:
                         self.reconnected()
                     failing = False
                 if not changed:
+                    # After a failure, soon again: a renewal that hung for its whole call timeout
+                    # (half the Lease) and then waited a full interval could outlive the Lease.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.renew_s)
+                        await asyncio.wait_for(self._wake.wait(), min(self.renew_s, RETRY_S) if failing
+                                               else self.renew_s)
         finally:
             self._watching.clear()

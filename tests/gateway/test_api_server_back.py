@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from sampler_gateway.discovery.kube import _Watch
-from sampler_gateway.routing.switch import KubeRoutingLease, Switch
+from sampler_gateway.routing.switch import RETRY_S, KubeRoutingLease, Switch
 from tests.support.gateway import NoAdapters
 from tests.support.k8s import wait_for
 
@@ -97,5 +97,29 @@ def test_a_renewal_after_failed_ones_says_the_api_server_is_back_once() -> None:
             with pytest.raises(asyncio.CancelledError):
                 await task
         assert back == [[True, False, False, True], [True, False, False, True, True, False, True]]
+
+    asyncio.run(run())
+
+
+def test_a_failed_renewal_is_tried_again_within_a_second_not_a_whole_interval() -> None:
+    """At steady state a gateway renews every --routing-renew-s (3 s by default, its only writes); a
+    renewal that failed (after up to half the Lease in its call) is tried again within RETRY_S, so one
+    failure never costs the Lease. Here the interval is an hour: every renewal after the first comes
+    from the retry."""
+    async def run() -> None:
+        lease = _Lease(Switch(), lambda: None)
+        lease.renew_s = 3600.0
+        lease.loop = asyncio.get_running_loop()
+        lease.fail = [False, True, True]   # the first renewal, then two failures, then successes
+        task = asyncio.create_task(lease.run_forever())
+        try:
+            async with asyncio.timeout(10 * RETRY_S):
+                while len(lease.renewals) < 4:
+                    await asyncio.sleep(0.01)
+            assert lease.renewals == [True, False, False, True]
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
 
     asyncio.run(run())
