@@ -35,8 +35,10 @@ from tests.support.replica_host import ReplicaHostProcess
 
 G, V, POOL = "sampler.rl.dev", "v1alpha1", "s"
 HEALTH_PERIOD_S = 2          # the operator's probe of each replica (the template's health.periodSeconds)
-# The replica host counts `/health` reads by the User-Agent's first word.
-READERS = {"Python": "operator", "sampler-gateway": "gateways"}
+# The replica host counts `/health` reads by the User-Agent's first word: the operator's aiohttp says
+# `Python/3.x aiohttp/...`, the gateways `sampler-gateway/...` (nothing before issue #53). Nothing else
+# reads the replicas here, so whatever is not the operator is a gateway.
+OPERATOR_AGENT = "Python"
 
 
 @dataclass
@@ -236,12 +238,12 @@ class Window:
 
     def health_per_s(self) -> dict[str, list[float]]:
         """Reader -> `/health` reads per second of each replica in the window."""
-        out: dict[str, list[float]] = collections.defaultdict(list)
+        per: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for replica, by in self.after.health.items():
             for who, count in by.items():
-                out[READERS.get(who, who)].append((count - self.before.health.get(replica, {}).get(who, 0))
-                                                  / self.seconds)
-        return out
+                reader = "operator" if who == OPERATOR_AGENT else "gateways"
+                per[reader][replica] += count - self.before.health.get(replica, {}).get(who, 0)
+        return {reader: [n / self.seconds for n in reads.values()] for reader, reads in per.items()}
 
     def figures(self) -> dict[str, Any]:
         dt, b, a = self.seconds, self.before, self.after

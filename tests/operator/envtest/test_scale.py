@@ -1,0 +1,89 @@
+"""Issue #53 at a size CI affords: a SamplerPool of 32 replicas behind 4 gateways on one real API server
+(tests/support/scale_pool.py: the operator process, the replicas' real sampler app on the fake engine
+in one process, 4 gateway processes with kube discovery), checked for its structure, not its timings.
+
+At steady state (the pool settled, nothing changing, no client), over a 30 s window, by each side's own
+counting proxy in front of the API server:
+- the operator sends nothing but its watches: no write, no read;
+- the gateways write nothing but their routing Lease renewals (`update leases`), at most one per
+  gateway per `--routing-renew-s` (and one more each at the window's edges), and read nothing but the
+  pool at each renewal (`get samplerpools`) and their watches: nothing per replica, so nothing grows
+  with N;
+- the `/health` reads of each replica, counted at the replica, do not grow with G: the gateways share
+  them (sampler_gateway/discovery/peers.py), each replica read about once per `--refresh-interval-s`
+  whatever the number of gateways. Every gateway reading every replica would be G / interval (8 a
+  second here); the bound is 1.5 / interval (one reader per interval, with room for a reader's
+  fallback reads of a replica it heard nothing of).
+Then a Keep push through a gateway, as a trainer pushes: Complete, every replica at the new label (its
+status and its pod's own `/health`), and every gateway routing to all 32 on it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sampler_gateway.config import GatewayConfig
+from tests.support import k8s as ks
+from tests.support.scale_pool import scale_pool, window
+
+pytestmark = pytest.mark.envtest
+
+N, GATEWAYS = 32, 4
+WINDOW_S = 30.0
+DEFAULTS = GatewayConfig(pool="p")
+
+
+def _health(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        body: dict[str, Any] = json.loads(r.read())
+        return body
+
+
+def test_at_steady_state_nothing_is_written_and_health_reads_do_not_grow_with_gateways(
+        k8s: Any, crd: Any, tmp_path: Path) -> None:
+    with scale_pool(k8s, N, GATEWAYS, tmp_path) as sp:
+        w = window(sp, WINDOW_S)
+        figures = w.figures()
+        print(f"steady state, {N} replicas, {GATEWAYS} gateways: {json.dumps(figures)}")
+
+        # Every property is checked before any fails the test: a failure names all that do not hold.
+        wrong = []
+        operator = {f"{verb} {res}": n for (verb, res), n in (w.after.operator - w.before.operator).items()}
+        if {k: n for k, n in operator.items() if not k.startswith("watch ")}:
+            wrong.append(f"the operator sent more than its watches: {operator}")
+        gateways = {f"{verb} {res}": n for (verb, res), n in (w.after.gateways - w.before.gateways).items()}
+        others = {k: n for k, n in gateways.items()
+                  if k not in ("update leases", "get samplerpools") and not k.startswith("watch ")}
+        if others:
+            wrong.append(f"the gateways sent more than their renewals and watches: {others}")
+        renewals = GATEWAYS * (WINDOW_S / DEFAULTS.routing_renew_s + 2)
+        if gateways.get("update leases", 0) > renewals:
+            wrong.append(f"{gateways.get('update leases')} Lease renewals in {WINDOW_S:g} s, more than {renewals:g}")
+        if gateways.get("get samplerpools", 0) > gateways.get("update leases", 0) + GATEWAYS:
+            wrong.append(f"more reads of the pool than renewals: {gateways}")
+        per_replica = w.health_per_s()["gateways"]
+        one_reader = 1 / DEFAULTS.refresh_interval_s
+        if len(per_replica) != N or statistics.mean(per_replica) > 1.5 * one_reader:
+            wrong.append(f"the gateways read each replica {statistics.mean(per_replica):.2f} times a second (the "
+                         f"most read {max(per_replica):.2f}); one reader per interval is {one_reader:.1f}, every "
+                         f"gateway reading every replica {GATEWAYS * one_reader:.1f}")
+        if min(per_replica, default=0.0) < 0.5 * one_reader:
+            wrong.append(f"a replica nobody reads: {sorted(per_replica)[:3]}")
+        assert not wrong, "\n".join(wrong)
+
+        # A Keep push: every replica at the new label, every gateway routing to all of them on it.
+        label = "step-2"
+        sp.trainer().push(sp.checkpoint(label), label, wait=True, timeout=300, progress=False)
+        ks.wait_for(lambda: sp.open_on(label), 60, 0.2, f"the pool open on {label}")
+        statuses = {name: (r.get("status") or {}).get("weightsLabel") for name, r in sp.replicas().items()}
+        assert statuses == dict.fromkeys(statuses, label) and len(statuses) == N, statuses
+        pods = sp.host.pods()
+        assert len(pods) == N and {p: _health(url)["weights_label"] for p, url in pods.items()} == dict.fromkeys(
+            pods, label)
+        ks.wait_for(lambda: sp.gateways_see(label), 60, 0.2, f"every gateway routing to {N} at {label}")
