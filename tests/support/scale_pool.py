@@ -210,12 +210,18 @@ class Snapshot:
     gateways: collections.Counter[Key]
     health: dict[str, dict[str, int]]    # replica -> reader -> reads
     cpu: dict[str, float]
+    pods: dict[str, dict[str, int]]      # pod -> reader -> reads
+
+    def health_of(self, pod: str) -> int:
+        """`/health` reads of one pod by the operator (its probes)."""
+        return int(self.pods.get(pod, {}).get(OPERATOR_AGENT, 0))
 
 
 def snapshot(sp: ScalePool) -> Snapshot:
     pids = {"operator": sp.op.proc.pid, **{n: gw.proc.pid for n, gw in sp.gateways.items()}}  # type: ignore[union-attr]
+    counts = sp.host.counts()
     return Snapshot(time.monotonic(), apiserver_requests(sp.kubeconfig), sp.op_proxy.snapshot(),
-                    sp.gw_proxy.snapshot(), sp.host.counts()["replicas"], {n: cpu_s(p) for n, p in pids.items()})
+                    sp.gw_proxy.snapshot(), counts["replicas"], {n: cpu_s(p) for n, p in pids.items()}, counts["pods"])
 
 
 @dataclass

@@ -205,5 +205,20 @@ def _phase(pod: PodView | None, obs: HealthObservation | None, failures: int, th
 
 
 def changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The subset of `new` that differs from `old`: only real changes are PATCHed."""
-    return {k: v for k, v in new.items() if old.get(k) != v}
+    """The subset of `new` that differs from `old`: only real changes are PATCHed.
+
+    Compared as the API server stores them: the status is written as a JSON merge patch, where a
+    null removes its key, so a null anywhere in `new` matches an absent key in `old`. Compared as
+    written, a field the pod reports as null (`weights.checkpoint` and `loadedAt` of a replica on
+    its base model) differed from the stored status at every probe: a PATCH per probe that changed
+    nothing (2,860 a minute for 100 replicas in the Operator benchmark, issue #53)."""
+    return {k: v for k, v in new.items() if _stored(old.get(k)) != _stored(v)}
+
+
+def _stored(value: Any) -> Any:
+    """`value` as a merge patch leaves it in the object: dict keys with a null value gone, at any depth."""
+    if isinstance(value, Mapping):
+        return {k: _stored(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_stored(v) for v in value]
+    return value

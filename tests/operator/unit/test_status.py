@@ -104,6 +104,12 @@ def test_invalid_spec_status():
 def test_changed_only_returns_differences():
     assert changed({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": None}) == {"b": 3}  # absent == null
     assert changed({"a": 1}, {"a": 1}) == {}
+    # As the API server stores a merge patch: a null inside a field is its key removed, so the same
+    # weights of a pod on its base model (checkpoint and load time null) are no change (issue #53).
+    stored = {"weights": {"label": "base", "version": 0, "adapters": []}}
+    assert changed(stored, {"weights": {"label": "base", "version": 0, "checkpoint": None, "loadedAt": None,
+                                        "lastCertain": None, "adapters": []}}) == {}
+    assert changed(stored, {"weights": {"label": "step-1", "version": 1, "checkpoint": None}}) != {}
 
 
 def test_pod_view_from_raw_pod():
