@@ -172,7 +172,7 @@ Most frequent operator requests during ramp-up:
 ![replacement timeline]({TIMELINE.name})
 
 Notes: steady-state probing costs no API requests (pods come from kopf's watch-fed index; status
-is PATCHed only when it changes). Detection waits for the next probe (up to one period); the
+is PATCHed only when it changes as the API server stores it). Detection waits for the next probe (up to one period); the
 replacement itself is intent PATCH + DELETE + CREATE + outcome PATCH; "Ready" then waits for the
 fake kubelet (0.1 s poll) and the next probe of the new pod. With a real kubelet add pod start-up
 and engine load time.
