@@ -59,8 +59,9 @@ from .health import HealthAnswer
 log = logging.getLogger(__name__)
 
 PATH = "/v1/pool/peer/readings"
-# A long poll answers empty after this long with nothing new (a pool whose replicas are all gone).
-WAIT_S = 10.0
+# A long poll answers empty after this long with nothing new (a pool with no replica). Short: a
+# gateway stopping waits for the polls it is answering (uvicorn's graceful shutdown) before it exits.
+WAIT_S = 2.0
 # After a failed poll, wait this long before the next (and the peer reads nothing meanwhile).
 RETRY_S = 1.0
 # A replica with no read (its own or a peer's) for this many intervals is read by this gateway.

@@ -272,3 +272,23 @@ async def test_two_gateways_read_each_replica_once_a_round_and_share_what_they_r
             await b.stop()
 
 
+
+
+async def test_the_peer_route_refuses_bad_input_naming_the_field_and_is_absent_without_sharing() -> None:
+    import httpx
+
+    members = (Member("r0", "http://127.0.0.1:9"),)
+    shared = create_app(GatewayConfig(pool="p", discovery="kube", host="127.0.0.1", pod_name="gw-a"),
+                        Source(members), peers=("gw-a", Directory()))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=shared), base_url="http://gw") as http:
+        for query, field in (("wait_s=31", "wait_s"), ("after=-1", "after"), ("wait_s=soon", "wait_s"),
+                             ("sleep=1", "sleep")):
+            r = await http.get(f"/v1/pool/peer/readings?{query}")
+            assert r.status_code == 400 and r.json()["error"]["field"] == field, (query, r.text)
+        r = await http.get("/v1/pool/peer/readings?wait_s=0")
+        assert r.status_code == 200 and r.json()["gateway"] == "gw-a" and r.json()["readings"] == []
+    alone = create_app(GatewayConfig(pool="p", discovery="static", replicas=["r0=http://127.0.0.1:9"]),
+                       Source(members))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=alone), base_url="http://gw") as http:
+        r = await http.get("/v1/pool/peer/readings?wait_s=0")
+        assert r.status_code == 404 and r.json()["error"]["category"] == "not_found", r.text
