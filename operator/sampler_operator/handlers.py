@@ -24,7 +24,7 @@ import kopf
 
 from sampler_operator import GROUP, PLURAL, POOL_PLURAL, VERSION, metrics
 from sampler_operator import settings as operator_settings
-from sampler_operator.kube import Kube, load_config
+from sampler_operator.kube import Kube, api_executor, load_config
 from sampler_operator.network_policy import OperatorPeer, PolicySettings
 from sampler_operator.pool.gateway import LABEL_GATEWAY
 from sampler_operator.pool.loop import Handed, PoolMemory
@@ -125,6 +125,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         logging.getLogger("sampler_operator").warning(
             "test seams allowed (SAMPLER_OPERATOR_ALLOW_TEST_SEAMS): for test clusters only")
     load_config()
+    asyncio.get_running_loop().set_default_executor(api_executor())
     memo.kube = Kube()
     memo.session = aiohttp.ClientSession()
     memo.metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
