@@ -23,12 +23,14 @@ clock, is bounded from below without any shared clock: the peer says how old the
 answered (`age_s`), and the answer came after the poll was sent, so the read began no earlier than
 (poll sent) - `age_s`; that bound is what the rules use, so a read is never taken for newer than it is.
 
-**The bound on staleness** (what LoRA placement and a load-aware picker read from a view): a
-replica's view in any gateway reflects a `/health` answer that began at most one interval + one read
-(bounded by the interval) + one poll round trip ago while its reader is live; a gateway that has had no
-read of a replica for `STALE_INTERVALS` intervals reads it itself at its next tick, so whatever its
-peers do (stop, hang, partition), no view is older than (`STALE_INTERVALS` + 1) intervals + one read:
-1.5 s at the defaults, against 1.0 s (one interval + one read) when every gateway read everything.
+**The bound on staleness** (what LoRA placement and a load-aware picker read from a view: the age of
+the `/health` answer a view shows, from when its read began). While a replica's reader is live: one
+interval + one read (bounded by the interval) + one poll round trip, 1.0 s + a round trip at the
+defaults, as when every gateway read everything (1.0 s). Whatever its peers do (stop, hang, partition):
+a gateway that has had no read of a replica for `STALE_INTERVALS` intervals reads it itself at its next
+tick, so no view is older than (`STALE_INTERVALS` + 1) intervals + two reads + a round trip: the last
+read that reached it (one read + the trip), up to `STALE_INTERVALS` intervals of nothing, up to one
+more to its tick, then its own read: 2.5 s at the defaults.
 A membership change (a drain mark, a new pod, a status write) is read at once by every gateway that
 sees it, as before: sharing changes how often a replica is read when nothing happens, not how soon a
 change is.
