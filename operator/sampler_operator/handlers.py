@@ -127,6 +127,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     load_config()
     asyncio.get_running_loop().set_default_executor(api_executor())
     memo.kube = Kube()
+    # The pool loops' calls in threads of their own: a Keep rollout's replica status writes (one per
+    # replica, all at once) never hold up the routing switch's Lease list and status write (issue #53).
+    memo.pool_kube = Kube(executor=api_executor())
     memo.session = aiohttp.ClientSession()
     memo.metrics_server = metrics.serve(config.metrics_host, config.metrics_port)
 
@@ -290,7 +293,7 @@ async def pool_loop(body: kopf.Body, name: str, namespace: str | None, uid: str 
             wake.clear()
             try:
                 # `body` is kopf's live view: the spec as of now, not as of the daemon's start.
-                delay = await pool_step(memo.kube, memo.session, name, namespace, uid, _plain(body["spec"]),
+                delay = await pool_step(memo.pool_kube, memo.session, name, namespace, uid, _plain(body["spec"]),
                                         body["metadata"].get("generation"), members.get(uid, []), mem, emit,
                                         time.time(), _plain(body.get("status") or {}), memo.policies,
                                         hand_to_replica(namespace))

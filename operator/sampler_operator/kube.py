@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import functools
 import json
 import os
 from typing import Any
@@ -47,30 +48,13 @@ def _json(resp: Any) -> dict[str, Any]:
     return doc
 
 
-async def _read(call: Any, *args: Any) -> dict[str, Any] | None:
-    """A GET: the object, or None if it does not exist."""
-    try:
-        return _json(await asyncio.to_thread(call, *args, _preload_content=False))
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise
-
-
-async def _create(call: Any, *args: Any) -> bool:
-    """A create: True if created, False if an object of that name exists (a retried create; it is
-    never overwritten)."""
-    try:
-        await asyncio.to_thread(call, *args, _preload_content=False)
-        return True
-    except ApiException as e:
-        if e.status == 409:
-            return False
-        raise
-
-
 class Kube:
-    def __init__(self, api_client: kubernetes.client.ApiClient | None = None) -> None:
+    def __init__(self, api_client: kubernetes.client.ApiClient | None = None,
+                 executor: concurrent.futures.Executor | None = None) -> None:
+        """`executor`: the threads this Kube's calls run in (None: the event loop's default). The pool
+        loops' own, so that the routing switch's few calls never wait behind a rollout's hundreds of
+        replica status writes for a thread (issue #53)."""
+        self.executor = executor
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
         self.apps = kubernetes.client.AppsV1Api(api_client)
@@ -78,35 +62,61 @@ class Kube:
         self.coordination = kubernetes.client.CoordinationV1Api(api_client)
         self.networking = kubernetes.client.NetworkingV1Api(api_client)
 
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """One blocking client call, in this Kube's threads."""
+        if self.executor is None:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def _read(self, call: Any, *args: Any) -> dict[str, Any] | None:
+        """A GET: the object, or None if it does not exist."""
+        try:
+            return _json(await self._call(call, *args, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def _create(self, call: Any, *args: Any) -> bool:
+        """A create: True if created, False if an object of that name exists (a retried create; it is
+        never overwritten)."""
+        try:
+            await self._call(call, *args, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
     async def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-        resp = await asyncio.to_thread(self.core.list_namespaced_pod, namespace,
-                                       label_selector=label_selector, _preload_content=False)
+        resp = await self._call(self.core.list_namespaced_pod, namespace,
+                                label_selector=label_selector, _preload_content=False)
         items: list[dict[str, Any]] = _json(resp)["items"]
         return items
 
     async def list_leases(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         """The pool's gateways' Leases (their acknowledgements of the routing, pool/routing.py)."""
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-        resp = await asyncio.to_thread(self.coordination.list_namespaced_lease, namespace,
-                                       label_selector=label_selector, _preload_content=False)
+        resp = await self._call(self.coordination.list_namespaced_lease, namespace,
+                                label_selector=label_selector, _preload_content=False)
         items: list[dict[str, Any]] = _json(resp)["items"]
         return items
 
     async def delete_lease(self, namespace: str, name: str) -> None:
         try:
-            await asyncio.to_thread(self.coordination.delete_namespaced_lease, name, namespace,
-                                    _preload_content=False)
+            await self._call(self.coordination.delete_namespaced_lease, name, namespace,
+                             _preload_content=False)
         except ApiException as e:
             if e.status != 404:
                 raise
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return await _read(self.core.read_namespaced_pod, name, namespace)
+        return await self._read(self.core.read_namespaced_pod, name, namespace)
 
     async def create_pod(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created, False if a pod of that name already exists (a retried create)."""
-        return await _create(self.core.create_namespaced_pod, namespace, body)
+        return await self._create(self.core.create_namespaced_pod, namespace, body)
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> None:
         """Delete exactly that pod (uid precondition); gone already or a newer namesake is fine."""
@@ -114,18 +124,18 @@ class Kube:
             kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid)) if uid else None
         )
         try:
-            await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, body=options,
-                                    _preload_content=False)
+            await self._call(self.core.delete_namespaced_pod, name, namespace, body=options,
+                             _preload_content=False)
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
 
     async def patch_pod_metadata(self, namespace: str, name: str, metadata: dict[str, Any]) -> None:
-        await asyncio.to_thread(self.core.patch_namespaced_pod, name, namespace, {"metadata": metadata},
-                                _preload_content=False)
+        await self._call(self.core.patch_namespaced_pod, name, namespace, {"metadata": metadata},
+                         _preload_content=False)
 
     async def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return await _read(self.core.read_namespaced_secret, name, namespace)
+        return await self._read(self.core.read_namespaced_secret, name, namespace)
 
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
         """One key of a Secret, decoded; None if the Secret or the key is missing."""
@@ -135,27 +145,27 @@ class Kube:
 
     async def create_secret(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created, False if a Secret of that name exists (it is never overwritten)."""
-        return await _create(self.core.create_namespaced_secret, namespace, body)
+        return await self._create(self.core.create_namespaced_secret, namespace, body)
 
     async def get_replica(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return await _read(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+        return await self._read(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 
     async def patch_replica_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """A merge patch on the status subresource; returns the updated object."""
-        resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION,
-                                       namespace, PLURAL, name, {"status": status}, _preload_content=False)
+        resp = await self._call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION,
+                                namespace, PLURAL, name, {"status": status}, _preload_content=False)
         return _json(resp)
 
     # ---------------------------------------------------------------- the pool controller's calls
 
     async def create_replica(self, namespace: str, body: dict[str, Any]) -> bool:
         """True if created, False if it exists already (a retried create)."""
-        return await _create(self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, body)
+        return await self._create(self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, body)
 
     async def delete_replica(self, namespace: str, name: str) -> None:
         try:
-            await asyncio.to_thread(self.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                                    name, _preload_content=False)
+            await self._call(self.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                             name, _preload_content=False)
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -163,20 +173,20 @@ class Kube:
     async def json_patch_replica(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
         """One JSON patch (RFC 6902): several changes that must land together, or not at all; returns
         the updated object."""
-        resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                                       name, ops, _content_type="application/json-patch+json", _preload_content=False)
+        resp = await self._call(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                name, ops, _content_type="application/json-patch+json", _preload_content=False)
         return _json(resp)
 
     async def patch_replica_annotations(self, namespace: str, name: str,
                                         annotations: dict[str, str | None]) -> dict[str, Any]:
         """A merge patch of annotations (None removes one); returns the updated object."""
-        resp = await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                                       name, {"metadata": {"annotations": annotations}}, _preload_content=False)
+        resp = await self._call(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                name, {"metadata": {"annotations": annotations}}, _preload_content=False)
         return _json(resp)
 
     async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
-                                POOL_PLURAL, name, {"status": status}, _preload_content=False)
+        await self._call(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
+                         POOL_PLURAL, name, {"status": status}, _preload_content=False)
 
     async def apply(self, namespace: str, body: dict[str, Any]) -> None:
         """Create a built-in object (the pool's gateway), or patch it to `body` when it exists
@@ -191,17 +201,17 @@ class Kube:
                               self.networking.patch_namespaced_network_policy),
         }[body["kind"]]
         try:
-            await asyncio.to_thread(create, namespace, body, _preload_content=False)
+            await self._call(create, namespace, body, _preload_content=False)
         except ApiException as e:
             if e.status != 409:
                 raise
-            await asyncio.to_thread(patch, body["metadata"]["name"], namespace, body, _preload_content=False)
+            await self._call(patch, body["metadata"]["name"], namespace, body, _preload_content=False)
 
     async def delete_network_policy(self, namespace: str, name: str) -> None:
         """Gone already is fine (a policy switched off twice, or collected with its owner)."""
         try:
-            await asyncio.to_thread(self.networking.delete_namespaced_network_policy, name, namespace,
-                                    _preload_content=False)
+            await self._call(self.networking.delete_namespaced_network_policy, name, namespace,
+                             _preload_content=False)
         except ApiException as e:
             if e.status != 404:
                 raise
