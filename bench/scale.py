@@ -60,7 +60,7 @@ from bench.report import publish  # noqa: E402
 from bench.rollout_trace import read as read_trace  # noqa: E402
 from bench.rollout_trace import rollouts as trace_rollouts  # noqa: E402
 from bench.switch_cost import dip  # noqa: E402
-from tests.support.scale_pool import POOL, G, ScalePool, V, scale_pool, window  # noqa: E402
+from tests.support.scale_pool import POOL, G, ScalePool, V, cpu_s, scale_pool, window  # noqa: E402
 
 TITLE = "Scale"
 FULL_SIZES, FULL_GATEWAYS = (16, 64, 256), (2, 8)
@@ -175,17 +175,20 @@ def rollout(s: Stack, mode: str, max_unavailable: int, clients: int,
             sp.trainer().push(path, new, wait=True, timeout=ROLLOUT_TIMEOUT_S, progress=False)
             pushed["s"] = time.monotonic() - t
         pusher = threading.Thread(target=push, daemon=True)
+        cpu0, t0 = cpu_s(sp.op.proc.pid), time.monotonic()  # type: ignore[union-attr]
         pusher.start()
         if replace_during is not None:
             ks.wait_for(lambda: (sp.pool().get("status") or {}).get("targetLabel") == new, 60, 0.05, "the push seen")
             replacement.append(replace(sp, replace_during))
         pusher.join(ROLLOUT_TIMEOUT_S + 60)
         assert "s" in pushed, f"the push of {new} never completed"
+        busy = 100 * (cpu_s(sp.op.proc.pid) - cpu0) / (time.monotonic() - t0)  # type: ignore[union-attr]
         ks.wait_for(lambda: load.at(new) >= 4 * clients, 120, 0.05, f"answers on {new}")
     finally:
         replies = load.stop()
     s.step += 1
     out: dict[str, Any] = {"push_s": round(pushed["s"], 3), "dip_s": round(dip(replies, old, new), 3),
+                           "operator_cpu_pct": round(busy, 1),
                            "failed": sum(1 for r in replies if r.status != 200), "answers": len(replies),
                            **{k: None if v is None else round(v, 3) for k, v in trace_figures(sp, new).items()}}
     if replacement:

@@ -28,13 +28,16 @@ API_CONCURRENCY = 32
 
 def load_config() -> None:
     """In a pod: the service account. Elsewhere: $KUBECONFIG (read now, not at import time). Connections
-    for API_CONCURRENCY calls at once."""
+    for both executors' calls at once."""
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     config = kubernetes.client.Configuration.get_default_copy()
-    config.connection_pool_maxsize = API_CONCURRENCY
+    # Two executors of API_CONCURRENCY threads (the replica loops' and the pool loops', handlers.py): a
+    # pool smaller than their threads discards a connection after each call beyond it, and the next
+    # call pays a new TLS handshake (seen at 64 replicas: 'Connection pool is full').
+    config.connection_pool_maxsize = 2 * API_CONCURRENCY
     kubernetes.client.Configuration.set_default(config)
 
 

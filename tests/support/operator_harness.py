@@ -263,9 +263,12 @@ class OperatorProcess:
     """`python -m sampler_operator` as a child process (so tests can SIGKILL and restart it)."""
 
     def __init__(self, cluster: ks.Cluster, namespaces: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 peering: list[str] | None = None, allow_test_seams: bool = False):
+                 peering: list[str] | None = None, allow_test_seams: bool = False, verbose: bool = True):
         """`allow_test_seams`: accept replicas that enable the sampler's test seams (the operator refuses
-        them by default, sampler_operator/replica/seams.py); for tests that make a write fail midway on purpose."""
+        them by default, sampler_operator/replica/seams.py); for tests that make a write fail midway on purpose.
+        `verbose`: kopf's debug log (every event and patch); off where the operator's own CPU is measured
+        (the rollout trace needs only SAMPLER_ROLLOUT_TRACE=1)."""
+        self.verbose = verbose
         self.cluster, self.namespaces, self.log_path = cluster, namespaces, log_path
         self.extra_env = {"SAMPLER_OPERATOR_ALLOW_TEST_SEAMS": "true" if allow_test_seams else "false", **(env or {})}
         self.peering = peering or ["--standalone"]
@@ -273,7 +276,7 @@ class OperatorProcess:
 
     def start(self) -> OperatorProcess:
         port, metrics_port = ks.free_port(), ks.free_port()
-        args = [sys.executable, "-m", "sampler_operator", *self.peering, "--verbose",
+        args = [sys.executable, "-m", "sampler_operator", *self.peering, *(["--verbose"] if self.verbose else []),
                 "--liveness", f"http://127.0.0.1:{port}/healthz"]
         for n in self.namespaces:
             args += ["--namespace", n]

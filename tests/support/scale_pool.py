@@ -153,9 +153,10 @@ def scale_pool(cluster: ks.Cluster, n: int, g: int, workdir: Path, *, adapters: 
         host = ReplicaHostProcess(ns, workdir / "pods", {**cluster.subprocess_env(), **trace})
         es.callback(host.stop)
         op_cluster = ks.Cluster(kubeconfig=op_kc, state_dir=cluster.state_dir, env={"KUBECONFIG": op_kc})
+        # Not --verbose: kopf's debug lines (every event, every patch) were most of its CPU at 64 replicas.
         op = OperatorProcess(op_cluster, [ns], workdir / "operator.log",
                              env={**trace, "SAMPLER_OPERATOR_WATCH_SERVER_TIMEOUT": "300",
-                                  "SAMPLER_OPERATOR_WATCH_CLIENT_TIMEOUT": "330"}).start()
+                                  "SAMPLER_OPERATOR_WATCH_CLIENT_TIMEOUT": "330"}, verbose=False).start()
         es.callback(op.stop)
         op.wait_live()
         template: dict[str, Any] = {
