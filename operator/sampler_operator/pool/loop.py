@@ -97,6 +97,9 @@ class PoolMemory:
     # watch (handlers.wake_pool_on_ack), whichever came last (routing.needs_acknowledgements: only an
     # opening must read a fresh list).
     acks: dict[str, GatewayAck] = field(default_factory=dict)
+    # replica -> what this loop's last write of it answered (own_writes): newer than kopf's index until
+    # the index catches up.
+    wrote: dict[str, ReplicaState] = field(default_factory=dict)
 
 
 def _trace_once(mem: PoolMemory, pool: str, step: str, key: str, **fields: object) -> None:
@@ -131,6 +134,28 @@ async def in_flight(session: aiohttp.ClientSession, replica: ReplicaState) -> in
     if obs.state == HealthState.UNREACHABLE:
         return 0
     return obs.in_flight if isinstance(obs.in_flight, int) else None
+
+
+def own_writes(existing: Iterable[ReplicaState], wrote: dict[str, ReplicaState]) -> list[ReplicaState]:
+    """The replicas as the newer of kopf's index and this loop's own last write of each (pure; by
+    resourceVersion). The index follows the loop's writes one watch event later: a step on it alone
+    saw a batch it had just written as not written yet and wrote it again, every replica of a Keep
+    rollout at every step until the index caught up (64 writes a step at 64 replicas, the fence's
+    opening seconds late behind them: issue #53). Forgets what the index has caught up with, and the
+    replicas gone."""
+    out = []
+    seen = set()
+    for r in existing:
+        seen.add(r.name)
+        own = wrote.get(r.name)
+        if own is not None and own.version is not None and r.version is not None and own.version > r.version:
+            out.append(own)
+        else:
+            wrote.pop(r.name, None)
+            out.append(r)
+    for name in [n for n in wrote if n not in seen]:
+        del wrote[name]
+    return out
 
 
 def fresh_answers(answers: dict[str, LoadAnswer], existing: Iterable[ReplicaState],
@@ -213,7 +238,7 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     settings (default: on, the operator's pods in any namespace). `handed`: told of each replica this
     step gave a new spec, with the object the API server answered (handlers.hand_to_replica)."""
     spec = PoolSpec.model_validate(raw_spec)
-    existing = list(replicas)
+    existing = own_writes(replicas, mem.wrote)
     mem.loaded = fresh_answers(mem.loaded, existing, spec.target_label)
     going = leaving(name, uid, spec, existing)
     # Together: a scale-down of many replicas waits for the slowest probe once, not for each in turn.
@@ -286,7 +311,9 @@ async def step(kube: Kube, session: aiohttp.ClientSession, name: str, namespace:
     for replica, body in zip(todo.update_in_place, in_place_bodies, strict=True):
         written[replica] = body
         hand(replica, body)
-    existing = [ReplicaState.from_object(written[r.name]) if r.name in written else r for r in existing]
+    for replica, body in written.items():
+        mem.wrote[replica] = ReplicaState.from_object(body)
+    existing = [mem.wrote[r.name] if r.name in written else r for r in existing]
     # What this loop last wrote is newer than kopf's view of the pool, which follows our writes.
     old = mem.status if mem.status is not None else last_status
     where, target = f"{namespace}/{name}", spec.target_label

@@ -238,6 +238,8 @@ class ReplicaState:
     # The adapter engine names its pod holds, as its status last said (pool/adapter_status.py).
     adapters: tuple[str, ...] = ()
     generation: int | None = None   # metadata.generation: which spec a load was made under (LoadAnswer)
+    # metadata.resourceVersion: which of two views of the replica is newer (loop.own_writes); not compared.
+    version: int | None = field(default=None, compare=False)
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
@@ -261,7 +263,15 @@ class ReplicaState:
                    rejected=rejected, rejected_message=str(weights.get("declaredMessage") or "") if rejected else None,
                    observed=generation is None or status.get("observedGeneration") == generation,
                    adapters=tuple(a for a in status.get("adapters") or () if isinstance(a, str)),
-                   generation=generation if isinstance(generation, int) else None)
+                   generation=generation if isinstance(generation, int) else None,
+                   version=_version(meta.get("resourceVersion")))
+
+
+def _version(raw: Any) -> int | None:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)

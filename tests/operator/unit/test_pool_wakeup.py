@@ -116,3 +116,22 @@ def test_a_replica_given_a_new_spec_by_its_pool_loop_starts_on_it_at_once(monkey
     # An older object (a write the loop has seen past already) changes nothing.
     handlers.hand_to_replica("ns")("p-0", replica(9, "step-0"))
     assert newest(live, mem)["spec"]["weights"]["versionLabel"] == "step-2"
+
+
+def test_a_step_reads_its_own_writes_over_an_index_that_has_not_caught_up() -> None:
+    """Issue #53: a step on kopf's index alone saw the batch it had just written as not written and
+    wrote every replica of a Keep rollout again at each step until the index caught up. The loop's own
+    last write of a replica stands in for the index's older view, by resourceVersion, until the index
+    has caught up (then it is forgotten), and a replica gone is forgotten."""
+    from sampler_operator.pool.loop import own_writes
+    from sampler_operator.pool.plan import ReplicaState
+
+    def state(name: str, version: int, spec_hash: str) -> ReplicaState:
+        return ReplicaState(name, "u", spec_hash, False, "Ready", "step-1", version=version)
+
+    index = [state("p-0", 10, "old"), state("p-1", 11, "old")]
+    wrote = {"p-0": state("p-0", 20, "new"), "p-2": state("p-2", 5, "new")}
+    assert [(r.name, r.spec_hash) for r in own_writes(index, wrote)] == [("p-0", "new"), ("p-1", "old")]
+    assert set(wrote) == {"p-0"}   # p-2 is gone
+    caught_up = [state("p-0", 21, "new"), state("p-1", 11, "old")]
+    assert own_writes(caught_up, wrote) == caught_up and wrote == {}
