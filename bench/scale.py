@@ -21,10 +21,11 @@ Measured, in this order:
   push -> Complete), under `--clients` closed-loop clients spread over the gateways (short samples):
   the capacity dip (the last answer on the old label to the first on the new, bench/switch_cost.py)
   and, from the rollout trace of the operator and every gateway (bench/rollout_trace.py), the fence
-  (Fence(Y) written -> Open(Y) written) and the opening (Open(Y) written -> the last gateway enforcing it);
-- a replacement while the Drain rollout runs, and one with nothing else happening: one replica's pod
-  reports `uncertain_weights` (the replica host makes its write fail); timed to the operator's intent
-  (detection) and to the replica Ready on its new pod;
+  (Fence(Y) written -> Open(Y) written) and the opening (Fence(Y) written -> the last gateway
+  enforcing Open(Y));
+- a replacement while a third (Keep) rollout runs, and one with nothing else happening: one replica's
+  pod reports `uncertain_weights` (the replica host makes its write fail); timed to the operator's
+  intent (detection) and to the replica Ready on its new pod;
 - an adapter push -> servable (`Pool.push_adapter`, `servable: one`) with 64 runs declared, the
   median of 3 pushes;
 - a pick's time in the gateway: `Pool.choose` over N ready replicas, in this process (no network).
@@ -59,7 +60,7 @@ from bench.gateway_switch import Clients  # noqa: E402
 from bench.report import publish  # noqa: E402
 from bench.rollout_trace import read as read_trace  # noqa: E402
 from bench.rollout_trace import rollouts as trace_rollouts  # noqa: E402
-from bench.switch_cost import dip  # noqa: E402
+from bench.switch_cost import busy, dip  # noqa: E402
 from tests.support.scale_pool import POOL, G, ScalePool, V, cpu_s, scale_pool, window  # noqa: E402
 
 TITLE = "Scale"
@@ -114,8 +115,9 @@ def set_rollout(sp: ScalePool, mode: str, max_unavailable: int) -> None:
 def trace_figures(sp: ScalePool, label: str) -> dict[str, float | None]:
     """From the rollout trace of the operator and every gateway (bench/rollout_trace.py): the fence
     (Fence(Y) written -> Open(Y) written), the gateways' part of it (Fence(Y) written -> the last
-    gateway's acknowledgement written), the opening (Open(Y) written -> the last gateway enforcing it)
-    and the loads' span (the first load sent -> the last load answered, as the operator saw them)."""
+    gateway's acknowledgement written), the opening (Fence(Y) written -> the last gateway enforcing
+    Open(Y)), the loads' span (the first load sent -> the last load answered, as the operator saw them)
+    and the time some load ran (their union)."""
     deadline = time.monotonic() + 30
     while True:
         found = [r for r in trace_rollouts(read_trace(sp.logs())) if r.label == label]
@@ -127,10 +129,23 @@ def trace_figures(sp: ScalePool, label: str) -> dict[str, float | None]:
     def span(a: str, b: str) -> float | None:
         x, y = m.get(a), m.get(b)
         return None if x is None or y is None else y - x
+    # Seconds in which some replica's load of Y was under way (sent -> answered, as the operator saw it):
+    # under Drain the batches' loads one after the other, the rest of the push being the control loop's.
+    started: dict[str, float] = {}
+    spans = []
+    for st in found[-1].steps if found else []:
+        if st.fields.get("label") == label and st.step == "load.started":
+            started.setdefault(st.fields.get("replica", ""), st.t)
+        elif st.fields.get("label") == label and st.step == "load.answered" and st.fields.get("replica") in started:
+            spans.append((started.pop(st.fields["replica"]), st.t))
     return {"fence_s": span("Fence(Y) written", "Open(Y) written"),
             "acks_s": span("Fence(Y) written", "last gateway acked Fence"),
-            "open_s": span("Open(Y) written", "last gateway saw Open"),
-            "loads_s": span("first load started", "last load answered")}
+            # To the opening's arrival at the last gateway, from the fence: what the gateways went through.
+            # (From Open(Y) written alone it was often below 0: a watch delivers a write before its writer
+            # logs the answer.)
+            "open_s": span("Fence(Y) written", "last gateway saw Open"),
+            "loads_s": span("first load started", "last load answered"),
+            "loading_s": busy(spans) if spans else None}
 
 
 @dataclass
@@ -248,9 +263,13 @@ def run_size(n: int, g: int, a: argparse.Namespace) -> dict[str, Any]:
             print(f"  steady: {json.dumps(out['steady'])}", flush=True)
             out["keep"] = rollout(s, "Keep", 1, a.clients)
             print(f"  keep: {out['keep']}", flush=True)
-            names = sorted(s.sp.replicas())
-            out["drain"] = rollout(s, "Drain", max(1, n // 10), a.clients, replace_during=names[-1])
+            out["drain"] = rollout(s, "Drain", max(1, n // 10), a.clients)
             print(f"  drain: {out['drain']}", flush=True)
+            # A replacement while a rollout runs: a Keep one (under Drain a replica being replaced counts
+            # against maxUnavailable, and the rollout waits for it: the push's time would be the replacement's).
+            names = sorted(s.sp.replicas())
+            out["keep_replacing"] = rollout(s, "Keep", 1, a.clients, replace_during=names[-1])
+            print(f"  keep with a replacement: {out['keep_replacing']}", flush=True)
             out["replacement"] = replace(s.sp, names[0])
             print(f"  replacement: {out['replacement']}", flush=True)
             if not a.no_adapters:
