@@ -9,16 +9,14 @@ state, never on time.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.merge import Reads, merge
@@ -31,6 +29,7 @@ from sampler_gateway.replicas.adapter_health import HeldAdapter, ReplicaLora
 from sampler_gateway.replicas.view import Member, PoolView, ReplicaView
 from sampler_gateway.routing.pool import Pool
 from sampler_gateway.upstream.http1 import Http1Client
+from tests.support.health_replicas import Replicas, served
 
 LONG_S = 30.0
 
@@ -108,59 +107,10 @@ def test_a_read_begun_before_the_gateways_own_load_does_not_undo_it() -> None:
 # ---------------------------------------------------------------------------- the loop, in process
 
 
-@dataclass
-class Replica:
-    open: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: its /health answers once set
-    held: int = 0       # reads waiting now
-    reads: int = 0      # reads begun
-    label: str = "step-1"
-
-    def __post_init__(self) -> None:
-        self.open.set()
-
-
-class Replicas:
-    """Replicas as paths of one HTTP server: `<url>/<name>/health`, answered ok at once or, while
-    held, once released."""
-
-    def __init__(self) -> None:
-        self.state: collections.defaultdict[str, Replica] = collections.defaultdict(Replica)
-        self.base = ""
-
-    async def health(self, request: web.Request) -> web.Response:
-        r = self.state[request.match_info["name"]]
-        r.reads += 1
-        r.held += 1
-        try:
-            await r.open.wait()
-        finally:
-            r.held -= 1
-        return web.json_response({"status": "ok", "weights_label": r.label, "weights_version": int(r.label[5:])})
-
-    def member(self, name: str, draining: bool = False) -> Member:
-        return Member(name, f"{self.base}/{name}", draining)
-
-    def hold(self, name: str) -> None:
-        self.state[name].open.clear()
-
-    def release(self, name: str) -> None:
-        self.state[name].open.set()
-
-
 @pytest.fixture
 async def replicas() -> AsyncIterator[Replicas]:
-    reps = Replicas()
-    app = web.Application()
-    app.router.add_get("/{name}/health", reps.health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    reps.base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    yield reps
-    for r in reps.state.values():
-        r.open.set()
-    await runner.cleanup()
+    async with served() as reps:
+        yield reps
 
 
 @contextlib.asynccontextmanager

@@ -13,14 +13,11 @@ other, which did not read it; and when one gateway stops, the other reads every 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import uvicorn
-from aiohttp import web
 
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
@@ -31,6 +28,7 @@ from sampler_gateway.discovery.signal import ChangeSignal
 from sampler_gateway.discovery.source import Membership
 from sampler_gateway.replicas.view import Member, PoolView, ReplicaView
 from sampler_pod.testing.net import free_port
+from tests.support.health_replicas import Replicas, served
 
 INTERVAL_S = 0.2
 
@@ -130,20 +128,6 @@ def test_where_a_gateways_peers_reach_it() -> None:
 # ---------------------------------------------------------------------------------------------- two gateways
 
 
-class Replicas:
-    """Replicas as paths of one HTTP server, `<base>/<name>/health`, each read counted."""
-
-    def __init__(self) -> None:
-        self.reads: collections.Counter[str] = collections.Counter()
-        self.labels: dict[str, str] = collections.defaultdict(lambda: "step-1")
-        self.base = ""
-
-    async def health(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        self.reads[name] += 1
-        return web.json_response({"status": "ok", "weights_label": self.labels[name], "weights_version": 1})
-
-
 class Source:
     """A kube-like source: members with revisions, a change signal; nothing changes unless told."""
 
@@ -215,20 +199,8 @@ async def until(what: str, cond: Callable[[], bool], timeout: float = 20.0) -> N
         raise AssertionError(f"not within {timeout} s: {what}") from None
 
 
-@contextlib.asynccontextmanager
-async def replicas_served() -> AsyncIterator[Replicas]:
-    reps = Replicas()
-    app = web.Application()
-    app.router.add_get("/{name}/health", reps.health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    reps.base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    try:
-        yield reps
-    finally:
-        await runner.cleanup()
+def reads(reps: Replicas) -> int:
+    return sum(r.reads for r in reps.state.values())
 
 
 def all_ready(gw: Gateway, n: int, label: str = "step-1") -> bool:
@@ -238,8 +210,8 @@ def all_ready(gw: Gateway, n: int, label: str = "step-1") -> bool:
 
 @pytest.mark.timeout(120)
 async def test_two_gateways_read_each_replica_once_a_round_and_share_what_they_read() -> None:
-    async with replicas_served() as reps:
-        members = tuple(Member(f"r{i}", f"{reps.base}/r{i}") for i in range(12))
+    async with served() as reps:
+        members = tuple(reps.member(f"r{i}") for i in range(12))
         dir_a, dir_b = Directory(), Directory()
         a, b = Gateway("gw-a", members, dir_a), Gateway("gw-b", members, dir_b)
         dir_a.urls, dir_b.urls = {"gw-b": b.url}, {"gw-a": a.url}
@@ -249,22 +221,22 @@ async def test_two_gateways_read_each_replica_once_a_round_and_share_what_they_r
             await until("both see every replica", lambda: all_ready(a, 12) and all_ready(b, 12))
             await until("each hears the other", lambda: a.readers() == b.readers() == ["gw-a", "gw-b"])
             # From here, 20 rounds of each: every replica read about once a round, not twice.
-            reads0, rounds0 = sum(reps.reads.values()), (a.pool.refreshes, b.pool.refreshes)
+            reads0, rounds0 = reads(reps), (a.pool.refreshes, b.pool.refreshes)
             await until("20 more rounds each", lambda: min(a.pool.refreshes - rounds0[0],
                                                            b.pool.refreshes - rounds0[1]) >= 20)
             rounds = max(a.pool.refreshes - rounds0[0], b.pool.refreshes - rounds0[1])
-            per_replica = (sum(reps.reads.values()) - reads0) / len(members)
+            per_replica = (reads(reps) - reads0) / len(members)
             assert per_replica <= 1.5 * rounds, (per_replica, rounds)   # alone each: 2 x rounds
             assert per_replica >= 0.5 * rounds, (per_replica, rounds)
             # A new label read by its owner reaches the other gateway, which read it not.
             target = next(m.name for m in members if owner(m.name, ["gw-a", "gw-b"]) == "gw-a")
-            reps.labels[target] = "step-2"
+            reps.state[target].label = "step-2"
             await until("gw-b sees gw-a's read", lambda: b.pool.view.by_name[target].weights_label == "step-2"
                         and b.ledger.by[target] == "gw-a")
             # gw-a stops: gw-b reads every replica itself (they go unheard of), and sees what changes.
             await a.stop()
             for m in members:
-                reps.labels[m.name] = "step-3"
+                reps.state[m.name].label = "step-3"
             await until("gw-b alone sees every replica's new label", lambda: all_ready(b, 12, "step-3"))
             assert b.own_reads() == {m.name for m in members}
         finally:
