@@ -132,6 +132,11 @@ class ServerConfig(BaseModel):
         None, description="accept weights pushed over the network with vLLM's weight-transfer protocol, over this "
                           "backend (gloo: CPU nodes and any node without NCCL); unset: the protocol's routes answer "
                           "400 naming `backend`")
+    drop_pushed_weights: bool = Field(
+        False, description="free the host-memory copy of weights pushed over the network (or caught up from a peer) "
+                           "once they are written; by default it is kept (one copy of the model in host memory) so "
+                           "that a peer created or restarted later can catch up from this replica (GET "
+                           "/v1/weights/staged)")
     enable_lora: bool = Field(False, description="serve LoRA adapters")
     max_loras: int = Field(4, ge=1, description="adapters one engine step may batch (vLLM's LoRA slots)")
     max_cpu_loras: int | None = Field(
@@ -145,9 +150,15 @@ class ServerConfig(BaseModel):
         None, min_length=1,
         description="checkpoint to load at startup, before /readyz is ok (needs --initial-version-label)")
     initial_version_label: str | None = Field(
-        None, min_length=1, max_length=200, description="version label of --initial-checkpoint")
+        None, min_length=1, max_length=200, description="version label of --initial-checkpoint or --initial-sha256")
     initial_step: int | None = Field(
-        None, ge=0, description="the trainer's training step of --initial-checkpoint (reported as weights_step)")
+        None, ge=0, description="the trainer's training step of the initial weights (reported as weights_step)")
+    initial_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-fA-F]{64}$",
+        description="model digest of the initial weights (docs/design/weights-over-network.md, 'Digests'): "
+                    "without --initial-checkpoint, weights pushed over the network that this replica must get back "
+                    "(from a peer, by a load naming `peers`) before it is ready; with it, what the checkpoint must "
+                    "hash to")
     initial_sha256_manifest: Annotated[dict[str, str] | None, BeforeValidator(_json_if_str)] = Field(
         None, description='sha256 manifest of --initial-checkpoint, a JSON object {"file": "hex", ...}')
     initial_adapters: Annotated[list[InitialAdapter] | None, BeforeValidator(_json_if_str)] = Field(
@@ -188,13 +199,19 @@ class ServerConfig(BaseModel):
     @model_validator(mode="after")
     def _check_combinations(self) -> ServerConfig:
         # Flag names in the messages: these errors are read by whoever wrote the command line.
-        if (self.initial_checkpoint is None) != (self.initial_version_label is None):
+        has_weights = self.initial_checkpoint is not None or self.initial_sha256 is not None
+        if self.initial_checkpoint is not None and self.initial_version_label is None:
             raise ValueError("--initial-checkpoint and --initial-version-label go together "
                              "(env SAMPLER_INITIAL_CHECKPOINT, SAMPLER_INITIAL_VERSION_LABEL)")
+        if self.initial_version_label is not None and not has_weights:
+            raise ValueError("--initial-version-label needs --initial-checkpoint or --initial-sha256 "
+                             "(env SAMPLER_INITIAL_CHECKPOINT, SAMPLER_INITIAL_SHA256)")
+        if self.initial_sha256 is not None and self.initial_version_label is None:
+            raise ValueError("--initial-sha256 needs --initial-version-label (env SAMPLER_INITIAL_VERSION_LABEL)")
         if self.initial_sha256_manifest is not None and self.initial_checkpoint is None:
             raise ValueError("--initial-sha256-manifest needs --initial-checkpoint")
-        if self.initial_step is not None and self.initial_checkpoint is None:
-            raise ValueError("--initial-step needs --initial-checkpoint (env SAMPLER_INITIAL_STEP)")
+        if self.initial_step is not None and not has_weights:
+            raise ValueError("--initial-step needs --initial-checkpoint or --initial-sha256 (env SAMPLER_INITIAL_STEP)")
         if self.initial_checkpoint is not None and not self.checkpoint_roots:
             raise ValueError("--initial-checkpoint needs a --checkpoint-root (env SAMPLER_CHECKPOINT_ROOTS)")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

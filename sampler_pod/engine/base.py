@@ -92,11 +92,41 @@ class CacheState:
 
 @dataclass(frozen=True)
 class StagedCheckpoint:
-    """A checkpoint read into host memory by `Engine.stage_checkpoint`, waiting for its write."""
+    """Tensors in host memory waiting for their write: a checkpoint read by `Engine.stage_checkpoint`, a
+    push received over the network (`WeightReceiver.stage`), a copy caught up from a peer
+    (`Engine.stage_incoming`), or the engine's kept copy (`Engine.stage_kept`). `keep`: the model digest
+    to keep them under once written (`Engine.kept`), so peers can catch up from them; None: dropped
+    once written."""
 
     key: str
     tensors: int
     files: tuple[str, ...]
+    keep: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a copy of the weights: its name (checkpoint naming), torch's dtype name, its shape
+    and its size in bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KeptWeights:
+    """The weights an engine keeps in host memory after writing them (the last push over the network,
+    or a catch-up from a peer), for peers to catch up from: their model digest and their tensors, in
+    the order `Engine.read_kept` lays their bytes out."""
+
+    sha256: str
+    tensors: tuple[TensorMeta, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
 
 
 @dataclass(frozen=True)
@@ -209,6 +239,26 @@ class Engine(Protocol):
     async def stage_checkpoint(self, files: list[str]) -> StagedCheckpoint: ...
 
     async def discard_staged(self, staged: StagedCheckpoint) -> None: ...
+
+    # Weights kept after their write (a staged copy written with `keep`), for peers: their digest and
+    # tensors, or None. One copy at most: keeping another drops it.
+    async def kept(self) -> KeptWeights | None: ...
+
+    # `length` bytes of the kept copy from `offset`, its tensors laid end to end in `kept()`'s order.
+    # Raises `KeyError` when the kept copy is no longer the one of `sha256`.
+    async def read_kept(self, sha256: str, offset: int, length: int) -> bytes: ...
+
+    # The kept copy as a staged checkpoint, to write it again (nothing is copied).
+    async def stage_kept(self, sha256: str) -> StagedCheckpoint: ...
+
+    # A copy caught up from a peer: room for `tensors` (laid end to end), filled by `write_incoming`,
+    # then `seal_incoming` makes it a staged checkpoint (kept under `keep` once written) or
+    # `discard_staged` drops it.
+    async def stage_incoming(self, tensors: list[TensorMeta]) -> StagedCheckpoint: ...
+
+    async def write_incoming(self, staged: StagedCheckpoint, offset: int, data: bytes) -> None: ...
+
+    async def seal_incoming(self, staged: StagedCheckpoint, keep: str | None) -> StagedCheckpoint: ...
 
     # The keep-mode write: pause with every request kept, write the staged tensors, tag tokens from
     # here on `version`, resume. Requests in flight continue on the new weights. On failure the

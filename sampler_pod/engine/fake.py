@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from sampler_common.weight_transfer.digest import TensorRecord, model_sha256
 
 from .base import (
     AdapterRef,
@@ -24,10 +27,12 @@ from .base import (
     GenerationOutput,
     GenerationSpec,
     InFlightWrite,
+    KeptWeights,
     KvMode,
     NothingWritten,
     SequenceOutput,
     StagedCheckpoint,
+    TensorMeta,
     TransferProgress,
     TransferReceived,
     TransferTorn,
@@ -49,6 +54,44 @@ def _digest(files: list[str]) -> int:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
     return int.from_bytes(h.digest(), "little")
+
+
+# Bytes per element of torch's dtype names (the fake engine imports no torch).
+DTYPE_BYTES = {"bool": 1, "uint8": 1, "int8": 1, "float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e8m0fnu": 1,
+               "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4, "float32": 4,
+               "int64": 8, "uint64": 8, "float64": 8}
+
+FakeTensors = list[tuple[TensorMeta, bytes]]
+
+
+def fake_push(update_info: dict[str, Any]) -> FakeTensors:
+    """The bytes a fake push "carries": every tensor of its update info, of its real size, made of the
+    update info alone. Two replicas sent the same push hold the same bytes, and so the same model digest."""
+    seed = hashlib.sha256(json.dumps({k: update_info.get(k) for k in ("names", "dtype_names", "shapes")},
+                                     sort_keys=True).encode()).hexdigest()
+    out: FakeTensors = []
+    for name, dtype, shape in zip(update_info.get("names", ()), update_info.get("dtype_names", ()),
+                                  update_info.get("shapes", ()), strict=True):
+        nbytes = math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
+        out.append((TensorMeta(name, dtype, tuple(shape), nbytes),
+                    hashlib.shake_256(f"{seed}:{name}".encode()).digest(nbytes)))
+    return out
+
+
+def fake_sha256(tensors: FakeTensors) -> str:
+    """The model digest (sampler_common/weight_transfer/digest.py) of fake tensors, computed as for real ones."""
+    return model_sha256(TensorRecord(m.name, m.dtype, m.shape, hashlib.sha256(data).hexdigest()) for m, data in tensors)
+
+
+def salt_of(sha256: str) -> int:
+    """What the fake engine's outputs are made of, for weights of this model digest."""
+    return int(sha256[:16], 16)
+
+
+@dataclass
+class _FakeStage:
+    salt: int
+    tensors: FakeTensors | None = None  # a copy of weights (a push, a catch-up); None: a checkpoint's files
 
 
 def _spans(versions: list[int], current: int) -> list[VersionSpan]:
@@ -82,6 +125,7 @@ class FakeWeightReceiver:
     receive_gate: asyncio.Event | None = None
     receiving: asyncio.Event = field(default_factory=asyncio.Event)
     _received: TransferReceived | None = None
+    _tensors: FakeTensors = field(default_factory=list)
     _progress: TransferProgress = field(default_factory=lambda: TransferProgress(0, 0))
 
     async def join(self, init_info: dict[str, Any]) -> None:
@@ -108,8 +152,14 @@ class FakeWeightReceiver:
         finally:
             self.receiving.clear()
             self._progress = TransferProgress(0, 0)
-        digest = hashlib.sha256(json.dumps(update_info, sort_keys=True).encode()).hexdigest()
-        self._received = TransferReceived(tensors=len(update_info.get("names", ())), total_bytes=total, sha256=digest)
+        tensors = fake_push(update_info)
+        digest = fake_sha256(tensors)
+        declared = update_info.get("sha256")
+        if declared is not None and declared.lower() != digest:
+            raise DigestMismatch(f"the model's sha256 is {digest}, the update declared {declared}", None)
+        self._tensors = tensors
+        self._received = TransferReceived(tensors=len(tensors), total_bytes=sum(m.nbytes for m, _ in tensors),
+                                          sha256=digest)
         return self._received
 
     def progress(self) -> TransferProgress:
@@ -119,8 +169,8 @@ class FakeWeightReceiver:
         if self._received is None:
             raise RuntimeError("nothing received")
         received, self._received = self._received, None
-        key = f"push-{received.sha256[:16]}-{len(self.engine._staged)}"
-        self.engine._staged[key] = int(received.sha256[:16], 16)
+        key = f"push-{received.sha256[:16]}-{self.engine.next_key()}"
+        self.engine._staged[key] = _FakeStage(salt_of(received.sha256), self._tensors)
         return StagedCheckpoint(key=key, tensors=received.tensors, files=())
 
     async def discard(self) -> None:
@@ -145,7 +195,10 @@ class FakeEngine:
     keep_unsupported_reason: str | None = None
     # Test hook: a keep-mode write's pause fails (nothing written), as vLLM's cache reset can.
     fail_keep_pause: bool = False
-    _staged: dict[str, int] = field(default_factory=dict)
+    _staged: dict[str, _FakeStage] = field(default_factory=dict)
+    _incoming: dict[str, tuple[list[TensorMeta], bytearray]] = field(default_factory=dict)
+    # The copy kept after its write (a push, a catch-up), for peers: (its model digest, its tensors).
+    _kept: tuple[str, FakeTensors] | None = None
     _progress: dict[str, int] = field(default_factory=dict)
     _tokens_produced: int = 0
     adapters: dict[str, AdapterRef] = field(default_factory=dict)
@@ -169,6 +222,10 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self._unpaused.set()
+        self._keys = itertools.count()
+
+    def next_key(self) -> int:
+        return next(self._keys)
 
     @property
     def weight_receiver(self) -> FakeWeightReceiver | None:
@@ -248,21 +305,69 @@ class FakeEngine:
         return n
 
     async def load_staged(self, staged: StagedCheckpoint, version: int) -> int:
-        n = await self._write(self._staged.pop(staged.key), staged.tensors, None)
+        stage = self._staged.pop(staged.key)
+        n = await self._write(stage.salt, staged.tensors, None)
         self.version = version
+        self._keep(staged, stage)
         return n
+
+    def _keep(self, staged: StagedCheckpoint, stage: _FakeStage) -> None:
+        if staged.keep is not None and stage.tensors is not None:
+            self._kept = (staged.keep, stage.tensors)
+
+    async def kept(self) -> KeptWeights | None:
+        if self._kept is None:
+            return None
+        return KeptWeights(self._kept[0], tuple(m for m, _ in self._kept[1]))
+
+    async def read_kept(self, sha256: str, offset: int, length: int) -> bytes:
+        if self._kept is None or self._kept[0] != sha256:
+            raise KeyError(f"no kept copy of sha256 {sha256}")
+        out, start = bytearray(), 0
+        for _, data in self._kept[1]:
+            lo, hi = max(offset, start), min(offset + length, start + len(data))
+            if lo < hi:
+                out += data[lo - start:hi - start]
+            start += len(data)
+        return bytes(out)
+
+    async def stage_kept(self, sha256: str) -> StagedCheckpoint:
+        if self._kept is None or self._kept[0] != sha256:
+            raise KeyError(f"no kept copy of sha256 {sha256}")
+        key = f"kept-{sha256[:16]}-{self.next_key()}"
+        self._staged[key] = _FakeStage(salt_of(sha256), self._kept[1])
+        return StagedCheckpoint(key=key, tensors=len(self._kept[1]), files=(), keep=sha256)
+
+    async def stage_incoming(self, tensors: list[TensorMeta]) -> StagedCheckpoint:
+        key = f"incoming-{self.next_key()}"
+        self._incoming[key] = (list(tensors), bytearray(sum(t.nbytes for t in tensors)))
+        return StagedCheckpoint(key=key, tensors=len(tensors), files=())
+
+    async def write_incoming(self, staged: StagedCheckpoint, offset: int, data: bytes) -> None:
+        self._incoming[staged.key][1][offset:offset + len(data)] = data
+
+    async def seal_incoming(self, staged: StagedCheckpoint, keep: str | None) -> StagedCheckpoint:
+        metas, buf = self._incoming.pop(staged.key)
+        tensors, start = [], 0
+        for m in metas:
+            tensors.append((m, bytes(buf[start:start + m.nbytes])))
+            start += m.nbytes
+        # Outputs are a function of the bytes written, as a real engine's are.
+        self._staged[staged.key] = _FakeStage(salt_of(fake_sha256(tensors)), tensors)
+        return replace(staged, keep=keep)
 
     @property
     def keep_unsupported(self) -> str | None:
         return self.keep_unsupported_reason
 
     async def stage_checkpoint(self, files: list[str]) -> StagedCheckpoint:
-        key = f"stage-{len(self._staged)}-{id(files)}"
-        self._staged[key] = await asyncio.to_thread(_digest, files)
+        key = f"stage-{self.next_key()}"
+        self._staged[key] = _FakeStage(await asyncio.to_thread(_digest, files))
         return StagedCheckpoint(key=key, tensors=len(files), files=tuple(files))
 
     async def discard_staged(self, staged: StagedCheckpoint) -> None:
         self._staged.pop(staged.key, None)
+        self._incoming.pop(staged.key, None)
 
     async def load_in_flight(self, staged: StagedCheckpoint, version: int, kv: KvMode,
                              fail_after_tensors: int | None) -> InFlightWrite:
@@ -271,8 +376,10 @@ class FakeEngine:
             raise NothingWritten("test hook: the engine could not pause")
         t0 = asyncio.get_running_loop().time()
         self._unpaused.clear()
-        n = await self._write(self._staged.pop(staged.key), staged.tensors, fail_after_tensors)
+        stage = self._staged.pop(staged.key)
+        n = await self._write(stage.salt, staged.tensors, fail_after_tensors)
         self.version = version
+        self._keep(staged, stage)
         await self.resume()  # as on vLLM, also an engine a test seam had paused
         return InFlightWrite(tensors=n, paused_s=asyncio.get_running_loop().time() - t0)
 

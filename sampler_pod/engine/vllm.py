@@ -31,10 +31,12 @@ from .base import (
     GenerationOutput,
     GenerationSpec,
     InFlightWrite,
+    KeptWeights,
     KvMode,
     NothingWritten,
     SequenceOutput,
     StagedCheckpoint,
+    TensorMeta,
     TransferProgress,
     TransferReceived,
     TransferTorn,
@@ -411,7 +413,46 @@ class VllmEngine:
 
     async def load_staged(self, staged: StagedCheckpoint, version: int) -> int:
         return await self._written(await self.llm.collective_rpc(
-            "sampler_load_staged", kwargs={"key": staged.key, "fail_after_tensors": None}), version)
+            "sampler_load_staged", kwargs={"key": staged.key, "fail_after_tensors": None, "keep": staged.keep}),
+            version)
+
+    # -- the kept copy and a peer's (worker_extension.py, `sampler_kept_*`, `sampler_incoming_*`). Every
+    # worker holds a whole copy (each loads its own shard of it); reads take the first worker's.
+
+    async def kept(self) -> KeptWeights | None:
+        meta = (await self.llm.collective_rpc("sampler_kept_meta"))[0]
+        if meta is None:
+            return None
+        sha256, tensors = meta
+        return KeptWeights(str(sha256), tuple(TensorMeta(str(n), str(d), tuple(int(x) for x in shape), int(b))
+                                              for n, d, shape, b in tensors))
+
+    async def read_kept(self, sha256: str, offset: int, length: int) -> bytes:
+        try:
+            data = await self.llm.collective_rpc("sampler_kept_read", kwargs={"sha256": sha256, "offset": offset,
+                                                                              "length": length})
+        except Exception as e:
+            raise KeyError(str(e)) from e
+        return bytes(data[0])
+
+    async def stage_kept(self, sha256: str) -> StagedCheckpoint:
+        key = uuid.uuid4().hex
+        counts = await self.llm.collective_rpc("sampler_kept_stage", kwargs={"key": key, "sha256": sha256})
+        return StagedCheckpoint(key=key, tensors=int(counts[0]), files=(), keep=sha256)
+
+    async def stage_incoming(self, tensors: list[TensorMeta]) -> StagedCheckpoint:
+        key = uuid.uuid4().hex
+        await self.llm.collective_rpc("sampler_incoming_begin", kwargs={
+            "key": key, "tensors": [(t.name, t.dtype, list(t.shape), t.nbytes) for t in tensors]})
+        return StagedCheckpoint(key=key, tensors=len(tensors), files=())
+
+    async def write_incoming(self, staged: StagedCheckpoint, offset: int, data: bytes) -> None:
+        await self.llm.collective_rpc("sampler_incoming_write", kwargs={"key": staged.key, "offset": offset,
+                                                                        "data": data})
+
+    async def seal_incoming(self, staged: StagedCheckpoint, keep: str | None) -> StagedCheckpoint:
+        counts = await self.llm.collective_rpc("sampler_incoming_seal", kwargs={"key": staged.key})
+        return replace(staged, tensors=int(counts[0]), keep=keep)
 
     async def _written(self, counts: list[Any], version: int) -> int:
         """After a write with nothing in flight: tag the new weights, and drop the old ones' prefixes."""
@@ -456,6 +497,7 @@ class VllmEngine:
     async def discard_staged(self, staged: StagedCheckpoint) -> None:
         with contextlib.suppress(Exception):  # a dead engine holds nothing to free
             await self.llm.collective_rpc("sampler_stage_discard", kwargs={"key": staged.key})
+            await self.llm.collective_rpc("sampler_incoming_discard", kwargs={"key": staged.key})
 
     async def load_in_flight(self, staged: StagedCheckpoint, version: int, kv: KvMode,
                              fail_after_tensors: int | None) -> InFlightWrite:
@@ -474,7 +516,8 @@ class VllmEngine:
                 raise NothingWritten(f"the engine could not pause for the write: {type(e).__name__}: {e}") from e
             try:
                 counts = await self.llm.collective_rpc(
-                    "sampler_load_staged", kwargs={"key": staged.key, "fail_after_tensors": fail_after_tensors})
+                    "sampler_load_staged", kwargs={"key": staged.key, "fail_after_tensors": fail_after_tensors,
+                                                   "keep": staged.keep})
                 await self._set_version(version)
             except BaseException as e:
                 self._broken = f"weights half-written by a failed in-flight load: {type(e).__name__}: {e}"

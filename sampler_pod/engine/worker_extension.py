@@ -17,6 +17,11 @@ keeps stepping, and `sampler_transfer_stage` turns the verified tensors into a s
 own vLLM API; vLLM's worker-level `start/update/finish_weight_update` wrappers are not used: they track a
 session the server tracks itself, and their finish resets the LoRA state although nothing was written.
 
+A staged copy written with `keep` (a push over the network, or a catch-up from a peer) is kept after its
+write (`sampler_kept_*`): one copy of the model in host memory, read by the server in slices to serve a
+peer's catch-up (weights/peer_copy.py), or staged again. A catch-up arrives the other way
+(`sampler_incoming_*`): room for the copy, filled slice by slice, then cut into its tensors.
+
 Why not `model.load_weights()`: on CPU the linear weights are repacked after load, so
 only `reload_weights` (which restores checkpoint layout, loads, and re-runs weight
 post-processing) works. A failure inside it leaves parameters half-written: that is
@@ -25,14 +30,17 @@ exactly the "uncertain weights" state the server reports.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from sampler_common.weight_transfer import gloo
+from sampler_common.weight_transfer.chunks import unpack
 
 from . import lora_isolation, seeded_chunks
 
@@ -85,6 +93,45 @@ class _Stage:
         return self.thread is not None and self.thread.is_alive()
 
 
+@dataclass
+class _Kept:
+    """The copy of the weights kept after their write: the tensors as they were staged (views into the
+    received chunks, or into a catch-up's buffer), and where each starts when they are laid end to end."""
+
+    sha256: str
+    tensors: list[tuple[str, torch.Tensor]]
+    starts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        offset = 0
+        for _, t in self.tensors:
+            self.starts.append(offset)
+            offset += t.numel() * t.element_size()
+        self.total = offset
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray()
+        end = min(offset + length, self.total)
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        while offset < end and i < len(self.tensors):
+            t = self.tensors[i][1]
+            raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            lo = offset - self.starts[i]
+            take = min(len(raw) - lo, end - offset)
+            out += raw[lo:lo + take]
+            offset += take
+            i += 1
+        return bytes(out)
+
+
+@dataclass
+class _Incoming:
+    """A copy coming from a peer: its tensors (name, dtype, shape, bytes) and one buffer for all of them."""
+
+    tensors: list[tuple[str, str, list[int], int]]
+    buffer: torch.Tensor
+
+
 def _failing_after(items: list[tuple[str, torch.Tensor]],
                    fail_after_tensors: int | None) -> Iterator[tuple[str, torch.Tensor]]:
     for written, item in enumerate(items):
@@ -101,6 +148,8 @@ class WeightLoaderExtension:
     shutdown_weight_transfer_engine: Any
     weight_transfer_engine: Any
     _sampler_stages: dict[str, _Stage]
+    _sampler_kept: _Kept | None
+    _sampler_incoming: dict[str, _Incoming]
 
     def _stages(self) -> dict[str, _Stage]:
         if not hasattr(self, "_sampler_stages"):
@@ -130,14 +179,65 @@ class WeightLoaderExtension:
     def sampler_stage_discard(self, key: str) -> None:
         self._stages().pop(key, None)
 
-    def sampler_load_staged(self, key: str, fail_after_tensors: int | None = None) -> int:
+    def sampler_load_staged(self, key: str, fail_after_tensors: int | None = None, keep: str | None = None) -> int:
         stage = self._stages().pop(key)
         if stage.thread is not None:
             stage.thread.join()
         if stage.error is not None:
             raise RuntimeError(f"staging failed: {stage.error}")
         self.reload_weights(weights_iterator=_failing_after(stage.tensors, fail_after_tensors))
+        if keep is not None:
+            # Written: from now on the peers' copy (the one kept before is dropped).
+            self._sampler_kept = _Kept(keep, stage.tensors)
         return len(stage.tensors)
+
+    # -- the kept copy (peers catch up from it) and a copy coming from a peer
+
+    def _kept(self, sha256: str | None = None) -> _Kept:
+        kept: _Kept | None = getattr(self, "_sampler_kept", None)
+        if kept is None or (sha256 is not None and kept.sha256 != sha256):
+            raise KeyError(f"no kept copy of sha256 {sha256}")
+        return kept
+
+    def sampler_kept_meta(self) -> tuple[str, list[tuple[str, str, list[int], int]]] | None:
+        kept = getattr(self, "_sampler_kept", None)
+        if kept is None:
+            return None
+        return kept.sha256, [(name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size())
+                             for name, t in kept.tensors]
+
+    def sampler_kept_read(self, sha256: str, offset: int, length: int) -> bytes:
+        return self._kept(sha256).read(offset, length)
+
+    def sampler_kept_stage(self, key: str, sha256: str) -> int:
+        kept = self._kept(sha256)
+        self._stages()[key] = _Stage(tensors=list(kept.tensors))
+        return len(kept.tensors)
+
+    def _incoming(self) -> dict[str, _Incoming]:
+        if not hasattr(self, "_sampler_incoming"):
+            self._sampler_incoming = {}
+        return self._sampler_incoming
+
+    def sampler_incoming_begin(self, key: str, tensors: list[tuple[str, str, list[int], int]]) -> None:
+        self._incoming()[key] = _Incoming(tensors, torch.empty(sum(t[3] for t in tensors), dtype=torch.uint8))
+
+    def sampler_incoming_write(self, key: str, offset: int, data: bytes) -> None:
+        buf = self._incoming()[key].buffer
+        buf[offset:offset + len(data)].numpy()[:] = numpy.frombuffer(data, dtype=numpy.uint8)
+
+    def sampler_incoming_seal(self, key: str) -> int:
+        incoming = self._incoming().pop(key)
+        names = [t[0] for t in incoming.tensors]
+        dtypes = [getattr(torch, t[1]) for t in incoming.tensors]
+        shapes = [t[2] for t in incoming.tensors]
+        sizes = [t[3] for t in incoming.tensors]
+        self._stages()[key] = _Stage(tensors=unpack(incoming.buffer, names, shapes, dtypes, sizes))
+        return len(names)
+
+    def sampler_incoming_discard(self, key: str) -> None:
+        self._incoming().pop(key, None)
+        self._stages().pop(key, None)
 
     # -- weights over the network: each call returns at once (the transfer engine works in a thread)
 

@@ -26,6 +26,7 @@ from ..core.sampler import SamplerCore
 from ..core.startup import EngineStarter
 from ..openai.paths import OPENAI_PATHS
 from ..protocols import tinker, twinkle
+from ..weights.digest_load import DigestLoads
 from ..weights.service import WeightsService
 from ..weights.transfer import WeightTransferService
 
@@ -90,6 +91,7 @@ def create_app(cfg: ServerConfig, start_engine: EngineStarter, core: SamplerCore
     app.state.core = core
     app.state.weights = weights_service or WeightsService(core)
     app.state.transfer = WeightTransferService(core, app.state.weights)
+    app.state.digest_loads = DigestLoads(core, app.state.weights, app.state.transfer)
     app.state.tinker = tinker.TinkerService(core)
     app.state.twinkle = twinkle.TwinkleService(core, app.state.weights, cfg.twinkle_session_ttl_s)
     app.add_middleware(ClientRequestMiddleware, max_bytes=cfg.max_body_bytes)

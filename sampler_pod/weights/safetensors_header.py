@@ -113,6 +113,17 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     return SafetensorsHeader(path, header_len, file_size, tensors, metadata)
 
 
+def parse_header(raw: bytes, data_bytes: int) -> tuple[tuple[TensorEntry, ...], dict[str, str]]:
+    """A header's JSON (`raw`, the N bytes after the length) checked as `read_header` checks a file's, for
+    a data section of `data_bytes`: (its tensors in data-section order, its metadata). For a safetensors
+    file that arrives as a stream (a peer's catch-up, weights/peer_copy.py), where no file size exists
+    yet: the caller passes the size the header itself implies."""
+    entries, metadata = _parse_header_json(raw)
+    tensors = tuple(sorted(entries, key=lambda t: (t.begin, t.end)))
+    _check_data_layout(tensors, data_bytes)
+    return tensors, metadata
+
+
 def _read_header_length(prefix: bytes, file_size: int) -> int:
     if len(prefix) < 8:
         raise SafetensorsHeaderError(f"file is {file_size} bytes, too short for the 8-byte header length")

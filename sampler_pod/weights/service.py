@@ -42,6 +42,7 @@ drop an adapter behind the gateway's back. A remove while the adapter has reques
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -50,7 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,11 +79,23 @@ from ..engine.base import (
     WeightReceiver,
 )
 from .state_file import PersistedAdapter, PersistedWeights, StatePersistFailed, write_state
-from .validation import CheckpointInvalid, TensorSpec, ValidatedCheckpoint, validate_checkpoint, validate_lora_adapter
+from .validation import (
+    CODE_SHA256_MISMATCH,
+    CheckpointInvalid,
+    TensorSpec,
+    ValidatedCheckpoint,
+    checkpoint_sha256,
+    validate_checkpoint,
+    validate_lora_adapter,
+)
 
 log = logging.getLogger(__name__)
 # This replica in the rollout trace (sampler_common/rollout_trace.py): its pod's name in a cluster.
 TRACE_WHO = f"sampler/{os.environ.get('HOSTNAME') or socket.gethostname()}"
+
+
+def _lower(digest: str | None) -> str | None:
+    return digest.lower() if digest is not None else None
 
 
 class WeightWriteFailed(SamplerError):
@@ -125,9 +138,25 @@ class WriteOptions(BaseModel):
                                  field=f"{prefix}in_flight")
 
 
+HEX64 = r"^[0-9a-fA-F]{64}$"
+# A peer's base URL: scheme, host (a name, an IPv4 address or a bracketed IPv6 one) and port, nothing else.
+PeerUrl = Annotated[str, Field(pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?/?$",
+                               max_length=300)]
+
+
 class LoadCheckpointRequest(WriteOptions):
-    path: str = Field(..., min_length=1)
+    """A load names its weights by a checkpoint directory (`path`), by their model digest (`sha256`: weights
+    pushed over the network), or both (a checkpoint that must hash to that digest). By digest, the replica
+    writes the push it received and holds with that digest, else its own kept copy of it, else a copy from
+    the first of `peers` that has it (verified), else the checkpoint at `path`; with none of those a 409
+    `weights_unavailable` naming `sha256`, nothing written (weights/digest_load.py)."""
+
+    path: str | None = Field(None, min_length=1, description="checkpoint directory, under a --checkpoint-root")
     version_label: str = Field(..., min_length=1, max_length=200)
+    sha256: str | None = Field(None, pattern=HEX64, description="the model digest of the weights (docs/design/"
+                                                                 "weights-over-network.md, 'Digests')")
+    peers: list[PeerUrl] | None = Field(None, max_length=64, description="base URLs of replicas that may hold a copy "
+                                                                        "of the weights of `sha256` (tried in order)")
     sha256_manifest: dict[str, str] | None = None
     # TEST SEAM (documented in docs/guide/sampler.md): only honoured with --enable-test-seams.
     # The worker raises after writing this many tensors: a real mid-write failure.
@@ -151,6 +180,9 @@ class LoadCheckpointResponse(BaseModel):
     # How long sampling stood still for this load: keep, the engine's pause (the write); drain and
     # abort, the write lock's hold (the write), after `drain_wait_s`.
     paused_s: float
+    # Where the weights came from: `checkpoint`, `push` (received over the network), `kept` (this
+    # replica's own copy of a push), or `peer <url>` (a catch-up).
+    source: str = "checkpoint"
 
 
 class AddAdapterRequest(BaseModel):
@@ -263,7 +295,8 @@ class WeightsService:
                     engine = require()
                     validated.assert_unchanged()  # the files may have changed while we drained
                     intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
-                                               sha256_manifest=req.sha256_manifest, step=req.step)
+                                               sha256_manifest=req.sha256_manifest, step=req.step,
+                                               sha256=_lower(req.sha256))
                     # Recorded at the point of no return, not before the drain: a load that then
                     # times out (504, nothing written) must leave the replica's intent unchanged.
                     if not restoring:
@@ -287,19 +320,33 @@ class WeightsService:
         log.info("loaded checkpoint %s (%s) as version %d (%d tensors): validation %.2fs, drain %.2fs, write %.2fs",
                  req.version_label, validated.path, core.weights.version, n, validation_s, drain_s, write_s)
         return LoadCheckpointResponse(weights_version=core.weights.version, weights_label=core.weights.label,
-                                      weights_step=core.weights.step,
+                                      weights_step=core.weights.step, weights_sha256=core.weights.sha256,
                                       tensors=n, total_bytes=validated.total_bytes, validation_s=validation_s,
                                       stage_s=0.0, drain_wait_s=drain_s, write_s=write_s, paused_s=write_s)
 
     async def _validated(self, req: LoadCheckpointRequest, budget: float) -> tuple[ValidatedCheckpoint, float]:
-        """Validation, every mode's first step: (the checkpoint, seconds it took), or a 504 past `budget`."""
+        """Validation, every mode's first step: (the checkpoint, seconds it took), or a 504 past `budget`.
+        A load that names `sha256` too has the checkpoint's model digest checked against it (one read of
+        every tensor) before anything is written."""
         t0 = time.monotonic()
+        if req.path is None:
+            raise InvalidRequest("a load names `path` (a checkpoint directory) or `sha256` (the digest of weights "
+                                 "pushed over the network)", field="path")
+        path = req.path
+
+        def validated_and_hashed() -> ValidatedCheckpoint:
+            v = validate_checkpoint(path, self.roots, self.schema(), sha256_manifest=req.sha256_manifest)
+            if req.sha256 is not None:
+                got = checkpoint_sha256(v)
+                if got != req.sha256.lower():
+                    raise CheckpointInvalid("sha256", None, None, f"the checkpoint's model digest is {got}, not the "
+                                            f"declared {req.sha256.lower()}; nothing was written",
+                                            code=CODE_SHA256_MISMATCH)
+            return v
+
         try:
             # The thread cannot be stopped, but the load no longer waits for it: its result is dropped.
-            validated = await asyncio.wait_for(
-                asyncio.to_thread(validate_checkpoint, req.path, self.roots, self.schema(),
-                                  sha256_manifest=req.sha256_manifest),
-                timeout=budget)
+            validated = await asyncio.wait_for(asyncio.to_thread(validated_and_hashed), timeout=budget)
         except TimeoutError:
             raise LoadTimedOut(f"validation did not finish within timeout_s={budget:g}s; nothing was written",
                                field="timeout_s") from None
@@ -332,7 +379,7 @@ class WeightsService:
                 raise EngineFailure(f"could not stage checkpoint {req.version_label!r}: {e}; nothing was written",
                                     field="path") from e
             intended = IntendedWeights(checkpoint=str(validated.path), version_label=req.version_label,
-                                       sha256_manifest=req.sha256_manifest, step=req.step)
+                                       sha256_manifest=req.sha256_manifest, step=req.step, sha256=_lower(req.sha256))
             written = await self.write_staged(engine, require, staged, intended, req, deadline, outcome,
                                               before_write=validated.assert_unchanged,
                                               fail_after_tensors=req.test_fail_after_tensors)
@@ -348,33 +395,46 @@ class WeightsService:
         return written.response(core, validated.total_bytes, validation_s, stage_s, t0 + validation_s + stage_s, done)
 
     async def write_received(self, receiver: WeightReceiver, received: TransferReceived, label: str,
-                             opts: WriteOptions, validation_s: float, receive_s: float) -> LoadCheckpointResponse:
+                             opts: WriteOptions, validation_s: float, receive_s: float,
+                             source: str = "push") -> LoadCheckpointResponse:
         """A push received over the network (weights/transfer.py), verified and in host memory: staged and
-        written in `opts.in_flight`'s way, exactly as a checkpoint's staged tensors are. Its intent has no
-        checkpoint: the label, the step and the model digest (what a replacement would have to find)."""
+        written in `opts.in_flight`'s way, exactly as a checkpoint's staged tensors are (`write_copy`)."""
+        engine = self.core.require_engine()
+        staged = await receiver.stage()
+        return await self.write_copy(engine, staged, received.sha256, label, opts, validation_s=validation_s,
+                                     stage_s=receive_s, total_bytes=received.total_bytes, source=source)
+
+    async def write_copy(self, engine: Engine, staged: StagedCheckpoint, sha256: str, label: str, opts: WriteOptions,
+                         *, validation_s: float, stage_s: float, total_bytes: int,
+                         source: str) -> LoadCheckpointResponse:
+        """A verified copy of weights of model digest `sha256` in host memory (a push received, this
+        replica's kept copy, a peer's): written in `opts.in_flight`'s way, then kept for peers unless
+        --drop-pushed-weights. Its intent has no checkpoint: the label, the step and the model digest
+        (what a replacement has to find). Discarded if nothing was written."""
         core, m = self.core, self.core.metrics
         require = core.require_engine if core.awaiting_weights is not None else core.require_serving
-        engine = require()
         t0 = time.monotonic()
         deadline = t0 + (opts.timeout_s or core.cfg.load_timeout_s)
         outcome = _Outcome()
-        staged: StagedCheckpoint | None = None
+        keep = None if core.cfg.drop_pushed_weights else sha256
+        staged = dataclasses.replace(staged, keep=keep)
         try:
-            staged = await receiver.stage()
-            intended = IntendedWeights(checkpoint=None, version_label=label, step=opts.step, sha256=received.sha256)
+            require()
+            intended = IntendedWeights(checkpoint=None, version_label=label, step=opts.step, sha256=sha256)
             written = await self.write_staged(engine, require, staged, intended, opts, deadline, outcome)
         finally:
             m.weight_loads.labels(outcome=outcome.value).inc()
-            if staged is not None and outcome.value == "rejected":
+            if outcome.value == "rejected":
                 await engine.discard_staged(staged)
         done = time.monotonic()
-        m.load_seconds.observe(done - t0 + receive_s)
-        trace(TRACE_WHO, "load.done", label=label, in_flight=opts.in_flight, source="network",
+        m.load_seconds.observe(done - t0 + stage_s)
+        trace(TRACE_WHO, "load.done", label=label, in_flight=opts.in_flight, source=source.split(" ")[0],
               paused_s=f"{written.paused_s:.6f}")
-        log.info("wrote weights pushed over the network as %s (version %d, %d tensors, sha256 %s, in_flight=%s): "
-                 "received in %.2fs, engine paused %.3fs", label, core.weights.version, written.tensors,
-                 received.sha256, opts.in_flight, receive_s, written.paused_s)
-        return written.response(core, received.total_bytes, validation_s, receive_s, t0, done)
+        log.info("wrote weights of sha256 %s (%s) as %s (version %d, %d tensors, in_flight=%s): staged in %.2fs, "
+                 "engine paused %.3fs", sha256, source, label, core.weights.version, written.tensors, opts.in_flight,
+                 stage_s, written.paused_s)
+        out = written.response(core, total_bytes, validation_s, stage_s, t0, done)
+        return out.model_copy(update={"source": source})
 
     async def write_staged(self, engine: Engine, require: Callable[[], Engine], staged: StagedCheckpoint,
                            intended: IntendedWeights, opts: WriteOptions, deadline: float, outcome: _Outcome, *,

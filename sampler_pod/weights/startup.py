@@ -52,10 +52,11 @@ def intended_at_startup(cfg: ServerConfig) -> PersistedWeights | None:
         log.info("weights state file %s: restoring checkpoint %s (%s), adapters %s", cfg.weights_state_path,
                  state.version_label, state.checkpoint, [a.name for a in state.adapters])
         return None if state.empty else state
-    if cfg.initial_checkpoint is None and not cfg.initial_adapters:
+    if cfg.initial_version_label is None and not cfg.initial_adapters:
         return None
     return PersistedWeights(checkpoint=cfg.initial_checkpoint, version_label=cfg.initial_version_label,
                             sha256_manifest=cfg.initial_sha256_manifest, step=cfg.initial_step,
+                            sha256=cfg.initial_sha256.lower() if cfg.initial_sha256 else None,
                             adapters=[PersistedAdapter(name=a.name, path=a.path) for a in cfg.initial_adapters or []])
 
 
@@ -76,17 +77,20 @@ async def restore(service: WeightsService, target: PersistedWeights) -> None:
     Raises `CheckpointUnavailable` when the checkpoint cannot be loaded (nothing was written)."""
     core = service.core
     if target.pushed:
-        # Nothing to load them from (a peer's catch-up is a later phase of docs/design/weights-over-network.md):
-        # waiting, unready, beats serving other weights under their label.
+        # No durable copy here: a peer has them (the operator sends a load naming the pool's ready replicas,
+        # weights/digest_load.py), or a checkpoint written since. Waiting, unready, beats serving other
+        # weights under their label.
         raise CheckpointUnavailable(intended_unavailable_reason(
             f"network push {target.version_label} (sha256 {target.sha256})",
-            "weights pushed over the network have no durable copy to load; push them again, or load a checkpoint"))
+            "weights pushed over the network have no durable copy here; waiting for a load that names a peer "
+            "holding them (the operator sends one) or a checkpoint"))
     if target.checkpoint is not None and target.version_label is not None:
         core.restoring = f"loading initial weights {target.version_label}"
         try:
             await service.load_checkpoint(
                 LoadCheckpointRequest(path=target.checkpoint, version_label=target.version_label,
-                                      sha256_manifest=target.sha256_manifest, step=target.step), restoring=True)
+                                      sha256_manifest=target.sha256_manifest, step=target.step,
+                                      sha256=target.sha256), restoring=True)
         except (CheckpointInvalid, LoadTimedOut) as e:
             # Only what says "these files cannot be loaded": an engine failure stays fatal below.
             raise CheckpointUnavailable(intended_unavailable_reason(target.checkpoint, e.message)) from e

@@ -314,6 +314,27 @@ class WeightTransferService:
             self._options = None
         return FinishResponse(message="Weight update finished", **out.model_dump())
 
+    async def write_held(self, sha256: str, label: str, opts: WriteOptions) -> LoadCheckpointResponse | None:
+        """A load naming the weights of `sha256` (weights/digest_load.py) while this replica holds a push of
+        exactly those, received and verified but not written (a pool's gateway declared the push instead of
+        finishing it: the operator's rollout sends each replica its load): written as a finish would, in
+        the load's own `in_flight` mode, under its label and step. None: no such push is held."""
+        engine = self.core.engine
+        receiver = engine.weight_receiver if engine is not None else None
+        if receiver is None:
+            return None
+        async with self._calls:
+            received = self.session.received
+            if self.session.phase != "received" or received is None or received.sha256 != sha256.lower():
+                return None
+            self.session.enter("writing", received=received, label=label)
+        try:
+            return await self.weights.write_received(receiver, received, label, opts, self._validation_s,
+                                                     self._receive_s)
+        finally:
+            self.session.enter("joined")
+            self._options = None
+
     async def shutdown(self) -> TransferAnswer:
         _, receiver = self._receiver()
         async with self._calls:

@@ -625,6 +625,35 @@ TORCH_DTYPES: dict[str, str] = {
 }
 
 
+# ... and back: a safetensors dtype as the manifest of the model digest names it.
+SAFETENSORS_TO_TORCH: dict[str, str] = {st: t for t, st in TORCH_DTYPES.items()}
+
+
+def checkpoint_sha256(validated: ValidatedCheckpoint, field: str = "sha256") -> str:
+    """The model digest (sampler_common/weight_transfer/digest.py) of a validated checkpoint: each tensor's
+    bytes read from its file (safetensors data is C-contiguous, little-endian: the tensor's own bytes), so
+    a checkpoint written after a push over the network can be checked against the digest the pool
+    declared. Reads the whole checkpoint; blocking (run it in a thread)."""
+    from sampler_common.weight_transfer.digest import TensorRecord, model_sha256
+
+    recs = []
+    for shard in validated.shards:
+        header = read_header(shard.path)
+        with open(shard.path, "rb") as f:
+            for t in header.tensors:
+                f.seek(header.data_start + t.begin)
+                h, left = hashlib.sha256(), t.nbytes
+                while left:
+                    block = f.read(min(left, 8 << 20))
+                    if not block:
+                        raise CheckpointInvalid(field, shard.file, t.name, "is shorter than its header says",
+                                                code=CODE_TRUNCATED)
+                    h.update(block)
+                    left -= len(block)
+                recs.append(TensorRecord(t.name, SAFETENSORS_TO_TORCH.get(t.dtype, t.dtype), t.shape, h.hexdigest()))
+    return model_sha256(recs)
+
+
 def validate_tensor_metadata(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]],
                              schema: Mapping[str, tuple[tuple[int, ...], str]], *,
                              field: str = "update_info") -> int:

@@ -21,10 +21,12 @@ TWINKLE = "/api/v1/sampler/fake/twinkle"
 # vLLM's weight-transfer control calls (a push over the network).
 TRANSFER_CALLS = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
                   "/shutdown_weight_transfer_engine"]
-# Every route that changes weights or adapters, on every protocol (Tinker has none: it only samples).
+# Every route that changes weights or adapters, on every protocol (Tinker has none: it only samples); and the
+# one read of the admin key: the kept copy of pushed weights, which a peer catches up from (the weights
+# themselves, which a sampling client has no business downloading).
 ADMIN_ROUTES = {("POST", "/v1/checkpoints/load"), ("POST", "/v1/adapters"), ("DELETE", "/v1/adapters/{name}"),
                 ("POST", "/api/v1/sampler/{model_id:path}/twinkle/add_adapter_to_sampler"),
-                *(("POST", path) for path in TRANSFER_CALLS)}
+                *(("POST", path) for path in TRANSFER_CALLS), ("GET", "/v1/weights/staged")}
 # Open: the kubelet and the operator probe them without a key.
 PROBES = {"/healthz", "/readyz", "/startedz", "/health", "/metrics", "/api/v1/healthz", "/api/v1/twinkle/healthz"}
 
@@ -35,7 +37,9 @@ ADMIN_CALLS = [("POST", "/v1/checkpoints/load", {"path": "/nope", "version_label
                ("DELETE", "/v1/adapters/a", None),
                ("POST", TWINKLE + "/add_adapter_to_sampler", {"adapter_name": "a", "adapter_uri": "/nope"}),
                # The fake core has no --weight-transfer-backend: each is a 400 naming `backend`, past auth.
-               *(("POST", path, None) for path in TRANSFER_CALLS[1:])]
+               *(("POST", path, None) for path in TRANSFER_CALLS[1:]),
+               # It keeps no copy: a 404 naming `sha256`, past auth.
+               ("GET", "/v1/weights/staged?sha256=" + "ab" * 32, None)]
 SAMPLING_CALLS = [("POST", "/v1/sample", GOOD), ("GET", "/v1/adapters", None),
                   ("POST", TWINKLE + "/sample", {"inputs": [{"input_ids": [1, 2]}]}),
                   ("POST", "/api/v1/create_session", {})]

@@ -270,41 +270,6 @@ async def test_a_replica_without_a_backend_says_so_naming_backend() -> None:
         assert (await c.get("/get_world_size")).status_code == 400
 
 
-def test_a_restart_after_a_push_waits_unready_rather_than_serve_other_weights(tiny_model: Path, tmp_path: Path) -> None:
-    """The state file records the push (label, step, digest); a restarted container has nothing to load it
-    from (a peer's catch-up is a later phase), so it waits, `starting` with the reason, and a checkpoint
-    load makes it ready again."""
-    state = tmp_path / "weights.json"
-    args = ["--weight-transfer-backend", "gloo", "--weights-state-path", str(state),
-            "--checkpoint-root", str(tiny_model.parent)]
-    with run_server(tiny_model, *args, engine="fake") as s, s.client() as c:
-        for path, body in (("/init_weight_transfer_engine", INIT), ("/start_weight_update", None),
-                           ("/update_weights", {"update_info": tiny_update(tiny_model)}),
-                           ("/finish_weight_update", {"weight_version": "net-1"})):
-            r = c.post(path, json=body)
-            assert r.status_code == 200, r.text
-        digest = r.json()["weights_sha256"]
-    with run_server(tiny_model, *args, engine="fake", wait=False) as s, s.client() as c:
-        def waiting() -> bool:
-            try:
-                return c.get("/startedz").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        from tests.support.server import wait_until
-
-        wait_until(waiting, "the restarted replica to finish starting")
-        h = c.get("/health").json()
-        assert h["status"] == "starting" and c.get("/readyz").status_code == 503, h
-        assert h["reason"] == f"intended checkpoint unavailable: network push net-1 (sha256 {digest}) (weights " \
-                              "pushed over the network have no durable copy to load; push them again, or load a " \
-                              "checkpoint)", h
-        assert c.post("/v1/sample", json=GOOD).status_code == 503
-        r = c.post("/v1/checkpoints/load", json={"path": str(tiny_model), "version_label": "base-again"})
-        assert r.status_code == 200, r.text
-        assert c.get("/health").json()["status"] == "ok"
-
-
 TRANSFER_PATHS = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
                   "/shutdown_weight_transfer_engine", "/get_world_size"}
 
