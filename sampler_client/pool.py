@@ -178,8 +178,9 @@ class Pool:
         (default: `sha256-` and the start of their digest), with what was sent (a `PushResult`: the model
         digest, tensors, bytes, seconds). `step`, `in_flight` (drain, abort, keep) and `kv` as for a
         checkpoint load. The transfer group is kept between pushes. Needs torch and vLLM (imported here,
-        not by `import sampler_client`). For now `url` is a replica's; a pool's gateway later
-        (docs/design/weights-over-network.md)."""
+        not by `import sampler_client`). `url` is a pool's gateway (the push goes to every replica routed to;
+        with a SamplerPool it returns once the pool's rollout of `label` is complete, in the pool's
+        rollout.mode: `in_flight`, if given, must be it) or one replica's (docs/design/weights-over-network.md)."""
         from .weight_transfer import NetworkPusher
 
         if self._pusher is None:

@@ -123,8 +123,11 @@ def as_source(weights: Weights) -> WeightSource:
 
 
 class NetworkPusher:
-    """Pushes over the network into a replica, keeping its transfer group between pushes (the first push,
-    and the first after a failed one, joins the replica first). `Pool.push_weights` holds one."""
+    """Pushes over the network into a replica, or into a whole pool through its gateway (the same calls:
+    the gateway gives each replica its rank offset), keeping the transfer group between pushes (the first
+    push, and the first after a failed one, joins first). A pool whose routed replicas changed since the
+    group was made (one scaled in, one out of routing) refuses the join naming `init_info.world_size`:
+    the world is read again and the push joined once more. `Pool.push_weights` holds one."""
 
     def __init__(self, url: str, api_key: str | None, *, master_address: str | None = None,
                  packed_buffer_size_bytes: int | None = None, timeout_s: float | None = None,
@@ -141,16 +144,27 @@ class NetworkPusher:
     def push(self, weights: Weights, label: str | None = None, *, step: int | None = None,
              in_flight: str | None = None, kv: str | None = None, sha256: str | None = None) -> PushResult:
         source = as_source(weights)
-        if self.engine is None:
-            replica_ranks = int(self.client.get("get_world_size")["world_size"])
-            info = GlooTrainerInitInfo(master_address=self.master_address, world_size=1 + replica_ranks, rank=0,
-                                       **self.wire)
-            self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
-        else:
-            self.engine.source = source
-        result = self.engine.send_weights(weight_version=label, step=step, in_flight=in_flight, kv=kv, sha256=sha256)
-        assert result is not None  # rank 0 always sends
-        return result
+        for attempt in range(2):
+            try:
+                if self.engine is None:
+                    replica_ranks = int(self.client.get("get_world_size")["world_size"])
+                    info = GlooTrainerInitInfo(master_address=self.master_address, world_size=1 + replica_ranks,
+                                               rank=0, **self.wire)
+                    self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
+                else:
+                    self.engine.source = source
+                result = self.engine.send_weights(weight_version=label, step=step, in_flight=in_flight, kv=kv,
+                                                  sha256=sha256)
+                assert result is not None  # rank 0 always sends
+                return result
+            except RequestRefused as e:
+                if e.field != "init_info.world_size" or attempt:
+                    raise
+                # The pool's routed replicas changed: a new world, read afresh.
+                if self.engine is not None:
+                    self.engine.shutdown()
+                self.engine = None
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         """Leave the replica's group (it would leave by itself at the next push's init)."""

@@ -17,3 +17,8 @@ def epoch_seconds(text: Any) -> float | None:
     except ValueError:
         return None
     return (t if t.tzinfo is not None else t.replace(tzinfo=dt.UTC)).timestamp()
+
+
+def utc_now() -> str:
+    """Now, as ISO-8601 UTC with a `Z` (milliseconds): the form Kubernetes writes its own times in."""
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -20,6 +20,7 @@ from sampler_common.http.errors import install_error_handlers
 from sampler_common.http.middleware import ClientRequestMiddleware
 
 from .admin.pool_object import PoolObject
+from .admin.transfer import PoolTransfer
 from .config import GatewayConfig
 from .discovery.peers import Board, Directory, Sharing
 from .discovery.refresh import Ledger, refresh_forever, refresh_once
@@ -28,7 +29,7 @@ from .forwarding.forward import Gateway
 from .kube.events import EventSink, NoEvents
 from .metrics.added_latency import AddedLatency
 from .metrics.registry import GatewayMetrics
-from .routes import adapter_push, health, native, openai, tinker, twinkle
+from .routes import adapter_push, health, native, openai, tinker, twinkle, weight_transfer
 from .routes import peers as peer_routes
 from .routes import pool as pool_routes
 from .routing.pool import Pool
@@ -63,6 +64,8 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
         # One HTTP client to the replicas, for requests and /health reads alike (http1.py: why its own).
         client = Http1Client(CONNECT_TIMEOUT_S)
         gateway = app.state.gateway = Gateway(cfg, pool, Upstream(client), metrics, events or NoEvents())
+        # A push over the network (routes/weight_transfer.py): one at a time, through this gateway.
+        app.state.transfer = PoolTransfer(gateway, pool_object)
         # One refresh before serving: a gateway that starts answers from a known replica set.
         with contextlib.suppress(Exception):
             await refresh_once(source, pool, client, min(cfg.health_timeout_s, cfg.refresh_interval_s))
@@ -112,10 +115,11 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     app.state.ledger = Ledger()
     app.include_router(health.router)
     admin = [Depends(pool_routes.PoolAdminAuth(cfg.api_key, cfg.admin_api_key))]
-    for admin_router in (pool_routes.router, adapter_push.router):
+    for admin_router in (pool_routes.router, adapter_push.router, weight_transfer.admin_router):
         app.include_router(admin_router, dependencies=admin)
     auth = [Depends(APIKeyAuth(cfg.api_key, cfg.admin_api_key).sampling)]
-    for router in (native.router, tinker.router, twinkle.router, openai.router, peer_routes.router):
+    for router in (native.router, tinker.router, twinkle.router, openai.router, weight_transfer.router,
+                   peer_routes.router):
         app.include_router(router, dependencies=auth)
     # Last: whatever else is under /api/v1 goes to any replica unchanged.
     app.add_api_route("/api/v1/{path:path}", tinker.anywhere, methods=ANY_METHOD, dependencies=auth,

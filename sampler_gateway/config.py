@@ -157,6 +157,10 @@ class GatewayConfig(BaseModel):
                                 "answers 504 itself first, after aborting)")
     control_timeout_s: float = Field(
         10.0, gt=0, description="bound of the short calls: submits, sessions, cancels, capabilities")
+    transfer_timeout_s: float = Field(
+        3600.0, gt=0, description="a push over the network (vLLM's weight-transfer routes): the bound of its "
+                                  "update_weights on each replica (the whole transfer) and of its finish (each "
+                                  "replica's write; with a SamplerPool, the rollout the push declares)")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body; past it: 413")
     no_replica_wait_s: float = Field(
         10.0, ge=0, description="how long a new request waits for a replica that may take it (a rollout batch "

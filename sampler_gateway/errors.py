@@ -49,3 +49,40 @@ class GatewaysBehind(SamplerError):
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message, field="gateways", headers={"Retry-After": str(retry_after_s)})
+
+
+class ReplicaRefused(SamplerError):
+    """A replica answered a call the gateway sent it on the trainer's behalf (a push over the network: its
+    control calls fan out to every replica) with an error: that answer, as the replica gave it (status,
+    category, field, and a checkpoint error's code, tensor and file), its message naming the replica."""
+
+    _KEPT = ("code", "tensor", "file")
+
+    def __init__(self, replica: str, status: int, error: dict[str, object], note: str = "") -> None:
+        field = error.get("field")
+        super().__init__(f"replica {replica}: {error.get('message') or 'HTTP ' + str(status)}{note}",
+                         field=field if isinstance(field, str) else None, headers={"X-Sampler-Replica": replica})
+        self.status_code = status
+        self.category = str(error.get("category") or f"http_{status}")
+        self.replica = replica
+        self.extra = {k: error[k] for k in self._KEPT if error.get(k) is not None}
+
+    def body(self) -> dict[str, object]:
+        out = super().body()
+        out["error"].update({**self.extra, "replica": self.replica})
+        return out
+
+
+class RolloutStopped(SamplerError):
+    """The pool's rollout of a pushed label stopped: a replica refused its load (the pool serves on what it
+    served; the replica's own message says why)."""
+
+    status_code = 502
+    category = "rollout_stopped"
+
+
+class RolloutTimedOut(SamplerError):
+    """The pool's rollout of a pushed label did not complete within the gateway's bound (it goes on)."""
+
+    status_code = 504
+    category = "rollout_timeout"

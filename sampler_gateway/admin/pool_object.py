@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sampler_common.errors import Conflict, InvalidRequest, NotFound, SamplerError
@@ -57,6 +58,20 @@ class PoolObject(Protocol):
     async def gateways_behind(self, serial: int, timeout_s: float) -> list[str]:
         """Wait until every live gateway of the pool routes by declared adapters up to `serial`, at
         most `timeout_s`; the gateways still behind then ([]: none). adapter_acks.py."""
+
+
+async def write_checked(obj: PoolObject, patch_of: Callable[[dict[str, Any]], dict[str, Any]],
+                        attempts: int) -> dict[str, Any]:
+    """Read the pool, build the patch from what was read (it carries that read's resourceVersion: checked
+    against the very object it writes), write it; read and build again when the pool changed in between
+    (`StaleRead`: mostly the operator's own status writes during a rollout), up to `attempts` writes.
+    The pool as written."""
+    for _ in range(attempts - 1):
+        try:
+            return await obj.patch(patch_of(await obj.read()))
+        except StaleRead:
+            continue
+    return await obj.patch(patch_of(await obj.read()))
 
 
 def _api_error(pool: str, namespace: str, status: int, reason: str, body: str | None) -> SamplerError:

@@ -37,22 +37,32 @@ _STATES: dict[str, RolloutState] = {"RollingOut": "RollingOut", "RolloutComplete
 
 
 class WeightsPush(BaseModel):
-    """`POST /v1/pool/weights`: the pool's new weights, in the sampler API's snake_case."""
+    """`POST /v1/pool/weights`: the pool's new weights, in the sampler API's snake_case. A checkpoint, or the
+    model digest of weights pushed over the network (`sha256`: the replicas write the push they hold, or
+    catch up from a peer that wrote it), or both (a durable copy of them, checked against the digest)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    checkpoint: str = Field(min_length=1, description="checkpoint directory inside the replicas' pods")
+    checkpoint: str | None = Field(None, min_length=1, description="checkpoint directory inside the replicas' pods")
     version_label: str = Field(min_length=1, max_length=200, description="label every sample on these weights carries")
     step: int | None = Field(None, ge=0, description="the trainer's training step: spec.weights.step (every replica "
                                                      "reports it; reported back by GET /v1/pool/rollout)")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$",
+                               description="the model digest (sampler_common/weight_transfer/digest.py)")
     sha256_manifest: dict[str, str] | None = Field(None, description="file -> sha256 each replica verifies")
 
 
 def parse_push(body: Any) -> WeightsPush:
     try:
-        return WeightsPush.model_validate(body)
+        push = WeightsPush.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from None
+    if push.checkpoint is None and push.sha256 is None:
+        raise InvalidRequest("checkpoint: a push names a checkpoint directory, or the sha256 of weights pushed over "
+                             "the network", field="checkpoint")
+    if push.sha256_manifest is not None and push.checkpoint is None:
+        raise InvalidRequest("sha256_manifest: file digests need a checkpoint", field="sha256_manifest")
+    return push
 
 
 def _inside(path: str, root: str) -> bool:
@@ -89,12 +99,14 @@ def weights_patch(pool: dict[str, Any], push: WeightsPush) -> dict[str, Any]:
     pushed is removed, not kept from the last push), and the old step annotation removed. It carries
     the resourceVersion the checks read, so a pool changed in between (its allowed roots, say)
     refuses the write (409), and the route reads and checks again (routes/pool.py)."""
-    check_checkpoint(push.checkpoint, allowed_roots(pool))
+    if push.checkpoint is not None:
+        check_checkpoint(push.checkpoint, allowed_roots(pool))
     meta = pool.get("metadata") or {}
     return {
         "metadata": {"resourceVersion": meta.get("resourceVersion"), "annotations": {STEP_ANNOTATION: None}},
         "spec": {"weights": {"checkpoint": push.checkpoint, "versionLabel": push.version_label,
-                             "sha256Manifest": push.sha256_manifest, "step": push.step}},
+                             "sha256Manifest": push.sha256_manifest, "step": push.step,
+                             "sha256": push.sha256.lower() if push.sha256 else None}},
     }
 
 
@@ -149,7 +161,7 @@ def rollout_of(pool: dict[str, Any]) -> dict[str, Any]:
         step = int(legacy) if isinstance(legacy, str) and legacy.isdigit() else None
     return {
         "pool": meta.get("name"), "generation": generation, "observed_generation": observed,
-        "target_label": label, "checkpoint": weights.get("checkpoint"), "step": step,
+        "target_label": label, "checkpoint": weights.get("checkpoint"), "sha256": weights.get("sha256"), "step": step,
         "state": state, "reason": cond.get("reason") if seen else None,
         "message": cond.get("message") if seen else None,
         "stopped_replica": stopped, "desired": spec.get("replicas"),

@@ -42,6 +42,8 @@ async def health(request: Request) -> Response:
         "refreshes": pool.refreshes,
         # The pool's routing switch as this gateway enforces it (routing/switch.py); null: no switch (static).
         "routing": pool.switch.state() if pool.switch is not None else None,
+        # A push over the network through this gateway (admin/transfer.py): its phase and replicas.
+        "weight_transfer": request.app.state.transfer.report() if hasattr(request.app.state, "transfer") else None,
     }, status_code=200 if eligible else 503)
 
 

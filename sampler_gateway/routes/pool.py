@@ -5,16 +5,14 @@ The decisions are `admin/weights.py`'s; the object is `pool_object.py`'s."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from sampler_common.errors import Forbidden, NotFound
 from sampler_common.http.auth import APIKeyAuth
 
-from ..admin.pool_object import PoolObject, StaleRead
-from ..admin.weights import WeightsPush, parse_push, parse_rollout_wait, rollout_of, weights_patch
+from ..admin.pool_object import PoolObject, write_checked
+from ..admin.weights import parse_push, parse_rollout_wait, rollout_of, weights_patch
 from .common import json_object
 
 router = APIRouter(prefix="/v1/pool", tags=["pool"])
@@ -51,22 +49,13 @@ def _pool_object(request: Request) -> PoolObject:
     return obj
 
 
-async def _checked_write(obj: PoolObject, push: WeightsPush) -> dict[str, Any]:
-    # The push is checked against the very object it writes (its resourceVersion): a pool whose
-    # allowed roots changed in between is refused on the next read, never passed on a stale one.
-    return await obj.patch(weights_patch(await obj.read(), push))
-
-
 @router.post("/weights")
 async def push_weights(request: Request) -> Response:
     obj = _pool_object(request)
     push = parse_push(json_object(await request.body()))
-    for _ in range(PUSH_ATTEMPTS - 1):
-        try:
-            return JSONResponse(rollout_of(await _checked_write(obj, push)))
-        except StaleRead:
-            continue
-    return JSONResponse(rollout_of(await _checked_write(obj, push)))
+    # The push is checked against the very object it writes (its resourceVersion): a pool whose allowed
+    # roots changed in between is refused on the next read, never passed on a stale one.
+    return JSONResponse(rollout_of(await write_checked(obj, lambda pool: weights_patch(pool, push), PUSH_ATTEMPTS)))
 
 
 @router.get("/rollout")

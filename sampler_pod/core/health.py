@@ -124,6 +124,10 @@ class TransferReport(BaseModel):
     bytes_received: int = 0  # of the push being received
     total_bytes: int = 0
     label: str | None = None  # the label a push is being written under
+    # The group this replica joined: the trainer's world, and this replica's first rank in it (a pool's
+    # gateway gives each replica its own).
+    world_size: int | None = None
+    rank_offset: int | None = None
 
 
 class HealthReport(BaseModel):

@@ -172,6 +172,7 @@ class WeightTransferService:
         self._options: UpdateInfo | None = None
         self._receive_s = 0.0
         self._validation_s = 0.0
+        self._group: tuple[int, int] | None = None  # (world_size, rank_offset) of the group joined
         # One call's change of phase at a time; the long phases (joining, receiving, writing) are phases,
         # so a call arriving meanwhile is refused (409), never queued.
         self._calls = asyncio.Lock()
@@ -196,8 +197,9 @@ class WeightTransferService:
         progress = receiver.progress()
         total = progress.total_bytes or (s.received.total_bytes if s.received else 0)
         done = progress.bytes if s.phase == "receiving" else (total if s.received else 0)
+        world, offset = self._group or (None, None)
         return TransferReport(backend=receiver.backend, phase=s.phase, since=s.since, bytes_received=done,
-                              total_bytes=total, label=s.label)
+                              total_bytes=total, label=s.label, world_size=world, rank_offset=offset)
 
     async def _leave(self, receiver: WeightReceiver, outcome: str) -> None:
         """A refused or torn push: drop what was received, leave the group; the replica is `idle`."""
@@ -244,6 +246,7 @@ class WeightTransferService:
             await self._leave(receiver, "torn")
             raise
         self.session.enter("joined")
+        self._group = (info.world_size, info.rank_offset)
         log.info("weight transfer: joined %s:%d (world %d, ranks from %d)", info.master_address, info.master_port,
                  info.world_size, info.rank_offset)
         return InitResponse(message="Weight transfer initialized", phase="joined", backend=receiver.backend,

@@ -15,7 +15,7 @@ import pytest
 
 from sampler_common.errors import InvalidRequest
 from sampler_gateway.admin.pool_object import StaleRead
-from sampler_gateway.admin.weights import STEP_ANNOTATION, WeightsPush, rollout_of, weights_patch
+from sampler_gateway.admin.weights import STEP_ANNOTATION, WeightsPush, parse_push, rollout_of, weights_patch
 from sampler_gateway.app import create_app
 from sampler_gateway.config import GatewayConfig
 from sampler_gateway.discovery.static import StaticDiscovery
@@ -46,7 +46,23 @@ def test_a_checkpoint_under_an_allowed_root_is_written_whole(checkpoint: str) ->
     # The step is part of the weights (#24); the annotation older pushes wrote is removed.
     assert patch == {"metadata": {"resourceVersion": "41", "annotations": {STEP_ANNOTATION: None}},
                      "spec": {"weights": {"checkpoint": checkpoint, "versionLabel": "step-2", "sha256Manifest": None,
-                                          "step": 7}}}
+                                          "step": 7, "sha256": None}}}
+
+
+def test_weights_pushed_over_the_network_are_declared_by_their_digest_without_a_checkpoint() -> None:
+    """#51: `spec.weights = {versionLabel, step, sha256}`: the replicas write the push they hold, or catch up
+    from a peer; a checkpoint beside the digest is a durable copy, its path checked as any."""
+    digest = "AB" * 32
+    push = parse_push({"version_label": "net-3", "step": 3, "sha256": digest})
+    assert weights_patch(pool_obj(), push)["spec"]["weights"] == {
+        "checkpoint": None, "versionLabel": "net-3", "sha256Manifest": None, "step": 3, "sha256": digest.lower()}
+    both = parse_push({"version_label": "net-3", "sha256": digest, "checkpoint": "/ckpt/net-3"})
+    assert weights_patch(pool_obj(), both)["spec"]["weights"]["checkpoint"] == "/ckpt/net-3"
+    for body, field in (({"version_label": "x"}, "checkpoint"), ({"version_label": "x", "sha256": "zz" * 32}, "sha256"),
+                        ({"version_label": "x", "sha256": digest, "sha256_manifest": {"a": "b"}}, "sha256_manifest")):
+        with pytest.raises(InvalidRequest) as e:
+            parse_push(body)
+        assert e.value.field == field, (body, e.value.message)
 
 
 @pytest.mark.parametrize(("checkpoint", "why"), [

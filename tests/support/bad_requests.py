@@ -100,3 +100,32 @@ BAD_TRANSFER_REQUESTS: list[tuple[str, str, Any, int, str]] = [
      "update_info.in_flight"),
     ("weight_version_empty", "/finish_weight_update", {"weight_version": ""}, 400, "weight_version"),
 ]
+
+
+# Through a pool's gateway (its own checks, then the replicas'): (case id, path, body, the phase the push is
+# brought to first, expected status, field the error must name). `{"update_info": "TINY", "extra": {...}}`
+# stands for an update that fits the tiny model, with `extra` on top.
+BAD_GATEWAY_TRANSFER_REQUESTS: list[tuple[str, str, Any, str, int, str]] = [
+    ("world_size_not_the_pools", "/init_weight_transfer_engine", {"init_info": {**INIT, "world_size": 3}}, "idle",
+     400, "init_info.world_size"),
+    ("rank_offset_not_the_trainers", "/init_weight_transfer_engine",
+     {"init_info": {**INIT, "world_size": 4, "rank_offset": 2}}, "idle", 400, "init_info.rank_offset"),
+    ("unknown_backend", "/init_weight_transfer_engine", {"init_info": {**INIT, "world_size": 4, "backend": "nccl"}},
+     "idle", 400, "init_info.backend"),
+    ("no_init_info", "/init_weight_transfer_engine", {}, "idle", 400, "init_info"),
+    ("port_out_of_range", "/init_weight_transfer_engine",
+     {"init_info": {**INIT, "world_size": 4, "master_port": 70000}}, "idle", 400, "init_info.master_port"),
+    ("start_before_init", "/start_weight_update", None, "idle", 409, "start_weight_update"),
+    ("update_before_start", "/update_weights", {"update_info": "TINY"}, "joined", 409, "update_weights"),
+    ("finish_before_update", "/finish_weight_update", {"weight_version": "v1"}, "started", 409,
+     "finish_weight_update"),
+    ("sha256_not_hex", "/update_weights", {"update_info": "TINY", "extra": {"sha256": "z" * 64}}, "started", 400,
+     "update_info.sha256"),
+    ("in_flight_unknown", "/update_weights", {"update_info": "TINY", "extra": {"in_flight": "later"}}, "started",
+     400, "update_info.in_flight"),
+    ("a_tensor_the_model_has_not", "/update_weights", {"update_info": "TINY", "extra": {"names": ["x"],
+                                                                                       "dtype_names": ["float32"],
+                                                                                       "shapes": [[1]]}},
+     "started", 400, "update_info.names[0]"),
+    ("weight_version_empty", "/finish_weight_update", {"weight_version": ""}, "idle", 400, "weight_version"),
+]

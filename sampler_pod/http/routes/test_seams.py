@@ -21,6 +21,12 @@ passed with requests inside (or a canary failed). `resume` thaws it.
 (validated, the right to mutate taken: a load under way), `GET /v1/test/adapters/held` says how many
 wait there, `POST /v1/test/adapters/release` lets them go: a test kills a replica while a gateway's
 load is under way on it, and knows it is.
+
+`POST /v1/test/transfer/hold` makes the fake engine's transfer receiver (`--engine fake` with
+`--weight-transfer-backend`) hold every push it receives half-way, `GET /v1/test/transfer/held` says
+whether one is held there now, and `POST /v1/test/transfer/release` lets it go on, or (`{"tear": true}`)
+tear as a real one does when the trainer's group closes: a test kills another replica mid-transfer behind
+a pool's gateway and knows where each one is.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ import asyncio
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from sampler_common.errors import InvalidRequest
+
+from ...engine.fake import FakeWeightReceiver
 from ...weights.service import WeightsService
 from . import core_of
 
@@ -126,3 +135,49 @@ async def release_adapter_adds(request: Request) -> AdaptersHeld:
 @router.get("/adapters/held", response_model=AdaptersHeld)
 async def adapter_adds_held(request: Request) -> AdaptersHeld:
     return _adapters(request)
+
+
+class TransferHeld(BaseModel):
+    held: bool
+    receiving: bool
+
+
+class TransferRelease(BaseModel):
+    tear: bool = False
+
+
+def _fake_receiver(request: Request) -> FakeWeightReceiver:
+    engine = core_of(request).require_engine()
+    receiver = engine.weight_receiver
+    if not isinstance(receiver, FakeWeightReceiver):
+        raise InvalidRequest("only the fake engine's transfer receiver can be held (--engine fake with "
+                             "--weight-transfer-backend)", field="engine")
+    return receiver
+
+
+def _transfer(receiver: FakeWeightReceiver) -> TransferHeld:
+    gate = receiver.receive_gate
+    return TransferHeld(held=gate is not None and not gate.is_set(), receiving=receiver.receiving.is_set())
+
+
+@router.post("/transfer/hold", response_model=TransferHeld)
+async def hold_transfers(request: Request) -> TransferHeld:
+    receiver = _fake_receiver(request)
+    if receiver.receive_gate is None or receiver.receive_gate.is_set():
+        receiver.receive_gate = asyncio.Event()
+    return _transfer(receiver)
+
+
+@router.post("/transfer/release", response_model=TransferHeld)
+async def release_transfers(request: Request, req: TransferRelease | None = None) -> TransferHeld:
+    receiver = _fake_receiver(request)
+    receiver.tear_receive = bool(req and req.tear)
+    gate, receiver.receive_gate = receiver.receive_gate, None
+    if gate is not None:
+        gate.set()
+    return _transfer(receiver)
+
+
+@router.get("/transfer/held", response_model=TransferHeld)
+async def transfers_held(request: Request) -> TransferHeld:
+    return _transfer(_fake_receiver(request))
