@@ -35,6 +35,8 @@ class HealthObservation:
     # Declared-weights contract (docs/reference/contract.md): where the current weights came from, the
     # newest validated load (what a replacement must load), and the checkpoint whose write failed.
     weights_checkpoint: str | None = None
+    # The model digest of the serving weights, when they were pushed over the network (or checked against one).
+    weights_sha256: str | None = None
     weights_loaded_at: str | None = None
     intended: Mapping[str, Any] | None = None
     failed_write: Mapping[str, Any] | None = None
@@ -67,6 +69,7 @@ def classify(http_status: int, body: bytes | str) -> HealthObservation:
         weights_label=doc.get("weights_label"),
         in_flight=doc.get("in_flight"),
         weights_checkpoint=_str_or_none(doc.get("weights_checkpoint")),
+        weights_sha256=_str_or_none(doc.get("weights_sha256")),
         weights_loaded_at=_str_or_none(doc.get("weights_loaded_at")),
         intended=doc.get("intended") if isinstance(doc.get("intended"), dict) else None,
         failed_write=doc.get("failed_write") if isinstance(doc.get("failed_write"), dict) else None,

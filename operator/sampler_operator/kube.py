@@ -150,6 +150,14 @@ class Kube:
         """True if created, False if a Secret of that name exists (it is never overwritten)."""
         return await self._create(self.core.create_namespaced_secret, namespace, body)
 
+    async def list_replicas(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        """The namespace's SamplerReplicas with these labels, read now (a load's peers: weights_sync.py)."""
+        label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
+        resp = await asyncio.to_thread(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                       label_selector=label_selector, _preload_content=False)
+        items: list[dict[str, Any]] = _json(resp).get("items") or []
+        return items
+
     async def get_replica(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self._read(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 

@@ -30,6 +30,8 @@ class PodAnswer:
     http_status: int | None = None
     # A 2xx answer's JSON object (a load's names what the pod serves now); None otherwise.
     body: dict[str, Any] | None = None
+    # An error answer's category (`weights_unavailable`: a load by digest found the weights nowhere).
+    category: str | None = None
 
 
 def outcome_of(http_status: int, body: bytes) -> PodAnswer:
@@ -45,9 +47,10 @@ def outcome_of(http_status: int, body: bytes) -> PodAnswer:
         return PodAnswer(Outcome.WRITE_FAILED, message, http_status)
     # 401 (a key not yet mounted), 403 (a key that may not load: a misconfigured admin Secret),
     # 409 (adapter busy), 429, 5xx, 504 (drain timed out): later.
+    category = str(err.get("category")) if isinstance(err, dict) and err.get("category") else None
     if http_status in (400, 404, 413, 422):
-        return PodAnswer(Outcome.INVALID, message, http_status)
-    return PodAnswer(Outcome.TRANSIENT, f"HTTP {http_status}: {message}", http_status)
+        return PodAnswer(Outcome.INVALID, message, http_status, category=category)
+    return PodAnswer(Outcome.TRANSIENT, f"HTTP {http_status}: {message}", http_status, category=category)
 
 
 def _base(pod_ip: str, port: int) -> str:

@@ -227,8 +227,8 @@ class ReplicaState:
     leaving_since: float | None = None  # scaled away: draining since (epoch seconds)
     pod_ip: str | None = None
     port: int | None = None
-    # The declared weights its load refused (checkpoint, versionLabel), and why.
-    rejected: tuple[str, str] | None = None
+    # The declared weights its load refused (`declared_key`: checkpoint, versionLabel, sha256), and why.
+    rejected: tuple[str | None, str | None, str | None] | None = None
     rejected_message: str | None = None
     # Its own controller has observed its current spec (status.observedGeneration == metadata.generation).
     # Until then its phase is the old spec's: a replica just given a new template still reports Ready on
@@ -252,8 +252,7 @@ class ReplicaState:
         label = weights.get("label") or status.get("weightsLabel")
         port = (obj.get("spec") or {}).get("port")
         declared = weights.get("declared") or {}
-        rejected = ((str(declared.get("checkpoint")), str(declared.get("versionLabel")))
-                    if weights.get("declaredResult") == INVALID else None)
+        rejected = declared_key(declared) if weights.get("declaredResult") == INVALID else None
         generation = meta.get("generation")
         return cls(name=meta.get("name", ""), owner_uid=owner, spec_hash=ann.get(ANNOTATION_SPEC_HASH),
                    draining=ann.get(ANNOTATION_DRAINING) == "true", phase=status.get("phase"),
@@ -322,11 +321,20 @@ def _verified(r: ReplicaState, want_hash: str, target: str | None, answer: LoadA
     return r.observed and (target is None or r.label == target)
 
 
+def declared_key(weights: Mapping[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """What identifies declared weights (pure): checkpoint, label and model digest (either may be absent)."""
+    def text(key: str) -> str | None:
+        value = weights.get(key)
+        return str(value).lower() if key == "sha256" and value else (str(value) if value else None)
+
+    return text("checkpoint"), text("versionLabel"), text("sha256")
+
+
 def rejection(pool_uid: str, spec: PoolSpec, existing: list[ReplicaState]) -> ReplicaState | None:
     """The first of the pool's replicas that refused the pool's target weights (it stops the rollout)."""
     if spec.weights is None:
         return None
-    target = (str(spec.weights.get("checkpoint")), str(spec.weights.get("versionLabel")))
+    target = declared_key(spec.weights)
     return next((r for r in sorted(existing, key=lambda r: r.name)
                  if r.owner_uid == pool_uid and r.rejected == target), None)
 
@@ -418,6 +426,8 @@ def weights_history(old: list[Any] | None, spec: PoolSpec, now: float) -> list[d
     }
     if spec.target_step is not None:
         entry["step"] = spec.target_step
+    if (spec.weights or {}).get("sha256"):
+        entry["sha256"] = str((spec.weights or {})["sha256"]).lower()
     return ([e for e in entries if e["label"] != target] + [entry])[-HISTORY_LIMIT:]
 
 

@@ -37,6 +37,9 @@ class ReplicaMemory:
     # The admin key as last read, with the Secret and key it came from: read again when the ref moves
     # or the pod refuses it (401/403). A load should not wait on a Secret read it made a second ago.
     admin_key: tuple[tuple[str, str], str | None] | None = None
+    # Why the last load of the declared weights by digest found them nowhere (the pod's 409
+    # `weights_unavailable`), with the declaration it was for: shown in WeightsSynced until a load works.
+    unavailable: tuple[dict[str, Any], str] | None = None
 
 
 @dataclass

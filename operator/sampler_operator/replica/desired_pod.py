@@ -111,6 +111,10 @@ def sampler_args(spec: SamplerReplicaSpec) -> list[str]:
         args += ["--logprobs-mode", e.logprobs_mode]
     for root in spec.checkpoints.allowed_roots:
         args += ["--checkpoint-root", root]
+    if spec.weight_transfer.backend is not None:
+        # Pushes over the network (docs/design/weights-over-network.md); only when asked for: a pod of a
+        # spec that does not name it is the pod it was before the field existed.
+        args += ["--weight-transfer-backend", spec.weight_transfer.backend]
     return args + list(e.extra_args)
 
 
@@ -211,8 +215,13 @@ def startup_weights_env(weights: WeightsRef | None, adapters: list[dict[str, str
     """The weights a new pod loads before it is ready (sampler flags `--initial-*`, docs/reference/contract.md)."""
     env: list[dict[str, str]] = []
     if weights is not None:
-        env += [{"name": "SAMPLER_INITIAL_CHECKPOINT", "value": weights.checkpoint},
-                {"name": "SAMPLER_INITIAL_VERSION_LABEL", "value": weights.version_label}]
+        if weights.checkpoint is not None:
+            env.append({"name": "SAMPLER_INITIAL_CHECKPOINT", "value": weights.checkpoint})
+        env.append({"name": "SAMPLER_INITIAL_VERSION_LABEL", "value": weights.version_label})
+        if weights.sha256 is not None:
+            # Pushed over the network: the pod waits, unready, until a load names a peer holding them
+            # (weights_sync.py); with a checkpoint too, the checkpoint must hash to it.
+            env.append({"name": "SAMPLER_INITIAL_SHA256", "value": weights.sha256})
         if weights.sha256_manifest:
             env.append({"name": "SAMPLER_INITIAL_SHA256_MANIFEST",
                         "value": json.dumps(dict(weights.sha256_manifest), sort_keys=True)})

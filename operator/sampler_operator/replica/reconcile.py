@@ -59,6 +59,7 @@ from sampler_operator.replica.status import (
 from sampler_operator.replica.weights_intent import (
     CHECKPOINT_MISSING,
     checkpoint_missing,
+    declared_ref,
     load_without_probe,
     observed_weights,
     startup_adapters,
@@ -246,7 +247,8 @@ async def ensure_policy(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplic
         return
     on = ctx.policies.enabled and spec.network_policy.enabled
     body = (replica_policy(meta["name"], meta["namespace"], owner_reference(owner_of(cr)), spec.port,
-                           spec.network_policy.from_, ctx.policies.operator) if on else None)
+                           spec.network_policy.from_, ctx.policies.operator, spec.weight_transfer.backend)
+            if on else None)
     digest = policy_hash([body] if body else [])
     if digest == mem.policy_hash:
         return
@@ -337,7 +339,8 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
                                 failure_threshold=spec.health.failure_threshold, decision=decision,
                                 replacing=decision.action is Action.REPLACE, old_status=status,
                                 generation=cr["metadata"].get("generation"), now=now,
-                                weights_synced=(synced := weights_synced(spec, weights, obs)))
+                                weights_synced=(synced := weights_synced(spec, weights, obs,
+                                                                         unavailable=_unavailable(spec, mem))))
     new_status["weights"] = weights
     if status.get("replacing") and not ctx.slots.holds(owner_key(cr)):
         new_status["replacing"] = False  # the new pod is ok (or the replica gave up): slot freed
@@ -359,6 +362,14 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
                 and _condition_status(status, ENGINE_PROGRESSING) != "False"):
             ctx.emit(event_target(cr), "Warning", ENGINE_STALLED, stall_event_message(pod.name if pod else "?", obs))
     return decision
+
+
+def _unavailable(spec: SamplerReplicaSpec, mem: ReplicaMemory) -> str | None:
+    """Why the last load of the current spec.weights by digest found them nowhere (None: no such load)."""
+    ref = declared_ref(spec)
+    if mem.unavailable is None or ref is None or mem.unavailable[0] != ref.to_status():
+        return None
+    return mem.unavailable[1]
 
 
 def owner_key(cr: Mapping[str, Any]) -> tuple[str, str]:

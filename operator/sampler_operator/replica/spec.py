@@ -75,18 +75,30 @@ class Checkpoints(_Model):
 
 class DeclaredWeights(_Model):
     """Weights a replica must serve: a checkpoint directory inside the pod (under one of
-    `checkpoints.allowedRoots`), the label samples are stamped with, and optional file digests.
+    `checkpoints.allowedRoots`), or the model digest (`sha256`) of weights pushed over the network (the
+    replica writes the push it holds, or catches up from a ready peer: docs/design/weights-over-network.md),
+    or both (a durable copy of pushed weights, checked against the digest); the label samples are stamped
+    with, and optional file digests.
     `inFlight` is how the in-place load treats the samples in flight (Drain: waits for them; Abort:
     aborts them, each answered "resubmit"; Keep: continues them on the new weights, the engine paused
     for the write only) and `kv` what kept samples do with their old-weights KV cache: how to load,
     not what, so changing them alone loads nothing."""
-    checkpoint: str = Field(min_length=1)
+    checkpoint: str | None = Field(None, min_length=1)
     version_label: str = Field(alias="versionLabel", min_length=1, max_length=200)
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
     sha256_manifest: dict[str, str] | None = Field(None, alias="sha256Manifest")
     # The trainer's training step: passed to the pod's load and start (`--initial-step`).
     step: int | None = Field(None, ge=0)
     in_flight: Literal["Drain", "Abort", "Keep"] = Field("Drain", alias="inFlight")
     kv: Literal["Keep", "Recompute"] = "Keep"
+
+
+class WeightTransfer(_Model):
+    """Weights over the network (docs/design/weights-over-network.md): the backend the replica speaks vLLM's
+    weight-transfer protocol over (the sampler's --weight-transfer-backend). `gloo` only for now (CPU nodes,
+    and any node without NCCL); GPU images will name `nccl` once the sampler has its staged NCCL engine.
+    Unset: the replica takes no push over the network."""
+    backend: Literal["gloo"] | None = None
 
 
 class DeclaredAdapter(_Model):
@@ -170,6 +182,7 @@ class SamplerReplicaSpec(_Model):
     # (never part of the pod template: a new checkpoint must not restart the engine).
     weights: DeclaredWeights | None = None
     adapters: list[DeclaredAdapter] = Field(default_factory=list)
+    weight_transfer: WeightTransfer = Field(default_factory=WeightTransfer, alias="weightTransfer")
 
     @model_validator(mode="after")
     def _semantic_rules(self) -> SamplerReplicaSpec:
@@ -209,7 +222,13 @@ def _semantic_problems(spec: SamplerReplicaSpec) -> Iterator[str]:
         yield "spec.replacement.maxBackoffSeconds must be >= spec.replacement.backoffSeconds"
     if spec.health.timeout_seconds > spec.health.period_seconds:
         yield "spec.health.timeoutSeconds must not exceed spec.health.periodSeconds"
-    declared = ([("spec.weights.checkpoint", spec.weights.checkpoint)] if spec.weights else []) + [
+    if spec.weights is not None and spec.weights.checkpoint is None and spec.weights.sha256 is None:
+        yield ("spec.weights needs checkpoint (a directory inside the pod) or sha256 (the digest of weights pushed "
+               "over the network), or both")
+    if spec.weights is not None and spec.weights.sha256_manifest is not None and spec.weights.checkpoint is None:
+        yield "spec.weights.sha256Manifest needs spec.weights.checkpoint (it digests the checkpoint's files)"
+    declared = ([("spec.weights.checkpoint", spec.weights.checkpoint)]
+                if spec.weights and spec.weights.checkpoint is not None else []) + [
         (f"spec.adapters[{i}].path", a.path) for i, a in enumerate(spec.adapters)]
     for field, path in declared:
         if not _under_any(path, spec.checkpoints.allowed_roots):

@@ -41,6 +41,8 @@ LOADED = "Loaded"
 INVALID = "InvalidCheckpoint"
 WRITE_FAILED = "WriteFailed"
 CHECKPOINT_MISSING = "CheckpointMissing"
+# A load by digest (weights pushed over the network) found them nowhere: no ready peer holds them, no checkpoint.
+WEIGHTS_UNAVAILABLE = "WeightsUnavailable"
 # The sampler's `/health` reason while it waits for weights it can load (docs/reference/contract.md).
 UNAVAILABLE_PREFIX = "intended checkpoint unavailable:"
 # A checkpoint whose write failed midway on this many pods is not tried again on the next one.
@@ -49,13 +51,17 @@ MAX_WRITE_ATTEMPTS = 2
 
 @dataclass(frozen=True)
 class WeightsRef:
-    """A checkpoint a pod can load: where it is, the label its samples carry, optional digests."""
-    checkpoint: str
+    """Weights a pod can load: a checkpoint (where it is), or the model digest of weights pushed over the
+    network (`sha256`: the pod writes the push it holds, its kept copy, or a peer's), or both (a durable
+    copy, checked against the digest); the label its samples carry, optional file digests."""
+    checkpoint: str | None
     version_label: str
     sha256_manifest: Mapping[str, str] | None = None
     # The trainer's training step (spec.weights.step); sent only when set, so a pod whose image
     # predates `step` still takes the loads that do not name one.
     step: int | None = None
+    # Sent only when set: a checkpoint load without it is the request it was before the field existed.
+    sha256: str | None = None
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"checkpoint": self.checkpoint, "versionLabel": self.version_label}
@@ -63,30 +69,50 @@ class WeightsRef:
             out["sha256Manifest"] = dict(self.sha256_manifest)
         if self.step is not None:
             out["step"] = self.step
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
         return out
 
-    def to_load_request(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"path": self.checkpoint, "version_label": self.version_label}
+    def to_load_request(self, peers: Sequence[str] = ()) -> dict[str, Any]:
+        """The pod's load body; `peers`: replicas that may hold a copy of the weights of `sha256`."""
+        body: dict[str, Any] = {"version_label": self.version_label}
+        if self.checkpoint is not None:
+            body["path"] = self.checkpoint
         if self.sha256_manifest:
             body["sha256_manifest"] = dict(self.sha256_manifest)
         if self.step is not None:
             body["step"] = self.step
+        if self.sha256 is not None:
+            body["sha256"] = self.sha256
+            if peers:
+                body["peers"] = list(peers)
         return body
+
+    @property
+    def source(self) -> str:
+        """Where the weights are, for messages: the checkpoint, or the push."""
+        if self.checkpoint is not None:
+            return self.checkpoint
+        return f"the push of sha256 {self.sha256}"
 
     @classmethod
     def from_status(cls, doc: Mapping[str, Any] | None) -> WeightsRef | None:
-        if not doc or not doc.get("checkpoint") or not doc.get("versionLabel"):
+        if not doc or not doc.get("versionLabel") or not (doc.get("checkpoint") or _digest(doc.get("sha256"))):
             return None
-        return cls(str(doc["checkpoint"]), str(doc["versionLabel"]), doc.get("sha256Manifest") or None,
-                   _step(doc.get("step")))
+        return cls(str(doc["checkpoint"]) if doc.get("checkpoint") else None, str(doc["versionLabel"]),
+                   doc.get("sha256Manifest") or None, _step(doc.get("step")), _digest(doc.get("sha256")))
 
     @classmethod
     def from_health(cls, doc: Mapping[str, Any] | None) -> WeightsRef | None:
         """From the pod's /health (snake_case keys)."""
-        if not doc or not doc.get("checkpoint") or not doc.get("version_label"):
+        if not doc or not doc.get("version_label") or not (doc.get("checkpoint") or _digest(doc.get("sha256"))):
             return None
-        return cls(str(doc["checkpoint"]), str(doc["version_label"]), doc.get("sha256_manifest") or None,
-                   _step(doc.get("step")))
+        return cls(str(doc["checkpoint"]) if doc.get("checkpoint") else None, str(doc["version_label"]),
+                   doc.get("sha256_manifest") or None, _step(doc.get("step")), _digest(doc.get("sha256")))
+
+
+def _digest(value: Any) -> str | None:
+    return value.lower() if isinstance(value, str) and len(value) == 64 else None
 
 
 def _step(value: Any) -> int | None:
@@ -95,16 +121,18 @@ def _step(value: Any) -> int | None:
 
 def declared_ref(spec: SamplerReplicaSpec) -> WeightsRef | None:
     w = spec.weights
-    return None if w is None else WeightsRef(w.checkpoint, w.version_label, w.sha256_manifest, w.step)
+    return None if w is None else WeightsRef(w.checkpoint, w.version_label, w.sha256_manifest, w.step,
+                                             w.sha256.lower() if w.sha256 else None)
 
 
-def declared_load_request(spec: SamplerReplicaSpec) -> dict[str, Any]:
+def declared_load_request(spec: SamplerReplicaSpec, peers: Sequence[str] = ()) -> dict[str, Any]:
     """The pod's `POST /v1/checkpoints/load` body for spec.weights. `in_flight` is sent only for
     Abort and Keep (and `kv` only for Keep): a Drain load is the same request as before the field
-    existed, which any pod accepts."""
+    existed, which any pod accepts. `peers`: with a `sha256`, the pool's ready replicas serving those
+    weights, which a pod that holds no copy catches up from (weights_sync.peer_urls)."""
     ref = declared_ref(spec)
     assert ref is not None and spec.weights is not None
-    body = ref.to_load_request()
+    body = ref.to_load_request(peers)
     if spec.weights.in_flight == "Abort":
         body["in_flight"] = "abort"
     elif spec.weights.in_flight == "Keep":
@@ -185,9 +213,10 @@ def observed_weights(obs: HealthObservation | None, pod_name: str | None,
         return out  # a starting pod's numbers say nothing yet
     if obs.state is HealthState.OK:
         out.update({"label": obs.weights_label, "version": obs.weights_version,
-                    "checkpoint": obs.weights_checkpoint, "loadedAt": obs.weights_loaded_at})
-        current = (WeightsRef(obs.weights_checkpoint, obs.weights_label or "")
-                   if obs.weights_checkpoint and obs.weights_label else None)
+                    "checkpoint": obs.weights_checkpoint, "sha256": obs.weights_sha256,
+                    "loadedAt": obs.weights_loaded_at})
+        current = (WeightsRef(obs.weights_checkpoint, obs.weights_label, sha256=_digest(obs.weights_sha256))
+                   if obs.weights_label and (obs.weights_checkpoint or _digest(obs.weights_sha256)) else None)
         out["lastCertain"] = current.to_status() if current else None
         failed = out.get("failedWrite") or {}
         if failed and failed.get("versionLabel") == obs.weights_label:
@@ -223,7 +252,10 @@ def loaded_weights(answer: Mapping[str, Any] | None, ref: WeightsRef) -> dict[st
     version = answer.get("weights_version")
     if not isinstance(version, int) or isinstance(version, bool):
         return {}
-    return {"label": ref.version_label, "version": version, "checkpoint": ref.checkpoint}
+    # A load by digest may have come from a peer or the push held, not from `ref.checkpoint`: the answer says.
+    checkpoint = ref.checkpoint if answer.get("source", "checkpoint") == "checkpoint" else None
+    return {"label": ref.version_label, "version": version, "checkpoint": checkpoint,
+            "sha256": _digest(answer.get("weights_sha256"))}
 
 
 def declared_outcome(spec: SamplerReplicaSpec, result: str, message: str) -> dict[str, Any]:
@@ -259,15 +291,22 @@ def load_while_waiting(spec: SamplerReplicaSpec, weights: Mapping[str, Any]) -> 
 
 
 def weights_synced(spec: SamplerReplicaSpec, weights: Mapping[str, Any], obs: HealthObservation | None,
-                   loading: str | None = None) -> Synced | None:
-    """The WeightsSynced condition; None when there is nothing new to say (keep the last one)."""
+                   loading: str | None = None, unavailable: str | None = None) -> Synced | None:
+    """The WeightsSynced condition; None when there is nothing new to say (keep the last one).
+    `unavailable`: why the last load by digest of spec.weights found the weights nowhere (the pod's 409)."""
     if loading is not None:
         return Synced(False, "Loading", f"loading {loading}")
+    if unavailable is not None and obs is not None and obs.state is HealthState.OK:
+        return Synced(False, WEIGHTS_UNAVAILABLE, unavailable)
     if obs is not None and obs.state is HealthState.UNCERTAIN_WEIGHTS:
         return Synced(False, "Uncertain", obs.reason or "a weight write failed midway")
     missing = checkpoint_missing(obs)
     if missing is not None:
         ref = declared_ref(spec)
+        if ref is not None and unavailable is not None:
+            # A load by digest found the weights nowhere (no ready peer holds them, no checkpoint): the
+            # pod waits, unready; the next loop asks the peers again.
+            return Synced(False, WEIGHTS_UNAVAILABLE, f"{missing}; {unavailable}")
         how = (f"loading spec.weights {ref.version_label!r}" if ref is not None and load_while_waiting(spec, weights)
                else "waiting for spec.weights to name a checkpoint that exists")
         return Synced(False, CHECKPOINT_MISSING, f"{missing}; {how}")

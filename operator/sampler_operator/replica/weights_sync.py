@@ -9,6 +9,11 @@ restarted operator neither repeats a finished load nor forgets an unfinished one
      the outcome (Loaded | InvalidCheckpoint | WriteFailed) goes to status with the spec it was
      for. A checkpoint the pod refuses leaves the pod serving its current, certain weights.
      Busy/unreachable/timed out: nothing is recorded and the next loop tries again.
+     Weights pushed over the network (spec.weights.sha256) are loaded by their digest, the load naming
+     the pool's ready replicas serving them as `peers` (`peer_urls`): a pod that holds the push writes
+     it, one that does not (created, restarted or replaced after the push) catches up from a peer. Found
+     nowhere (the pod's 409 `weights_unavailable`): WeightsSynced=False/WeightsUnavailable with the
+     pod's reasons, an Event, and the next loop asks the peers again; the pod stays as it was.
   2. spec.adapters: add the missing ones, remove those the spec dropped.
 A pod waiting for a loadable checkpoint (its intended one was gone at startup: `starting`, reason
 `intended checkpoint unavailable: ...`) gets step 1 only, with spec.weights even when it was loaded
@@ -19,7 +24,7 @@ The pod stays the same pod: weights are not part of the pod template.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sampler_common.rollout_trace import trace
@@ -27,13 +32,16 @@ from sampler_operator.api_keys import replica_keys
 from sampler_operator.health_probe import HealthObservation
 from sampler_operator.pod_client import Outcome, PodAnswer, call
 from sampler_operator.replica.context import Context, ReplicaMemory, event_target
+from sampler_operator.replica.desired_pod import LABEL_POOL, label_value
 from sampler_operator.replica.spec import SamplerReplicaSpec
 from sampler_operator.replica.status import merge_conditions, synced_condition
 from sampler_operator.replica.weights_intent import (
     INVALID,
     LOADED,
+    WEIGHTS_UNAVAILABLE,
     WRITE_FAILED,
     Synced,
+    WeightsRef,
     adapter_changes,
     checkpoint_missing,
     declared_adapters,
@@ -74,37 +82,79 @@ async def sync_weights(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplica
     return None
 
 
+def serving(obs: HealthObservation, ref: WeightsRef) -> bool:
+    """The pod serves exactly these weights already: their label, from their checkpoint or of their digest."""
+    if obs.weights_label != ref.version_label:
+        return False
+    if ref.checkpoint is not None and obs.weights_checkpoint == ref.checkpoint:
+        return True
+    return ref.sha256 is not None and (obs.weights_sha256 or "").lower() == ref.sha256
+
+
+def peer_urls(me: str, sha256: str, replicas: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The replicas a pod may catch up the weights of `sha256` from (pure): those of its pool that are
+    Ready and serve that digest, with an address, itself left out; in order of name. Each keeps a copy
+    of the weights it wrote from a push or a catch-up (unless --drop-pushed-weights): the pod asks them in
+    turn and skips one that has none."""
+    out = []
+    for r in sorted(replicas, key=lambda r: str((r.get("metadata") or {}).get("name"))):
+        status = r.get("status") or {}
+        ip, port = status.get("podIP"), (r.get("spec") or {}).get("port", 8000)
+        weights = status.get("weights") or {}
+        if ((r.get("metadata") or {}).get("name") == me or status.get("phase") != "Ready" or not ip
+                or str(weights.get("sha256") or "").lower() != sha256):
+            continue
+        host = f"[{ip}]" if ":" in str(ip) else ip
+        out.append(f"http://{host}:{port}")
+    return out
+
+
+async def _peers(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, ref: WeightsRef) -> list[str]:
+    if ref.sha256 is None:
+        return []
+    meta = cr["metadata"]
+    pool = (meta.get("labels") or {}).get(LABEL_POOL) or label_value(spec.pool)
+    return peer_urls(meta["name"], ref.sha256, await ctx.kube.list_replicas(meta["namespace"], {LABEL_POOL: pool}))
+
+
 async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
                          obs: HealthObservation, mem: ReplicaMemory) -> float | None:
     ref = declared_ref(spec)
     assert ref is not None
-    if obs.weights_label == ref.version_label and obs.weights_checkpoint == ref.checkpoint:
+    if serving(obs, ref):
         # The pod started at these weights (a new pod loads undeclared-yet weights at startup).
         await _record(ctx, cr, declared_outcome(spec, LOADED, "loaded at pod startup"), None, mem)
         return None
     key = await _api_key(ctx, cr, spec, mem)
-    ctx.log.info(f"loading declared weights {ref.version_label} ({ref.checkpoint}) in place")
+    peers = await _peers(ctx, cr, spec, ref)
+    ctx.log.info(f"loading declared weights {ref.version_label} ({ref.source}) in place"
+                 + (f", peers {peers}" if ref.sha256 is not None else ""))
     who = f"{cr['metadata'].get('namespace')}/{cr['metadata'].get('name')}"
     # The status says Loading while the load runs, written beside it: every pool rollout waits for
     # its slowest replica's load to start. Only the outcome below moves status.weights.declared, so
     # an operator restarted between the two finds the load still to do (the pod then answers that
     # it serves those weights already, or loads them).
     loading = asyncio.ensure_future(_record(
-        ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.checkpoint}"), mem))
+        ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.source}"), mem))
     trace("operator", "load.started", replica=who, label=ref.version_label)
     try:
         answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
-                            declared_load_request(spec), LOAD_TIMEOUT_S)
+                            declared_load_request(spec, peers), LOAD_TIMEOUT_S)
     except BaseException:
         await asyncio.gather(loading, return_exceptions=True)
         raise
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.http_status in (401, 403):
         mem.admin_key = None   # a rotated or remounted Secret: read it again next time
+    if answer.outcome is Outcome.TRANSIENT and answer.category == "weights_unavailable":
+        await loading
+        await _unavailable(ctx, cr, ref, answer.message, mem)
+        return None
     if answer.outcome is Outcome.TRANSIENT:
         await loading
         ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
         return None
+    mem.unavailable = None
     result, event_type = {Outcome.DONE: (LOADED, "Normal"), Outcome.INVALID: (INVALID, "Warning"),
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
@@ -117,8 +167,9 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         # This write tells all the pool waits for: the label, and that this controller acted on the
         # spec of this generation (it loads only under a spec whose template its pod has). The pool's
         # rollout completes on it, not on the next look's write one probe and one watch event later.
+        source = (answer.body or {}).get("source") or ref.source
         synced = Synced(True, "Synced", f"serving {ref.version_label!r} (version {served['version']}): "
-                                        f"loaded from {ref.checkpoint}")
+                                        f"loaded from {source}")
         observed = observed_generation(cr)
     await loading   # the outcome's write lands after it, never under it
     await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem, observed)
@@ -127,6 +178,19 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     ctx.emit(event_target(cr), event_type, f"Weights{result}",
              f"declared weights {ref.version_label!r} {verb}: {answer.message}"[:1000])
     return AFTER_LOAD_S if result == LOADED else LOOK_AGAIN_S
+
+
+async def _unavailable(ctx: Context, cr: Mapping[str, Any], ref: WeightsRef, message: str,
+                       mem: ReplicaMemory) -> None:
+    """A load by digest found the weights nowhere: the pod stays as it was (unready while it waits for
+    them); the condition says why, and an Event when the reason is new. The next loop asks again."""
+    new = mem.unavailable is None or mem.unavailable != (ref.to_status(), message)
+    mem.unavailable = (ref.to_status(), message)
+    ctx.log.warning(f"declared weights {ref.version_label} are nowhere to load from yet: {message}")
+    await _record(ctx, cr, {}, Synced(False, WEIGHTS_UNAVAILABLE, message[:1000]), mem)
+    if new:
+        ctx.emit(event_target(cr), "Warning", WEIGHTS_UNAVAILABLE,
+                 f"declared weights {ref.version_label!r} (sha256 {ref.sha256}): {message}"[:1000])
 
 
 async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,

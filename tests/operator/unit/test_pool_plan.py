@@ -18,6 +18,7 @@ from sampler_operator.pool.plan import (
     Plan,
     PoolSpec,
     ReplicaState,
+    declared_key,
     desired_replica_spec,
     keys_secret,
     leaving,
@@ -434,7 +435,7 @@ def test_conditions_say_available_and_how_far_the_rollout_is() -> None:
 
 def rejected(s: PoolSpec, name: str, why: str) -> ReplicaState:
     w = s.weights or {}
-    return replace(at(s, name, label="step-1", draining=True), rejected=(w["checkpoint"], w["versionLabel"]),
+    return replace(at(s, name, label="step-1", draining=True), rejected=declared_key(w),
                    rejected_message=why)
 
 
@@ -459,7 +460,7 @@ def test_the_rejection_is_read_from_the_replica_status() -> None:
         "declared": {"checkpoint": "/ckpt/x", "versionLabel": "x"}, "declaredResult": "InvalidCheckpoint",
         "declaredMessage": "bad tensor"}}}
     st = ReplicaState.from_object(obj)
-    assert (st.rejected, st.rejected_message) == (("/ckpt/x", "x"), "bad tensor")
+    assert (st.rejected, st.rejected_message) == (("/ckpt/x", "x", None), "bad tensor")
     obj["status"]["weights"]["declaredResult"] = "Loaded"
     assert ReplicaState.from_object(obj).rejected is None
 

@@ -222,7 +222,12 @@ def test_outcome_of_a_load(code: int, body: bytes, outcome: Outcome) -> None:
 def test_a_loads_answer_puts_the_label_it_names_in_the_status_at_once() -> None:
     ref = WeightsRef("/ckpt/step-2", "step-2")
     assert loaded_weights({"weights_label": "step-2", "weights_version": 3, "write_s": 0.01}, ref) == {
-        "label": "step-2", "version": 3, "checkpoint": "/ckpt/step-2"}
+        "label": "step-2", "version": 3, "checkpoint": "/ckpt/step-2", "sha256": None}
+    # A load by digest says where the weights came from: from a peer or a push, no checkpoint.
+    pushed = WeightsRef(None, "net-2", sha256="ab" * 32)
+    assert loaded_weights({"weights_label": "net-2", "weights_version": 4, "weights_sha256": "AB" * 32,
+                           "source": "peer http://10.0.0.9:8000"}, pushed) == {
+        "label": "net-2", "version": 4, "checkpoint": None, "sha256": "ab" * 32}
     # Nothing it does not prove: another label, no version, not an object.
     for answer in ({"weights_label": "step-1", "weights_version": 3}, {"weights_label": "step-2"},
                    {"weights_label": "step-2", "weights_version": True}, None, ["step-2"]):

@@ -58,7 +58,7 @@ def sync(monkeypatch: pytest.MonkeyPatch, answer: PodAnswer | None, cr: dict[str
     ctx = Context(kube=None, session=None, emit=lambda *_: None, log=logging.getLogger("test"),  # type: ignore[arg-type]
                   loaded=loaded)
     return asyncio.run(weights_sync.sync_weights(ctx, cr, spec(**({"weights": step(1)} | spec_kw)), "10.0.0.1",
-                                                 health(label="base"), None))  # type: ignore[arg-type]
+                                                 health(label="base"), ReplicaMemory()))  # type: ignore[arg-type]
 
 
 def test_a_load_the_pod_took_is_looked_at_again_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +85,7 @@ def test_a_load_the_pod_took_reports_its_label_in_the_same_write(monkeypatch: py
     answer = PodAnswer(Outcome.DONE, "ok", 200, {"weights_label": "step-1", "weights_version": 2})
     assert sync(monkeypatch, answer, records=records) == 0.0
     assert records[-1] == {**declared_outcome(spec(weights=step(1)), LOADED, "ok"),
-                           "label": "step-1", "version": 2, "checkpoint": "/ckpt/step-1"}
+                           "label": "step-1", "version": 2, "checkpoint": "/ckpt/step-1", "sha256": None}
     # A refusal says nothing of what is served.
     records.clear()
     sync(monkeypatch, PodAnswer(Outcome.INVALID, "bad", 400), records=records)
