@@ -78,13 +78,16 @@ class WeightsState:
     steps: dict[int, int] = field(default_factory=dict)
     # The model digest of the serving weights when they were pushed over the network.
     sha256: str | None = None
+    # Where the serving weights came from: checkpoint, push, kept, `peer <url>`; None: the base model.
+    source: str | None = None
 
     def bump(self, label: str, checkpoint: str | None = None, step: int | None = None,
-             sha256: str | None = None) -> None:
+             sha256: str | None = None, source: str | None = None) -> None:
         self.version += 1
         self.label = label
         self.checkpoint = checkpoint
         self.sha256 = sha256
+        self.source = source
         self.loaded_at = utc_now_iso()
         self.labels[self.version] = label
         self.step = step
@@ -140,6 +143,9 @@ class HealthReport(BaseModel):
     weights_checkpoint: str | None = None
     # The model digest of the serving weights, when they were pushed over the network.
     weights_sha256: str | None = None
+    # Where they came from: `checkpoint`, `push` (received over the network), `kept` (this replica's copy of
+    # a push), `peer <url>` (a catch-up); null: the base model.
+    weights_source: str | None = None
     weights_loaded_at: str | None = None
     intended: IntendedWeights | None = None
     failed_write: FailedWrite | None = None

@@ -155,7 +155,8 @@ class SamplerCore:
                     if stalled is not None and status == "engine_stalled" else None)
         cache = self.engine.cache_state() if self.engine is not None else None
         return HealthReport(status=status, reason=reason, weights_version=w.version, weights_label=w.label,
-                            weights_checkpoint=w.checkpoint, weights_sha256=w.sha256, weights_loaded_at=w.loaded_at,
+                            weights_checkpoint=w.checkpoint, weights_sha256=w.sha256, weights_source=w.source,
+                            weights_loaded_at=w.loaded_at,
                             intended=w.intended, weight_transfer=self.transfer_report(),
                             failed_write=w.failed_write, weights_step=w.step,
                             adapters=[AdapterEntry(name=n, path=self.adapters[n].path,

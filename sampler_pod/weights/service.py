@@ -421,7 +421,8 @@ class WeightsService:
         try:
             require()
             intended = IntendedWeights(checkpoint=None, version_label=label, step=opts.step, sha256=sha256)
-            written = await self.write_staged(engine, require, staged, intended, opts, deadline, outcome)
+            written = await self.write_staged(engine, require, staged, intended, opts, deadline, outcome,
+                                              source=source)
         finally:
             m.weight_loads.labels(outcome=outcome.value).inc()
             if outcome.value == "rejected":
@@ -439,7 +440,7 @@ class WeightsService:
     async def write_staged(self, engine: Engine, require: Callable[[], Engine], staged: StagedCheckpoint,
                            intended: IntendedWeights, opts: WriteOptions, deadline: float, outcome: _Outcome, *,
                            before_write: Callable[[], None] = lambda: None,
-                           fail_after_tensors: int | None = None) -> _Written:
+                           fail_after_tensors: int | None = None, source: str = "checkpoint") -> _Written:
         """Write staged tensors (a checkpoint read into host memory, or a push received over the network):
         `keep`, pause the engine with every sample kept, write, resume (only the right to mutate is
         taken); `drain` / `abort`, the write lock, then the write. The intent is recorded at the point of
@@ -459,7 +460,7 @@ class WeightsService:
                     outcome.value = "uncertain"  # from here on the engine's weights are being overwritten
                     try:
                         write = await self._write_in_flight(engine, staged, intended, opts.kv or "keep",
-                                                            fail_after_tensors)
+                                                            fail_after_tensors, source)
                     except NothingWritten as e:
                         # The engine never paused: the old weights serve on, and stay the intended ones.
                         outcome.value = "rejected"
@@ -482,7 +483,7 @@ class WeightsService:
                 self._persist(intended)
                 core.weights.intended = intended
                 outcome.value = "uncertain"
-                n = await self._write(engine, intended, lambda version: engine.load_staged(staged, version))
+                n = await self._write(engine, intended, lambda version: engine.load_staged(staged, version), source)
                 outcome.value = "ok"
                 core.awaiting_weights = None
                 return _Written(n, got, time.monotonic() - got)
@@ -492,7 +493,7 @@ class WeightsService:
                                field="timeout_s") from None
 
     async def _write_in_flight(self, engine: Engine, staged: StagedCheckpoint, intended: IntendedWeights, kv: KvMode,
-                               fail_after_tensors: int | None) -> InFlightWrite:
+                               fail_after_tensors: int | None, source: str) -> InFlightWrite:
         """The keep-mode write. A failure leaves the weights uncertain, and the samples the engine
         holds end `aborted` (resubmit) instead of waiting on a paused, half-written engine."""
         core = self.core
@@ -511,10 +512,11 @@ class WeightsService:
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise WeightWriteFailed(reason + "; weights are uncertain, the replica must be replaced") from e
-        self._bumped(intended)
+        self._bumped(intended, source)
         return write
 
-    async def _write(self, engine: Engine, intended: IntendedWeights, write: Callable[[int], Awaitable[int]]) -> int:
+    async def _write(self, engine: Engine, intended: IntendedWeights, write: Callable[[int], Awaitable[int]],
+                     source: str = "checkpoint") -> int:
         """The write itself (`write(version)`), under the write lock. Any failure here leaves the weights
         uncertain."""
         core = self.core
@@ -526,7 +528,7 @@ class WeightsService:
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise WeightWriteFailed(reason + "; weights are uncertain, the replica must be replaced") from e
-        self._bumped(intended)
+        self._bumped(intended, source)
         return n
 
     def _uncertain(self, intended: IntendedWeights, e: BaseException, limit: float) -> str:
@@ -540,9 +542,9 @@ class WeightsService:
         log.error("%s; weights are now UNCERTAIN and this replica must be replaced", reason)
         return reason
 
-    def _bumped(self, intended: IntendedWeights) -> None:
+    def _bumped(self, intended: IntendedWeights, source: str) -> None:
         core = self.core
-        core.weights.bump(intended.version_label, intended.checkpoint, intended.step, intended.sha256)
+        core.weights.bump(intended.version_label, intended.checkpoint, intended.step, intended.sha256, source)
         core.metrics.set_weights(core.weights.version, core.weights.label)
 
     # ------------------------------------------------------------ the state file

@@ -157,6 +157,7 @@ async def test_a_load_by_digest_writes_the_push_held_in_its_own_mode_and_keeps_a
     out, h = r.json(), await replica.health()
     assert out["source"] == "push" and out["weights_sha256"] == digest and out["weights_label"] == "net-1"
     assert (h["weights_label"], h["weights_step"], h["weights_sha256"], h["weights_version"]) == ("net-1", 4, digest, 1)
+    assert h["weights_source"] == "push"
     assert h["intended"] == {"checkpoint": None, "version_label": "net-1", "sha256_manifest": None, "step": 4,
                              "sha256": digest}
     assert h["weight_transfer"]["phase"] == "joined"  # the round is over; the trainer's group stays
@@ -166,7 +167,7 @@ async def test_a_load_by_digest_writes_the_push_held_in_its_own_mode_and_keeps_a
     # Again, under another label: nothing held any more, so from the kept copy.
     r = await replica.c.post("/v1/checkpoints/load", json={"version_label": "net-1b", "sha256": digest})
     assert r.status_code == 200 and r.json()["source"] == "kept", r.text
-    assert (await replica.health())["weights_label"] == "net-1b"
+    assert ((await replica.health())["weights_label"], (await replica.health())["weights_source"]) == ("net-1b", "kept")
 
 
 async def test_the_kept_copy_is_served_to_a_peer_and_is_what_was_pushed(replica: Replica, tmp_path: Path) -> None:
@@ -315,8 +316,8 @@ def test_a_replica_started_after_a_push_waits_unready_and_catches_up_from_a_peer
             r = c.post("/v1/checkpoints/load", json={**load, "peers": [empty.url, peer.url]})
             assert r.status_code == 200 and r.json()["source"] == f"peer {peer.url}", r.text
             h = c.get("/health").json()
-            assert (h["status"], h["weights_label"], h["weights_step"], h["weights_sha256"]) == \
-                ("ok", "net-1", 3, digest), h
+            assert (h["status"], h["weights_label"], h["weights_step"], h["weights_sha256"], h["weights_source"]) == \
+                ("ok", "net-1", 3, digest, f"peer {peer.url}"), h
             assert _greedy(c) == want
             # It keeps the copy it caught up: the next replica may catch up from it.
             assert c.get("/v1/weights/staged", params={"sha256": digest}).status_code == 200

@@ -64,7 +64,11 @@ class WeightsRef:
     sha256: str | None = None
 
     def to_status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"checkpoint": self.checkpoint, "versionLabel": self.version_label}
+        # No `checkpoint: null` for pushed weights: a merge patch drops nulls, and this is compared with
+        # what the status holds (needs_declared_load).
+        out: dict[str, Any] = {"versionLabel": self.version_label}
+        if self.checkpoint is not None:
+            out = {"checkpoint": self.checkpoint, **out}
         if self.sha256_manifest:
             out["sha256Manifest"] = dict(self.sha256_manifest)
         if self.step is not None:

@@ -51,6 +51,7 @@ from sampler_operator.replica.weights_intent import (
     load_while_waiting,
     loaded_weights,
     needs_declared_load,
+    weights_synced,
 )
 
 # A load validates (reads every header), drains in-flight samples, then writes: minutes for a
@@ -148,7 +149,7 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         mem.admin_key = None   # a rotated or remounted Secret: read it again next time
     if answer.outcome is Outcome.TRANSIENT and answer.category == "weights_unavailable":
         await loading
-        await _unavailable(ctx, cr, ref, answer.message, mem)
+        await _unavailable(ctx, cr, spec, ref, obs, answer.message, mem)
         return None
     if answer.outcome is Outcome.TRANSIENT:
         await loading
@@ -180,14 +181,17 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     return AFTER_LOAD_S if result == LOADED else LOOK_AGAIN_S
 
 
-async def _unavailable(ctx: Context, cr: Mapping[str, Any], ref: WeightsRef, message: str,
-                       mem: ReplicaMemory) -> None:
+async def _unavailable(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, ref: WeightsRef,
+                       obs: HealthObservation, message: str, mem: ReplicaMemory) -> None:
     """A load by digest found the weights nowhere: the pod stays as it was (unready while it waits for
-    them); the condition says why, and an Event when the reason is new. The next loop asks again."""
+    them); the condition says why (as the loop's own look will: `weights_synced`), and an Event when the
+    reason is new. The next loop asks again."""
     new = mem.unavailable is None or mem.unavailable != (ref.to_status(), message)
     mem.unavailable = (ref.to_status(), message)
     ctx.log.warning(f"declared weights {ref.version_label} are nowhere to load from yet: {message}")
-    await _record(ctx, cr, {}, Synced(False, WEIGHTS_UNAVAILABLE, message[:1000]), mem)
+    weights = ((mem.newest_body or cr).get("status") or {}).get("weights") or {}
+    synced = weights_synced(spec, weights, obs, unavailable=message) or Synced(False, WEIGHTS_UNAVAILABLE, message)
+    await _record(ctx, cr, {}, Synced(synced.status, synced.reason, synced.message[:1000]), mem)
     if new:
         ctx.emit(event_target(cr), "Warning", WEIGHTS_UNAVAILABLE,
                  f"declared weights {ref.version_label!r} (sha256 {ref.sha256}): {message}"[:1000])
