@@ -48,6 +48,12 @@ class TrainerProcess:
         self.send(checkpoint=str(checkpoint), **cmd)
         return self.next()
 
+    def release(self) -> None:
+        """Let a push stalled with `release: true` go on."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("{}\n")
+        self.proc.stdin.flush()
+
     def kill(self) -> None:
         """SIGKILL: the trainer dies mid-whatever, its sockets closed by the kernel."""
         os.kill(self.proc.pid, signal.SIGKILL)

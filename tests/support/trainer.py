@@ -9,7 +9,9 @@ module's pushes:
      | {"ok": false, "error": {"type", "status", "category", "field", "message"}}
 
 `stall_after: N` stops the push after N tensors were handed to the sender (earlier chunks are sent) and
-answers {"stalled": true}: the process then waits for nothing, to be killed. `tamper` breaks one tensor's
+answers {"stalled": true}: the process then waits for nothing, to be killed; with `"release": true` it waits
+for the next line on stdin instead, and goes on (`TrainerProcess.release`): a test breaks something while
+the push is stalled mid-transfer, then lets the trainer meet it. `tamper` breaks one tensor's
 name, shape or dtype, or the digest the trainer sends for it. Run: `python -m tests.support.trainer URL KEY`.
 """
 
@@ -32,10 +34,11 @@ from sampler_common.weight_transfer.gloo import GlooTrainerInitInfo, GlooTrainer
 
 
 class Stalling(WeightSource):  # type: ignore[misc]
-    """Yields `n` tensors of `inner`, then says so and blocks for good (the test kills the process)."""
+    """Yields `n` tensors of `inner`, then says so and blocks: for good (the test kills the process), or,
+    `released`, until the next line on stdin (the main loop is inside this push meanwhile: it reads none)."""
 
-    def __init__(self, inner: WeightSource, n: int) -> None:
-        self.inner, self.n = inner, n
+    def __init__(self, inner: WeightSource, n: int, released: bool = False) -> None:
+        self.inner, self.n, self.released = inner, n, released
 
     def metadata(self) -> list[ParamMeta]:
         return list(self.inner.metadata())
@@ -44,7 +47,10 @@ class Stalling(WeightSource):  # type: ignore[misc]
         for i, pair in enumerate(self.inner):
             if i == self.n:
                 answer({"stalled": True})
-                threading.Event().wait()
+                if self.released:
+                    sys.stdin.readline()
+                else:
+                    threading.Event().wait()
             yield pair
 
 
@@ -82,7 +88,7 @@ def push(pool: Pool, wire: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any
     source: WeightSource = tampered(model, how) if how.keys() - {"digest"} else StateDictSource(
         model.named_parameters())
     if cmd.get("stall_after") is not None:
-        source = Stalling(source, cmd["stall_after"])
+        source = Stalling(source, cmd["stall_after"], bool(cmd.get("release")))
     opts = {k: cmd.get(k) for k in ("step", "in_flight", "kv")}
     if "digest" in how:
         info = GlooTrainerInitInfo(master_address=local_address("127.0.0.1", 1), world_size=2, rank=0, **wire)
