@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sampler_common.errors import Conflict, SamplerError, validation_error
 
-from ..errors import ReplicaRefused, RolloutStopped, RolloutTimedOut
+from ..errors import ReplicaLost, ReplicaRefused, ReplicaTimeout, RolloutStopped, RolloutTimedOut
 from ..forwarding.forward import Gateway
 from ..replicas.view import ReplicaView
 from .adapters import Replicas
@@ -98,8 +98,8 @@ class PoolTransfer:
         self.session = PoolSession()
         # One change of phase at a time; the long phases are phases, so a call meanwhile is a 409.
         self._calls = asyncio.Lock()
-        # Calls to replicas still running after their push ended at another member's failure.
-        self._outstanding: set[asyncio.Future[Any]] = set()
+        # Calls to replicas still running after their push ended at another member's failure, by replica.
+        self._outstanding: dict[asyncio.Future[Any], str] = {}
         self._join_timeout_s = DEFAULT_JOIN_TIMEOUT_S
 
     # ------------------------------------------------------------ the replicas
@@ -126,8 +126,8 @@ class PoolTransfer:
         for m in of:
             task: asyncio.Future[dict[str, Any]] = asyncio.ensure_future(call(m))
             tasks[task] = m.name
-            self._outstanding.add(task)
-            task.add_done_callback(self._outstanding.discard)
+            self._outstanding[task] = m.name
+            task.add_done_callback(lambda t: self._outstanding.pop(t, None))
             task.add_done_callback(_retrieved)
         answers: dict[str, dict[str, Any]] = {}
         failures: dict[str, SamplerError] = {}
@@ -227,6 +227,7 @@ class PoolTransfer:
                                                                   self.gw.cfg.transfer_timeout_s))
             received = received_by_all(answers)
         except SamplerError as e:
+            e = await self._culprit(e, ms)
             self.session.end(f"update_weights failed: {e.message}")
             log.warning("weight transfer: the push tore: %s", e.message)
             raise _noted(e, NOTHING_WRITTEN) from None
@@ -271,6 +272,36 @@ class PoolTransfer:
         for name, e in failures.items():  # it left anyway: its next push joins afresh
             log.warning("weight transfer: %s did not shut down cleanly: %s", name, e.message)
         return {"message": "Weight transfer shut down", "phase": "idle"}
+
+    async def _culprit(self, first: SamplerError, ms: tuple[Member, ...]) -> SamplerError:
+        """The failure to name when a push ended. A member whose receive TORE (its group closed under it) is
+        a symptom: the trainer dropped the group because another member stopped taking bytes. So when the
+        first failure is a tear and members have not answered yet, each is asked its `/health` (the
+        control calls' bound): one that does not answer is named instead, a 504 saying so (a hung replica;
+        a killed one answers its call at once, `replica_lost`)."""
+        if not (isinstance(first, ReplicaRefused) and first.category == "transfer_failed"):
+            return first
+        pending = sorted(set(self._outstanding.values()) & {m.name for m in ms})
+        if not pending:
+            return first
+        by_name = {m.name: m for m in ms}
+
+        async def silent(name: str) -> bool:
+            try:
+                await self._call(by_name[name], "GET", "/health", None, self.gw.cfg.control_timeout_s)
+            except (ReplicaLost, ReplicaTimeout):
+                return True
+            except SamplerError:  # it answered (not ok is an answer)
+                return False
+            return False
+
+        hung = [n for n, quiet in zip(pending, await asyncio.gather(*(silent(n) for n in pending)), strict=True)
+                if quiet]
+        if not hung:
+            return first
+        return ReplicaTimeout(f"replica {hung[0]} stopped taking the push (no answer to its update nor to /health "
+                              f"within {self.gw.cfg.control_timeout_s:g}s), so the trainer's group tore: "
+                              f"{first.message}", field="update_info", headers={"X-Sampler-Replica": hung[0]})
 
     # ------------------------------------------------------------ the write
 

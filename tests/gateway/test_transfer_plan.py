@@ -31,12 +31,12 @@ from sampler_gateway.admin.transfer_plan import (
     world_size,
 )
 from sampler_gateway.config import GatewayConfig
-from sampler_gateway.errors import ReplicaLost, ReplicaRefused, RolloutStopped
+from sampler_gateway.errors import ReplicaLost, ReplicaRefused, ReplicaTimeout, RolloutStopped
 from sampler_gateway.forwarding.forward import Gateway
 from sampler_gateway.metrics.registry import GatewayMetrics
 from sampler_gateway.replicas.view import PoolView, ReplicaView
 from sampler_gateway.routing.pool import Pool
-from sampler_gateway.upstream.exchange import Lost, Outgoing, Reply
+from sampler_gateway.upstream.exchange import Lost, Outgoing, Reply, TimedOut
 from tests.support.memory_pool import MemoryPool
 
 SHA = "ab" * 32
@@ -122,6 +122,7 @@ class Scripted:
     gate: asyncio.Event | None = None
     lost: bool = False
     refuse: Reply | None = None
+    hung: bool = False  # its /health gets no answer either (a stopped process)
 
 
 class Replicas:
@@ -135,6 +136,10 @@ class Replicas:
         r.calls.append((out.path, body))
         if out.path == "/get_world_size":
             return _json(200, {"world_size": r.workers})
+        if out.path == "/health":
+            if r.hung:
+                raise TimedOut(f"no answer within {out.timeout_s:g}s")
+            return _json(200, {"status": "ok"})
         if out.path == "/update_weights":
             if r.gate is not None:
                 await r.gate.wait()
@@ -214,6 +219,28 @@ async def test_a_member_lost_mid_transfer_ends_the_push_at_once_and_the_next_ini
     for r in reps.values():
         r.refuse = None
     assert (await t.update({"update_info": {"names": ["x"]}}))["sha256"] == SHA
+
+
+async def test_a_hung_member_is_named_rather_than_the_one_whose_receive_tore_because_of_it() -> None:
+    """A replica that stops taking bytes (a stopped process: no answer to its update nor to /health) makes the
+    trainer drop its group past the timeout, and the others' receives tear: the tear is the first answer, but
+    the push names the silent replica. A tear with every member answering (the trainer died) stays a tear."""
+    torn = _json(502, {"error": {"category": "transfer_failed", "message": "the push tore", "field": "update_info"}})
+    reps = {"r0": Scripted(refuse=torn), "r1": Scripted(gate=asyncio.Event(), hung=True)}
+    t = transfer(reps)
+    await _joined(t, 3, timeout_s=0.1)
+    with pytest.raises(ReplicaTimeout) as e:
+        await t.update({"update_info": {"names": ["x"]}})
+    assert e.value.headers["X-Sampler-Replica"] == "r1" and "replica r1 stopped taking the push" in e.value.message
+    assert "replica r0: the push tore" in e.value.message and "nothing was written on any replica" in e.value.message
+    reps["r1"].gate.set()  # type: ignore[union-attr]
+    reps["r1"].refuse, reps["r1"].hung = torn, False
+    await _joined(t, 3)
+    reps["r1"].gate = asyncio.Event()
+    with pytest.raises(ReplicaRefused) as tear:
+        await t.update({"update_info": {"names": ["x"]}})  # r1 pending but answering /health: the tear stands
+    assert tear.value.category == "transfer_failed" and tear.value.replica == "r0"
+    reps["r1"].gate.set()
 
 
 async def test_a_replicas_refusal_is_its_own_answer_naming_it() -> None:
