@@ -275,6 +275,14 @@ def _pushed(server: RunningServer, model: Path, label: str) -> str:
         return str(r.json()["weights_sha256"])
 
 
+def _started(c: httpx.Client) -> bool:
+    """The start-up is over (/startedz): serving, or waiting for weights it can load."""
+    try:
+        return c.get("/startedz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _greedy(c: httpx.Client) -> list[int]:
     r = c.post("/v1/sample", json={"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 8, "temperature": 0}})
     assert r.status_code == 200, r.text
@@ -296,13 +304,7 @@ def test_a_replica_started_after_a_push_waits_unready_and_catches_up_from_a_peer
         start = ["--initial-version-label", "net-1", "--initial-sha256", digest, "--initial-step", "3"]
         with run_server(tiny_model, *args, *start, engine="fake", wait=False) as late, \
                 late.client(headers={"X-API-Key": ADMIN}) as c:
-            def started() -> bool:
-                try:
-                    return c.get("/startedz").status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            wait_until(started, "the late replica to finish starting")
+            wait_until(lambda: _started(c), "the late replica to finish starting")
             h = c.get("/health").json()
             assert h["status"] == "starting" and c.get("/readyz").status_code == 503, h
             assert h["reason"].startswith(f"intended checkpoint unavailable: network push net-1 (sha256 {digest})"), h
@@ -344,13 +346,7 @@ def test_a_restart_after_a_push_waits_unready_rather_than_serve_other_weights(ti
             assert r.status_code == 200, r.text
         digest = r.json()["weights_sha256"]
     with run_server(tiny_model, *args, engine="fake", wait=False) as s, s.client() as c:
-        def waiting() -> bool:
-            try:
-                return c.get("/startedz").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(waiting, "the restarted replica to finish starting")
+        wait_until(lambda: _started(c), "the restarted replica to finish starting")
         h = c.get("/health").json()
         assert h["status"] == "starting" and c.get("/readyz").status_code == 503, h
         assert h["reason"] == f"intended checkpoint unavailable: network push net-1 (sha256 {digest}) (weights " \
