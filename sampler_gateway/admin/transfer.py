@@ -58,6 +58,7 @@ from .pool_object import PoolObject, write_checked
 from .transfer_plan import (
     Member,
     PoolSession,
+    changed_members,
     default_label,
     init_info_of,
     members,
@@ -199,6 +200,15 @@ class PoolTransfer:
         async with self._calls:
             self.session.require("start_weight_update")
             ms = self.session.members
+            # Every round goes to the replicas routed to now: a group made before one came (or left) ends,
+            # and the trainer joins the pool as it is (sampler_client does by itself, on this 409).
+            routed = set(await self.replicas.eligible())
+            changed = changed_members(ms, routed)
+            if changed is not None:
+                self.session.end(f"the pool's routed replicas changed ({changed})")
+                raise Conflict(f"start_weight_update: the pool's routed replicas changed since the trainer joined "
+                               f"({changed}): push again from init_weight_transfer_engine (after /get_world_size)",
+                               field="start_weight_update")
             try:
                 await self._fan(ms, lambda m: self._call(m, "POST", "/start_weight_update", None,
                                                          self.gw.cfg.control_timeout_s))

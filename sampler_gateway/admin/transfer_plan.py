@@ -10,6 +10,10 @@ the replicas routed to now; `init_weight_transfer_engine` must name `world_size`
 A pool that changed in between (a replica scaled, one out of routing) is a 400 naming
 `init_info.world_size` and saying the current sum, before any replica is asked to join.
 
+A push's members are fixed by its init, for its group; each round (`start_weight_update`) goes to the
+replicas routed to now, so a round that finds them changed (a replica came, or left routing) ends the
+group with a 409 naming the change, and the trainer joins the pool as it is.
+
 **One order.** The gateway's push is in one phase at a time (sampler_common/weight_transfer/session.py,
 the same table a replica enforces): a call out of order is a 409 naming it, and a second push while one
 moves (joining, receiving, writing) a 409 too; each call then goes to every member.
@@ -61,6 +65,15 @@ def workers_of(name: str, answer: Any) -> int:
         raise ReplicaRefused(name, 502, {"category": "replica_error",
                                          "message": f"/get_world_size answered {answer!r}"})
     return n
+
+
+def changed_members(of: Sequence[Member], routed: set[str]) -> str | None:
+    """How the replicas routed to now differ from a push's members (None: they do not), for the 409 that
+    makes the trainer join the pool as it is: `+r2` came, `-r1` left."""
+    names = {m.name for m in of}
+    if names == routed:
+        return None
+    return ", ".join([f"+{n}" for n in sorted(routed - names)] + [f"-{n}" for n in sorted(names - routed)])
 
 
 def init_info_of(body: Any, of: Sequence[Member]) -> dict[str, Any]:

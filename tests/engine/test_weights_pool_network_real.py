@@ -7,10 +7,11 @@ its rank offset in one world).
   equals the one computed here from the checkpoint file.
 * A replica killed mid-transfer (the trainer stalled after 10 tensors, the replica SIGKILLed, the trainer
   let go): the push ends naming it (502 `replica_lost`), the other replica stays at its label, its greedy
-  output unchanged, nothing uncertain. The killed replica's container comes back (same state file): it
-  waits unready (its pushed weights have no durable copy) and catches up from its peer (the copy read from
-  the peer's engine, verified against the digest, written into its own), greedy equal to HF's. Then the
-  next push from the same trainer succeeds on both.
+  output unchanged, nothing uncertain. The next push, with the killed replica out of the pool, works (the
+  trainer finds the world smaller and joins again by itself). The killed replica's container comes back
+  (same state file): it waits unready (its pushed weights have no durable copy) and catches up from its
+  peer (the copy read from the peer's engine, verified against the digest, written into its own), greedy
+  equal to HF's. Back in the pool, the next push from the same trainer succeeds on both.
 
 Three engine starts in all (two, and the restart). Nothing sleeps: the tests wait on the trainer's answers
 and on /health.
@@ -30,7 +31,7 @@ import httpx
 import pytest
 
 from tests.support.checkpoints import hf_greedy, perturbed_checkpoint
-from tests.support.gateway import RunningGateway, run_gateway
+from tests.support.gateway import RunningGateway, run_gateway, write_replicas
 from tests.support.network_push import TrainerProcess, checkpoint_sha256, trainer_process
 from tests.support.server import RunningServer, spawn_server, stop, wait_healthy, wait_until
 
@@ -136,31 +137,46 @@ def test_a_replica_killed_mid_transfer_ends_the_push_naming_it_the_other_stays_a
     assert after["intended"] == before["intended"]
     assert env.greedy("r0") == tokens
 
+    # The pool without r1 (its replica set shrinks): the trainer's next push finds the gateway's world
+    # smaller, reads it again by itself, and pushes into r0 alone.
+    write_replicas(env.gw.replicas_file, [{"name": "r0", "url": env.servers["r0"].url}])
+    env.gw.wait(lambda h: [r["name"] for r in h["replicas"]] == ["r0"], "r1 gone from the pool")
+    out = env.trainer.push(env.root / "step-2", label="net-2", step=2)
+    assert out["ok"], out
+    second = checkpoint_sha256(env.root / "step-2")
+    want = hf_greedy(env.root / "step-2", PROMPT, 16)
+    assert env.health("r0")["weights_label"] == "net-2" and env.greedy("r0") == want
+    assert env.gw.health()["weight_transfer"]["world_size"] == 2
+
     # r1's container comes back (the kubelet's restart: same address, same state file). Its weights were
-    # pushed: no durable copy; it waits unready, and a load naming its peer catches it up.
+    # pushed: no durable copy; it waits unready, and a load naming the pool's weights (net-2 now) and its
+    # peer catches it up: the copy read out of r0's engine, verified against the digest, written into r1's.
     revived = spawn_server(env.model, int(killed.url.rsplit(":", 1)[1]), killed.log_path.parent, *FLAGS)
     env.servers["r1"] = revived
     wait_healthy(revived.url, revived.proc, revived.log_path, want="starting")
     with env.client("r1") as c:
         wait_until(lambda: c.get("/startedz").status_code == 200, "r1 started, waiting", timeout=240)
         h = c.get("/health").json()
-        digest = before["weights_sha256"]
-        assert h["status"] == "starting" and f"network push net-1 (sha256 {digest})" in h["reason"], h
-        r = c.post("/v1/checkpoints/load", json={"version_label": "net-1", "sha256": digest, "step": 1,
+        first = before["weights_sha256"]
+        assert h["status"] == "starting" and f"network push net-1 (sha256 {first})" in h["reason"], h
+        r = c.post("/v1/checkpoints/load", json={"version_label": "net-1", "sha256": first,
+                                                 "peers": [env.servers["r0"].url]})
+        assert r.status_code == 409 and r.json()["error"]["field"] == "sha256", r.text  # r0 keeps net-2's only
+        r = c.post("/v1/checkpoints/load", json={"version_label": "net-2", "sha256": second, "step": 2,
                                                  "peers": [env.servers["r0"].url]})
         assert r.status_code == 200, r.text
     h = env.health("r1")
     assert (h["status"], h["weights_label"], h["weights_sha256"], h["weights_source"]) == \
-        ("ok", "net-1", digest, f"peer {env.servers['r0'].url}"), h
-    assert env.greedy("r1") == tokens == hf_greedy(env.root / "step-1", PROMPT, 16)
+        ("ok", "net-2", second, f"peer {env.servers['r0'].url}"), h
+    assert env.greedy("r1") == want
 
-    # The next push, from the same trainer: it joins the pool again by itself (a new world of both).
+    # Back in the pool: the next push, from the same trainer, joins both again (a world of 3) by itself.
+    write_replicas(env.gw.replicas_file, [{"name": n, "url": env.servers[n].url} for n in ("r0", "r1")])
     env.gw.wait_eligible({"r0", "r1"})
-    out = env.trainer.push(env.root / "step-2", label="net-2", step=2)
+    out = env.trainer.push(env.root / "step-1", label="net-3", step=3)
     assert out["ok"], out
-    want = hf_greedy(env.root / "step-2", PROMPT, 16)
+    want = hf_greedy(env.root / "step-1", PROMPT, 16)
     for name in ("r0", "r1"):
         h = env.health(name)
-        assert (h["status"], h["weights_label"], h["weights_sha256"]) == \
-            ("ok", "net-2", checkpoint_sha256(env.root / "step-2")), (name, h)
+        assert (h["status"], h["weights_label"], h["weights_sha256"]) == ("ok", "net-3", first), (name, h)
         assert env.greedy(name) == want, name

@@ -22,6 +22,7 @@ from sampler_gateway.admin.transfer_plan import (
     Member,
     PoolSession,
     Received,
+    changed_members,
     default_label,
     init_info_of,
     members,
@@ -50,6 +51,12 @@ def test_members_take_consecutive_ranks_from_1_in_order_of_name() -> None:
     assert world_size(ms) == 8 and world_size(()) == 1
     assert replica_init({"world_size": 8, "rank_offset": 1, "master_port": 5}, ms[2]) == \
         {"init_info": {"world_size": 8, "rank_offset": 4, "master_port": 5}}
+
+
+def test_a_change_of_the_routed_replicas_is_named_for_the_trainer() -> None:
+    ms = members({"r0": ("u", 1), "r1": ("u", 1)})
+    assert changed_members(ms, {"r0", "r1"}) is None
+    assert changed_members(ms, {"r0", "r2", "r3"}) == "+r2, +r3, -r1"
 
 
 @pytest.mark.parametrize("body,field", [
@@ -241,6 +248,24 @@ async def test_a_hung_member_is_named_rather_than_the_one_whose_receive_tore_bec
         await t.update({"update_info": {"names": ["x"]}})  # r1 pending but answering /health: the tear stands
     assert tear.value.category == "transfer_failed" and tear.value.replica == "r0"
     reps["r1"].gate.set()
+
+
+async def test_a_round_goes_to_the_replicas_routed_to_now_so_a_changed_pool_rejoins() -> None:
+    reps = {"r0": Scripted(), "r1": Scripted()}
+    t = transfer(reps)
+    await _joined(t, 3)
+    await t.update({"update_info": {"names": ["x"]}})
+    await t.finish({"weight_version": "net-1"})
+    pool = t.gw.pool
+    pool.update(PoolView(replicas=(pool.view.by_name["r0"],)))  # r1 left routing
+    with pytest.raises(Conflict) as e:
+        await t.start()
+    assert e.value.field == "start_weight_update" and "(-r1)" in e.value.message and t.session.phase == "idle"
+    with pytest.raises(InvalidRequest) as world:
+        await t.init({"init_info": {**INIT, "world_size": 3}})  # the trainer's old world: read it again
+    assert world.value.field == "init_info.world_size"
+    await _joined(t, 2)
+    assert [m.name for m in t.session.members] == ["r0"]
 
 
 async def test_a_replicas_refusal_is_its_own_answer_naming_it() -> None:
