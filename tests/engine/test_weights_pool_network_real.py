@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +32,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support import REPO_ROOT
 from tests.support.checkpoints import hf_greedy, perturbed_checkpoint
 from tests.support.gateway import RunningGateway, run_gateway, write_replicas
-from tests.support.network_push import TrainerProcess, checkpoint_sha256, trainer_process
+from tests.support.network_push import START_TIMEOUT_S, TrainerProcess, checkpoint_sha256, trainer_process
 from tests.support.server import RunningServer, spawn_server, stop, wait_healthy, wait_until
 
 KEY, ADMIN = "tml-sample-pool-net", "tml-admin-pool-net"
@@ -179,4 +182,21 @@ def test_a_replica_killed_mid_transfer_ends_the_push_naming_it_the_other_stays_a
     for name in ("r0", "r1"):
         h = env.health(name)
         assert (h["status"], h["weights_label"], h["weights_sha256"]) == ("ok", "net-3", first), (name, h)
+        assert env.greedy(name) == want, name
+
+
+def test_a_plain_vllm_trainer_api_script_pushes_into_the_pool_through_the_gateway_unchanged(env: Env) -> None:
+    """vLLM's own trainer API (tests/support/plain_vllm_trainer.py, the script the replica's own test runs):
+    the gateway's URL in place of a replica's, the world from its /get_world_size. Last in the module: it
+    takes the pool's group from the module's trainer."""
+    checkpoint = env.root / "step-2"
+    url = env.gw.url.replace("http://", f"http://trainer:{ADMIN}@")
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tests/support/plain_vllm_trainer.py"), url,
+                          str(checkpoint)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert out.returncode == 0 and '{"done": true}' in out.stdout, out.stderr[-4000:]
+    digest = checkpoint_sha256(checkpoint)
+    want = hf_greedy(checkpoint, PROMPT, 16)
+    for name in ("r0", "r1"):
+        h = env.health(name)
+        assert (h["weights_label"], h["weights_sha256"]) == (f"sha256-{digest[:16]}", digest), (name, h)
         assert env.greedy(name) == want, name
