@@ -39,12 +39,13 @@ import math
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 import torch
-from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     TrainerInitInfo,
@@ -56,8 +57,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
+from . import relay
 from .chunks import chunk_plan, unpack
 from .digest import DIGEST_BYTES, model_sha256, records, tensor_sha256
 
@@ -87,12 +88,6 @@ def open_group(store: TCPStore, rank: int, world_size: int, address: str, timeou
     opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     return ProcessGroupGloo(PrefixStore(_STORE_PREFIX, store), rank, world_size, opts)
-
-
-def _broadcast(group: ProcessGroupGloo, tensor: torch.Tensor) -> Any:
-    opts = BroadcastOptions()
-    opts.rootRank = 0
-    return group.broadcast([tensor], opts)
 
 
 def _digests(packed: torch.Tensor, sizes: list[int]) -> list[bytes]:
@@ -163,8 +158,26 @@ def worker_rank(parallel_config: Any) -> int:
     return int(parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank)
 
 
-class TransferFailed(RuntimeError):
-    pass
+class DigestMismatch(RuntimeError):
+    """The bytes received are not the ones sent: a tensor's digest (named) or the declared model digest."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+def _check_digests(info: GlooWeightTransferUpdateInfo, mine: list[bytes], sent: bytes) -> None:
+    """Every tensor's digest of the bytes received against the sender's (the trailer); names the first
+    tensor that differs."""
+    for i, digest in enumerate(mine):
+        theirs = sent[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+        if theirs != digest:
+            raise DigestMismatch(f"tensor {info.names[i]!r}: the sha256 of the bytes received ({digest.hex()}) is "
+                                 f"not the sender's ({theirs.hex()})", info.names[i])
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):  # type: ignore[misc]  # vLLM is untyped
@@ -183,9 +196,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self._lock = threading.Lock()
         self._status = TransferStatus()
-        self._group: ProcessGroupGloo | None = None
+        # Every call that starts or ends a round moves to a new epoch: a thread of an older one (a receive
+        # still waiting out gloo's timeout after its tear was reported) changes nothing any more.
+        self._epoch = 0
+        self._hop: relay.Hop | None = None
         self._info: GlooWeightTransferInitInfo | None = None
-        self._thread: threading.Thread | None = None
         self._received: list[tuple[str, torch.Tensor]] = []
 
     # -- what the server reads
@@ -194,30 +209,45 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         with self._lock:
             return asdict(self._status)
 
-    def _set(self, **changes: Any) -> None:
+    def _begin(self, status: TransferStatus) -> int:
         with self._lock:
-            for k, v in changes.items():
-                setattr(self._status, k, v)
+            self._epoch += 1
+            self._status = status
+            return self._epoch
+
+    def _set(self, epoch: int, **changes: Any) -> None:
+        with self._lock:
+            if epoch == self._epoch:
+                for k, v in changes.items():
+                    setattr(self._status, k, v)
+
+    def _fail(self, epoch: int, failure: Failure, error: str, tensor: str | None = None) -> None:
+        """The round's outcome, once: a tear leaves the group (its connections are closed already)."""
+        with self._lock:
+            if epoch != self._epoch or self._status.phase == "failed":
+                return
+            if failure == "torn":
+                self._hop = None
+            self._status.phase, self._status.failure, self._status.error = "failed", failure, error
+            self._status.tensor = tensor
 
     def _busy(self, what: str) -> None:
         # The phase, not the thread: a thread's last act is to set its outcome, and a caller that read
-        # that outcome may go on (the thread only returns after it).
+        # that outcome may go on (the thread only returns after it, or, torn, after gloo's timeout).
         phase = self._status.phase
         if phase in ("joining", "receiving"):
             raise RuntimeError(f"{what}: the transfer engine is {phase}")
 
-    def _run(self, name: str, work: Callable[[], None]) -> None:
+    def _run(self, name: str, epoch: int, work: Callable[[], None]) -> None:
         def main() -> None:
             try:
                 work()
-            except TransferFailed as e:
-                self._set(phase="failed", failure="sha256_mismatch", error=str(e))
+            except DigestMismatch as e:
+                self._fail(epoch, "sha256_mismatch", str(e), e.tensor)
             except Exception as e:  # a peer died, a timeout, a refused connection: the group is torn
-                self._group = None
-                self._set(phase="failed", failure="torn", error=f"{type(e).__name__}: {e}")
+                self._fail(epoch, "torn", _describe(e))
 
-        self._thread = threading.Thread(target=main, name=f"weight-transfer-{name}", daemon=True)
-        self._thread.start()
+        threading.Thread(target=main, name=f"weight-transfer-{name}", daemon=True).start()
 
     # -- vLLM's engine API
 
@@ -226,25 +256,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._drop()
         rank = worker_rank(self.parallel_config) + init_info.rank_offset
         self._info = init_info
-        self._status = TransferStatus(phase="joining")
+        epoch = self._begin(TransferStatus(phase="joining"))
 
         def join() -> None:
             timeout = datetime.timedelta(seconds=init_info.timeout_s)
             store = TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, False,
                              timeout=timeout, wait_for_workers=False)
             address = local_address(init_info.master_address, init_info.master_port)
-            self._group = open_group(store, rank, init_info.world_size, address, init_info.timeout_s)
-            self._set(phase="joined")
+            group = open_group(store, rank, init_info.world_size, address, init_info.timeout_s)
+            with self._lock:
+                if epoch == self._epoch:
+                    self._hop = relay.Hop(group, rank, init_info.world_size)
+                    self._status.phase = "joined"
 
-        self._run("join", join)
+        self._run("join", epoch, join)
 
     def start_weight_update(self) -> None:
         """A new round: whatever an earlier round received and nobody took is dropped."""
         self._busy("start_weight_update")
-        if self._group is None:
+        if self._hop is None:
             raise RuntimeError("start_weight_update: the transfer engine has not joined a trainer")
         self._received = []
-        self._status = TransferStatus(phase="joined")
+        self._begin(TransferStatus(phase="joined"))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base synchronizes the accelerator after receiving; a CPU worker has none, and here
@@ -252,60 +285,48 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        """Receive the push along the chain (relay.py) into host memory, in a thread: each chunk is hashed
+        while the next one arrives (and is forwarded to the next rank, if any), then every tensor's digest
+        is compared with the trainer's (the trailer), and the model's with the one the update declares."""
         self._busy("update_weights")
-        if self._group is None or self._info is None:
+        if self._hop is None or self._info is None:
             raise RuntimeError("update_weights: the transfer engine has not joined a trainer")
-        group, buffer_size = self._group, self._info.packed_buffer_size_bytes
+        hop, info = self._hop, self._info
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update_info.shapes, dtypes, strict=True)]
+        plan = chunk_plan(sizes, info.packed_buffer_size_bytes)
         self._received = []
-        self._status = TransferStatus(phase="receiving", total_bytes=sum(sizes), tensors=len(sizes))
+        epoch = self._begin(TransferStatus(phase="receiving", total_bytes=sum(sizes), tensors=len(sizes)))
 
         def receive() -> None:
-            chunks, digests = self._receive_chunks(group, update_info, dtypes, sizes, buffer_size)
+            digests: list[bytes] = []
+            spans = iter(plan)
+
+            def landed(chunk: torch.Tensor) -> None:
+                digests.extend(_digests(chunk, [sizes[i] for i in next(spans)]))
+                with self._lock:
+                    if epoch == self._epoch:
+                        self._status.bytes += chunk.numel()
+
             trailer = torch.empty(len(sizes) * DIGEST_BYTES, dtype=torch.uint8)
-            _broadcast(group, trailer).wait()
-            sent = trailer.numpy().tobytes()
-            for i, mine in enumerate(digests):
-                if sent[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] != mine:
-                    self._set(tensor=update_info.names[i])
-                    raise TransferFailed(f"tensor {update_info.names[i]!r}: the sha256 of the bytes received "
-                                         f"({mine.hex()}) is not the sender's "
-                                         f"({sent[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES].hex()})")
+            # The watcher's wait on the trailer spans the whole push: every chunk may take up to the timeout.
+            whole = datetime.timedelta(seconds=info.timeout_s * (len(plan) + 1))
+            chunks = relay.receive(hop, [sum(sizes[i] for i in span) for span in plan], trailer, whole, landed,
+                                   torn=lambda e: self._fail(epoch, "torn", _describe(e)))
+            _check_digests(update_info, digests, trailer.numpy().tobytes())
             model = model_sha256(records(update_info.names, update_info.dtype_names, update_info.shapes, digests))
             if update_info.sha256 is not None and update_info.sha256.lower() != model:
-                raise TransferFailed(f"the model's sha256 is {model}, the update declared {update_info.sha256}")
-            self._received = [pair for chunk in chunks for pair in chunk]
-            self._set(phase="received", sha256=model)
-
-        self._run("receive", receive)
-
-    def _receive_chunks(self, group: ProcessGroupGloo, info: GlooWeightTransferUpdateInfo,
-                        dtypes: list[torch.dtype], sizes: list[int],
-                        buffer_size: int) -> tuple[list[list[tuple[str, torch.Tensor]]], list[bytes]]:
-        """Every chunk, each hashed while the next one arrives. The tensors are views into the chunks."""
-        chunks: list[list[tuple[str, torch.Tensor]]] = []
-        digests: list[bytes] = []
-        pending: tuple[torch.Tensor, range] | None = None
-
-        def close(buf: torch.Tensor, span: range) -> None:
-            part = [sizes[i] for i in span]
-            digests.extend(_digests(buf, part))
-            chunks.append(unpack(buf, [info.names[i] for i in span], [info.shapes[i] for i in span],
-                                 [dtypes[i] for i in span], part))
-
-        for span in chunk_plan(sizes, buffer_size):
-            buf = torch.empty(sum(sizes[i] for i in span), dtype=torch.uint8)
-            work = _broadcast(group, buf)
-            if pending is not None:
-                close(*pending)
-            work.wait()
+                raise DigestMismatch(f"the model's sha256 is {model}, the update declared {update_info.sha256}")
+            received = [pair for chunk, span in zip(chunks, plan, strict=True)
+                        for pair in unpack(chunk, [update_info.names[i] for i in span],
+                                           [update_info.shapes[i] for i in span], [dtypes[i] for i in span],
+                                           [sizes[i] for i in span])]
             with self._lock:
-                self._status.bytes += buf.numel()
-            pending = (buf, span)
-        if pending is not None:
-            close(*pending)
-        return chunks, digests
+                if epoch == self._epoch:
+                    self._received = received
+                    self._status.phase, self._status.sha256 = "received", model
+
+        self._run("receive", epoch, receive)
 
     def finish_weight_update(self) -> None:
         """Seals the round; writes nothing (the replica writes the staged tensors itself, under its
@@ -318,7 +339,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if self._status.phase != "received":
             raise RuntimeError(f"nothing received to stage (the transfer engine is {self._status.phase})")
         out, self._received = self._received, []
-        self._status = TransferStatus(phase="joined")
+        self._begin(TransferStatus(phase="joined"))
         return out
 
     def discard(self) -> None:
@@ -326,15 +347,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         one). Only once no thread runs: a receive ends by itself (its peer gone, or its timeout)."""
         self._busy("discard")
         self._drop()
-        self._status = TransferStatus()
+        self._begin(TransferStatus())
 
     def _drop(self) -> None:
-        # Dropping the group closes its sockets: a trainer still sending into it fails at once.
-        self._group, self._info, self._received = None, None, []
+        # Closing the group's connections fails a trainer (or a neighbour in the chain) still sending into
+        # it at once, rather than at its timeout.
+        if self._hop is not None:
+            relay.close_connections(self._hop)
+        self._hop, self._info, self._received = None, None, []
 
     def shutdown(self) -> None:
         self._drop()
-        self._status = TransferStatus()
+        self._begin(TransferStatus())
 
 
 # ---------------------------------------------------------------------------- the trainer's side
@@ -383,16 +407,13 @@ def _in_thread(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]
     return fut
 
 
-def _wait(work: Any, control: concurrent.futures.Future[Any]) -> None:
-    """Wait for a broadcast, unless the replica refused the call first: then its refusal is the error,
-    at once (the replica leaves the group, so the broadcast would only fail later, less clearly)."""
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
-    control.add_done_callback(lambda _: done.set())
-    done.wait()
-    if control.done() and control.exception() is not None and not work.is_completed():
+def _wait(sent: concurrent.futures.Future[None], control: concurrent.futures.Future[Any]) -> None:
+    """Wait for a send, unless the replicas refused the push first: then their refusal is the error, at
+    once (a refusing replica leaves the group, so the send would fail too, but less clearly)."""
+    concurrent.futures.wait([sent, control], return_when=concurrent.futures.FIRST_COMPLETED)
+    if not sent.done() and control.done() and control.exception() is not None:
         raise control.exception()  # type: ignore[misc]  # checked not None just above
-    work.wait()
+    sent.result()
 
 
 def _answer_of(control: concurrent.futures.Future[Any], timeout_s: float) -> BaseException | None:
@@ -425,8 +446,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                  is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.init_info = init_info
-        self._group: ProcessGroupGloo | None = None
+        self._hop: relay.Hop | None = None
         self._store: TCPStore | None = None
+        # The buffers chunks are packed into, one per chunk in flight, kept from push to push: a new chunk
+        # each time would cost a page fault per page of it (as much CPU as hashing it).
+        self._slots: list[torch.Tensor] = []
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -457,7 +481,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                            local_address(info.master_address, store.port), info.timeout_s)
         concurrent.futures.wait([control, group], return_when=concurrent.futures.FIRST_EXCEPTION)
         control.result()  # the replica's refusal first: it says why nobody joined
-        self._group, self._store = group.result(), store
+        self._hop, self._store = relay.Hop(group.result(), 0, info.world_size), store
 
     def send_weights(self, *, weight_version: str | None = None, step: int | None = None,
                      in_flight: str | None = None, kv: str | None = None,
@@ -474,7 +498,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             for _ in source:  # the trainer-side gathers are collectives: every rank iterates
                 pass
             return None
-        if self._group is None:
+        if self._hop is None:
             self.connect()
         update_info: dict[str, Any] = {"names": [m.name for m in meta],
                                        "dtype_names": [str(m.dtype).removeprefix("torch.") for m in meta],
@@ -516,32 +540,60 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _send(self, source: WeightSource, meta: list[ParamMeta],
               control: concurrent.futures.Future[Any]) -> list[bytes]:
-        """Every chunk, each packed and hashed while the previous one travels; then the digests."""
-        group = self._group
-        assert group is not None
-        digests: list[bytes] = []
-        in_flight: tuple[Any, torch.Tensor] | None = None
+        """Every chunk to rank 1, the head of the chain (relay.py): each one packed while the one before
+        travels and is hashed (on a thread of its own); then the trailer with the digests."""
+        hop = self._hop
+        assert hop is not None
+        sizes = [math.prod(m.shape) * m.dtype.itemsize for m in meta]
+        plan = chunk_plan(sizes, self.init_info.packed_buffer_size_bytes)
         pairs = _checked(source, meta)
-        with torch.no_grad():
-            while (chunk := pack_tensors(pairs, lambda item: item[1],
-                                         self.init_info.packed_buffer_size_bytes)) is not None:
-                packed = chunk.packed_tensor.cpu()
-                digests.extend(_digests(packed, chunk.tensor_sizes))
-                if in_flight is not None:
-                    _wait(in_flight[0], control)
-                in_flight = (_broadcast(group, packed), packed)  # the chunk lives until its broadcast is done
-            if in_flight is not None:
-                _wait(in_flight[0], control)
+        digests: list[bytes] = []
+        in_flight: deque[tuple[concurrent.futures.Future[None], concurrent.futures.Future[list[bytes]]]] = deque()
+
+        def retire() -> None:
+            sent, hashed = in_flight.popleft()
+            _wait(sent, control)
+            digests.extend(hashed.result())
+
+        with torch.no_grad(), concurrent.futures.ThreadPoolExecutor(1, "weight-transfer-hash") as hashing:
+            for i, span in enumerate(plan):
+                if len(in_flight) == relay.WINDOW:
+                    retire()  # its slot is the one packed next
+                part = [sizes[j] for j in span]
+                chunk = self._pack(i % relay.WINDOW, [next(pairs)[1] for _ in span], part)
+                in_flight.append((relay.send(hop, chunk, i), hashing.submit(_digests, chunk, part)))
+            while in_flight:
+                retire()
+        next(pairs, None)  # runs _checked to its end: a source longer than its metadata raises there
         trailer = torch.frombuffer(bytearray(self._trailer([m.name for m in meta], digests)), dtype=torch.uint8)
-        _wait(_broadcast(group, trailer), control)
+        _wait(relay.send(hop, trailer, len(plan)), control)
         return digests
+
+    def _pack(self, slot: int, tensors: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+        """`tensors` back to back in buffer `slot`, as vLLM's `pack_tensors` packs them (but into a buffer
+        kept from chunk to chunk, where it concatenates into a new one), copied from whatever device
+        they are on."""
+        while len(self._slots) <= slot:
+            self._slots.append(torch.empty(0, dtype=torch.uint8))
+        if self._slots[slot].numel() < sum(sizes):
+            self._slots[slot] = relay.staging_buffer(sum(sizes))
+        chunk, offset = self._slots[slot][:sum(sizes)], 0
+        for t, n in zip(tensors, sizes, strict=True):
+            if n:
+                chunk[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            offset += n
+        return chunk
 
     def _trailer(self, names: list[str], digests: list[bytes]) -> bytes:
         """What follows the last chunk: every tensor's digest, in the order sent."""
         return b"".join(digests)
 
     def shutdown(self) -> None:
-        self._group, self._store = None, None
+        """Leave the group: its connections closed at once, so a replica still receiving fails now. The
+        buffers go too: a send of the torn push may still hold one."""
+        if self._hop is not None:
+            relay.close_connections(self._hop)
+        self._hop, self._store, self._slots = None, None, []
 
 
 def _checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
