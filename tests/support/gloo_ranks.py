@@ -198,7 +198,7 @@ class Gateway:
         name, body = call["call"], call.get("body")
         self.calls.append(name)
         if name == "init_weight_transfer_engine":
-            cmds: list[list[dict[str, Any]]] = [[{"op": "init", "init_info": {**body, "rank_offset": 1 + k}}]
+            cmds: list[list[dict[str, Any]]] = [[{"op": "init", "init_info": {**(body or {}), "rank_offset": 1 + k}}]
                                                 for k in range(len(self.ranks))]
             want = "joined"
         elif name == "update_weights":
