@@ -158,6 +158,19 @@ def _open_gate() -> asyncio.Event:
 
 # How often a keep-mode load checks whether the worker has finished reading its checkpoint.
 STAGE_POLL_S = 0.01
+# The longest wait between two looks at a push being received (`receive_poll_s`).
+MAX_RECEIVE_POLL_S = 0.1
+
+
+def receive_poll_s(done: int, total: int, elapsed_s: float) -> float:
+    """How long to wait before the next look at a push being received: half of what the rest should take
+    at the rate so far, within [STAGE_POLL_S, MAX_RECEIVE_POLL_S]; STAGE_POLL_S before the first byte and
+    after the last. Each look is an RPC through the engine core (a few ms of CPU in two processes): at
+    STAGE_POLL_S throughout, a push of a few seconds spent a third of the replica's CPU on looking."""
+    if done <= 0 or done >= total:
+        return STAGE_POLL_S
+    rest_s = elapsed_s * (total - done) / done
+    return min(MAX_RECEIVE_POLL_S, max(STAGE_POLL_S, rest_s / 2))
 
 
 @dataclass
@@ -175,6 +188,7 @@ class VllmWeightReceiver:
         return list(await self.llm.collective_rpc(method, kwargs=kwargs))
 
     async def _until(self, phase: str) -> list[dict[str, Any]]:
+        t0 = time.monotonic()
         while True:
             states = await self._rpc("sampler_transfer_status")
             self._progress = TransferProgress(bytes=min(s["bytes"] for s in states),
@@ -187,7 +201,8 @@ class VllmWeightReceiver:
                 raise TransferTorn(f["error"])
             if all(s["phase"] == phase for s in states):
                 return states
-            await asyncio.sleep(STAGE_POLL_S)
+            progress = self._progress
+            await asyncio.sleep(receive_poll_s(progress.bytes, progress.total_bytes, time.monotonic() - t0))
 
     async def join(self, init_info: dict[str, Any]) -> None:
         await self._rpc("sampler_transfer_init", init_info=init_info)

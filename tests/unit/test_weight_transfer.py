@@ -295,3 +295,13 @@ def test_fuzzed_control_calls_get_no_5xx(tiny_model: Path, tmp_path: Path, capsy
     assert not figures.server_errors, "\n".join(figures.server_errors[:20])
     assert not figures.dropped, "\n".join(figures.dropped[:20])
     assert health["status"] == "ok" and sample.status_code == 200, (health, sample.text)
+
+
+def test_a_receive_is_looked_at_often_near_its_end_and_rarely_in_its_middle() -> None:
+    from sampler_pod.engine.vllm import MAX_RECEIVE_POLL_S, STAGE_POLL_S, receive_poll_s
+
+    assert receive_poll_s(0, 100, 5.0) == STAGE_POLL_S  # nothing yet: no rate to go by
+    assert receive_poll_s(100, 100, 5.0) == STAGE_POLL_S  # every byte in: the verdict is near
+    assert receive_poll_s(10, 100, 1.0) == MAX_RECEIVE_POLL_S  # 9 s to go at this rate
+    assert receive_poll_s(90, 100, 0.9) == pytest.approx(0.05)  # 0.1 s to go: look again half-way
+    assert receive_poll_s(99, 100, 0.099) == STAGE_POLL_S
