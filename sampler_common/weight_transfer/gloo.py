@@ -576,7 +576,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         while len(self._slots) <= slot:
             self._slots.append(torch.empty(0, dtype=torch.uint8))
         if self._slots[slot].numel() < sum(sizes):
-            self._slots[slot] = relay.staging_buffer(sum(sizes))
+            self._slots[slot] = torch.empty(sum(sizes), dtype=torch.uint8)
         chunk, offset = self._slots[slot][:sum(sizes)], 0
         for t, n in zip(tensors, sizes, strict=True):
             if n:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
-import mmap
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -66,19 +65,6 @@ class Hop:
     @property
     def next(self) -> int | None:
         return self.rank + 1 if self.rank + 1 < self.world_size else None
-
-
-def staging_buffer(nbytes: int) -> torch.Tensor:
-    """Host memory for one chunk (uint8), asked of the kernel with transparent huge pages where it
-    offers them (`madvise`): the first touch of fresh memory is a page fault per page, and with 4 KiB
-    pages that costs as much CPU as hashing the bytes (measured 4x less with 2 MiB pages)."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP on this kernel: ordinary pages
-        region.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor keeps the mapping alive; it is unmapped once the last view of it is gone.
-    return torch.frombuffer(region, dtype=torch.uint8)
 
 
 def close_connections(hop: Hop) -> None:
@@ -142,7 +128,7 @@ def receive(hop: Hop, chunk_bytes: list[int], trailer: torch.Tensor, timeout: da
         return sent
 
     def post(i: int) -> None:
-        buf = staging_buffer(chunk_bytes[i])
+        buf = torch.empty(chunk_bytes[i], dtype=torch.uint8)
         posted.append((buf, hop.group.recv([buf], hop.previous, i) if buf.numel() else None))
 
     try:
