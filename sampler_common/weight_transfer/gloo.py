@@ -14,19 +14,21 @@ vLLM 0.32 ships `nccl`, `ipc` and other backends, none of which runs on a CPU. T
 The wire. The trainer is rank 0 and hosts the rendezvous (a TCPStore on `master_port`; 0 picks a free
 one); the replica's workers join at `rank_offset` + their own rank. The group is a stand-alone
 `ProcessGroupGloo` (no global torch.distributed state on either side), bound to the address each side
-reaches the other from, with a timeout on every collective: a peer that dies closes its sockets and
-the other side fails at once; one that hangs fails it after `timeout_s`. Tensors go in the order of
-the source's `metadata()`, packed by vLLM's `pack_tensors` into chunks that close once they exceed
-`packed_buffer_size_bytes` (the receiver cuts the same chunks from the metadata, as vLLM's packed NCCL
-consumer does), one broadcast each, the next chunk packed while the previous one travels. After the
-last chunk, one more broadcast carries the trainer's sha256 of every tensor (`digest.py`), computed
-while it packed: the replica compares each with its own digest of what it received and names the first
-tensor that differs.
+reaches the other from, with a timeout on every wait. Tensors go in the order of the source's
+`metadata()`, cut into chunks exactly as vLLM's `pack_tensors` cuts them (`chunks.py`: a chunk closes once
+it exceeds `packed_buffer_size_bytes`; the receiver cuts the same chunks from the metadata, as vLLM's
+packed NCCL consumer does), and travel down a chain rather than in a broadcast (`relay.py`): the trainer
+sends each chunk once, to rank 1, and every receiver forwards it to the next rank. The trainer packs
+chunk k+1 into one of two buffers it keeps while chunk k travels and is hashed on a thread of its own; a
+receiver hashes chunk k while chunk k+1 arrives. After the last chunk, the trailer carries the trainer's
+sha256 of every tensor (`digest.py`) down the same chain: each receiver compares them with its own
+digests of what it received and names the first tensor that differs. A rank that dies, or a tear seen by
+any rank, fails every rank at once; a rank that hangs fails them after `timeout_s` (relay.py says how).
 
 Staged, never direct. The worker receives into host memory, in a thread of its own, while the engine
 keeps stepping; the received chunks ARE the staging (the tensors are views into them), so a push costs
 its model's size in host memory on each receiving worker until it is written or dropped, plus two
-chunks on the trainer. Nothing touches the model here: `finish_weight_update` only seals the received
+chunks on the trainer (kept from push to push). Nothing touches the model here: `finish_weight_update` only seals the received
 tensors, and the replica writes them through its ordinary load path (pause or lock, then the engine's
 in-place reload). A transfer that tears leaves the served weights exactly as they were.
 """
@@ -513,7 +515,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             control.result()  # the replica received every byte and its digests match
         except Exception as e:
             self.shutdown()  # torn on both sides: the next push opens a new group
-            # A broadcast that failed because the replica refused the push (and so left the group) failed
+            # A send that failed because the replica refused the push (and so left the group) failed
             # for the reason the replica's answer gives: that is the error to raise.
             refusal = _answer_of(control, self.init_info.timeout_s)
             if refusal is not None and refusal is not e:

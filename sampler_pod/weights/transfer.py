@@ -17,7 +17,7 @@ sampler_common/weight_transfer/gloo.py). Each push keeps every guarantee of a ch
    recorded, a new version, exact `weights_spans`.
 5. **shutdown**: the workers leave the group.
 
-A push that is refused or tears (the trainer killed mid-broadcast, a timeout) wrote nothing: the replica
+A push that is refused or tears (the trainer killed mid-transfer, a timeout) wrote nothing: the replica
 serves its old weights under its old label, `ok`, and leaves the group, so the next push starts with
 init. Only a failure inside the write itself makes the weights uncertain, as for any load. The order of
 the calls: `transfer_session.py`. The design: docs/design/weights-over-network.md.
@@ -270,7 +270,7 @@ class WeightTransferService:
                 validate_tensor_metadata(info.names, info.dtype_names, info.shapes,
                                          self.weights.schema(field="update_info"))
             except SamplerError:
-                # The trainer is already sending into the group: leave it, so its broadcast fails at once.
+                # The trainer is already sending into the group: leave it, so its sends fail at once.
                 await self._leave(receiver, "refused")
                 raise
             self._validation_s = time.monotonic() - t0
