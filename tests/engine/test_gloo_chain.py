@@ -71,6 +71,17 @@ def receiving(rank: Rank) -> dict[str, Any]:
         assert s["phase"] == "receiving" and time.monotonic() < deadline, s
 
 
+def half_pushed(t: Rank, ranks: list[Rank]) -> Gateway:
+    """The trainer joined to `ranks` and stopped half-way through a push: every receiver holds part of it."""
+    gw = Gateway(t, ranks)
+    assert gw.next() == {"ready": True}
+    t.send(op="push", stall_after=len(MIXED) // 2)
+    assert gw.next() == {"stalled": True}
+    for rank in ranks:
+        receiving(rank)
+    return gw
+
+
 def assert_torn(rank: Rank, t0: float) -> None:
     """The receiver failed its receive, torn, before the group's timeout could have done it, and took nothing."""
     s = wait_phase(rank, {"failed", "received"}, TIMEOUT_S + 30)
@@ -81,14 +92,8 @@ def assert_torn(rank: Rank, t0: float) -> None:
 
 def test_a_receiver_in_the_middle_killed_mid_transfer_fails_the_others_and_the_survivors_take_the_next_push() -> None:
     with receivers(3) as ranks, trainer(2, world_size=4, packed_buffer_size_bytes=CHUNK, timeout_s=TIMEOUT_S) as t:
-        gw = Gateway(t, ranks)
-        assert gw.next() == {"ready": True}
+        gw = half_pushed(t, ranks)
         first, middle, last = ranks
-        # The trainer stops half-way: every receiver holds part of the push.
-        t.send(op="push", stall_after=len(MIXED) // 2)
-        assert gw.next() == {"stalled": True}
-        for rank in ranks:
-            receiving(rank)
         t0 = time.monotonic()
         middle.kill()
         # The rank after it loses its previous rank: its pending receive of the trailer fails at once.
@@ -114,12 +119,7 @@ def test_a_receiver_in_the_middle_killed_mid_transfer_fails_the_others_and_the_s
 
 def test_a_trainer_killed_mid_transfer_fails_every_receiver_within_the_timeout() -> None:
     with receivers(3) as ranks, trainer(4, world_size=4, packed_buffer_size_bytes=CHUNK, timeout_s=TIMEOUT_S) as t:
-        gw = Gateway(t, ranks)
-        assert gw.next() == {"ready": True}
-        t.send(op="push", stall_after=len(MIXED) // 2)
-        assert gw.next() == {"stalled": True}
-        for rank in ranks:
-            receiving(rank)
+        half_pushed(t, ranks)
         t0 = time.monotonic()
         t.kill()
         for rank in ranks:

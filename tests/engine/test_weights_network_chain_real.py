@@ -17,15 +17,13 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from sampler_pod.testing.net import free_port
 from tests.support.checkpoints import hf_greedy, perturbed_checkpoint
-from tests.support.metrics import metric
-from tests.support.network_push import TrainerProcess, checkpoint_sha256, trainer_process
+from tests.support.network_push import TrainerProcess, checkpoint_sha256, greedy, health, trainer_process, transfers
 from tests.support.server import RunningServer, spawn_server, stop, wait_healthy, wait_until
 
 KEY, ADMIN = "tml-sample-chain", "tml-admin-chain"
@@ -69,18 +67,6 @@ def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             stop(r.proc)
 
 
-def health(c: httpx.Client) -> dict[str, Any]:
-    h: dict[str, Any] = c.get("/health").json()
-    return h
-
-
-def greedy(c: httpx.Client, n: int = 16) -> list[int]:
-    r = c.post("/v1/sample", json={"prompts": [PROMPT], "sampling_params": {"max_tokens": n, "temperature": 0.0}})
-    assert r.status_code == 200, r.text
-    tokens: list[int] = r.json()["results"][0]["sequences"][0]["tokens"]
-    return tokens
-
-
 def receiving(c: httpx.Client) -> bool:
     t = health(c)["weight_transfer"]
     return t is not None and t["phase"] == "receiving" and 0 < t["bytes_received"] < t["total_bytes"]
@@ -88,10 +74,6 @@ def receiving(c: httpx.Client) -> bool:
 
 def left(c: httpx.Client) -> bool:
     return health(c)["weight_transfer"] is None
-
-
-def transfers(c: httpx.Client, outcome: str) -> float:
-    return metric(c.get("/metrics").text, "sampler_weight_transfers_total", 0.0, outcome=outcome)
 
 
 def test_a_push_down_the_chain_into_two_replicas_serves_hugging_faces_greedy_output_on_both(env: Env) -> None:
@@ -102,10 +84,10 @@ def test_a_push_down_the_chain_into_two_replicas_serves_hugging_faces_greedy_out
         out = env.trainer.push(first, label="chain-1", step=1)
         assert out["ok"], out
         after = [health(c) for c in cs]
-        tokens = [greedy(c) for c in cs]
+        tokens = [greedy(c, PROMPT) for c in cs]
         out2 = env.trainer.push(second, label="chain-2", step=2, in_flight="abort")  # the same group again
         after2 = [health(c) for c in cs]
-        tokens2 = [greedy(c) for c in cs]
+        tokens2 = [greedy(c, PROMPT) for c in cs]
     digest = checkpoint_sha256(first)
     assert out["result"]["sha256"] == digest, out
     for b, h in zip(before, after, strict=True):
@@ -123,7 +105,7 @@ def test_a_trainer_killed_mid_transfer_leaves_both_replicas_ready_at_their_old_l
     with contextlib.ExitStack() as stack:
         cs = [stack.enter_context(c) for c in env.clients()]
         before = [health(c) for c in cs]
-        tokens = [greedy(c) for c in cs]
+        tokens = [greedy(c, PROMPT) for c in cs]
         torn = [transfers(c, "torn") for c in cs]
         with trainer_process(env.urls, ADMIN, packed_buffer_size_bytes=CHUNK) as doomed:
             doomed.send(checkpoint=str(env.root / "step-3"), label="never", stall_after=10)
@@ -139,9 +121,9 @@ def test_a_trainer_killed_mid_transfer_leaves_both_replicas_ready_at_their_old_l
             assert a["status"] == "ok" and c.get("/readyz").status_code == 200, a
             assert (a["weights_label"], a["weights_version"]) == (b["weights_label"], b["weights_version"])
             assert transfers(c, "torn") == t + 1
-        assert [greedy(c) for c in cs] == tokens
+        assert [greedy(c, PROMPT) for c in cs] == tokens
         # The module's trainer was in the group the killed one replaced: its push joins both again by itself.
         out = env.trainer.push(env.root / "step-3", label="chain-3", step=3)
         assert out["ok"], out
         assert [health(c)["weights_label"] for c in cs] == ["chain-3"] * 2
-        assert [greedy(c) for c in cs] == [hf_greedy(env.root / "step-3", PROMPT, 16)] * 2
+        assert [greedy(c, PROMPT) for c in cs] == [hf_greedy(env.root / "step-3", PROMPT, 16)] * 2

@@ -25,7 +25,15 @@ from tests.support.bad_requests import BAD_TRANSFER_REQUESTS, GOOD
 from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, perturbed_checkpoint
 from tests.support.inflight import N, assert_continued, freeze_mid_generation, retrieve, submit_all
 from tests.support.metrics import metric
-from tests.support.network_push import START_TIMEOUT_S, TrainerProcess, checkpoint_sha256, trainer_process
+from tests.support.network_push import (
+    START_TIMEOUT_S,
+    TrainerProcess,
+    checkpoint_sha256,
+    greedy,
+    health,
+    trainer_process,
+    transfers,
+)
 from tests.support.server import RunningServer, run_server, wait_until
 
 KEY, ADMIN = "tml-sample-net", "tml-admin-net"
@@ -57,27 +65,11 @@ def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield Env(server, tiny_model, root, trainer)
 
 
-def health(c: httpx.Client) -> dict[str, Any]:
-    h: dict[str, Any] = c.get("/health").json()
-    return h
-
-
-def greedy(c: httpx.Client, n: int = 16) -> list[int]:
-    r = c.post("/v1/sample", json={"prompts": [PROMPT], "sampling_params": {"max_tokens": n, "temperature": 0.0}})
-    assert r.status_code == 200, r.text
-    tokens: list[int] = r.json()["results"][0]["sequences"][0]["tokens"]
-    return tokens
-
-
 def prompt_logprobs(c: httpx.Client) -> list[float]:
     r = c.post("/v1/sample", json={"prompts": [PROMPT], "sampling_params": {"max_tokens": 1, "prompt_logprobs": True}})
     assert r.status_code == 200, r.text
     lps: list[float] = r.json()["results"][0]["prompt_logprobs"][1:]
     return lps
-
-
-def transfers(c: httpx.Client, outcome: str) -> float:
-    return metric(c.get("/metrics").text, "sampler_weight_transfers_total", 0.0, outcome=outcome)
 
 
 def test_a_trainer_process_pushes_a_hugging_face_model_and_greedy_output_equals_hugging_faces(env: Env) -> None:
@@ -87,11 +79,11 @@ def test_a_trainer_process_pushes_a_hugging_face_model_and_greedy_output_equals_
         out = env.trainer.push(first, label="net-1", step=1)
         assert out["ok"], out
         h = health(c)
-        got_tokens, got_lps = greedy(c), prompt_logprobs(c)
+        got_tokens, got_lps = greedy(c, PROMPT), prompt_logprobs(c)
         # A second push of other weights, over the same group (no new init).
         out2 = env.trainer.push(second, label="net-2", step=2, in_flight="abort")
         h2 = health(c)
-        second_tokens = greedy(c)
+        second_tokens = greedy(c, PROMPT)
     digest = checkpoint_sha256(first)
     assert out["result"]["sha256"] == digest and out["result"]["tensors"] == 21, out
     assert h["status"] == "ok" and h["weights_label"] == "net-1" and h["weights_step"] == 1, h
@@ -132,7 +124,7 @@ def test_a_wrong_name_shape_dtype_or_digest_is_refused_before_any_write_naming_t
 def test_a_trainer_killed_mid_transfer_leaves_the_replica_ready_at_its_old_label_and_the_next_push_works(
         env: Env) -> None:
     with env.client() as c:
-        before, tokens, torn = health(c), greedy(c), transfers(c, "torn")
+        before, tokens, torn = health(c), greedy(c, PROMPT), transfers(c, "torn")
         with trainer_process(env.server.url, ADMIN, packed_buffer_size_bytes=CHUNK) as doomed:
             doomed.send(checkpoint=str(env.root / "step-4"), label="never", stall_after=10)
             assert doomed.next() == {"stalled": True}
@@ -149,13 +141,13 @@ def test_a_trainer_killed_mid_transfer_leaves_the_replica_ready_at_its_old_label
         assert (after["weights_label"], after["weights_version"]) == (before["weights_label"],
                                                                        before["weights_version"])
         assert after["intended"] == before["intended"]
-        assert greedy(c) == tokens
+        assert greedy(c, PROMPT) == tokens
         assert transfers(c, "torn") == torn + 1
         # The module's trainer was in the group the killed one replaced: its push joins again by itself.
         out = env.trainer.push(env.root / "step-4", label="net-4", step=4)
         assert out["ok"], out
         assert health(c)["weights_label"] == "net-4"
-        assert greedy(c) == hf_greedy(env.root / "step-4", PROMPT, 16)
+        assert greedy(c, PROMPT) == hf_greedy(env.root / "step-4", PROMPT, 16)
 
 
 def test_a_keep_push_with_16_samples_in_flight_loses_none_and_their_spans_are_exact(env: Env) -> None:
@@ -186,7 +178,7 @@ def test_a_plain_vllm_trainer_api_script_works_unchanged_but_for_one_import(env:
     digest = checkpoint_sha256(checkpoint)
     with env.client() as c:
         h = health(c)
-        tokens = greedy(c)
+        tokens = greedy(c, PROMPT)
     # No weight_version: the label is made of the digest; drained (the default), step unknown.
     assert h["weights_label"] == f"sha256-{digest[:16]}" and h["weights_sha256"] == digest, h
     assert h["weights_step"] is None

@@ -1,5 +1,6 @@
-"""Trainer processes for the network-push tests (tests/support/trainer.py), and what a test checks a push
-against: the model digest of a checkpoint computed from its file, outside the code under test's path."""
+"""Trainer processes for the network-push tests (tests/support/trainer.py), what a test checks a push against
+(the model digest of a checkpoint computed from its file, outside the code under test's path), and what it
+reads of a replica (its health, its greedy tokens, its transfers by outcome)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from sampler_common.weight_transfer.digest import TensorRecord, model_sha256
 from tests.support import REPO_ROOT
+from tests.support.metrics import metric
 
 # The trainer's process starts with vLLM's import: long on a busy 2-core box.
 START_TIMEOUT_S = 300.0
@@ -99,3 +103,19 @@ def checkpoint_sha256(checkpoint: Path) -> str:
                 records.append(TensorRecord(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                             hashlib.sha256(raw).hexdigest()))
     return model_sha256(records)
+
+
+def health(c: httpx.Client) -> dict[str, Any]:
+    h: dict[str, Any] = c.get("/health").json()
+    return h
+
+
+def greedy(c: httpx.Client, prompt: list[int], n: int = 16) -> list[int]:
+    r = c.post("/v1/sample", json={"prompts": [prompt], "sampling_params": {"max_tokens": n, "temperature": 0.0}})
+    assert r.status_code == 200, r.text
+    tokens: list[int] = r.json()["results"][0]["sequences"][0]["tokens"]
+    return tokens
+
+
+def transfers(c: httpx.Client, outcome: str) -> float:
+    return metric(c.get("/metrics").text, "sampler_weight_transfers_total", 0.0, outcome=outcome)
