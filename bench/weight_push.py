@@ -2,8 +2,8 @@
 disk push, its bytes/s against the transport's loopback floor, a replacement's catch-up from a peer against a
 load from disk, and the samples a Keep push loses.
 
-    python -m bench.weight_push [--rounds 3] [--blocks 2] [--models tiny 340mb] [--replicas 1 2] [--quick]
-                                [--no-write]
+    python -m bench.weight_push [--rounds 3] [--blocks 2] [--models tiny 340mb] [--replicas 1 2]
+                                [--disk-cache cold|warm] [--quick] [--no-write]
 
 The parts, all on 127.0.0.1: real vLLM replicas (`python -m sampler_pod`, `--weight-transfer-backend gloo`,
 each engine bound to a core of its own) behind a real gateway (static discovery), and a trainer process of its
@@ -19,7 +19,9 @@ replica's /health shows the label:
   it (its first push, which joins, is the warm-up and not counted);
 - disk: today's disk push. The trainer writes the weights as one safetensors file and fsyncs it (a durable
   checkpoint, as a shared volume needs; the fsync is reported apart), then every replica loads it at once
-  (`POST /v1/checkpoints/load`, as a static pool's Keep rollout does: a static gateway has no disk push).
+  (`POST /v1/checkpoints/load`, as a static pool's Keep rollout does: a static gateway has no disk push). On one
+  host the replicas would read the page cache the trainer just filled, which replicas on other nodes cannot:
+  so the file is dropped from it after the fsync and read from the device (`--disk-cache warm`: left there).
 Catch-up (2 replicas): weights never seen by replica r1 are pushed into r0 alone (not timed), then r1 loads
 them, timed from the call to its /health on the label:
 - peer: a load by digest naming r0 (`sha256` + `peers`): r0's kept copy streamed and verified (`source: peer`);
@@ -357,6 +359,7 @@ class Run:
     http: aiohttp.ClientSession
     rnd: int
     results: Results
+    evict: bool                     # the disk arms' file out of the page cache once written (--disk-cache cold)
     count: int = 0
 
     def next_label(self, arm: str) -> tuple[str, int]:
@@ -376,7 +379,8 @@ class Run:
                                               in_flight=IN_FLIGHT)
             else:
                 out = await self.trainer.call(op="disk", urls=urls, name=es.model, seed=seed, label=label,
-                                              in_flight=IN_FLIGHT, dir=str(checkpoint), fsync=True)
+                                              in_flight=IN_FLIGHT, dir=str(checkpoint), fsync=True,
+                                              evict=self.evict)
             await serving(self.http, urls, label)
             done = time.monotonic()
             cpu1 = [group_cpu_s(p) for p in pids]
@@ -416,7 +420,7 @@ class Run:
         if arm == "peer":
             body |= {"sha256": pushed["sha256"], "peers": [r0.url]}
         else:
-            await self.trainer.call(op="write", name=es.model, seed=seed, dir=str(checkpoint))
+            await self.trainer.call(op="write", name=es.model, seed=seed, dir=str(checkpoint), evict=self.evict)
             body["path"] = str(checkpoint)
         pids = [r0.proc.pid, r1.proc.pid]
         load, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
@@ -471,7 +475,7 @@ async def run(a: argparse.Namespace) -> Results:
                     model, n = system.split("/")
                     with engine_set(model, paths[model], int(n), root) as es:
                         async with http_session() as http:
-                            r = Run(es, trainer, http, rnd, results)
+                            r = Run(es, trainer, http, rnd, results, a.disk_cache == "cold")
                             # Warm-up, not counted: the trainer joins the pool's group; first-call costs.
                             for arm in ARMS:
                                 await r.push(arm, counted=False)
@@ -630,7 +634,10 @@ def report(res: Results, a: argparse.Namespace) -> str:
         + " (float32). Disk: one safetensors file written and fsync'd by the trainer (the fsync's median "
         + ", ".join(f"{m} {statistics.median(p.fsync_s for p in res.of('disk', m, n)):.3f} s"
                     for m in a.models for n in a.replicas[:1] if res.of("disk", m, n))
-        + "), loaded by every replica at once. Floor: gloo point-to-point between two processes, 64 MiB chunks, two in "
+        + "), " + ("then dropped from the page cache, so every replica reads it from the device (as replicas on other "
+                   "nodes read a shared volume)" if a.disk_cache == "cold" else "left in the page cache (every replica "
+                   "reads this host's memory: a floor for any disk)")
+        + ", loaded by every replica at once. Floor: gloo point-to-point between two processes, 64 MiB chunks, two in "
         f"flight, no packing or hashing, each round with no engine alive ({floors}). 2-core VM, each engine bound to "
         f"a core. 1-minute load average before the pushes: {min(loads):.2f}-{max(loads):.2f} (median "
         f"{statistics.median(loads):.2f}); hypervisor steal during them: {min(steal):.1%}-{max(steal):.1%}.", "",
@@ -649,7 +656,7 @@ def every_push(res: Results) -> list[str]:
 
 def publishable(a: argparse.Namespace) -> bool:
     return (a.rounds >= 3 and set(a.models) == set(MODELS) and set(a.replicas) == set(REPLICAS) and not a.quick
-            and not a.no_write)
+            and a.disk_cache == "cold" and not a.no_write)
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -661,6 +668,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, nargs="+", default=list(REPLICAS), choices=list(REPLICAS))
     p.add_argument("--clients", type=int, default=4, help="sampling clients during the loaded pushes")
     p.add_argument("--floor-repeats", type=int, default=3)
+    p.add_argument("--disk-cache", choices=("cold", "warm"), default="cold",
+                   help="cold: the written checkpoint dropped from the page cache before the replicas read it (they "
+                        "read the device, as other nodes read a shared volume); warm: read from this host's memory")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine sets' orders")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 1 round, 1 block, the tiny model unless --models; never written")

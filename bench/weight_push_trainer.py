@@ -7,10 +7,11 @@ stdout (vLLM logs to stdout too: answers are the lines that start with `{`):
     {"op": "net", "url", "name", "seed", "label", "in_flight"}
         -> a push with sampler_client's `NetworkPusher` (what `Pool.push_weights` holds): the group is kept
            from push to push to the same `url`, as a trainer keeps it
-    {"op": "disk", "urls", "name", "seed", "label", "in_flight", "dir", "fsync"}
-        -> today's disk push: write the weights as one safetensors file (fsync'd, as a durable checkpoint is),
-           then a load on every replica at once, as a static pool's Keep rollout does
-    {"op": "write", "name", "seed", "dir"}           -> the file alone (the catch-up's disk arm)
+    {"op": "disk", "urls", "name", "seed", "label", "in_flight", "dir", "fsync", "evict"}
+        -> today's disk push: write the weights as one safetensors file (fsync'd, as a durable checkpoint is;
+           `evict`: then dropped from the page cache), then a load on every replica at once, as a static pool's
+           Keep rollout does
+    {"op": "write", "name", "seed", "dir", "evict"}  -> the file alone (the catch-up's disk arm)
     {"op": "floor", "bytes", "chunk", "repeats"}     -> the loopback floor: gloo point-to-point to a receiver
                                                         process, chunks of `chunk` bytes, no packing, no hashing
     {"op": "close"}                                  -> leave every group (before the replicas stop)
@@ -127,8 +128,10 @@ class Trainer:
         return {"t0": t0, "t1": t1, "cpu_s": c1 - c0, "bytes": result.bytes, "sha256": result.sha256,
                 "send_s": result.send_s, "replicas": replica_answers(pusher.client.finish)}
 
-    def write(self, weights: dict[str, torch.Tensor], directory: str, fsync: bool) -> dict[str, float]:
-        """The weights as one safetensors file in `directory` (made afresh), as a trainer saves a checkpoint."""
+    def write(self, weights: dict[str, torch.Tensor], directory: str, fsync: bool, evict: bool) -> dict[str, float]:
+        """The weights as one safetensors file in `directory` (made afresh), as a trainer saves a checkpoint.
+        `evict` (after the fsync): the file's pages out of this host's page cache, so the replicas read it from
+        the device, as replicas on other nodes read a shared volume (rather than this host's memory)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "model.safetensors"
@@ -139,6 +142,8 @@ class Trainer:
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
+                if evict:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean after the fsync: dropped
             finally:
                 os.close(fd)
             fd = os.open(out, os.O_RDONLY)
@@ -151,7 +156,7 @@ class Trainer:
     def disk(self, cmd: dict[str, Any]) -> dict[str, Any]:
         weights = self.weights(cmd["name"], cmd["seed"])
         c0, t0 = cpu_s(), time.monotonic()
-        written = self.write(weights, cmd["dir"], cmd["fsync"])
+        written = self.write(weights, cmd["dir"], cmd["fsync"], cmd["evict"])
         body = {"path": cmd["dir"], "version_label": cmd["label"], "in_flight": cmd["in_flight"]}
 
         def load(url: str) -> dict[str, Any]:
@@ -246,7 +251,7 @@ def main() -> None:
             elif op == "disk":
                 out = trainer.disk(cmd)
             elif op == "write":
-                out = trainer.write(trainer.weights(cmd["name"], cmd["seed"]), cmd["dir"], cmd.get("fsync", True))
+                out = trainer.write(trainer.weights(cmd["name"], cmd["seed"]), cmd["dir"], True, cmd["evict"])
             elif op == "floor":
                 out = trainer.floor(cmd["bytes"], cmd["chunk"], cmd["repeats"])
             elif op == "close":

@@ -103,7 +103,9 @@ def test_the_report_opens_with_the_paired_table_and_lists_every_push() -> None:
 
 def test_only_a_full_run_may_write_the_published_section() -> None:
     assert wp.publishable(wp.parse([]))
-    for bad in (["--rounds", "2"], ["--models", "tiny"], ["--replicas", "1"], ["--no-write"], ["--quick"]):
+    for bad in (["--rounds", "2"], ["--models", "tiny"], ["--replicas", "1"], ["--no-write"], ["--quick"],
+                ["--disk-cache", "warm"]):
         assert not wp.publishable(wp.parse(bad)), bad
     quick = wp.parse(["--quick"])
     assert (quick.rounds, quick.blocks, quick.models) == (1, 1, ["tiny"])
+    assert wp.parse(["--quick", "--models", "340mb"]).models == ["340mb"]
