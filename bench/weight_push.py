@@ -107,7 +107,8 @@ class Push:
     trainer_cpu_s: float      # catch-ups: 0 (the trainer takes no part)
     replica_cpu_s: tuple[float, ...]
     pause_s: float            # the slowest replica's `paused_s` (its write, Keep's pause)
-    send_s: float = 0.0       # net: start_weight_update -> the replicas' verdict; disk: the file's write + fsync
+    # net: start_weight_update -> the replicas' verdict; disk: the file's write + fsync; catch-up: r1's `stage_s`
+    send_s: float = 0.0
     fsync_s: float = 0.0
     loadavg: float = 0.0
     steal: float = 0.0
@@ -286,6 +287,16 @@ async def serving(http: aiohttp.ClientSession, urls: Sequence[str], label: str) 
             await asyncio.sleep(0.01)
 
 
+async def gateway_sees(gw: RunningGateway, n: int, label: str) -> None:
+    """Until the gateway's own view has all n replicas eligible on `label` (not timed). A push through the
+    gateway goes to the replicas it routes to: with one of them still on an older label in its view (its
+    /health reads lag the replicas), the next push would leave that one out."""
+    def ok(h: dict[str, Any]) -> bool:
+        rs = h["replicas"]
+        return len(rs) == n and all(r["eligible"] and r["weights_label"] == label for r in rs)
+    await asyncio.to_thread(gw.wait, ok, f"{n} replicas eligible on {label}", 60)
+
+
 # ---------------------------------------------------------------------------- sampling load
 
 class Load:
@@ -385,6 +396,9 @@ class Run:
             done = time.monotonic()
             cpu1 = [group_cpu_s(p) for p in pids]
         steal1, ticks1 = cpu_times()
+        if arm == "net":    # every replica took part (a gateway pushes to the replicas it routes to)
+            assert len(out["replicas"]) == len(urls), out["replicas"]
+        await gateway_sees(es.gateway, len(urls), label)
         shutil.rmtree(checkpoint, ignore_errors=True)
         p = Push(arm=arm, model=es.model, replicas=len(urls), round=self.rnd, total_s=done - out["t0"],
                  bytes=self.results.bytes[es.model], trainer_cpu_s=out["cpu_s"],
