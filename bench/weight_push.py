@@ -88,7 +88,8 @@ PUSH_FACTOR, PUSH_BUDGET_S = 1.5, 0.3
 TWO_OVER_ONE = 2.5
 CATCH_UP_BUDGET_S = 2.0
 TRAINER_TIMEOUT_S = 900.0
-# The GPU paper section, linked from the published section (docs/benchmarks.md's relative link).
+# The design note's method and GPU paper sections, linked from the published section (relative to docs/).
+METHOD = ("F. Benchmarks", "design/weights-over-network.md#later-phases")
 PAPER = ("GPUs on paper", "design/weights-over-network.md#gpus-on-paper-the-nccl-backend")
 
 
@@ -655,7 +656,8 @@ def report(res: Results, a: argparse.Namespace) -> str:
         f"flight, no packing or hashing, each round with no engine alive ({floors}). 2-core VM, each engine bound to "
         f"a core. 1-minute load average before the pushes: {min(loads):.2f}-{max(loads):.2f} (median "
         f"{statistics.median(loads):.2f}); hypervisor steal during them: {min(steal):.1%}-{max(steal):.1%}.", "",
-        f"What to expect on GPUs (vLLM's nccl backend, the same orchestration), on paper: [{PAPER[0]}]({PAPER[1]}).",
+        f"The method at length: [{METHOD[0]}]({METHOD[1]}). What to expect on GPUs (vLLM's nccl backend, the same "
+        f"orchestration), on paper: [{PAPER[0]}]({PAPER[1]}).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,7 @@ import pytest
 
 from bench import weight_push as wp
 from bench.weight_push import Push, Results
+from tests.support import REPO_ROOT
 
 MB = 1_000_000
 
@@ -109,3 +110,14 @@ def test_only_a_full_run_may_write_the_published_section() -> None:
     quick = wp.parse(["--quick"])
     assert (quick.rounds, quick.blocks, quick.models) == (1, 1, ["tiny"])
     assert wp.parse(["--quick", "--models", "340mb"]).models == ["340mb"]
+
+
+def test_the_published_sections_links_reach_the_design_notes_headings() -> None:
+    """The run writes docs/benchmarks.md: its links must resolve there (tests/unit/test_docs.py checks the doc as
+    committed, before any run)."""
+    from tests.unit.test_docs import _anchors
+
+    docs = REPO_ROOT / "docs"
+    for _, target in (wp.METHOD, wp.PAPER):
+        path, anchor = target.split("#")
+        assert anchor in _anchors(docs / path), target
