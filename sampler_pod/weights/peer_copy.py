@@ -285,7 +285,7 @@ async def fetch(engine: Engine, peer: str, sha256: str, schema: Mapping[str, Ten
         if staged is not None:
             await engine.discard_staged(staged)
         raise
-    except (aiohttp.ClientError, OSError, TimeoutError) as e:
+    except (aiohttp.ClientError, OSError, TimeoutError, UnicodeError) as e:  # UnicodeError: a name IDNA refuses
         if staged is not None:
             await engine.discard_staged(staged)
         raise PeerCopyFailed(f"{type(e).__name__}: {e}"[:300]) from None

@@ -46,6 +46,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from sampler_common.errors import (
     Conflict,
@@ -139,9 +140,21 @@ class WriteOptions(BaseModel):
 
 
 HEX64 = r"^[0-9a-fA-F]{64}$"
-# A peer's base URL: scheme, host (a name, an IPv4 address or a bracketed IPv6 one) and port, nothing else.
-PeerUrl = Annotated[str, Field(pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?/?$",
-                               max_length=300)]
+# A peer's base URL: scheme, host (a DNS name, an IPv4 address or a bracketed IPv6 one) and port, nothing else.
+# Each name label is 1-63 characters, as DNS has them: an empty or longer one ("a..b") would reach the
+# resolver's IDNA codec and fail there, as an internal error rather than this field's 400.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_PEER_URL = rf"^https?://(\[[0-9A-Fa-f:.]+\]|{_LABEL}(?:\.{_LABEL})*\.?)(?::([0-9]{{1,5}}))?/?$"
+
+
+def _port_in_range(url: str) -> str:
+    port = re.fullmatch(_PEER_URL, url)
+    if port is not None and port.group(2) is not None and not 0 < int(port.group(2)) < 65536:
+        raise ValueError("the port must be 1-65535")
+    return url
+
+
+PeerUrl = Annotated[str, Field(pattern=_PEER_URL, max_length=300), AfterValidator(_port_in_range)]
 
 
 class LoadCheckpointRequest(WriteOptions):

@@ -228,6 +228,9 @@ async def test_a_load_by_digest_found_nowhere_is_a_409_naming_sha256_and_writes_
     ({"version_label": "x", "sha256": "ab" * 31}, "sha256"),
     ({"version_label": "x", "sha256": "ab" * 32, "peers": ["ftp://127.0.0.1:1"]}, "peers[0]"),
     ({"version_label": "x", "sha256": "ab" * 32, "peers": ["http://127.0.0.1:1/v1/path"]}, "peers[0]"),
+    ({"version_label": "x", "sha256": "ab" * 32, "peers": ["http://a..b:1"]}, "peers[0]"),  # IDNA refuses it
+    ({"version_label": "x", "sha256": "ab" * 32, "peers": ["http://" + "a" * 64 + ":1"]}, "peers[0]"),
+    ({"version_label": "x", "sha256": "ab" * 32, "peers": ["http://127.0.0.1:1", "http://h:70000"]}, "peers[1]"),
     ({"version_label": "x", "sha256": "ab" * 32, "test_fail_after_tensors": 1}, "test_fail_after_tensors"),
     ({"version_label": "x", "sha256": "ab" * 32, "kv": "recompute"}, "kv"),
 ])
