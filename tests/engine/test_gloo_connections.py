@@ -3,7 +3,7 @@ network_policy.py; its rendering: tests/operator/unit/test_network_weights.py).
 
 A trainer (rank 0) and two replicas' workers (ranks 1, 2) make a group exactly as a push does
 (sampler_common/weight_transfer/gloo.py: a TCPStore on the trainer, `open_group` on each side, each bound to
-its own loopback address), broadcast once, and report their sockets while the group is up. Found:
+its own loopback address), pass a chunk down the chain once (relay.py), and report their sockets while the group is up. Found:
 
 * the trainer listens on `master_port` (the TCPStore) and every replica worker connects to it;
 * every process listens on one more port, one the kernel chose (not `master_port`);
@@ -30,14 +30,17 @@ RANK = r"""
 import datetime, json, sys
 import psutil, torch
 from torch.distributed import TCPStore
-from sampler_common.weight_transfer.gloo import _broadcast, open_group
+from sampler_common.weight_transfer.gloo import open_group
 
 rank, port, addresses = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 store = TCPStore(addresses[0], port, len(addresses), rank == 0, timeout=datetime.timedelta(seconds=120),
                  wait_for_workers=False)
 group = open_group(store, rank, len(addresses), addresses[rank], 120)
 t = torch.full((1 << 16,), rank, dtype=torch.uint8)
-_broadcast(group, t).wait()
+if rank > 0:  # down the chain once, as a push's chunks go (relay.py)
+    group.recv([t], rank - 1, 0).wait()
+if rank + 1 < len(addresses):
+    group.send([t], rank + 1, 0).wait()
 assert int(t[0]) == 0
 socks = [{"status": c.status, "laddr": list(c.laddr), "raddr": list(c.raddr) if c.raddr else None}
          for c in psutil.Process().net_connections(kind="tcp")]
