@@ -21,6 +21,14 @@ pods first), so its next pod starts at the target and is routed to only once ver
 the budget, as every unavailable replica does (a Deployment keeps replicas - maxUnavailable
 available): a push while one replica is down drains no other one beside it with maxUnavailable 1,
 and a replica that stays down holds the rollout there, as it would hold a Deployment's.
+One exception, for weights pushed over the network (a target by digest, no checkpoint): a replica down
+when the push came (its pod lost, the next one starting) can only catch them up from a peer that
+serves them, and the replicas that hold the push serve it only once the rollout writes it, which its
+budget would forbid while that replica is down: each would wait for the other for good. So a replica
+whose load found the target digest nowhere (`WeightsSynced=False/WeightsUnavailable` naming it) uses
+no budget while no replica is verified at the target: the next batch writes the push where it is held,
+and the waiting replica catches up from there. With maxUnavailable 1 and a pool of 2 the pool serves
+nothing for that write (a drain and a write from memory), rather than never moving again.
 
 `rollout.mode` says how each replica's load treats its samples in flight: Drain waits for them,
 Abort has the pod abort them (each answered "resubmit"; the gateway has already stopped routing to
@@ -80,10 +88,11 @@ from sampler_operator.replica.status import (
     PHASE_QUEUED,
     PHASE_REPLACING,
     PHASE_STARTING,
+    WEIGHTS_SYNCED,
     iso,
     parse_iso,
 )
-from sampler_operator.replica.weights_intent import INVALID
+from sampler_operator.replica.weights_intent import INVALID, WEIGHTS_UNAVAILABLE
 
 ANNOTATION_DRAINING = "sampler.rl.dev/draining"
 ANNOTATION_SPEC_HASH = "sampler.rl.dev/pool-spec-hash"
@@ -238,6 +247,8 @@ class ReplicaState:
     # The adapter engine names its pod holds, as its status last said (pool/adapter_status.py).
     adapters: tuple[str, ...] = ()
     generation: int | None = None   # metadata.generation: which spec a load was made under (LoadAnswer)
+    # WeightsSynced=False/WeightsUnavailable: its message (the load by digest found the weights nowhere).
+    unavailable: str | None = None
     # metadata.resourceVersion: which of two views of the replica is newer (loop.own_writes); not compared.
     version: int | None = field(default=None, compare=False)
 
@@ -254,6 +265,9 @@ class ReplicaState:
         declared = weights.get("declared") or {}
         rejected = declared_key(declared) if weights.get("declaredResult") == INVALID else None
         generation = meta.get("generation")
+        synced = next((c for c in status.get("conditions") or [] if c.get("type") == WEIGHTS_SYNCED), {})
+        unavailable = str(synced.get("message") or "") if (synced.get("status"), synced.get("reason")) == (
+            "False", WEIGHTS_UNAVAILABLE) else None
         return cls(name=meta.get("name", ""), owner_uid=owner, spec_hash=ann.get(ANNOTATION_SPEC_HASH),
                    draining=ann.get(ANNOTATION_DRAINING) == "true", phase=status.get("phase"),
                    label=label if isinstance(label, str) else None,
@@ -263,7 +277,7 @@ class ReplicaState:
                    observed=generation is None or status.get("observedGeneration") == generation,
                    adapters=tuple(a for a in status.get("adapters") or () if isinstance(a, str)),
                    generation=generation if isinstance(generation, int) else None,
-                   version=_version(meta.get("resourceVersion")))
+                   unavailable=unavailable, version=_version(meta.get("resourceVersion")))
 
 
 def _version(raw: Any) -> int | None:
@@ -374,6 +388,14 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     def verified(r: ReplicaState) -> bool:
         return _verified(r, want_hash, spec.target_label, answers.get(r.name))
 
+    # Waiting for pushed weights nobody serves yet (the module docstring): no budget, or the rollout that
+    # would make a replica serve them could never start.
+    target_sha = str((spec.weights or {}).get("sha256") or "").lower()
+    nobody_serves = bool(target_sha) and not any(verified(r) for r in current)
+
+    def waits_for_a_peer(r: ReplicaState) -> bool:
+        return nobody_serves and r.unavailable is not None and target_sha in r.unavailable.lower()
+
     # Scaled back up while draining to leave: back in routing; the rollout takes it from there.
     undrain = [r.name for r in current if r.leaving_since is not None or (r.draining and verified(r))]
     out = [r for r in current if r.draining and r.name not in undrain]
@@ -383,9 +405,10 @@ def plan(pool: str, pool_uid: str, spec: PoolSpec, existing: list[ReplicaState],
     # new spec not verified yet (drained or not), those still at an old spec but out of service (a
     # lost pod's successor starting), and those not created yet. Without the last two, a push while a
     # replica was down drained another one beside it: no replica in routing.
-    busy = (len(out) + len(create)
-            + sum(1 for r in current if not r.draining and r.spec_hash == want_hash and not verified(r))
-            + sum(1 for r in outdated if r.phase in OUT_OF_SERVICE))
+    busy = (sum(1 for r in out if not waits_for_a_peer(r)) + len(create)
+            + sum(1 for r in current if not r.draining and r.spec_hash == want_hash and not verified(r)
+                  and not waits_for_a_peer(r))
+            + sum(1 for r in outdated if r.phase in OUT_OF_SERVICE and not waits_for_a_peer(r)))
     budget = max(0, spec.rollout.max_unavailable - busy)
     # Out of routing at a spec that changed again mid-rollout: the newest spec, at no extra cost.
     stale = [r.name for r in out if r.spec_hash != want_hash]

@@ -189,6 +189,39 @@ def test_a_replica_already_down_counts_against_max_unavailable() -> None:
     assert plan("p", UID, new, [at(old, "p-0", phase="Unhealthy"), at(old, "p-1")]) == Plan(update=["p-0"])
 
 
+def test_a_replica_waiting_for_pushed_weights_nobody_serves_yet_does_not_hold_the_rollout() -> None:
+    """Weights pushed over the network while p-1 was down (its pod lost, the next one starting): p-1 took
+    the target at once and waits for a peer serving it; p-0 holds the push, but writes it only when the
+    rollout reaches it. Counted against the budget, p-1 would hold the rollout for good (each waiting for
+    the other: the demo's loop hung so). It uses none while nobody serves the target: p-0 is the next
+    batch, and p-1 catches up from it once it does."""
+    digest = "ab" * 32
+    old = spec(replicas=2, label="step-1")
+    new = PoolSpec.model_validate({"replicas": 2, "template": TEMPLATE,
+                                   "weights": {"versionLabel": "net-2", "sha256": digest.upper()},
+                                   "rollout": {"maxUnavailable": 1, "mode": "Drain"}})
+    waiting = f"intended checkpoint unavailable: network push net-1; sha256 {digest}: no peer holds them"
+    down = replace(at(new, "p-1", phase="Starting", label="step-1", draining=True), unavailable=waiting)
+    assert plan("p", UID, new, [at(old, "p-0"), down]) == Plan(update=["p-0"])
+    # What the replica's own controller wrote, read back as the pool's controller sees it.
+    body = replica_body("p", "ns", UID, new, 1)
+    body["status"] = {"phase": "Starting", "conditions": [
+        {"type": "WeightsSynced", "status": "False", "reason": "WeightsUnavailable", "message": waiting}]}
+    assert ReplicaState.from_object(body).unavailable == waiting
+    # ...and the controls: as before, the down replica holds the rollout when it waits for anything else
+    # (another digest, a pod still starting, no condition), or once a replica serves the target (it
+    # catches up from that one: no reason to take another out of routing beside it).
+    for other in (replace(down, unavailable=waiting.replace(digest, "cd" * 32)), replace(down, unavailable=None)):
+        assert plan("p", UID, new, [at(old, "p-0"), other]) == Plan(), other
+    serving = [at(new, "p-0"), down, at(old, "p-2")]
+    assert plan("p", UID, PoolSpec.model_validate({**new.model_dump(by_alias=True), "replicas": 3}),
+                serving).update == []
+    # Checkpoint targets never skip the budget: a down replica loads those from disk by itself.
+    assert plan("p", UID, spec(replicas=2, label="step-2"), [at(old, "p-0"), replace(
+        at(spec(replicas=2, label="step-2"), "p-1", phase="Starting", label="step-1", draining=True),
+        unavailable=waiting)]) == Plan()
+
+
 def test_keep_mode_ignores_a_replica_already_down() -> None:
     """Keep takes nobody out of routing, so there is no budget for a down replica to use: the down one
     takes the target drained, every serving one loads in place."""
