@@ -15,6 +15,15 @@ the whole of a model initialized at std 0.02 scrambles it before the reward can 
     python examples/rl_loop.py --gateway http://policy-gateway:8080 --api-key "$KEY" \\
         --admin-key "$ADMIN" --model /models/tiny --checkpoints /mnt/ckpt --pod-checkpoints /checkpoints
 
+**`--push network`** sends the full weights over the network instead, with no checkpoint written and
+no volume shared with the replicas (they need none: the pool's template sets `weightTransfer.backend:
+gloo` and mounts no checkpoints): each step's parameters go straight from this process's memory into
+every replica (`Pool.push_weights`: vLLM's weight-transfer protocol through the gateway, gloo on CPU),
+and the call returns once the pool's rollout of the label is complete. The pool declares each push by
+its digest (`spec.weights = {versionLabel, step, sha256}`); a replica replaced mid-run catches up from
+a peer. The replicas must reach this process's address (it hosts the transfer's group). Needs vLLM
+beside torch here (`sampler_client.weight_transfer`).
+
 **`--lora`** trains a LoRA adapter instead (peft, on the frozen base model; `--lora-modules`, default
 `lm_head`: on the tiny random model the body barely moves the logits; `--lora-rank` 16, at most the
 replicas' `--max-lora-rank`; Adam at 1e-1, which takes the reward from ~0.14 to ~0.7 in three
@@ -29,10 +38,11 @@ run's answers arrived in step order (per-run Latest) and the reward rose. Two lo
 `--run`s share one pool.
 
 `--checkpoints` is the volume as this process sees it, `--pod-checkpoints` as the replicas see it
-(the path pushed). Without a SamplerPool (a gateway with static discovery, which has no pool object
-to push to), `--replica URL` (repeated) loads each replica directly through its admin route and waits
-until the gateway routes to all of them at the label (not with `--lora`: an adapter is pushed to a
-pool). `--summary PATH` writes what was seen as JSON.
+(the path pushed); `--push network` needs neither. Without a SamplerPool (a gateway with static
+discovery, which has no pool object to push to), `--replica URL` (repeated) loads each replica directly
+through its admin route and waits until the gateway routes to all of them at the label (not with
+`--lora`: an adapter is pushed to a pool; a network push needs no `--replica`: the gateway sends the
+weights to every replica itself). `--summary PATH` writes what was seen as JSON.
 """
 
 from __future__ import annotations
@@ -151,7 +161,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--admin-key", required=True, help="the pool's admin key (pushes weights)")
     p.add_argument("--model", type=Path, required=True, help="the base model's directory, as this process sees it")
     p.add_argument("--base-model", help="the model name the replicas serve (default: the gateway's first)")
-    p.add_argument("--checkpoints", type=Path, required=True, help="the checkpoints volume, as this process sees it")
+    p.add_argument("--push", choices=("disk", "network"), default="disk",
+                   help="full weights: write a checkpoint to the shared volume and push its path (disk), or send "
+                   "the parameters to every replica over the network, no checkpoint and no volume (network)")
+    p.add_argument("--checkpoints", type=Path, help="the checkpoints volume, as this process sees it (not with "
+                   "--push network)")
     p.add_argument("--pod-checkpoints", help="the same volume as the replicas see it (default: --checkpoints)")
     p.add_argument("--replica", action="append", default=[],
                    help="static pool: load this replica directly (repeat per replica) instead of pushing")
@@ -216,12 +230,22 @@ def save_checkpoint(model: Any, base: Tensors, out: Path) -> None:
 
 
 class Pusher:
-    """The pool's side of a step: push through the gateway (a SamplerPool), or load each replica of a
-    static pool directly and wait until the gateway routes to all of them at the label."""
+    """The pool's side of a step: push a checkpoint's path through the gateway (a SamplerPool), or load each
+    replica of a static pool directly and wait until the gateway routes to all of them at the label; or
+    (`--push network`) send the parameters themselves through the gateway."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.pool = Pool(args.gateway, args.admin_key)
+
+    def push_network(self, model: Any, label: str, step: int) -> str:
+        """Send the parameters to every replica through the gateway (the transfer's group is kept from step to
+        step); returns once the pool serves them under `label`. The model digest the pool declared."""
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        sent = self.pool.push_weights(state, label, step=step)
+        log(f"  pushed {label} over the network: {sent.tensors} tensors, {sent.bytes / 1e6:.1f} MB sent in "
+            f"{sent.send_s:.2f}s, sha256 {sent.sha256[:16]}; every replica serves it")
+        return str(sent.sha256)
 
     def push(self, pod_path: str, label: str, step: int) -> None:
         if not self.args.replica:
@@ -265,8 +289,12 @@ class FullWeights:
             {"params": [p for p in params if id(p) not in head], "lr": args.body_lr}])
         self.pusher = Pusher(args)
         self._client: Any = None
+        self.pushed: dict[str, str] = {}  # --push network: label -> the model digest the pool declared
 
     def save_and_push(self, step: int, label: str, pod_root: str) -> None:
+        if self.args.push == "network":
+            self.pushed[label] = self.pusher.push_network(self.model, label, step)
+            return
         save_checkpoint(self.model, self.base, self.args.checkpoints / label)
         self.pusher.push(f"{pod_root}/{label}", label, step)
 
@@ -344,9 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     lo, hi = (int(x) for x in args.target.split(":"))
     torch.manual_seed(args.seed)
-    pod_root = (args.pod_checkpoints or str(args.checkpoints)).rstrip("/")
     if args.lora and args.replica:
         raise SystemExit("--lora pushes through a pool's gateway: --replica (a static pool) has no pool to push to")
+    if args.push == "network" and (args.lora or args.replica):
+        raise SystemExit("--push network sends full weights through the gateway: not with --lora (an adapter is "
+                         "pushed as files) nor --replica (the gateway reaches every replica itself)")
+    if args.push == "disk" and args.checkpoints is None:
+        raise SystemExit("--checkpoints is required: the volume the checkpoints are written to (or --push network)")
+    pod_root = (args.pod_checkpoints or str(args.checkpoints)).rstrip("/")
     policy: FullWeights | LoraAdapter = LoraAdapter(args) if args.lora else FullWeights(args)
     model = policy.model
     prompts = [[1, 10 + i, 20 + i, 30 + i] for i in range(args.prompts)]  # equal lengths: one batched forward
@@ -360,8 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         policy.save_and_push(step, label_of(step), pod_root)
         return time.monotonic() - t0
 
-    log(f"run {args.run}: {args.steps} updates{' of a LoRA adapter' if args.lora else ''}, {args.prompts} prompts "
-        f"x {args.group_size} samples, reward = share of token ids {lo}..{hi - 1}")
+    how = "of a LoRA adapter" if args.lora else ("pushed over the network" if args.push == "network" else
+                                                  "pushed as checkpoints")
+    log(f"run {args.run}: {args.steps} updates {how}, {args.prompts} prompts x {args.group_size} samples, "
+        f"reward = share of token ids {lo}..{hi - 1}")
     # Step 0's weights are the base model's, pushed under the run's own label so that every step,
     # the first included, is checked against a label that names exactly one set of weights.
     first_push = save_and_push(0)
@@ -412,8 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         raise AssertionError(f"run {args.run}'s answers went back: {back}")
     rise = records[-1].reward - records[0].reward
     if args.summary:
-        args.summary.write_text(json.dumps({"run": args.run, "lora": args.lora, "steps": [asdict(r) for r in records],
-                                            "rise": rise, "adapter_arrivals": spans.arrivals}))
+        pushed = policy.pushed if isinstance(policy, FullWeights) else {}
+        args.summary.write_text(json.dumps({"run": args.run, "lora": args.lora, "push": args.push,
+                                            "steps": [asdict(r) for r in records], "rise": rise,
+                                            "adapter_arrivals": spans.arrivals, "pushed_sha256": pushed}))
     every = "every batch from its step's adapter version" if args.lora else "every batch at its step's label"
     log(f"reward {records[0].reward:.3f} -> {records[-1].reward:.3f} ({rise:+.3f}); {every}")
     if rise < args.min_rise:

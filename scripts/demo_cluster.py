@@ -6,14 +6,17 @@ private network namespace by scripts/k8s/node-exec.sh; demo.sh brings the cluste
      image): the operator creates its two SamplerReplicas and its gateway
   2. `kubectl get sp,sr` while they come up
   3. sample through the gateway, the pool's one address (greedy, the same prompt, both replicas answer)
-  4. a trainer's RL loop through the gateway (examples/rl_loop.py): the Tinker SDK samples groups, a toy
-     reward, a policy-gradient step in torch, the checkpoint pushed with `sampler_client`; each push is a
-     rollout (`kubectl get sp` while it runs)
+  4. a trainer's RL loop through the gateway (examples/rl_loop.py --push network): the Tinker SDK samples
+     groups, a toy reward, a policy-gradient step in torch, the parameters pushed over the network with
+     `sampler_client` (`Pool.push_weights`: vLLM's weight-transfer protocol, gloo; no checkpoint written);
+     each push is declared by its digest and rolled out (`kubectl get sp` while it runs)
   5. one replica's pod is lost mid-run (deleted as step 1 of the loop starts sampling)
   6. the loop is unharmed: the gateway samples on the replica left, the operator brings the lost one back
-     at the pool's weights and the next push waits for it; every step finishes, every batch at its
-     step's weights, the reward up
-  7. the README's push (`python -m sampler_client push ... --wait`), then `kubectl get sp,sr` and the Events
+     at the pool's weights, which it catches up from its peer (no checkpoint holds them), and the next
+     push waits for it; every step finishes, every batch at its step's weights, the reward up
+  7. a durable copy of the loop's last weights saved from a replica (`GET /v1/weights/staged`: one
+     safetensors file), then the README's push of it from disk (`python -m sampler_client push ... --wait`),
+     then `kubectl get sp,sr` and the Events
 
 The README's quickstart block is this story's script: every command in it is run here as written
 (`Quickstart`), with three node-tier differences, each said where it happens: helm gets the node tier's
@@ -21,6 +24,10 @@ values file added, `pool.yaml` is the demo's pool (the tiny model, the CPU image
 `kubectl port-forward` line is not run (the gateway listens on the node's network: GATEWAY points there).
 A README command the story no longer runs fails the story (`Quickstart.check_all_run`) and a unit test
 (tests/unit/test_readme.py) checks the block's commands are the ones the story knows.
+
+The pool mounts a checkpoints volume for step 7 alone (the README's push is from disk); the loop's
+network pushes write nothing to it (the node-tier test checks; tests/operator/node/
+test_pool_network_push_node.py runs network pushes into a pool whose pods mount no volume at all).
 
 The replica story this demo told before the pool (weights declared on a SamplerReplica, a write failing
 midway, the pod replaced at the declared weights) is tested on the node tier (tests/operator/node/
@@ -88,6 +95,7 @@ class StoryResult:
     loop_lines: list[str] = field(default_factory=list)           # what the RL loop printed
     loop: dict[str, Any] = field(default_factory=dict)            # its summary (steps, rewards, labels)
     killed: dict[str, str] = field(default_factory=dict)          # the lost pod: replica, name, uid
+    caught_up: dict[str, Any] = field(default_factory=dict)       # its replacement's first `ok` /health
     events: list[dict[str, Any]] = field(default_factory=list)
     final_status: dict[str, Any] = field(default_factory=dict)    # the pool's
     readme_sample: dict[str, Any] = field(default_factory=dict)   # step 3: the README's curl, its answer
@@ -256,14 +264,17 @@ class Story:
             raise RuntimeError(f"the README's curl: not a sample's answer: {out[:500]}")
         self.say(f"  the README's curl: tokens {tokens(r.readme_sample)}  weights {r.readme_sample['weights_label']}")
 
-        self.step(4, f"a trainer's RL loop through the gateway, {cfg.loop_steps} updates (examples/rl_loop.py): "
-                     "Tinker SDK samples -> reward -> torch step -> safetensors -> sampler_client push, wait")
+        self.step(4, f"a trainer's RL loop through the gateway, {cfg.loop_steps} updates (examples/rl_loop.py "
+                     "--push network): Tinker SDK samples -> reward -> torch step -> the parameters pushed over "
+                     "the network (sampler_client, vLLM's weight transfer, gloo), wait")
         self.say("  reward = share of token ids 64..127 in a completion; every batch must come from its step's "
-                 "weights (X-Sampler-Weights-Spans); each push is a rollout, one replica at a time")
+                 "weights (X-Sampler-Weights-Spans); no checkpoint is written: each push is declared by its "
+                 "digest (spec.weights.sha256) and rolled out, one replica at a time")
         self.run_loop(r, model, show)
 
-        self.step(7, "the README's push (python -m sampler_client push ... --wait): the loop's last weights under "
-                     "the README's label; then kubectl get sp,sr, and the Events")
+        self.step(7, "a durable copy of the loop's last weights, saved from a replica (GET /v1/weights/staged), "
+                     "and the README's push of it from disk (python -m sampler_client push ... --wait); then "
+                     "kubectl get sp,sr, and the Events")
         self.readme_push(r)
         t = self.get_tables()
         r.tables.append(t)
@@ -289,8 +300,8 @@ class Story:
         summary.unlink(missing_ok=True)
         argv = [sys.executable, str(ROOT / "examples" / "rl_loop.py"), "--gateway", self.gateway,
                 "--api-key", self.key(), "--admin-key", self.key(admin=True), "--model", str(model),
-                "--checkpoints", str(cfg.checkpoints), "--pod-checkpoints", "/checkpoints", "--run", self.pool,
-                "--steps", str(cfg.loop_steps), "--push-timeout", str(cfg.timeout_s), "--summary", str(summary)]
+                "--push", "network", "--run", self.pool, "--steps", str(cfg.loop_steps),
+                "--push-timeout", str(cfg.timeout_s), "--summary", str(summary)]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         # Its stderr (the client's per-replica progress, library warnings) to a file: the story narrates
         # the loop's own lines, and a failure shows the file's end.
@@ -299,20 +310,35 @@ class Story:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         done = threading.Event()
 
+        victim_url = f"http://127.0.0.1:{cfg.replica_port + self.replicas.index(self.victim)}"
+
         def kill() -> None:
             pod = self.status(self.victim)["podName"]
             uid = self.kjson("-n", cfg.namespace, "get", "pod", pod)["metadata"]["uid"]
+            old_start = get_json(victim_url + "/health").get("started_at")
             self.step(5, f"{self.victim}'s pod {pod} is lost mid-run (kubectl delete pod --force), as step 1 of "
                          "the loop starts sampling")
             self.kubectl("-n", cfg.namespace, "delete", "pod", pod, "--force", "--grace-period=0", "--wait=false")
-            r.killed = {"replica": self.victim, "name": pod, "uid": uid}
-            self.step(6, "the loop goes on: the gateway samples on the replica left; the operator makes a new pod "
-                         "at the pool's weights, and the next push returns once it serves them")
+            r.killed = {"replica": self.victim, "name": pod, "uid": uid, "started_at": old_start}
+            self.step(6, "the loop goes on: the gateway samples on the replica left; the operator makes a new pod, "
+                         "which catches the pool's weights up from its peer, and the next push returns once it "
+                         "serves them")
+
+        def caught_up() -> None:
+            """The replacement's first `ok`: where its weights came from (a peer: no checkpoint holds them)."""
+            h = get_json(victim_url + "/health")
+            if h.get("status") == "ok" and h.get("started_at") != r.killed["started_at"]:
+                r.caught_up = h
+                self.say(f"  {self.victim}'s new pod serves {h.get('weights_label')}, its weights from "
+                         f"{h.get('weights_source')} (verified against sha256 {str(h.get('weights_sha256'))[:16]})")
 
         def watch() -> None:
             while not done.wait(1.0):
                 with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
                     show()
+                if r.killed and not r.caught_up:
+                    with contextlib.suppress(OSError, ValueError):
+                        caught_up()
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -335,19 +361,31 @@ class Story:
                                + f"\nits stderr ({err_path}):\n" + err_path.read_text()[-3000:])
         r.loop = json.loads(summary.read_text())
         rewards = [s["reward"] for s in r.loop["steps"]]
-        self.say(f"  every step finished; rewards {rewards}; every batch at its step's label; the lost replica "
-                 f"{self.victim} is back on {self.status(self.victim).get('podName')}")
+        self.say(f"  every step finished; rewards {rewards}; every batch at its step's label; no checkpoint "
+                 f"written; the lost replica {self.victim} is back on {self.status(self.victim).get('podName')}")
 
     def readme_push(self, r: StoryResult) -> None:
-        """The README's push, run as written: its checkpoint is the loop's last one, copied to the path the
-        README names (the pods see cfg.checkpoints at /checkpoints), so the pool rolls out to its label."""
+        """The README's push, run as written: its checkpoint is a durable copy of the loop's last weights,
+        which went over the network only: a replica's kept copy of them (`GET /v1/weights/staged`, one
+        safetensors file, the admin key), saved at the path the README names (the pods see cfg.checkpoints
+        at /checkpoints), so the pool rolls out to its label from disk."""
         argv = shlex.split(self.quickstart.command("python -m sampler_client push "))
         path, label = argv[argv.index("--checkpoint") + 1], argv[argv.index("--label") + 1]
         if not path.startswith("/checkpoints/"):
             raise RuntimeError(f"the README pushes {path}: the demo's pods see their checkpoints at /checkpoints")
+        digest = r.loop["pushed_sha256"][f"{self.pool}-step-{self.cfg.loop_steps}"]
         dest = self.cfg.checkpoints / path.removeprefix("/checkpoints/")
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(self.cfg.checkpoints / f"{self.pool}-step-{self.cfg.loop_steps}", dest)
+        dest.mkdir(parents=True)
+        req = urllib.request.Request(f"http://127.0.0.1:{self.cfg.replica_port}/v1/weights/staged?sha256={digest}",
+                                     headers={"X-API-Key": self.key(admin=True)})
+        with urllib.request.urlopen(req, timeout=120) as resp, open(dest / "model.safetensors", "wb") as f:
+            shutil.copyfileobj(resp, f)
+        # The replicas read the volume as their own user.
+        dest.chmod(0o755)
+        (dest / "model.safetensors").chmod(0o644)
+        self.say(f"  saved {self.replicas[0]}'s copy of {self.pool}-step-{self.cfg.loop_steps} (sha256 "
+                 f"{digest[:16]}) as {path}/model.safetensors")
         out = self.quickstart.run("python -m sampler_client push ", self.shell_env(), cwd=ROOT)
         r.readme_push = {"label": label, "answer": json.loads(out)}
         self.say(f"  pushed {label}: every replica serves it")
@@ -433,6 +471,8 @@ class Story:
                            "kvCacheMemoryBytes": 64 << 20, "enforceEager": True},
             "resources": {"limits": {"memory": "4Gi"}, "requests": {"cpu": "500m", "memory": "1Gi"}},
             "health": {"periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3, "startupTimeoutSeconds": 600},
+            # the loop pushes over the network (vLLM's weight transfer, gloo on CPU)
+            "weightTransfer": {"backend": "gloo"},
             "checkpoints": {"allowedRoots": ["/checkpoints"], "volumes": [
                 {"name": "checkpoints", "mountPath": "/checkpoints",
                  "source": {"hostPath": {"path": str(self.cfg.checkpoints), "type": "Directory"}}}]},

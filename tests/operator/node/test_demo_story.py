@@ -1,11 +1,13 @@
-"""Node tier: `./scripts/demo.sh`'s story (a SamplerPool of 2 and its gateway, the RL loop through it, a
-replica lost mid-run), run through the SAME code (scripts/demo_cluster.py run_story) on the real
+"""Node tier: `./scripts/demo.sh`'s story (a SamplerPool of 2 and its gateway, the RL loop through it pushing
+its weights over the network, a replica lost mid-run and caught up from its peer, a durable copy pushed
+from disk), run through the SAME code (scripts/demo_cluster.py run_story) on the real
 single-node cluster, and checked on what the API server, the pods and the loop's summary say -- not on
 what it printed.
 
 Own namespaces, release and free ports, so it neither needs nor touches a developer's demo run."""
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -73,7 +75,16 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         assert r.readme_sample["weights_label"] == "base" and demo.tokens(r.readme_sample), r.readme_sample
 
         # 4.-6. the RL loop: every step finished, every batch at its step's label, the reward rose; a rollout
-        #    was shown in progress (fewer replicas updated than desired, at a loop label)
+        #    was shown in progress (fewer replicas updated than desired, at a loop label). Every push went over
+        #    the network (gloo): declared by its digest, no checkpoint written for it on the volume
+        assert r.loop["push"] == "network", r.loop
+        labels = [f"{pool}-step-{n}" for n in range(cfg.loop_steps + 1)]
+        assert sorted(r.loop["pushed_sha256"]) == labels, r.loop["pushed_sha256"]
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1"], list(checkpoints.iterdir())
+        for c in crs:
+            args = api.core.read_namespaced_pod(api.status(ns, c["metadata"]["name"])["podName"],
+                                                ns).spec.containers[0].args
+            assert args[args.index("--weight-transfer-backend") + 1] == "gloo", args
         steps = r.loop["steps"]
         assert [s["step"] for s in steps] == list(range(cfg.loop_steps + 1)), steps
         for s in steps:
@@ -87,11 +98,24 @@ def test_demo_story_end_to_end(k8s_node, tmp_path):
         after_kill = r.loop_lines[pushed_1:]
         assert any(ln.startswith("step 1:") for ln in after_kill), r.loop_lines
         assert r.killed["uid"] not in {p.metadata.uid for p in api.live_pods(ns)}
+        # ...at the pool's weights, which no checkpoint held: caught up from its peer (its log says so), a
+        #    loop step's weights by their digest
+        log = api.pod_log(ns, api.status(ns, victim)["podName"])
+        caught = re.findall(r"caught up sha256 ([0-9a-f]{64}) \(\d+ bytes\) from (\S+) in", log)
+        assert caught and caught[0][1] == f"http://127.0.0.1:{cfg.replica_port}", log[-3000:]
+        assert caught[0][0] in r.loop["pushed_sha256"].values(), (caught, r.loop["pushed_sha256"])
+        if r.caught_up:  # what the story narrated, when its watcher saw the pod before the next push
+            assert r.caught_up["weights_source"] == f"peer http://127.0.0.1:{cfg.replica_port}", r.caught_up
         # 7. the README's push, run as written, moved the whole pool to its label
         final = r.readme_push["label"]
         assert final == "step-1" and r.readme_push["answer"]["state"] == "Complete", r.readme_push
         v = api.status(ns, victim)
         assert v["phase"] == "Ready" and v["weights"]["label"] == final, v
+        # ...from the durable copy saved from a replica: the loop's last weights, from disk now
+        for port in (cfg.replica_port, cfg.replica_port + 1):
+            h = demo.get_json(f"http://127.0.0.1:{port}/health")
+            assert (h["weights_label"], h["weights_source"], h["weights_checkpoint"]) == \
+                (final, "checkpoint", "/checkpoints/step-1"), h
         ev = api.events(ns, victim, "PodDeleted")
         assert ev and r.killed["name"] in ev[0].message, [e.message for e in ev]
         for c in crs:
