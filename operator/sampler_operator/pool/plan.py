@@ -265,7 +265,8 @@ class ReplicaState:
         declared = weights.get("declared") or {}
         rejected = declared_key(declared) if weights.get("declaredResult") == INVALID else None
         generation = meta.get("generation")
-        synced = next((c for c in status.get("conditions") or [] if c.get("type") == WEIGHTS_SYNCED), {})
+        synced: Mapping[str, Any] = next(
+            (c for c in status.get("conditions") or [] if c.get("type") == WEIGHTS_SYNCED), {})
         unavailable = str(synced.get("message") or "") if (synced.get("status"), synced.get("reason")) == (
             "False", WEIGHTS_UNAVAILABLE) else None
         return cls(name=meta.get("name", ""), owner_uid=owner, spec_hash=ann.get(ANNOTATION_SPEC_HASH),
