@@ -79,8 +79,8 @@ def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     servers = {name: spawn_server(tiny_model, free_port(), tmp_path_factory.mktemp(name), *FLAGS)
                for name in ("r0", "r1")}
     with contextlib.ExitStack() as stack:
-        for s in servers.values():
-            stack.callback(lambda s=s: stop(s.proc))
+        # Whatever serves each name at the end: a test replaces a killed replica with its restart in this dict.
+        stack.callback(lambda: [stop(s.proc) for s in servers.values()])
         for s in servers.values():
             wait_healthy(s.url, s.proc, s.log_path)
         gw = stack.enter_context(run_gateway({n: s.url for n, s in servers.items()}, "--api-key", KEY,
