@@ -22,7 +22,9 @@ the pool's routing switch, the weights version policy, and for an adapter its ve
    fraction of its KV cache in use, from its last `/health` (every gateway's requests, and futures);
    `kv_tokens`: its KV cache's size in tokens (the term is 0 when the replica does not say). A hot
    replica's overlap does not count. Ties: the less loaded, then a rotating turn, so an idle pool
-   still spreads sequential requests.
+   still spreads sequential requests. Loads closer than half a sequence's weight (`TIE_SEQS`) are
+   ties: a `/health` read lags, and one taken while a short request ran on a replica would otherwise
+   send every request after it elsewhere until the next read (a KV use of 0.001 against 0).
 
 **Hot**: a replica with `--replica-capacity` sequences in flight, or one more than
 `--score-imbalance` sequences above the least loaded eligible replica AND more than
@@ -149,6 +151,10 @@ class Decision:
                 "runner_up": self.runner_up.as_dict() if self.runner_up is not None else None}
 
 
+# Loads closer than this many sequences' weight are ties (the module docstring).
+TIE_SEQS = 0.5
+
+
 def load_terms(engine: EngineView, seqs: int, tokens: int, w: Weights, capacity: int
                ) -> tuple[float, float, float, float]:
     """A replica's weighted load terms: (sequences, tokens, queue, kv), each already times its weight."""
@@ -183,12 +189,10 @@ def decide(candidates: Sequence[ReplicaView], *, load: Mapping[str, float], seqs
         names = [r.name for r in candidates]
     costs = list(map(load.get, names, repeat(0.0)))
     lowest = min(costs)
-    # The least loaded, ties in a rotating turn (found without a Python loop over the pool: it is the
-    # common case, and the pick's cost is per request, bench/pick_cost.py).
-    ties = costs.count(lowest)
-    at = costs.index(lowest)
-    for _ in range(turn % ties):
-        at = costs.index(lowest, at + 1)
+    # The least loaded, ties (within the band) in a rotating turn.
+    within = lowest + TIE_SEQS * w.load / capacity
+    near = [i for i, c in enumerate(costs) if c <= within]
+    at = near[turn % len(near)]
     best, best_score, rule = at, -lowest, "least-loaded"
     if prefer is not None or burst is not None or overlap:
         if positions is None:

@@ -268,6 +268,16 @@ def test_decide_alone_rotates_ties_and_never_chooses_outside_the_candidates() ->
     assert decide([], load={}, seqs={}, tokens={}, overlap={}, w=Weights(), capacity=8) is None
 
 
+def test_a_stale_reading_of_a_short_request_does_not_send_every_sequential_request_elsewhere() -> None:
+    """/health lags: a read taken while a short request ran on `a` says a KV use of 0.001 there after it
+    ended. Sequential requests on an otherwise idle pool still spread; half a sequence's load does not."""
+    p = pool([rv("a", usage=0.001), rv("b")])
+    assert {p.choose().name for _ in range(4)} == {"a", "b"}
+    p = pool([rv("a", usage=0.001), rv("b")], replica_capacity=4)
+    with hold(p, a=1):  # a whole sequence in flight on `a`: no tie
+        assert {p.choose().name for _ in range(4)} == {"b"}
+
+
 def test_an_adapter_requests_blocks_are_its_versions_own() -> None:
     """A request placed by adapter (lora/router.py calls `Pool.placed`) records its blocks scoped by the
     version's engine name: the same prompt for the base model or another version holds none of them."""
