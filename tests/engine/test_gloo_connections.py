@@ -3,7 +3,8 @@ network_policy.py; its rendering: tests/operator/unit/test_network_weights.py).
 
 A trainer (rank 0) and two replicas' workers (ranks 1, 2) make a group exactly as a push does
 (sampler_common/weight_transfer/gloo.py: a TCPStore on the trainer, `open_group` on each side, each bound to
-its own loopback address), pass a chunk down the chain once (relay.py), and report their sockets while the group is up. Found:
+its own loopback address), pass a chunk down the chain once (relay.py), and report their sockets while
+the group is up. Found:
 
 * the trainer listens on `master_port` (the TCPStore) and every replica worker connects to it;
 * every process listens on one more port, one the kernel chose (not `master_port`);
