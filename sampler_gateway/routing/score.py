@@ -22,9 +22,10 @@ the pool's routing switch, the weights version policy, and for an adapter its ve
    fraction of its KV cache in use, from its last `/health` (every gateway's requests, and futures);
    `kv_tokens`: its KV cache's size in tokens (the term is 0 when the replica does not say). A hot
    replica's overlap does not count. Ties: the less loaded, then a rotating turn, so an idle pool
-   still spreads sequential requests. Loads closer than half a sequence's weight (`TIE_SEQS`) are
-   ties: a `/health` read lags, and one taken while a short request ran on a replica would otherwise
-   send every request after it elsewhere until the next read (a KV use of 0.001 against 0).
+   still spreads sequential requests. Loads are compared on a grid of half a sequence's weight
+   (`TIE_SEQS`), so near loads are ties: a `/health` read lags, and one taken while a short request ran
+   on a replica would otherwise send every request after it elsewhere until the next read (a KV use of
+   0.001 against 0).
 
 **Hot**: a replica with `--replica-capacity` sequences in flight, or one more than
 `--score-imbalance` sequences above the least loaded eligible replica AND more than
@@ -41,6 +42,7 @@ runner-up's on request (`explain`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -164,8 +166,11 @@ def load_terms(engine: EngineView, seqs: int, tokens: int, w: Weights, capacity:
 
 
 def load_cost(engine: EngineView, seqs: int, tokens: int, w: Weights, capacity: int) -> float:
-    """The sum of `load_terms`: what the score subtracts (pool.py keeps it per replica)."""
-    return sum(load_terms(engine, seqs, tokens, w, capacity))
+    """The sum of `load_terms`, rounded down to a grid of `TIE_SEQS` sequences' weight: what the score
+    subtracts (pool.py keeps it per replica). On the grid, loads that near are equal: ties."""
+    total = sum(load_terms(engine, seqs, tokens, w, capacity))
+    grid = TIE_SEQS * w.load / capacity
+    return math.floor(total / grid) * grid if grid > 0 else total
 
 
 def is_hot(seqs: int, least: int, w: Weights, capacity: int) -> bool:
@@ -189,10 +194,13 @@ def decide(candidates: Sequence[ReplicaView], *, load: Mapping[str, float], seqs
         names = [r.name for r in candidates]
     costs = list(map(load.get, names, repeat(0.0)))
     lowest = min(costs)
-    # The least loaded, ties (within the band) in a rotating turn.
-    within = lowest + TIE_SEQS * w.load / capacity
-    near = [i for i, c in enumerate(costs) if c <= within]
-    at = near[turn % len(near)]
+    # The least loaded, ties in a rotating turn (found without a Python loop over the pool: it is the
+    # common case, and the pick's cost is per request, bench/pick_cost.py; `load_cost` puts loads on a
+    # grid, so near loads are equal here).
+    ties = costs.count(lowest)
+    at = costs.index(lowest)
+    for _ in range(turn % ties):
+        at = costs.index(lowest, at + 1)
     best, best_score, rule = at, -lowest, "least-loaded"
     if prefer is not None or burst is not None or overlap:
         if positions is None:
