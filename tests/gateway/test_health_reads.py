@@ -14,6 +14,7 @@ from aiohttp import web
 from sampler_gateway.discovery.health import engine_of, read_health
 from sampler_gateway.replicas.view import EngineView, Member
 from sampler_gateway.upstream.http1 import Http1Client
+from tests.support.aiohttp_server import serving
 
 
 class Replica:
@@ -37,16 +38,11 @@ async def served() -> AsyncIterator[tuple[Replica, Member, Http1Client]]:
     replica = Replica()
     app = web.Application()
     app.router.add_get("/health", replica.health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = Http1Client(connect_timeout_s=2)
-    yield replica, Member("r0", f"http://127.0.0.1:{port}"), client
-    client.close()
-    replica.release.set()
-    await runner.cleanup()
+    async with serving(app) as url:
+        client = Http1Client(connect_timeout_s=2)
+        yield replica, Member("r0", url), client
+        client.close()
+        replica.release.set()
 
 
 async def test_late_answers_take_a_ready_replica_out_only_after_the_threshold(served) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from sampler_gateway.replicas.view import Member
+from tests.support.aiohttp_server import serving
 
 
 @dataclass
@@ -59,14 +60,9 @@ async def served() -> AsyncIterator[Replicas]:
     reps = Replicas()
     app = web.Application()
     app.router.add_get("/{name}/health", reps.health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    reps.base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    try:
-        yield reps
-    finally:
-        for r in reps.state.values():
-            r.open.set()
-        await runner.cleanup()
+    async with serving(app) as reps.base:
+        try:
+            yield reps
+        finally:
+            for r in reps.state.values():  # a held read answers, so the server can close
+                r.open.set()
