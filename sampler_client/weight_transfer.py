@@ -125,8 +125,8 @@ def as_source(weights: Weights) -> WeightSource:
 class NetworkPusher:
     """Pushes over the network into a replica, or into a whole pool through its gateway (the same calls:
     the gateway gives each replica its rank offset), keeping the transfer group between pushes (the first
-    push, and the first after a failed one, joins first). A pool whose routed replicas changed since the
-    group was made (one scaled in, one out of routing) refuses the join naming `init_info.world_size`:
+    push, and the first after a failed one, joins first). A pool whose usable replicas changed since the
+    group was made (one scaled in, one not ready) refuses the join naming `init_info.world_size`:
     the world is read again and the push joined once more. `Pool.push_weights` holds one."""
 
     def __init__(self, url: str, api_key: str | None, *, master_address: str | None = None,
@@ -160,7 +160,7 @@ class NetworkPusher:
             except RequestRefused as e:
                 if e.field != "init_info.world_size" or attempt:
                     raise
-                # The pool's routed replicas changed: a new world, read afresh.
+                # The pool's usable replicas changed: a new world, read afresh.
                 if self.engine is not None:
                     self.engine.shutdown()
                 self.engine = None

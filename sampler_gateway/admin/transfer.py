@@ -6,8 +6,11 @@ offset (`transfer_plan.py` decides who and how). So a script written against vLL
 
 The calls, and what the pool does with them:
 
-* **init** joins the replicas routed to now (the members) into the trainer's one world, concurrently
-  (the group forms only once every rank has joined); answered once all joined.
+* **init** joins the pool's usable replicas (the members: ready, not draining, not seen failing, whatever
+  weights they serve) into the trainer's one world, concurrently (the group forms only once every rank
+  has joined); answered once all joined. Members are not the replicas the version policy routes to now:
+  a replica that missed a push serves an older label, Latest routes nothing to it, and only a push that
+  reaches it brings it back (without an operator, nothing else would).
 * **start** opens the round on every member.
 * **update** sends the update info to every member; each checks the tensors against its model before a
   byte moves, receives, and verifies every tensor's digest; answered once every member has received and
@@ -157,14 +160,21 @@ class PoolTransfer:
             raise Conflict("init_weight_transfer_engine: the replicas of the last push are still ending it; push "
                            "again in a moment", field="init_weight_transfer_engine")
 
+    async def _usable(self) -> dict[str, ReplicaView]:
+        """The members a push would have now (see the module docstring); none: wait for one as a
+        request does, then 503 naming why."""
+        if not self.gw.pool.usable():
+            await self.gw.pool.choose_within(self.gw.cfg.no_replica_wait_s)
+        return {r.name: r for r in self.gw.pool.usable()}
+
     async def _routed(self) -> dict[str, tuple[str, int]]:
-        """The replicas routed to now, with their ranks: {name: (url, workers)}."""
-        eligible = await self.replicas.eligible()
+        """The members a push would have now, with their ranks: {name: (url, workers)}."""
+        usable = await self._usable()
         timeout = self.gw.cfg.control_timeout_s
         answers, _ = await self._fan(
-            (Member(r.name, r.url, 0, 0) for r in eligible.values()),
+            (Member(r.name, r.url, 0, 0) for r in usable.values()),
             lambda m: self._call(m, "GET", "/get_world_size", None, timeout))
-        return {name: (eligible[name].url, workers_of(name, answers[name])) for name in answers}
+        return {name: (usable[name].url, workers_of(name, answers[name])) for name in answers}
 
     # ------------------------------------------------------------ the calls
 
@@ -200,13 +210,13 @@ class PoolTransfer:
         async with self._calls:
             self.session.require("start_weight_update")
             ms = self.session.members
-            # Every round goes to the replicas routed to now: a group made before one came (or left) ends,
+            # Every round goes to the usable replicas now: a group made before one came (or left) ends,
             # and the trainer joins the pool as it is (sampler_client does by itself, on this 409).
-            routed = set(await self.replicas.eligible())
+            routed = set(await self._usable())
             changed = changed_members(ms, routed)
             if changed is not None:
-                self.session.end(f"the pool's routed replicas changed ({changed})")
-                raise Conflict(f"start_weight_update: the pool's routed replicas changed since the trainer joined "
+                self.session.end(f"the pool's usable replicas changed ({changed})")
+                raise Conflict(f"start_weight_update: the pool's usable replicas changed since the trainer joined "
                                f"({changed}): push again from init_weight_transfer_engine (after /get_world_size)",
                                field="start_weight_update")
             try:

@@ -2,16 +2,17 @@
 what each control call sends each replica, and what the replicas' answers add up to
 (docs/design/weights-over-network.md, phase B; carried out by `transfer.py`).
 
-**One world.** The trainer is rank 0; the replicas routed to when the push joins (ready, not draining, at
-the label the version policy serves) are its members, in order of name, replica k at
+**One world.** The trainer is rank 0; the pool's usable replicas when the push joins (ready, not
+draining, not seen failing, whatever weights they serve: a push brings each to its weights, and one that
+missed the last push is the one that most needs this) are its members, in order of name, replica k at
 `rank_offset = 1 + the workers of the replicas before it`. `/get_world_size` answers the workers of
-the replicas routed to now; `init_weight_transfer_engine` must name `world_size` = 1 + that sum, with
+the usable replicas now; `init_weight_transfer_engine` must name `world_size` = 1 + that sum, with
 `rank_offset` 1 (the trainer's view of one server: the gateway gives each replica its own offset).
-A pool that changed in between (a replica scaled, one out of routing) is a 400 naming
+A pool that changed in between (a replica scaled, one not ready) is a 400 naming
 `init_info.world_size` and saying the current sum, before any replica is asked to join.
 
 A push's members are fixed by its init, for its group; each round (`start_weight_update`) goes to the
-replicas routed to now, so a round that finds them changed (a replica came, or left routing) ends the
+usable replicas now, so a round that finds them changed (a replica came, or stopped being ready) ends the
 group with a 409 naming the change, and the trainer joins the pool as it is.
 
 **One order.** The gateway's push is in one phase at a time (sampler_common/weight_transfer/session.py,
@@ -95,7 +96,7 @@ def init_info_of(body: Any, of: Sequence[Member]) -> dict[str, Any]:
     size = info.get("world_size")
     want = world_size(of)
     if size != want or isinstance(size, bool):
-        raise InvalidRequest(f"init_info.world_size: {size!r}, but the pool's replicas routed to now take "
+        raise InvalidRequest(f"init_info.world_size: {size!r}, but the pool's usable replicas now take "
                              f"{want - 1} rank(s) ({', '.join(f'{m.name}: {m.workers}' for m in of)}), so the world is "
                              f"{want}: call /get_world_size again", field="init_info.world_size")
     return info

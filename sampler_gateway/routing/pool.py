@@ -182,6 +182,12 @@ class Pool:
     def _usable(self, r: ReplicaView) -> bool:
         return r.ready and not r.draining and r.name not in self._lost
 
+    def usable(self) -> list[ReplicaView]:
+        """Ready, not draining, not seen failing, whatever weights they serve and the switch permits:
+        the members of a push over the network, which brings each of them to the pushed weights (a
+        replica left behind by a push it missed is exactly one the next push must reach)."""
+        return [r for r in self.view.replicas if self._usable(r)]
+
     def candidates(self) -> list[ReplicaView]:
         """Ready, not draining, not seen failing, at a label the pool's switch permits: before the
         version policy. Kept until one of those changes (a new view, a replica lost or back, the switch):
