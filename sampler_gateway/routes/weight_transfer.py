@@ -40,8 +40,8 @@ async def _body(request: Request) -> dict[str, Any] | None:
 
 @router.get("/get_world_size")
 async def get_world_size(request: Request, include_dp: bool = True) -> Response:
-    """The ranks the pool's usable replicas (ready, whatever weights they serve) take now, summed (a trainer adds its own rank 0); by replica
-    under `replicas`."""
+    """The ranks the pool's usable replicas (ready, whatever weights they serve) take now, summed (a trainer
+    adds its own rank 0); by replica under `replicas`."""
     return await _shielded(_transfer(request).world_size())
 
 
