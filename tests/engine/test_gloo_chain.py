@@ -13,17 +13,27 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from sampler_common.weight_transfer.digest import TensorRecord, model_sha256
-from tests.support.gloo_ranks import MIXED, Gateway, Rank, raw, receivers, tensors, trainer, wait_phase
+from tests.support.gloo_ranks import MIXED, Gateway, Rank, Zygote, raw, receivers, tensors, trainer, wait_phase
 
 # Smaller than most tensors: every push is many chunks, a tensor often alone in one.
 CHUNK = 24
 # Long against a prompt tear (well under a second here): a failure seen after it would be the timeout's doing.
 TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    z = Zygote()
+    try:
+        yield z
+    finally:
+        z.close()
 
 
 def expected_digest(seed: int) -> str:
@@ -44,8 +54,8 @@ def assert_bit_exact(rank: Rank, seed: int) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_mixed_dtypes_and_odd_sizes_arrive_bit_exact_at_every_rank_of_the_chain(n: int) -> None:
-    with receivers(n) as ranks, trainer(1, world_size=1 + n, packed_buffer_size_bytes=CHUNK,
+def test_mixed_dtypes_and_odd_sizes_arrive_bit_exact_at_every_rank_of_the_chain(zygote: Zygote, n: int) -> None:
+    with receivers(zygote, n) as ranks, trainer(zygote, 1, world_size=1 + n, packed_buffer_size_bytes=CHUNK,
                                         timeout_s=TIMEOUT_S) as t:
         gw = Gateway(t, ranks)
         assert gw.next() == {"ready": True}  # the init: every receiver joined, each at its own rank
@@ -90,8 +100,10 @@ def assert_torn(rank: Rank, t0: float) -> None:
     assert "error" in rank.call(op="take")  # nothing to stage: nothing is written from a torn push
 
 
-def test_a_receiver_in_the_middle_killed_mid_transfer_fails_the_others_and_the_survivors_take_the_next_push() -> None:
-    with receivers(3) as ranks, trainer(2, world_size=4, packed_buffer_size_bytes=CHUNK, timeout_s=TIMEOUT_S) as t:
+def test_a_receiver_in_the_middle_killed_mid_transfer_fails_the_others_and_the_survivors_take_the_next_push(
+        zygote: Zygote) -> None:
+    with receivers(zygote, 3) as ranks, trainer(zygote, 2, world_size=4, packed_buffer_size_bytes=CHUNK,
+                                                timeout_s=TIMEOUT_S) as t:
         gw = half_pushed(t, ranks)
         first, middle, last = ranks
         t0 = time.monotonic()
@@ -109,7 +121,7 @@ def test_a_receiver_in_the_middle_killed_mid_transfer_fails_the_others_and_the_s
         # The survivors drop what they had and take the next push, in a world of their own.
         for rank in (first, last):
             assert rank.call(op="discard")["phase"] == "idle"
-        with trainer(3, world_size=3, packed_buffer_size_bytes=CHUNK, timeout_s=TIMEOUT_S) as t2:
+        with trainer(zygote, 3, world_size=3, packed_buffer_size_bytes=CHUNK, timeout_s=TIMEOUT_S) as t2:
             gw2 = Gateway(t2, [first, last])
             assert gw2.next() == {"ready": True}
             assert gw2.push()["ok"]
@@ -117,8 +129,9 @@ def test_a_receiver_in_the_middle_killed_mid_transfer_fails_the_others_and_the_s
                 assert_bit_exact(rank, 3)
 
 
-def test_a_trainer_killed_mid_transfer_fails_every_receiver_within_the_timeout() -> None:
-    with receivers(3) as ranks, trainer(4, world_size=4, packed_buffer_size_bytes=CHUNK, timeout_s=TIMEOUT_S) as t:
+def test_a_trainer_killed_mid_transfer_fails_every_receiver_within_the_timeout(zygote: Zygote) -> None:
+    with receivers(zygote, 3) as ranks, trainer(zygote, 4, world_size=4, packed_buffer_size_bytes=CHUNK,
+                                                timeout_s=TIMEOUT_S) as t:
         half_pushed(t, ranks)
         t0 = time.monotonic()
         t.kill()

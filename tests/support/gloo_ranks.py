@@ -15,7 +15,9 @@ what tests/engine/test_gloo_chain.py kills.
   to every receiver at once with its own `rank_offset`, the update to every receiver, answered once each
   has received (or with the first failure).
 
-Both kinds of process send only to 127.0.0.1.
+Both kinds of process send only to 127.0.0.1. Each is forked by a `Zygote`, one process that imported torch,
+vLLM and the gloo engines once: a fresh interpreter per rank spent ~9 s of CPU each on those imports, most of
+the chain's tests' time, for no part of what they check.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import itertools
 import json
 import os
 import queue
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,13 +72,83 @@ def raw(t: Any) -> str:
 # ---------------------------------------------------------------------------- the test's side
 
 
+class Forked:
+    """A rank forked by the zygote, with the part of `subprocess.Popen` that `Rank` uses. It is the zygote's
+    child, not this process's: its end is read from a pidfd."""
+
+    def __init__(self, pid: int, stdin: Any, stdout: Any) -> None:
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        """0 once it ended (its status belongs to the zygote), else None."""
+        return None if self._pidfd is not None and not select.select([self._pidfd], [], [], 0)[0] else 0
+
+    def wait(self, timeout: float) -> int:
+        if self._pidfd is not None and not select.select([self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+        return 0
+
+    def close(self) -> None:
+        for f in (self.stdin, self.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+class Zygote:
+    """One process that imported what a rank needs, forking a rank per `spawn`: the rank's stdin and stdout
+    are pipes made here, handed over a unix socket with the command, so a rank reads and writes them as it
+    would a subprocess's (its stdout closes when it dies)."""
+
+    def __init__(self) -> None:
+        self.log_path = Path(tempfile.mkdtemp(prefix="gloo-zygote-")) / "zygote.log"
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.gloo_ranks", "zygote",
+                                          str(theirs.fileno())], cwd=REPO_ROOT, pass_fds=(theirs.fileno(),),
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        theirs.close()
+        self._sock.settimeout(START_TIMEOUT_S)
+        try:
+            assert self._sock.recv(64) == b"ready", self.log_path.read_text()[-4000:]
+        except TimeoutError:
+            raise AssertionError(f"the zygote did not start within {START_TIMEOUT_S:g}s:\n"
+                                 f"{self.log_path.read_text()[-4000:]}") from None
+
+    def fork(self, args: tuple[str, ...], log_path: Path) -> Forked:
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            socket.send_fds(self._sock, [json.dumps(args).encode()], [in_r, out_w, log_fd])
+            pid = int(self._sock.recv(64))
+        finally:
+            for fd in (in_r, out_w, log_fd):  # the rank holds its own copies now
+                os.close(fd)
+        return Forked(pid, os.fdopen(in_w, "w"), os.fdopen(out_r, "r"))
+
+    def close(self) -> None:
+        self._sock.close()  # its loop ends at the socket's end
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
 @dataclass
 class Rank:
     """A rank's process. A command carries an id that its answer echoes (a receiver answers a `wait` on a
     thread of its own, so a test may ask its status meanwhile); lines without one (ready, stalled, the
     trainer's control calls and outcomes) go to `lines`. Its stderr goes to a log file."""
 
-    proc: subprocess.Popen[str]
+    proc: Forked
     log_path: Path
     lines: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
     _answers: dict[int, queue.Queue[dict[str, Any]]] = field(default_factory=dict)
@@ -135,30 +209,34 @@ class Rank:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
 
+    def close(self) -> None:
+        """Killed if alive; its pipes and pidfd closed."""
+        if self.alive:
+            self.kill()
+        self.proc.close()
+
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None and not self.gone.is_set()
 
 
 @contextlib.contextmanager
-def spawn(*args: str) -> Iterator[Rank]:
+def spawn(zygote: Zygote, *args: str, ready: bool = True) -> Iterator[Rank]:
+    """A rank forked by `zygote`; killed at the end if it is still alive. `ready`: wait for its ready line."""
     log_path = Path(tempfile.mkdtemp(prefix="gloo-rank-")) / "rank.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.support.gloo_ranks", *args], cwd=REPO_ROOT,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-    rank = Rank(proc, log_path)
+    rank = Rank(zygote.fork(args, log_path), log_path)
     try:
-        assert rank.next(START_TIMEOUT_S) == {"ready": True}
+        if ready:
+            assert rank.next(START_TIMEOUT_S) == {"ready": True}
         yield rank
     finally:
-        if rank.alive:
-            rank.kill()
+        rank.close()
 
 
 @contextlib.contextmanager
-def receivers(n: int) -> Iterator[list[Rank]]:
+def receivers(zygote: Zygote, n: int) -> Iterator[list[Rank]]:
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(spawn("receiver")) for _ in range(n)]
+        yield [stack.enter_context(spawn(zygote, "receiver")) for _ in range(n)]
 
 
 class Gateway:
@@ -393,24 +471,69 @@ def _trainer_main(seed: int, wire: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def trainer(seed: int, **wire: Any) -> Iterator[Rank]:
+def trainer(zygote: Zygote, seed: int, **wire: Any) -> Iterator[Rank]:
     """The trainer's process. It joins its receivers as it starts (`trainer_init`): a `Gateway` answers that
     init before the trainer says it is ready (`Gateway.next`)."""
-    log_path = Path(tempfile.mkdtemp(prefix="gloo-rank-")) / "rank.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.support.gloo_ranks", "trainer", str(seed),
-                                 json.dumps(wire)], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=log, text=True)
-    rank = Rank(proc, log_path)
-    try:
+    with spawn(zygote, "trainer", str(seed), json.dumps(wire), ready=False) as rank:
         yield rank
-    finally:
-        if rank.alive:
-            rank.kill()
+
+
+def _run_rank(args: list[str]) -> None:
+    if args[0] == "receiver":
+        _receiver_main()
+    else:
+        _trainer_main(int(args[1]), json.loads(args[2]))
+
+
+def _zygote_main(sock_fd: int) -> None:
+    """Import once, then fork a rank per command: `[args]` with the rank's stdin, stdout and log as fds."""
+    import torch  # noqa: F401  (what every rank imports: the point of the zygote)
+    from vllm.distributed.weight_transfer.base import WeightSource  # noqa: F401
+
+    from sampler_client.weight_transfer import StateDictSource  # noqa: F401
+    from sampler_common.weight_transfer import gloo  # noqa: F401
+
+    sock = socket.socket(fileno=sock_fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the ranks: the test reads their end
+    sock.send(b"ready")
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 65536, 3)
+        except OSError:
+            return
+        if not msg:  # the test closed its end
+            return
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd, to in zip(fds, (0, 1, 2), strict=True):
+                    os.dup2(fd, to)
+                    os.close(fd)
+                # New file objects: the zygote's were its own pipes, with buffers of their own.
+                sys.stdin = open(0, closefd=False)  # noqa: SIM115
+                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                _run_rank(json.loads(msg))
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        sock.send(str(pid).encode())
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "receiver":
-        _receiver_main()
+    if sys.argv[1] == "zygote":
+        _zygote_main(int(sys.argv[2]))
     else:
-        _trainer_main(int(sys.argv[2]), json.loads(sys.argv[3]))
+        _run_rank(sys.argv[1:])
