@@ -606,7 +606,14 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(
 @pytest.mark.vllm
 def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, operator, tiny_model, tmp_path):
     """REAL vLLM: kill the sampler's process after a load; the kubelet restarts the container, which reloads
-    the same weights (the pod's state file on its emptyDir) before /readyz is ok again. Not replaced."""
+    the same weights (the pod's state file on its emptyDir) before /readyz is ok again. Not replaced.
+
+    Issue #33 acceptance 2, the OpenShift case, on the same pod: it runs under a random uid in group 0 (the
+    documented `spec.pod.securityContext` override), with no passwd entry for it, a read-only root, no
+    capability and no new privileges, and samples, before and after its restart; what the kernel says about
+    the process is checked (/proc/<pid>/status), not the pod spec. (Every other node test runs its pods
+    under the default contexts, uid 1000; the demo story checks its pool's the same way.)"""
+    import random
     import subprocess
 
     from tests.support.checkpoints import hf_prompt_logprobs
@@ -614,8 +621,14 @@ def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, op
     root = tmp_path / "checkpoints"
     _checkpoints(model, root, 3)
     port = ks.free_port()
-    api.apply(ns, _vllm_replica("dk", port, model, root))
+    uid = random.randrange(1_000_000, 2_000_000_000)   # as OpenShift picks: no passwd entry, no image user
+    api.apply(ns, _vllm_replica("dk", port, model, root, pod={"securityContext": {"runAsUser": uid}}))
     api.wait_ready(ns, "dk", "dk-0", timeout=600)
+    pod = api.core.read_namespaced_pod("dk-0", ns)
+    assert pod.spec.security_context.run_as_user == uid and pod.spec.security_context.run_as_group == 0
+    assert pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
+    proc = assert_restricted("dk-0", uid=uid)
+    _log(f"dk-0 runs as uid {proc['Uid'].split()[0]}, gid {proc['Gid'].split()[0]}, seccomp {proc['Seccomp']}")
     code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load", {"path": "/checkpoints/step-3",
                                                                        "version_label": "step-3"},
                      key=api.key(ns, "dk", admin=True))
@@ -641,6 +654,9 @@ def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, op
     assert out["weights_label"] == "step-3"
     assert _close(logprobs, hf_prompt_logprobs(root / "step-3", PROMPT))
     assert [p.metadata.name for p in api.live_pods(ns)] == ["dk-0"], "restarted, not replaced"
+    assert_restricted("dk-0", uid=uid)  # the restarted container too, and it read its state file as that uid
+    log = api.pod_log(ns, "dk-0")
+    assert "Permission denied" not in log and "Read-only file system" not in log, log[-3000:]
 
 
 def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, operator, tiny_model):
