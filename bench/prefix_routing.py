@@ -65,6 +65,7 @@ from bench.sampling_concurrency import http_session
 from bench.sessions import TOKENS, TURNS, WORDS, WORDS_PER_TURN, ideal_hits, prefix_counters, word_tokens
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.gateway import run_gateway
+from tests.support.metrics import samples
 
 WORKLOADS = ("grpo", "multiturn", "skewed")
 FRONTS = ("least-loaded", "sticky", "scorer", "scorer-aa", "cache_aware")
@@ -98,6 +99,7 @@ class CellResult:
     cpu_per_1k: float         # the front's own CPU-seconds per 1,000 generated tokens
     loadavg: float
     failed: int = 0
+    busiest: float = float("nan")  # the busiest replica's requests over the mean: 1.0 is an even spread
 
     @property
     def hit_rate(self) -> float:
@@ -246,10 +248,20 @@ async def skewed(http: aiohttp.ClientSession, front: Front, model: str, cell: in
     return float((len(picks) - len(seen)) * PROMPT_BLOCKS * BLOCK)
 
 
+async def finished(http: aiohttp.ClientSession, urls: list[str]) -> list[float]:
+    """The requests each replica's engine finished: vLLM's own counter, by replica."""
+    out = []
+    for url in urls:
+        async with http.get(url + "/metrics") as r:
+            out.append(sum(samples(await r.text(), "vllm:request_success_total").values()))
+    return out
+
+
 async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, model: str, workload: str,
                    cell: int, sizes: Sizes, chat: Chat) -> CellResult:
     load = os.getloadavg()[0]
     hits0, queries0 = await prefix_counters(http, urls)
+    done0 = await finished(http, urls)
     tally = Tally()
     cpu0, t = proc_cpu_s(front.pid), time.perf_counter()
     if workload == "grpo":
@@ -260,13 +272,15 @@ async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, m
         ideal = await skewed(http, front, model, cell, sizes, tally)
     wall, cpu = time.perf_counter() - t, proc_cpu_s(front.pid) - cpu0
     hits1, queries1 = await prefix_counters(http, urls)
+    per_replica = [b - a for a, b in zip(done0, await finished(http, urls), strict=True)]
     if tally.error is not None:
         print(f"  ({workload} via {front.url}: {tally.failed} failed, the first: {tally.error})", flush=True)
     lat = tally.latencies or [0.0]
     return CellResult(hits=hits1 - hits0, queries=queries1 - queries0, ideal=ideal, toks_per_s=tally.tokens / wall,
                       p50_ms=pct(lat, 50), p99_ms=pct(lat, 99),
                       cpu_per_1k=cpu / (tally.tokens / 1000) if tally.tokens else float("nan"),
-                      loadavg=load, failed=tally.failed)
+                      loadavg=load, failed=tally.failed,
+                      busiest=max(per_replica) / (sum(per_replica) / len(per_replica)) if sum(per_replica) else 1.0)
 
 
 @contextlib.contextmanager
@@ -309,7 +323,8 @@ async def bench(replicas: int, rounds: int, workloads: list[str], names: list[st
                         results.cells[workload][name].append(c)
                         print(f"  {workload:<9} {name:<12} hits {c.hit_rate:6.1%} ({c.of_ideal:6.1%} of ideal)  "
                               f"{c.toks_per_s:7.0f} tok/s  p50 {c.p50_ms:6.0f} ms  p99 {c.p99_ms:6.0f} ms  "
-                              f"cpu {c.cpu_per_1k:.3f} s/1k  load {c.loadavg:.2f}  failed {c.failed}", flush=True)
+                              f"cpu {c.cpu_per_1k:.3f} s/1k  busiest {c.busiest:.2f}  load {c.loadavg:.2f}  "
+                              f"failed {c.failed}", flush=True)
     return results
 
 
@@ -332,14 +347,15 @@ def table(res: Results, replicas: int, rounds: int, sizes: Sizes, scorer_flags: 
         loads = [c.loadavg for cs in cells.values() for c in cs]
         lines += [f"**{workload}** ({describe(workload, sizes)}). Median over rounds; 1-minute load average "
                   f"{min(loads):.2f}-{max(loads):.2f}.", "",
-                  "| front | prefix-cache hits | of the ideal's | tok/s | p50 | p99 | front CPU / 1k tok | failed |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| front | prefix-cache hits | of the ideal's | tok/s | p50 | p99 | front CPU / 1k tok | busiest "
+                  "replica / mean | failed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name in names:
             cs = cells[name]
             lines.append(f"| {name} | {med(c.hit_rate for c in cs):.1%} | {med(c.of_ideal for c in cs):.1%} | "
                          f"{med(c.toks_per_s for c in cs):,.0f} | {med(c.p50_ms for c in cs):,.0f} ms | "
                          f"{med(c.p99_ms for c in cs):,.0f} ms | {med(c.cpu_per_1k for c in cs):.3f} s | "
-                         f"{sum(c.failed for c in cs)} |")
+                         f"{med(c.busiest for c in cs):.2f} | {sum(c.failed for c in cs)} |")
         lines.append("")
         pairs = [(a, b) for a, b in (("scorer", "least-loaded"), ("scorer", "cache_aware"), ("scorer", "scorer-aa"),
                                      ("scorer", "sticky")) if a in cells and b in cells]

@@ -82,20 +82,20 @@ def test_first_turns_go_least_loaded_and_later_turns_stay_until_their_replica_is
     held = hold(p, r1=5)
     assert turn(p, t, "s2", 1) == ("r0", False)
     held.close()
-    # Loads flip within the gate (--score-imbalance 4 sequences): the sessions do not move.
+    # Loads flip within the gate (--score-imbalance 8 sequences): the sessions do not move.
     for i in range(4):
-        held = hold(p, r0=i % 2 * 4, r1=(i + 1) % 2 * 4)
+        held = hold(p, r0=i % 2 * 8, r1=(i + 1) % 2 * 8)
         assert turn(p, t, "s1", 2 + i) == ("r1", False)
         assert turn(p, t, "s2", 2 + i) == ("r0", False)
         held.close()
-    # r1 hot (9 sequences, the least loaded 0: past 4 above it and 1.5 times it): s1 spills over, moves
+    # r1 hot (9 sequences, the least loaded 0: past 8 above it and 1.5 times it): s1 spills over, moves
     # once, and stays on its new replica, r1 cool again notwithstanding.
     held = hold(p, r1=9)
     assert turn(p, t, "s1", 10) == ("r0", True)
     held.close()
     assert turn(p, t, "s1", 11) == ("r0", False)
-    # The ratio counts too: 16 against 11 is 5 above it, but not 1.5 times it.
-    held = hold(p, r0=16, r1=11)
+    # The ratio counts too: 27 against 18 is 9 above it, but not more than 1.5 times it.
+    held = hold(p, r0=27, r1=18)
     assert turn(p, t, "s1", 12) == ("r0", False)
     held.close()
 
