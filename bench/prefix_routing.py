@@ -100,6 +100,7 @@ class CellResult:
     loadavg: float
     failed: int = 0
     busiest: float = float("nan")  # the busiest replica's requests over the mean: 1.0 is an even spread
+    added_ms: float = float("nan")  # the gateway's own time per request, mean (its added-latency histogram)
 
     @property
     def hit_rate(self) -> float:
@@ -257,11 +258,22 @@ async def finished(http: aiohttp.ClientSession, urls: list[str]) -> list[float]:
     return out
 
 
+async def gateway_time(http: aiohttp.ClientSession, front: Front) -> tuple[float, float]:
+    """(seconds, requests) of the gateway's added-latency histogram so far; (nan, nan) for vllm-router."""
+    if front.render:
+        return float("nan"), float("nan")
+    async with http.get(front.url + "/metrics") as r:
+        text = await r.text()
+    return (sum(samples(text, "sampler_gateway_added_latency_seconds_sum").values()),
+            sum(samples(text, "sampler_gateway_added_latency_seconds_count").values()))
+
+
 async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, model: str, workload: str,
                    cell: int, sizes: Sizes, chat: Chat) -> CellResult:
     load = os.getloadavg()[0]
     hits0, queries0 = await prefix_counters(http, urls)
     done0 = await finished(http, urls)
+    added0 = await gateway_time(http, front)
     tally = Tally()
     cpu0, t = proc_cpu_s(front.pid), time.perf_counter()
     if workload == "grpo":
@@ -273,6 +285,8 @@ async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, m
     wall, cpu = time.perf_counter() - t, proc_cpu_s(front.pid) - cpu0
     hits1, queries1 = await prefix_counters(http, urls)
     per_replica = [b - a for a, b in zip(done0, await finished(http, urls), strict=True)]
+    added1 = await gateway_time(http, front)
+    added_ms = (added1[0] - added0[0]) / (added1[1] - added0[1]) * 1000 if added1[1] > added0[1] else float("nan")
     if tally.error is not None:
         print(f"  ({workload} via {front.url}: {tally.failed} failed, the first: {tally.error})", flush=True)
     lat = tally.latencies or [0.0]
@@ -280,7 +294,8 @@ async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, m
                       p50_ms=pct(lat, 50), p99_ms=pct(lat, 99),
                       cpu_per_1k=cpu / (tally.tokens / 1000) if tally.tokens else float("nan"),
                       loadavg=load, failed=tally.failed,
-                      busiest=max(per_replica) / (sum(per_replica) / len(per_replica)) if sum(per_replica) else 1.0)
+                      busiest=max(per_replica) / (sum(per_replica) / len(per_replica)) if sum(per_replica) else 1.0,
+                      added_ms=added_ms)
 
 
 @contextlib.contextmanager
@@ -323,7 +338,8 @@ async def bench(replicas: int, rounds: int, workloads: list[str], names: list[st
                         results.cells[workload][name].append(c)
                         print(f"  {workload:<9} {name:<12} hits {c.hit_rate:6.1%} ({c.of_ideal:6.1%} of ideal)  "
                               f"{c.toks_per_s:7.0f} tok/s  p50 {c.p50_ms:6.0f} ms  p99 {c.p99_ms:6.0f} ms  "
-                              f"cpu {c.cpu_per_1k:.3f} s/1k  busiest {c.busiest:.2f}  load {c.loadavg:.2f}  "
+                              f"cpu {c.cpu_per_1k:.3f} s/1k  busiest {c.busiest:.2f}  added {c.added_ms:.1f} ms  "
+                              f"load {c.loadavg:.2f}  "
                               f"failed {c.failed}", flush=True)
     return results
 
