@@ -228,7 +228,15 @@ def test_a_version_in_flight_is_never_unloaded(env: Env) -> None:
     def send(name: str) -> None:
         results[name] = httpx.post(env.gw.url + "/v1/sample", json=body(name), headers=AUTH, timeout=120)
 
-    # Each replica holds one version: place one request of a@1 and b@1 while nothing else runs.
+    # Each replica holds one version: place one request of a@1 and b@1 while nothing else runs. "Nothing
+    # else" includes the last test's placements: one whose unload a replica refused leaves that replica
+    # unsure of its adapters, not a place to load, until the gateway reads it again (lora/router.py), and
+    # b@1 would then evict a@1's version on the other. So first a refresh round begun after now, with both
+    # replicas eligible and idle.
+    seen = env.gw.health()["refreshes"]
+    env.gw.wait(lambda h: h["refreshes"] >= seen + 2 and all(r["eligible"] and r["in_flight"] == 0
+                                                               for r in h["replicas"]),
+                "a refresh round since the last test, both replicas eligible and idle")
     assert c.post("/v1/sample", json=body("a@1")).status_code == 200
     assert c.post("/v1/sample", json=body("b@1")).status_code == 200
     holders = {r: env.held(r) for r in servers}
