@@ -7,7 +7,7 @@
 #                             in front of real fake-engine sampler processes             (a few minutes)
 #   tests/engine              the real vLLM CPU engine behind real HTTP servers          (~28 min)
 #   tests/operator/envtest    the operator against a real kube-apiserver, etcd and
-#                             controller-manager                                         (~9 min)
+#                             controller-manager                                         (~10 min)
 #   tests/operator/node       a real kubelet cluster in a private netns with only lo (scripts/k8s/test-node.sh),
 #                             running the project's images (scripts/images/build.sh) and ./scripts/demo.sh's story
 # Nothing is skipped for a missing dependency: SAMPLER_REQUIRE_K8S=1 turns that into a failure.
@@ -15,7 +15,7 @@
 # Two chains run side by side, so that a fresh machine takes the longer chain, not their sum:
 #   the node chain  the Kubernetes binaries (a CPU-bound Go compile) and beside them the images (they need the
 #                   venv's pip), the node tier's fake-engine tests (beside the engine tier), then, once the engine tier
-#                   is over, its tests marked `vllm` (~19 min, mostly vLLM starts); its lines start with "[node] ";
+#                   is over, its tests marked `vllm` (~20 min, mostly vLLM starts); its lines start with "[node] ";
 #   this shell      the venv, the engine tier, then lint and the unit, gateway and envtest tiers.
 # vLLM never runs in both chains at once: the engine tier and the node tier's `vllm` tests each run vLLM
 # engines on the same 2 cores. (The one run that had them side by side failed a full-load test whose wait
@@ -64,9 +64,11 @@ rm -f "$GO"   # the open descriptors keep the pipe; nothing is left behind
 node_chain() {
   # The project's images beside the Kubernetes binaries: the compile is CPU-bound, the images mostly wait
   # on the mirror, pip's cache and the disk (a debootstrap, a wheelhouse, `docker save` of 2.6 GB).
-  # Both at a lower priority (nice 10): they have ~10 minutes of slack before the engine tier ends, while
-  # the venv and the engine tier are the critical path; at equal priority the compile took ~2.5 minutes
-  # of the engine tier's cores on a fresh machine (27.6 min beside them, 25.1 alone).
+  # Both at a lower priority (nice 10): the venv and the engine tier are the critical path, and the builds
+  # have slack (niced, they and the fake-engine tests still ended ~9 min before the engine tier). Beside
+  # them the engine tier took 27.6-28.7 min on fresh machines, 25.1 alone: nice gives the engine tier the
+  # CPU first, not the disk nor the memory bandwidth, and no run has yet shown how much of that gap it
+  # closes (the box's speed varies by the hour more than that).
   ( bash scripts/setup.sh        # the venv this shell builds (for pip): waits on setup.sh's lock, then ~1 s
     nice -n 10 bash scripts/images/build.sh ) &
   local images=$!
