@@ -56,7 +56,7 @@ def assert_bit_exact(rank: Rank, seed: int) -> None:
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_mixed_dtypes_and_odd_sizes_arrive_bit_exact_at_every_rank_of_the_chain(zygote: Zygote, n: int) -> None:
     with receivers(zygote, n) as ranks, trainer(zygote, 1, world_size=1 + n, packed_buffer_size_bytes=CHUNK,
-                                        timeout_s=TIMEOUT_S) as t:
+                                                timeout_s=TIMEOUT_S) as t:
         gw = Gateway(t, ranks)
         assert gw.next() == {"ready": True}  # the init: every receiver joined, each at its own rank
         for round_ in range(2):  # the group outlives a push
