@@ -62,7 +62,7 @@ from bench.load import proc_cpu_s
 from bench.report import publish
 from bench.rounds import orders
 from bench.sampling_concurrency import http_session
-from bench.sessions import TOKENS, TURNS, WORDS, WORDS_PER_TURN, ideal_hits, prefix_counters, word_tokens
+from bench.sessions import TOKENS, TURNS, WORDS, WORDS_PER_TURN, ideal_hits, metrics_of, prefix_counts, word_tokens
 from sampler_pod.testing.tiny_model import cached_tiny_model
 from tests.support.gateway import run_gateway
 from tests.support.metrics import samples
@@ -249,13 +249,9 @@ async def skewed(http: aiohttp.ClientSession, front: Front, model: str, cell: in
     return float((len(picks) - len(seen)) * PROMPT_BLOCKS * BLOCK)
 
 
-async def finished(http: aiohttp.ClientSession, urls: list[str]) -> list[float]:
-    """The requests each replica's engine finished: vLLM's own counter, by replica."""
-    out = []
-    for url in urls:
-        async with http.get(url + "/metrics") as r:
-            out.append(sum(samples(await r.text(), "vllm:request_success_total").values()))
-    return out
+def finished(texts: list[str]) -> list[float]:
+    """The requests each replica's engine finished, from its /metrics text: vLLM's own counter."""
+    return [sum(samples(t, "vllm:request_success_total").values()) for t in texts]
 
 
 async def gateway_time(http: aiohttp.ClientSession, front: Front) -> tuple[float, float]:
@@ -271,8 +267,7 @@ async def gateway_time(http: aiohttp.ClientSession, front: Front) -> tuple[float
 async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, model: str, workload: str,
                    cell: int, sizes: Sizes, chat: Chat) -> CellResult:
     load = os.getloadavg()[0]
-    hits0, queries0 = await prefix_counters(http, urls)
-    done0 = await finished(http, urls)
+    before = await metrics_of(http, urls)
     added0 = await gateway_time(http, front)
     tally = Tally()
     cpu0, t = proc_cpu_s(front.pid), time.perf_counter()
@@ -283,8 +278,9 @@ async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, m
     else:
         ideal = await skewed(http, front, model, cell, sizes, tally)
     wall, cpu = time.perf_counter() - t, proc_cpu_s(front.pid) - cpu0
-    hits1, queries1 = await prefix_counters(http, urls)
-    per_replica = [b - a for a, b in zip(done0, await finished(http, urls), strict=True)]
+    after = await metrics_of(http, urls)
+    (hits0, queries0), (hits1, queries1) = prefix_counts(before), prefix_counts(after)
+    per_replica = [b - a for a, b in zip(finished(before), finished(after), strict=True)]
     added1 = await gateway_time(http, front)
     added_ms = (added1[0] - added0[0]) / (added1[1] - added0[1]) * 1000 if added1[1] > added0[1] else float("nan")
     if tally.error is not None:
@@ -339,8 +335,7 @@ async def bench(replicas: int, rounds: int, workloads: list[str], names: list[st
                         print(f"  {workload:<9} {name:<12} hits {c.hit_rate:6.1%} ({c.of_ideal:6.1%} of ideal)  "
                               f"{c.toks_per_s:7.0f} tok/s  p50 {c.p50_ms:6.0f} ms  p99 {c.p99_ms:6.0f} ms  "
                               f"cpu {c.cpu_per_1k:.3f} s/1k  busiest {c.busiest:.2f}  added {c.added_ms:.1f} ms  "
-                              f"load {c.loadavg:.2f}  "
-                              f"failed {c.failed}", flush=True)
+                              f"load {c.loadavg:.2f}  failed {c.failed}", flush=True)
     return results
 
 

@@ -74,15 +74,24 @@ def word_tokens() -> list[int]:
     return sorted(i for piece, i in vocab.items() if re.fullmatch("\u0120[a-z]+", piece))
 
 
-async def prefix_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
-    """(hits, queries) summed over the replicas: vLLM's own counters, in prompt tokens."""
-    hits = queries = 0.0
+async def metrics_of(http: aiohttp.ClientSession, urls: list[str]) -> list[str]:
+    """Each replica's /metrics text, in the order of `urls`."""
+    texts = []
     for url in urls:
         async with http.get(url + "/metrics") as r:
-            text = await r.text()
-        hits += sum(samples(text, "vllm:prefix_cache_hits_total").values())
-        queries += sum(samples(text, "vllm:prefix_cache_queries_total").values())
-    return hits, queries
+            texts.append(await r.text())
+    return texts
+
+
+def prefix_counts(texts: list[str]) -> tuple[float, float]:
+    """(hits, queries) summed over the replicas' /metrics texts: vLLM's own counters, in prompt tokens."""
+    return (sum(sum(samples(t, "vllm:prefix_cache_hits_total").values()) for t in texts),
+            sum(sum(samples(t, "vllm:prefix_cache_queries_total").values()) for t in texts))
+
+
+async def prefix_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
+    """(hits, queries) summed over the replicas, read now (`prefix_counts`)."""
+    return prefix_counts(await metrics_of(http, urls))
 
 
 async def episode(http: aiohttp.ClientSession, gw: str, model: str, cell: int, e: int, sticky: bool,
