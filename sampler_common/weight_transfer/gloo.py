@@ -92,6 +92,18 @@ def open_group(store: TCPStore, rank: int, world_size: int, address: str, timeou
     return ProcessGroupGloo(PrefixStore(_STORE_PREFIX, store), rank, world_size, opts)
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`src`'s bytes (C-contiguous) into `dst`, a contiguous uint8 tensor in host memory of their size. From
+    host memory a plain memcpy on this thread: torch's `copy_` splits a large copy across its intra-op
+    threads, whose OpenMP workers then spin waiting for more work, and cost 4x the copy's own CPU on a
+    2-core node (0.2 CPU-s against 0.05 per 340 MB). From a device, torch's copy."""
+    raw = src.contiguous().view(-1).view(torch.uint8)
+    if raw.device.type == "cpu":
+        dst.numpy()[:] = raw.resolve_conj().resolve_neg().numpy()
+    else:
+        dst.copy_(raw)
+
+
 def _digests(packed: torch.Tensor, sizes: list[int]) -> list[bytes]:
     """The tensor digests of a chunk's tensors, read from the chunk's bytes."""
     data = memoryview(packed.numpy()).cast("B")
@@ -582,7 +594,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         chunk, offset = self._slots[slot][:sum(sizes)], 0
         for t, n in zip(tensors, sizes, strict=True):
             if n:
-                chunk[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+                copy_bytes(chunk[offset:offset + n], t)
             offset += n
         return chunk
 
