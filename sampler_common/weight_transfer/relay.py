@@ -103,19 +103,20 @@ def send(hop: Hop, chunk: torch.Tensor, tag: int) -> concurrent.futures.Future[N
     return waiting(hop.group.send([chunk], hop.next, tag) if chunk.numel() else None)
 
 
-def receive(hop: Hop, chunk_bytes: list[int], trailer: torch.Tensor, timeout: datetime.timedelta,
+def receive(hop: Hop, buffers: list[torch.Tensor], trailer: torch.Tensor, timeout: datetime.timedelta,
             landed: Callable[[torch.Tensor], None], torn: Callable[[BaseException], None]) -> list[torch.Tensor]:
-    """This rank's part of one push: every chunk from the previous rank (sizes `chunk_bytes`), each
-    forwarded to the next rank, if any, while the next one arrives; then the trailer into `trailer`,
-    forwarded too. `landed(chunk)` runs on each chunk in order as it lands (the worker hashes it there
-    while the next one travels). Returns the chunks; raises when the push tears.
+    """This rank's part of one push: every chunk from the previous rank into `buffers` (uint8, one per
+    chunk, of its size: the caller's, so that it may keep them from push to push), each forwarded to the
+    next rank, if any, while the next one arrives; then the trailer into `trailer`, forwarded too.
+    `landed(chunk)` runs on each chunk in order as it lands (the worker hashes it there while the next
+    one travels). Returns the chunks; raises when the push tears.
 
     `torn(error)` is called once, at the first failure the watcher sees (`timeout` bounds its wait on the
     trailer: the whole push), possibly while this thread still waits on a receive gloo will only fail at
     its own timeout; the caller reports the tear from there, and this call raises later."""
     received: list[torch.Tensor] = []
     tear = _Tear(hop, torn, received)
-    watcher = waiting(hop.group.recv([trailer], hop.previous, len(chunk_bytes)), timeout)
+    watcher = waiting(hop.group.recv([trailer], hop.previous, len(buffers)), timeout)
     watcher.add_done_callback(lambda f: tear(f.exception()))
     posted: deque[tuple[torch.Tensor, Any | None]] = deque()
     sends: deque[concurrent.futures.Future[None]] = deque()
@@ -128,18 +129,18 @@ def receive(hop: Hop, chunk_bytes: list[int], trailer: torch.Tensor, timeout: da
         return sent
 
     def post(i: int) -> None:
-        buf = torch.empty(chunk_bytes[i], dtype=torch.uint8)
+        buf = buffers[i]
         posted.append((buf, hop.group.recv([buf], hop.previous, i) if buf.numel() else None))
 
     try:
-        for i in range(min(WINDOW, len(chunk_bytes))):
+        for i in range(min(WINDOW, len(buffers))):
             post(i)
-        for i in range(len(chunk_bytes)):
+        for i in range(len(buffers)):
             buf, work = posted.popleft()
             if work is not None:
                 work.wait()
             tear.check()
-            if i + WINDOW < len(chunk_bytes):
+            if i + WINDOW < len(buffers):
                 post(i + WINDOW)
             if hop.next is not None:
                 sends.append(forward(buf, i))
@@ -149,7 +150,7 @@ def receive(hop: Hop, chunk_bytes: list[int], trailer: torch.Tensor, timeout: da
                 sends.popleft().result()
         watcher.result()
         if hop.next is not None:
-            sends.append(forward(trailer, len(chunk_bytes)))
+            sends.append(forward(trailer, len(buffers)))
         while sends:
             sends.popleft().result()
     except BaseException as e:

@@ -87,6 +87,9 @@ class _Stage:
     thread: threading.Thread | None = None
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     error: str | None = None
+    # The transfer engine's chunks the tensors are views into (a push received), handed back to it once
+    # nothing reads them (`_recycle`); None: the tensors own their memory.
+    buffers: list[torch.Tensor] | None = None
 
     @property
     def reading(self) -> bool:
@@ -100,6 +103,7 @@ class _Kept:
 
     sha256: str
     tensors: list[tuple[str, torch.Tensor]]
+    buffers: list[torch.Tensor] | None = None  # as `_Stage.buffers`
     starts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -187,9 +191,27 @@ class WeightLoaderExtension:
             raise RuntimeError(f"staging failed: {stage.error}")
         self.reload_weights(weights_iterator=_failing_after(stage.tensors, fail_after_tensors))
         if keep is not None:
-            # Written: from now on the peers' copy (the one kept before is dropped).
-            self._sampler_kept = _Kept(keep, stage.tensors)
+            # Written: from now on the peers' copy. The one kept before is dropped, its chunks (a push's)
+            # handed back to the transfer engine for the next push to land in.
+            before: _Kept | None = getattr(self, "_sampler_kept", None)
+            self._sampler_kept = _Kept(keep, stage.tensors, stage.buffers)
+            if before is not None and before.buffers is not None:
+                self._recycle(before.buffers)
         return len(stage.tensors)
+
+    def _recycle(self, buffers: list[torch.Tensor]) -> None:
+        """`buffers` (a push's chunks) to the transfer engine as the next push's landing place, unless
+        something still reads them: the kept copy, or a stage not yet written (the kept copy staged again
+        shares its chunks). The model never does: the write copies every tensor into its parameters."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not buffers:
+            return
+        mine = {b.data_ptr() for b in buffers if b.numel()}
+        kept: _Kept | None = getattr(self, "_sampler_kept", None)
+        users = [kept.buffers if kept is not None else None] + [s.buffers for s in self._stages().values()]
+        if any(u is not None and mine & {b.data_ptr() for b in u if b.numel()} for u in users):
+            return
+        engine.recycle(buffers)
 
     # -- the kept copy (peers catch up from it) and a copy coming from a peer
 
@@ -211,7 +233,7 @@ class WeightLoaderExtension:
 
     def sampler_kept_stage(self, key: str, sha256: str) -> int:
         kept = self._kept(sha256)
-        self._stages()[key] = _Stage(tensors=list(kept.tensors))
+        self._stages()[key] = _Stage(tensors=list(kept.tensors), buffers=kept.buffers)
         return len(kept.tensors)
 
     def _incoming(self) -> dict[str, _Incoming]:
@@ -263,8 +285,8 @@ class WeightLoaderExtension:
     def sampler_transfer_stage(self, key: str) -> int:
         engine = self._transfer()
         engine.finish_weight_update()
-        tensors = engine.take_received()
-        self._stages()[key] = _Stage(tensors=tensors)
+        tensors, chunks = engine.take_staging()
+        self._stages()[key] = _Stage(tensors=tensors, buffers=chunks)
         return len(tensors)
 
     def sampler_transfer_discard(self) -> None:
