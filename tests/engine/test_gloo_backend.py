@@ -6,7 +6,8 @@ imports vLLM.
 What it checks: tensors of mixed dtypes and odd sizes arrive bit-exact through many small chunks (tensors
 whose offset torch cannot view in place included), the digests agree with a hash of each tensor computed
 here, the receiver cuts the chunks exactly as vLLM's `pack_tensors` does, and a peer that never comes or
-goes silent fails the other side after the timeout instead of hanging it.
+goes silent fails the other side after the timeout instead of hanging it, and a push lands in the chunks of
+an earlier one handed back (`recycle`), unless its shapes changed or it tears (then they are let go).
 """
 
 from __future__ import annotations
@@ -140,3 +141,90 @@ def test_a_trainer_that_goes_silent_fails_the_receive_after_the_timeout() -> Non
     receiver.discard()
     assert receiver.status()["phase"] == "idle"
     del group
+
+
+class FailingSource(StateDictSource):
+    """A trainer whose source fails after `after` tensors: the push tears with some chunks sent."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], after: int) -> None:
+        super().__init__(tensors)
+        self.after = after
+
+    def __iter__(self) -> Any:
+        for i, pair in enumerate(super().__iter__()):
+            if i == self.after:
+                raise RuntimeError("the trainer's source failed mid-push")
+            yield pair
+
+
+def mixed(seed: int, extra: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {name: (torch.randn(shape, generator=g) * 50).to(dtype) for name, dtype, shape in MIXED}
+    if extra:
+        out["z.extra"] = torch.randn(extra, generator=g)
+    return out
+
+
+def same_bytes(got: list[tuple[str, torch.Tensor]], want: dict[str, torch.Tensor]) -> bool:
+    def raw(t: torch.Tensor) -> list[int]:
+        return list(t.contiguous().view(-1).view(torch.uint8).tolist())
+
+    return [n for n, _ in got] == list(want) and all(
+        g.dtype == want[n].dtype and g.shape == want[n].shape and raw(g) == raw(want[n]) for n, g in got)
+
+
+def test_a_push_lands_in_the_chunks_handed_back_and_a_shape_change_or_a_tear_lets_them_go() -> None:
+    receiver = worker()
+    gloo.register_trainer_engine()
+    info = gloo.GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, rank=0, packed_buffer_size_bytes=24,
+                                    timeout_s=30)
+    trainer = gloo.GlooTrainerWeightTransferEngine.trainer_init(info, client=InProcessClient(receiver),
+                                                                source=StateDictSource(mixed(1)))
+
+    def push(tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        trainer.source = StateDictSource(tensors)
+        assert trainer.send_weights() is not None
+        return receiver.take_staging()
+
+    def ptrs(chunks: list[torch.Tensor]) -> list[int]:
+        return [c.data_ptr() for c in chunks if c.numel()]
+
+    # A, then B: B is "the kept copy", A's chunks are handed back, and C lands in them, bit-exact.
+    _, chunks_a = push(mixed(1))
+    kept_b, chunks_b = push(mixed(2))
+    assert receiver.spare_bytes() == 0  # nothing handed back yet: B landed in new chunks
+    assert not set(ptrs(chunks_a)) & set(ptrs(chunks_b))
+    receiver.recycle(chunks_a)
+    assert receiver.spare_bytes() == sum(c.numel() for c in chunks_a) > 0
+    got_c, chunks_c = push(mixed(3))
+    assert ptrs(chunks_c) == ptrs(chunks_a) and receiver.spare_bytes() == 0
+    assert same_bytes(got_c, mixed(3)) and same_bytes(kept_b, mixed(2))
+
+    # Other shapes: the chunks handed back do not fit; they are let go, the push lands in new ones.
+    receiver.recycle(chunks_b)
+    got_d, chunks_d = push(mixed(4, extra=7))
+    assert receiver.spare_bytes() == 0 and not set(ptrs(chunks_d)) & set(ptrs(chunks_b))
+    assert same_bytes(got_d, mixed(4, extra=7))
+
+    # D2 is kept, D's chunks handed back; E tears while it lands in them: the kept copy is untouched, the
+    # torn push's chunks are let go (a receive gloo did not fail may still hold one), the next push works.
+    kept_d2, chunks_d2 = push(mixed(5, extra=7))
+    receiver.recycle(chunks_d)
+    assert receiver.spare_bytes() == sum(c.numel() for c in chunks_d)
+    trainer.source = FailingSource(mixed(6, extra=7), after=5)
+    with pytest.raises(Exception):  # noqa: B017  # the source's error, or the replica's answer to the tear
+        trainer.send_weights()
+    status = until_phase(receiver, {"failed"}, 60)
+    assert status["failure"] == "torn" and 0 < status["bytes"] < status["total_bytes"], status
+    assert receiver.spare_bytes() == 0  # taken by E
+    receiver.discard()
+    assert receiver.spare_bytes() == 0  # and not given back
+    assert same_bytes(kept_d2, mixed(5, extra=7))
+    got_f, chunks_f = push(mixed(7, extra=7))
+    assert same_bytes(got_f, mixed(7, extra=7)) and not set(ptrs(chunks_f)) & set(ptrs(chunks_d) + ptrs(chunks_d2))
+
+    # Shutdown (the trainer is gone) lets the spare chunks go.
+    receiver.recycle(chunks_f)
+    receiver.shutdown()
+    assert receiver.spare_bytes() == 0
+    trainer.shutdown()
