@@ -28,9 +28,11 @@ any rank, fails every rank at once; a rank that hangs fails them after `timeout_
 Staged, never direct. The worker receives into host memory, in a thread of its own, while the engine
 keeps stepping; the received chunks ARE the staging (the tensors are views into them), so a push costs
 its model's size in host memory on each receiving worker until it is written or dropped, plus two
-chunks on the trainer (kept from push to push). Nothing touches the model here: `finish_weight_update`
-only seals the received tensors, and the replica writes them through its ordinary load path (pause or
-lock, then the engine's in-place reload). A transfer that tears leaves the served weights exactly as they were.
+chunks on the trainer (kept from push to push). Chunks the worker no longer reads come back (`recycle`)
+and the next push of the same sizes lands in them, memory already touched. Nothing touches the model
+here: `finish_weight_update` only seals the received tensors, and the replica writes them through its
+ordinary load path (pause or lock, then the engine's in-place reload). A transfer that tears leaves the
+served weights exactly as they were.
 """
 
 from __future__ import annotations
