@@ -61,7 +61,9 @@ from bench.report import publish  # noqa: E402
 from bench.rollout_trace import read as read_trace  # noqa: E402
 from bench.rollout_trace import rollouts as trace_rollouts  # noqa: E402
 from bench.switch_cost import busy, dip  # noqa: E402
-from tests.support.scale_pool import POOL, G, ScalePool, V, cpu_s, scale_pool, window  # noqa: E402
+from tests.support.cpu_share import between  # noqa: E402
+from tests.support.cpu_share import sample as cpu_sample  # noqa: E402
+from tests.support.scale_pool import POOL, G, ScalePool, V, scale_pool, window  # noqa: E402
 
 TITLE = "Scale"
 FULL_SIZES, FULL_GATEWAYS = (16, 64, 256), (2, 8)
@@ -152,12 +154,14 @@ def trace_figures(sp: ScalePool, label: str) -> dict[str, float | None]:
 class Replacement:
     detect_s: float      # uncertain_weights -> the operator's intent written (or the new pod, if sooner seen)
     ready_s: float       # uncertain_weights -> the replica Ready on its new pod
+    cpu: dict[str, Any]  # where the box's CPU went meanwhile (CpuShare.figures)
 
 
 def replace(sp: ScalePool, replica: str) -> Replacement:
     """One replica's pod reports uncertain_weights (its write failed midway): timed to the operator's
     decision and to the replica Ready on its new pod."""
     old = sp.replicas()[replica]["status"]["podName"]
+    cpu0 = cpu_sample(sp.processes())
     t0 = time.monotonic()
     sp.host.uncertain(old)
 
@@ -169,7 +173,8 @@ def replace(sp: ScalePool, replica: str) -> Replacement:
     detected = time.monotonic() - t0
     ks.wait_for(lambda: (st := status()).get("podName") != old and st.get("phase") == "Ready", 300, 0.05,
                 f"{replica} Ready on a new pod")
-    return Replacement(round(detected, 3), round(time.monotonic() - t0, 3))
+    ready = time.monotonic() - t0
+    return Replacement(round(detected, 3), round(ready, 3), between(cpu0, cpu_sample(sp.processes())).figures())
 
 
 def rollout(s: Stack, mode: str, max_unavailable: int, clients: int,
@@ -190,20 +195,23 @@ def rollout(s: Stack, mode: str, max_unavailable: int, clients: int,
             sp.trainer().push(path, new, wait=True, timeout=ROLLOUT_TIMEOUT_S, progress=False)
             pushed["s"] = time.monotonic() - t
         pusher = threading.Thread(target=push, daemon=True)
-        cpu0, t0 = cpu_s(sp.op.proc.pid), time.monotonic()  # type: ignore[union-attr]
+        cpu0, api0 = cpu_sample(sp.processes()), sp.op_proxy.snapshot()
         pusher.start()
         if replace_during is not None:
             ks.wait_for(lambda: (sp.pool().get("status") or {}).get("targetLabel") == new, 60, 0.05, "the push seen")
             replacement.append(replace(sp, replace_during))
         pusher.join(ROLLOUT_TIMEOUT_S + 60)
         assert "s" in pushed, f"the push of {new} never completed"
-        busy = 100 * (cpu_s(sp.op.proc.pid) - cpu0) / (time.monotonic() - t0)  # type: ignore[union-attr]
+        cpu, api = between(cpu0, cpu_sample(sp.processes())), sp.op_proxy.snapshot() - api0
         ks.wait_for(lambda: load.at(new) >= 4 * clients, 120, 0.05, f"answers on {new}")
     finally:
         replies = load.stop()
     s.step += 1
     out: dict[str, Any] = {"push_s": round(pushed["s"], 3), "dip_s": round(dip(replies, old, new), 3),
-                           "operator_cpu_pct": round(busy, 1),
+                           "operator_cpu_pct": round(100 * cpu.cpu_s["operator"] / cpu.wall_s, 1),
+                           "cpu": cpu.figures(),
+                           # The operator's API requests during the push, by verb and resource.
+                           "operator_api": {f"{verb} {res}": k for (verb, res), k in sorted(api.items())},
                            "failed": sum(1 for r in replies if r.status != 200), "answers": len(replies),
                            **{k: None if v is None else round(v, 3) for k, v in trace_figures(sp, new).items()}}
     if replacement:

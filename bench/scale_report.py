@@ -26,11 +26,13 @@ def path(loop: str) -> Any:
     return DOCS / f"bench-scale-{loop}.png"
 
 
-def _get(r: dict[str, Any], *keys: str) -> Any:
+def _get(r: Any, *keys: str) -> Any:
+    """r[k1][k2]...: None where a key is missing. A step may be an object (a Replacement) as well as
+    a dict (the same figures read back from --json)."""
     for k in keys:
-        if not isinstance(r, dict) or r.get(k) is None:
+        r = r.get(k) if isinstance(r, dict) else getattr(r, k, None)
+        if r is None:
             return None
-        r = r[k]
     return r
 
 
@@ -47,10 +49,8 @@ def _fmt(v: Any, digits: int = 2) -> str:
 
 
 def _replacement(r: dict[str, Any], key: str) -> float | None:
-    rep = _get(r, *key.split("."))
-    if isinstance(rep, dict):
-        return rep.get("ready_s")
-    return getattr(rep, "ready_s", None)
+    ready: float | None = _get(r, *key.split("."), "ready_s")
+    return ready
 
 
 def row(r: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +162,99 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+# The box's processes a phase's CPU is charged to (ScalePool.processes, tests/support/cpu_share.py),
+# in the CPU table's order, with their column titles.
+PROCESSES = (("operator", "operator"), ("gateways", "gateways (sum)"), ("replica host", "replica host"),
+             ("kube-apiserver", "apiserver"), ("etcd", "etcd"), ("kube-controller-manager", "kcm"),
+             ("bench", "bench (proxies, clients)"))
+# What stays on the control plane of a cluster where the replicas and the gateways have CPUs of their own.
+CONTROL_PLANE = ("operator", "kube-apiserver", "etcd", "kube-controller-manager")
+PHASES = (("Keep", ("keep", "cpu")), ("Drain", ("drain", "cpu")),
+          ("replacement in a rollout", ("keep_replacing", "replacement", "cpu")))
+# A phase whose box was busy this share of its cores or more ran as fast as the box let it.
+CPU_BOUND = 0.85
+
+
+def cpu_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per size and timed phase: its wall time and where the box's CPU went (CpuShare.figures)."""
+    out = []
+    for r in results:
+        for phase, keys in PHASES:
+            c = _get(r, *keys)
+            if c is None:
+                continue
+            cpu = c["cpu_s"]
+            out.append({"n": r["n"], "g": r["g"], "phase": phase, "wall_s": c["wall_s"], "cpu": cpu,
+                        "rest_s": c["rest_s"], "box_busy_s": c["box_busy_s"], "cores": c["cores"],
+                        "box_load": c["box_load"], "control_s": sum(cpu.get(k, 0.0) for k in CONTROL_PLANE)})
+    return out
+
+
+def cpu_table(rows: list[dict[str, Any]]) -> str:
+    head = ["N", "G", "phase", "wall s", *(f"{t} CPU-s" for _, t in PROCESSES), "rest of the box CPU-s",
+            "box busy / (cores x wall)", "operator ms / replica", "control plane ms / replica"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for x in rows:
+        cells = [str(x["n"]), str(x["g"]), x["phase"], _fmt(x["wall_s"]),
+                 *(_fmt(x["cpu"].get(k)) for k, _ in PROCESSES), _fmt(x["rest_s"]), f"{100 * x['box_load']:.0f}%",
+                 f"{1000 * x['cpu'].get('operator', 0.0) / x['n']:.1f}", f"{1000 * x['control_s'] / x['n']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cpu_at(rows: list[dict[str, Any]], n: int, g: int, phase: str) -> dict[str, Any] | None:
+    return next((x for x in rows if x["n"] == n and x["g"] == g and x["phase"] == phase), None)
+
+
+def _per_replica(rows: list[dict[str, Any]], phase: str, g: int, lo: int, hi: int) -> str | None:
+    """How one phase grew from N=lo to N=hi, per replica added: its wall time against the box's CPU
+    (each process's share), the box's over its cores. None when either size lacks the phase."""
+    a, b = _cpu_at(rows, lo, g, phase), _cpu_at(rows, hi, g, phase)
+    if a is None or b is None or hi == lo:
+        return None
+    per = 1000 / (hi - lo)
+    wall = (b["wall_s"] - a["wall_s"]) * per
+    box = (b["box_busy_s"] - a["box_busy_s"]) * per
+    parts = ", ".join(f"{title} {(b['cpu'].get(k, 0.0) - a['cpu'].get(k, 0.0)) * per:.0f}" for k, title in PROCESSES)
+    return (f"{phase} at G={g}, N={lo} -> {hi}: the wall time grew {wall:.0f} ms per replica added; the box's busy "
+            f"CPU {box:.0f} ms per replica ({parts}, the rest of the box "
+            f"{(b['rest_s'] - a['rest_s']) * per:.0f}), that is {box / b['cores']:.0f} ms of its {b['cores']} cores "
+            f"per replica; the box was busy {100 * b['box_load']:.0f}% of its cores through the phase at N={hi}")
+
+
+def reading(rows: list[dict[str, Any]], cpu: list[dict[str, Any]]) -> str:
+    """What the run shows about each target it misses, from its own figures: per phase, how much of the
+    box's CPU was the operator's and how much everyone else's, and what a cluster would keep of it."""
+    if not rows:
+        return ""
+    ns, gs = sorted({x["n"] for x in rows}), sorted({x["g"] for x in rows})
+    lo, hi = ns[0], ns[-1]
+    out = []
+    for phase in ("Keep", "Drain"):
+        for g in gs:
+            line = _per_replica(cpu, phase, g, lo, hi)
+            if line is not None:
+                out.append(f"- {line}.")
+    for g in gs:
+        for phase in ("Keep", "Drain", "replacement in a rollout"):
+            x = _cpu_at(cpu, hi, g, phase)
+            if x is None:
+                continue
+            op = x["cpu"].get("operator", 0.0)
+            bound = ("CPU-bound on the box" if x["box_load"] >= CPU_BOUND
+                     else "not CPU-bound: the box had idle CPU, so part of the time was waiting")
+            out.append(
+                f"- {phase} at N={hi}, G={g}: {_fmt(x['wall_s'])} s of wall time, the box busy "
+                f"{100 * x['box_load']:.0f}% of its {x['cores']} cores ({bound}). The operator's own CPU: "
+                f"{op:.2f} s ({1000 * op / hi:.1f} ms per replica, {100 * op / x['wall_s']:.0f}% of one core); the "
+                f"control plane's (operator, API server, etcd, controller-manager): {x['control_s']:.2f} s; the "
+                f"replicas' host, the gateways and the bench's proxies and clients, which a cluster runs on CPUs of "
+                f"their own: {sum(x['cpu'].get(k, 0.0) for k in ('replica host', 'gateways', 'bench')):.2f} s. "
+                f"On such a cluster the operator, one Python process, still spends {op:.2f} s of CPU on this phase: "
+                f"a floor for it at this size, {op / x['wall_s']:.2f} of the wall time measured here.")
+    return "\n".join(out)
+
+
 def body(results: list[dict[str, Any]], steady_s: float, clients: int) -> str:
     rows = [row(r) for r in results]
     errors = [f"- N={x['n']} G={x['g']}: {x['error']}" for x in rows if x["error"]]
@@ -193,6 +286,18 @@ The targets of issue #53:
 {chr(10).join(targets(rows))}
 
 {chr(10).join(errors)}
+
+Where the CPU went in each timed phase (the push -> Complete of the Keep and the Drain rollouts, and the
+replacement's uncertain_weights -> Ready during the third rollout), per process (`tests/support/cpu_share.py`:
+utime + stime from `/proc/<pid>/stat`, a process's children included; the gateways summed; the bench is this
+process: the counting proxies every API request of the operator and the gateways crosses, the clients and the
+trainer). The rest of the box is its busy time (`/proc/stat`) that none of these accounts for: the kernel, and
+any other work sharing the box. A phase whose box was busy about all of its cores' time ran as fast as the box
+let it, whoever's CPU that was:
+
+{cpu_table(cpu_rows(results))}
+
+{reading(rows, cpu_rows(results))}
 
 {pics}
 """

@@ -58,6 +58,7 @@ class ScalePool:
     op_proxy: CountingProxy
     gw_proxy: CountingProxy
     gateways: dict[str, RunningGateway]
+    cluster_pids: dict[str, int]   # envtest's: etcd, apiserver, kcm (tests/support/k8s.py)
 
     def pool(self) -> dict[str, Any]:
         obj: dict[str, Any] = self.custom.get_namespaced_custom_object(G, V, self.ns, "samplerpools", POOL)
@@ -71,6 +72,18 @@ class ScalePool:
         from sampler_client import Pool
 
         return Pool(next(iter(self.gateways.values())).url, self.admin_key)
+
+    def processes(self) -> dict[str, list[int]]:
+        """The box's processes by part (tests/support/cpu_share.py): each gateway's together, and this
+        process (the counting proxies, the clients, the trainer) as `bench`."""
+        import os
+
+        pids = self.cluster_pids
+        return {"operator": [self.op.proc.pid],  # type: ignore[union-attr]
+                "gateways": [gw.proc.pid for gw in self.gateways.values()], "replica host": [self.host.proc.pid],
+                "kube-apiserver": [pids["apiserver"]] if "apiserver" in pids else [],
+                "etcd": [pids["etcd"]] if "etcd" in pids else [],
+                "kube-controller-manager": [pids["kcm"]] if "kcm" in pids else [], "bench": [os.getpid()]}
 
     def logs(self) -> list[Path]:
         return [self.op.log_path, *(gw.log_path for gw in self.gateways.values())]
@@ -178,7 +191,7 @@ def scale_pool(cluster: ks.Cluster, n: int, g: int, workdir: Path, *, adapters: 
         gws = {f"gw-{i}": es.enter_context(run_gateway(None, "--pod-name", f"gw-{i}", *gateway_flags, pool=POOL,
                                                         namespace=ns, env=env)) for i in range(g)}
         sp = ScalePool(n, g, workdir, core, custom, cluster.kubeconfig, ns, root, key, admin_key, host, op, op_proxy,
-                       gw_proxy, gws)
+                       gw_proxy, gws, dict(cluster.pids))
         ks.wait_for(lambda: sp.settled("step-1"), ready_timeout_s, 0.5, f"{n} replicas and {g} gateways settled")
         yield sp
 

@@ -1,0 +1,94 @@
+"""bench/scale.py's CPU accounting (tests/support/cpu_share.py) and its report (bench/scale_report.py):
+each process charged its own and its unnamed descendants' time, the box's busy share of its cores, and
+the section's CPU table and reading built from a run's figures."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from bench.scale_report import body, cpu_rows, cpu_table, reading, row
+from tests.support.cpu_share import CpuSample, ProcStat, between, charge, parse_box, parse_stat
+
+
+def test_parse_stat_reads_ppid_and_all_four_times_past_a_name_with_spaces_and_parens() -> None:
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime cstime ...
+    text = "42 (python (x) y) S 7 42 42 0 -1 4194304 10 0 0 0 150 30 5 2 20 0 1 0 100 0 0"
+    assert parse_stat(text) == ProcStat(ppid=7, ticks=150 + 30 + 5 + 2)
+
+
+def test_parse_box_counts_busy_against_all_ticks_and_the_cores() -> None:
+    text = ("cpu  100 10 50 800 20 5 5 7 0 0\n"
+            "cpu0 50 5 25 400 10 2 3 3 0 0\ncpu1 50 5 25 400 10 3 2 4 0 0\nintr 1\n")
+    busy, all_, cores = parse_box(text)
+    assert busy == 100 + 10 + 50 + 5 + 5           # user nice system irq softirq
+    assert all_ == busy + 800 + 20 + 7              # + idle iowait steal
+    assert cores == 2
+
+
+def test_charge_gives_each_pid_to_its_nearest_named_ancestor() -> None:
+    # 1 init; 10 the bench, which started 20 (a gateway) and 30 (a kubectl, unnamed); 20 started 21;
+    # 40 is someone else's.
+    table = {1: ProcStat(0, 1000), 10: ProcStat(1, 5), 20: ProcStat(10, 7), 21: ProcStat(20, 3),
+             30: ProcStat(10, 2), 40: ProcStat(1, 99)}
+    got = charge({"bench": [10], "gateways": [20], "etcd": []}, table)
+    assert got == {"bench": 5 + 2, "gateways": 7 + 3, "etcd": 0}
+
+
+def test_between_is_each_process_s_cpu_and_the_box_s_busy_share_of_its_cores() -> None:
+    hz = os.sysconf("SC_CLK_TCK")
+    before = CpuSample(10.0, {"operator": 0, "etcd": 0}, box_busy=0, box_all=0, cores=2)
+    # 4 s of wall on 2 cores; the box busy 3/4 of its ticks; the operator 1 s, etcd 2 s of CPU.
+    after = CpuSample(14.0, {"operator": hz, "etcd": 2 * hz}, box_busy=300, box_all=400, cores=2)
+    share = between(before, after)
+    assert share.wall_s == 4.0
+    assert share.cpu_s == {"operator": 1.0, "etcd": 2.0}
+    assert share.box_busy_s == 6.0 and share.box_load == 0.75
+    assert share.rest_s == 3.0
+
+
+def _cpu(wall: float, operator: float, host: float, busy: float) -> dict[str, Any]:
+    cpu = {"operator": operator, "gateways": 0.5, "replica host": host, "kube-apiserver": 1.0, "etcd": 0.2,
+           "kube-controller-manager": 0.0, "bench": 0.3}
+    return {"wall_s": wall, "cpu_s": cpu, "rest_s": busy - sum(cpu.values()), "box_busy_s": busy, "cores": 2,
+            "box_load": busy / (2 * wall)}
+
+
+def _result(n: int, keep_wall: float, operator: float) -> dict[str, Any]:
+    return {"n": n, "g": 2, "pick_us": 5.0, "load1": 1.0,
+            "keep": {"push_s": keep_wall, "cpu": _cpu(keep_wall, operator, n / 16, 2 * keep_wall * 0.95)},
+            "drain": {"push_s": 2 * keep_wall, "cpu": _cpu(2 * keep_wall, operator, n / 8, 2 * keep_wall)},
+            "keep_replacing": {"replacement": {"ready_s": 3.0, "cpu": _cpu(3.0, 0.2, 1.0, 2.0)}}}
+
+
+def test_cpu_rows_and_table_cover_every_timed_phase_of_every_size() -> None:
+    results = [_result(16, 2.0, 0.4), _result(64, 6.0, 1.6)]
+    rows = cpu_rows(results)
+    assert [(x["n"], x["phase"]) for x in rows] == [
+        (16, "Keep"), (16, "Drain"), (16, "replacement in a rollout"),
+        (64, "Keep"), (64, "Drain"), (64, "replacement in a rollout")]
+    table = cpu_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    keep64 = next(line for line in table if line.startswith("| 64 | 2 | Keep |"))
+    assert "| 95% |" in keep64                       # the box busy 95% of its cores
+    assert "| 25.0 |" in keep64                      # the operator: 1.6 s over 64 replicas
+
+
+def test_reading_charges_the_growth_per_replica_and_says_whether_the_box_was_the_limit() -> None:
+    results = [_result(16, 2.0, 0.4), _result(64, 6.0, 1.6)]
+    text = reading([row(r) for r in results], cpu_rows(results))
+    # 4 s more wall over 48 more replicas: 83 ms each; the operator's 1.2 s more CPU: 25 ms each.
+    assert "Keep at G=2, N=16 -> 64: the wall time grew 83 ms per replica added" in text
+    assert "operator 25" in text
+    assert "Keep at N=64, G=2: 6.00 s of wall time, the box busy 95% of its 2 cores (CPU-bound on the box)" in text
+    assert "the operator, one Python process, still spends 1.60 s of CPU" in text
+    # A phase with idle CPU on the box is said to be waiting, not CPU-bound.
+    results[1]["keep"]["cpu"] = _cpu(6.0, 1.6, 4.0, 6.0)
+    assert "not CPU-bound" in reading([row(r) for r in results], cpu_rows(results))
+
+
+def test_the_section_carries_the_cpu_table_and_its_reading() -> None:
+    results = [_result(16, 2.0, 0.4), _result(64, 6.0, 1.6)]
+    text = body(results, 60, 8)
+    assert "| N | G | phase | wall s | operator CPU-s |" in text
+    assert "the wall time grew" in text
