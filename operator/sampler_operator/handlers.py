@@ -4,7 +4,8 @@
   replica_pods      an in-memory index of our pods, kept current by kopf's pod watch
   replica_fleet     an index of every SamplerReplica's `status.replacing` (the fleet-wide cap)
   wake_on_pod_event a pod of a replica changed: wake that replica's loop now
-  validate_spec     a spec was created/changed: report semantic errors (and refused test seams) as a condition
+  validate_spec     a spec was created/changed (its first event at each generation): report semantic
+                    errors (and refused test seams) as a condition
   replica_loop      one long-lived task per SamplerReplica: converge pods, probe /health
   pool_members      an index of the SamplerReplicas owned by SamplerPools, by pool uid
   wake_pool_*       a pool's replica or the pool's spec changed, or a gateway acknowledged the routing
@@ -168,20 +169,42 @@ def wake_on_pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any
     _wake(namespace, labels.get(LABEL_REPLICA))
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-async def validate_spec(spec: kopf.Spec, name: str, namespace: str | None, meta: kopf.Meta, status: kopf.Status,
-                        body: kopf.Body, memo: Any, **_: Any) -> None:
+# Each SamplerReplica's spec generation this process has validated, by uid (validate_spec).
+_validated: dict[str, int | None] = {}
+
+
+def spec_unvalidated(validated: Mapping[str, int | None], uid: str | None, generation: int | None) -> bool:
+    """Pure: is this replica's spec, at this generation, not validated by this process yet? (Its first
+    event after a start, a creation, a spec change.)"""
+    return uid is not None and (uid not in validated or validated[uid] != generation)
+
+
+# An event handler, not `on.create`/`on.update(field="spec")`/`on.resume`: kopf keeps the last handled
+# spec of a resource with change handlers in an annotation, written again at every spec change: one
+# more write of every replica at every rollout, and one more watch event for every watcher (issue #53:
+# a sixth of a Keep push's writes at 64 replicas). This one stores nothing: it validates each
+# generation once per process (again after a restart, as `on.resume` did).
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def validate_spec(event: Mapping[str, Any], spec: kopf.Spec, name: str, namespace: str | None,
+                        uid: str | None, meta: kopf.Meta, status: kopf.Status, body: kopf.Body, memo: Any,
+                        logger: kopf.Logger, **_: Any) -> None:
     assert namespace is not None  # SamplerReplica is namespaced
+    if event.get("type") == "DELETED":
+        _validated.pop(uid or "", None)
+        return
+    generation = meta.get("generation")
+    if not spec_unvalidated(_validated, uid, generation):
+        return
     try:
         seams.check(parse_spec(dict(spec)), memo.allow_test_seams)
     except InvalidSpec as e:
         await memo.kube.patch_replica_status(namespace, name, invalid_spec_status(
-            str(e), status.get("conditions"), meta.get("generation"), time.time(), e.reason))
+            str(e), status.get("conditions"), generation, time.time(), e.reason))
         kopf.warn(body, reason=e.reason, message=str(e))
-        # Permanent: retrying cannot fix a spec; the next spec change calls us again.
-        raise kopf.PermanentError(f"invalid spec: {e}") from e
+        # Once per generation: retrying cannot fix a spec; the next spec change calls us again.
+        logger.error(f"invalid spec (generation {generation}), no pod until it changes: {e}")
+    # After the writes: a write that failed is tried again at the replica's next event.
+    _validated[uid or ""] = generation
     _wake(namespace, label_value(name))
 
 

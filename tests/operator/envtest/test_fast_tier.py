@@ -288,8 +288,8 @@ def test_semantically_invalid_spec_gets_a_condition_not_a_crash_loop(api, ns, op
     wait_phase(api, ns, "witness", "Ready")
     assert [p.metadata.name for p in api.core.list_namespaced_pod(ns).items] == ["witness-0"]
     log = operator.logs()
-    lines = [ln for ln in log.splitlines() if f"[{ns}/r1]" in ln and "Handler 'validate_spec' failed" in ln]
-    assert len(lines) == 1 and "permanently" in lines[0], log[-4000:]
+    lines = [ln for ln in log.splitlines() if f"[{ns}/r1]" in ln and "invalid spec (generation" in ln]
+    assert len(lines) == 1 and "no pod until it changes" in lines[0], log[-4000:]
     # fixing the spec brings the replica up
     api.custom.patch_namespaced_custom_object(G, V, ns, P, "r1", {"spec": {"model": "/models/tiny"}})
     st = wait_phase(api, ns, "r1", "Ready")

@@ -103,6 +103,11 @@ def test_a_trainer_pushes_weights_through_the_gateway(k8s: Any, api: Any, ns: st
         # event handler, tests/operator/unit/test_pool_wakeup.py): a pool's spec holds its adapters.
         annotations = (_get(k8s, ns, "samplerpool", "t") or {})["metadata"].get("annotations") or {}
         assert not [a for a in annotations if a.endswith("last-handled-configuration")], annotations
+        # Nor beside each replica's spec (its validation is an event handler too): a rollout writes each
+        # replica once, not once more for kopf (tests/operator/unit/test_replica_validation.py).
+        kept = {name: [a for a in (o["metadata"].get("annotations") or {}) if a.endswith("last-handled-configuration")]
+                for name, o in replicas_of(api, ns).items()}
+        assert kept == dict.fromkeys(kept, []), kept
 
         # A checkpoint the first replica refuses: the client raises, naming replica, file and tensor.
         bad = cc.build_case("wrong_shape", root / "step-1", root=root, outside=tmp_path / "outside", name="step-bad")
