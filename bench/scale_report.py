@@ -74,6 +74,10 @@ def row(r: dict[str, Any]) -> dict[str, Any]:
         "drain_fence_s": drain.get("fence_s"),
         "replace_s": _replacement(r, "replacement"), "replace_rollout_s": _replacement(r, "keep_replacing.replacement"),
         "adapter_s": _get(r, "adapters", "push_s"), "pick_us": r.get("pick_us"), "error": r.get("error"),
+        "load1": r.get("load1"), "keep_gw_cpu": _get(keep, "cpu", "cpu_s", "gateways"),
+        "keep_box_load": _get(keep, "cpu", "box_load"), "replace_box_load": _get(r, "replacement", "cpu", "box_load"),
+        "replace_rollout_box_load": _get(r, "keep_replacing", "replacement", "cpu", "box_load"),
+        "replace_rollout_op_cpu": _get(r, "keep_replacing", "replacement", "cpu", "cpu_s", "operator"),
     }
 
 
@@ -169,8 +173,8 @@ PROCESSES = (("operator", "operator"), ("gateways", "gateways (sum)"), ("replica
              ("bench", "bench (proxies, clients)"))
 # What stays on the control plane of a cluster where the replicas and the gateways have CPUs of their own.
 CONTROL_PLANE = ("operator", "kube-apiserver", "etcd", "kube-controller-manager")
-PHASES = (("Keep", ("keep", "cpu")), ("Drain", ("drain", "cpu")),
-          ("replacement in a rollout", ("keep_replacing", "replacement", "cpu")))
+PHASES = (("Keep", ("keep",)), ("Drain", ("drain",)), ("replacement in a rollout", ("keep_replacing", "replacement")))
+WRITES = ("create", "update", "patch", "delete", "deletecollection")  # tests/support/api_counts.WRITE_VERBS
 # A phase whose box was busy this share of its cores or more ran as fast as the box let it.
 CPU_BOUND = 0.85
 
@@ -180,11 +184,13 @@ def cpu_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in results:
         for phase, keys in PHASES:
-            c = _get(r, *keys)
+            c = _get(r, *keys, "cpu")
             if c is None:
                 continue
             cpu = c["cpu_s"]
-            out.append({"n": r["n"], "g": r["g"], "phase": phase, "wall_s": c["wall_s"], "cpu": cpu,
+            api = _get(r, *keys, "operator_api")
+            writes = None if api is None else sum(k for what, k in api.items() if what.split(" ")[0] in WRITES)
+            out.append({"n": r["n"], "g": r["g"], "phase": phase, "wall_s": c["wall_s"], "cpu": cpu, "writes": writes,
                         "rest_s": c["rest_s"], "box_busy_s": c["box_busy_s"], "cores": c["cores"],
                         "box_load": c["box_load"], "control_s": sum(cpu.get(k, 0.0) for k in CONTROL_PLANE)})
     return out
@@ -192,12 +198,14 @@ def cpu_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def cpu_table(rows: list[dict[str, Any]]) -> str:
     head = ["N", "G", "phase", "wall s", *(f"{t} CPU-s" for _, t in PROCESSES), "rest of the box CPU-s",
-            "box busy / (cores x wall)", "operator ms / replica", "control plane ms / replica"]
+            "box busy / (cores x wall)", "operator ms / replica", "control plane ms / replica",
+            "operator writes / replica"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x in rows:
         cells = [str(x["n"]), str(x["g"]), x["phase"], _fmt(x["wall_s"]),
                  *(_fmt(x["cpu"].get(k)) for k, _ in PROCESSES), _fmt(x["rest_s"]), f"{100 * x['box_load']:.0f}%",
-                 f"{1000 * x['cpu'].get('operator', 0.0) / x['n']:.1f}", f"{1000 * x['control_s'] / x['n']:.1f}"]
+                 f"{1000 * x['cpu'].get('operator', 0.0) / x['n']:.1f}", f"{1000 * x['control_s'] / x['n']:.1f}",
+                 "-" if x["writes"] is None else f"{x['writes'] / x['n']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -252,7 +260,73 @@ def reading(rows: list[dict[str, Any]], cpu: list[dict[str, Any]]) -> str:
                 f"their own: {sum(x['cpu'].get(k, 0.0) for k in ('replica host', 'gateways', 'bench')):.2f} s. "
                 f"On such a cluster the operator, one Python process, still spends {op:.2f} s of CPU on this phase: "
                 f"a floor for it at this size, {op / x['wall_s']:.2f} of the wall time measured here.")
+    out += _keep_target_lines(rows, cpu)
+    out += _switch_lines(rows)
+    out += _replacement_lines(rows)
     return "\n".join(out)
+
+
+def _keep_target_lines(rows: list[dict[str, Any]], cpu: list[dict[str, Any]]) -> list[str]:
+    """The Keep target (N=hi within 3 x N=lo) against the operator's own CPU at N=hi: what no cluster
+    takes off the operator, one Python process, however many CPUs its replicas and gateways get."""
+    ns = sorted({x["n"] for x in rows})
+    lo, hi = ns[0], ns[-1]
+    out = []
+    for g in sorted({x["g"] for x in rows}):
+        base, x = _at(rows, lo, g, "keep_s"), _cpu_at(cpu, hi, g, "Keep")
+        if base is None or x is None or hi == lo:
+            continue
+        allowed, op = 3 * base, x["cpu"].get("operator", 0.0)
+        moved = sum(x["cpu"].get(k, 0.0) for k in ("replica host", "gateways", "bench"))
+        verdict = ("within it: on such a cluster the operator's own work leaves room for the target"
+                   if op <= allowed else
+                   "beyond it: the operator's work per replica has to shrink for the target to be met "
+                   "anywhere, not only the box grow")
+        out.append(
+            f"- Keep's target at G={g}: 3 x the N={lo} push is {allowed:.2f} s. At N={hi} the operator's own CPU "
+            f"in the push was {op:.2f} s ({1000 * op / hi:.1f} ms per replica), the API server's and etcd's "
+            f"{x['cpu'].get('kube-apiserver', 0.0) + x['cpu'].get('etcd', 0.0):.2f} s (several cores on a real "
+            f"control plane), and what a cluster runs elsewhere (the replicas, the gateways, this bench) "
+            f"{moved:.2f} s. The operator's {op:.2f} s is {verdict}.")
+    return out
+
+
+def _switch_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The fence and the opening from G_lo to G_hi gateways at each N, beside what the gateways' CPU
+    and the box did during that Keep push: each gateway takes every replica's events of a rollout."""
+    gs = sorted({x["g"] for x in rows})
+    if len(gs) < 2:
+        return []
+    out = []
+    for n in sorted({x["n"] for x in rows}):
+        a, b = (next((x for x in rows if x["n"] == n and x["g"] == g), None) for g in (gs[0], gs[-1]))
+        if a is None or b is None or a["fence_s"] is None or b["fence_s"] is None:
+            continue
+        out.append(
+            f"- The routing switch at N={n}: fence {_fmt(a['fence_s'], 3)} s at G={gs[0]}, {_fmt(b['fence_s'], 3)} s "
+            f"at G={gs[-1]} (opening {_fmt(a['open_s'], 3)} -> {_fmt(b['open_s'], 3)} s). During those Keep pushes "
+            f"the gateways took {_fmt(a['keep_gw_cpu'])} -> {_fmt(b['keep_gw_cpu'])} CPU-s together, the box was "
+            f"busy {_pct(a['keep_box_load'])} -> {_pct(b['keep_box_load'])} of its cores, and its 1-minute load "
+            f"average at the size's start was {_fmt(a['load1'])} -> {_fmt(b['load1'])}: a gateway acknowledges "
+            f"the fence from its own event loop, behind the rollout's replica events it handles.")
+    return out
+
+
+def _replacement_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each size's replacement idle against during a rollout, with the box's load over each."""
+    out = []
+    for x in rows:
+        if x["replace_s"] is None or x["replace_rollout_s"] is None:
+            continue
+        out.append(
+            f"- A replacement at N={x['n']}, G={x['g']}: {_fmt(x['replace_s'])} s idle (the box busy "
+            f"{_pct(x['replace_box_load'])}), {_fmt(x['replace_rollout_s'])} s during a Keep rollout (busy "
+            f"{_pct(x['replace_rollout_box_load'])}, the operator {_fmt(x['replace_rollout_op_cpu'])} CPU-s of it).")
+    return out
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def body(results: list[dict[str, Any]], steady_s: float, clients: int) -> str:
