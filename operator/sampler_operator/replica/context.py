@@ -40,6 +40,8 @@ class ReplicaMemory:
     # Why the last load of the declared weights by digest found them nowhere (the pod's 409
     # `weights_unavailable`), with the declaration it was for: shown in WeightsSynced until a load works.
     unavailable: tuple[dict[str, Any], str] | None = None
+    # The pod template's hash for the spec of ((uid, generation)): reconcile.wanted_template_hash.
+    template_hash: tuple[tuple[str, int | None], str] | None = None
 
 
 @dataclass
