@@ -249,12 +249,13 @@ def reading(rows: list[dict[str, Any]], cpu: list[dict[str, Any]]) -> str:
             if x is None:
                 continue
             op = x["cpu"].get("operator", 0.0)
+            per = f"{1000 * op / hi:.1f} ms per replica, " if phase in ("Keep", "Drain") else ""
             bound = ("CPU-bound on the box" if x["box_load"] >= CPU_BOUND
                      else "not CPU-bound: the box had idle CPU, so part of the time was waiting")
             out.append(
                 f"- {phase} at N={hi}, G={g}: {_fmt(x['wall_s'])} s of wall time, the box busy "
                 f"{100 * x['box_load']:.0f}% of its {x['cores']} cores ({bound}). The operator's own CPU: "
-                f"{op:.2f} s ({1000 * op / hi:.1f} ms per replica, {100 * op / x['wall_s']:.0f}% of one core); the "
+                f"{op:.2f} s ({per}{100 * op / x['wall_s']:.0f}% of one core); the "
                 f"control plane's (operator, API server, etcd, controller-manager): {x['control_s']:.2f} s; the "
                 f"replicas' host, the gateways and the bench's proxies and clients, which a cluster runs on CPUs of "
                 f"their own: {sum(x['cpu'].get(k, 0.0) for k in ('replica host', 'gateways', 'bench')):.2f} s. "
