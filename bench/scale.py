@@ -26,6 +26,10 @@ Measured, in this order:
 - a replacement while a third (Keep) rollout runs, and one with nothing else happening: one replica's
   pod reports `uncertain_weights` (the replica host makes its write fail); timed to the operator's
   intent (detection) and to the replica Ready on its new pod;
+- over each push and over the replacement during the third rollout: where the box's CPU went, per
+  process (tests/support/cpu_share.py: the operator, the gateways, the replica host, kube-apiserver,
+  etcd, kube-controller-manager and this process, against the box's busy time and the wall time),
+  and the operator's API requests: whether a phase is the operator's own work or a box out of cores;
 - an adapter push -> servable (`Pool.push_adapter`, `servable: one`) with 64 runs declared, the
   median of 3 pushes;
 - a pick's time in the gateway: `Pool.choose` over N ready replicas, in this process (no network).
