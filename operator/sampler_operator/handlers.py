@@ -40,6 +40,7 @@ from sampler_operator.replica.pod_view import PodView
 from sampler_operator.replica.reconcile import hear_of, step
 from sampler_operator.replica.spec import InvalidSpec, parse_spec
 from sampler_operator.replica.status import invalid_spec_status
+from sampler_operator.secret_keys import SecretKeys
 
 OUR_PODS: Mapping[str, Any] = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_REPLICA: kopf.PRESENT}
 # SamplerReplicas a pool may own (which pool: the controller ownerReference, read by ReplicaState).
@@ -120,6 +121,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     config = operator_settings.OperatorConfig.from_env()
     operator_settings.apply(settings, config)
     memo.slots = ReplacementSlots(config.max_parallel_replacements)
+    memo.secrets = SecretKeys()
     memo.allow_test_seams = config.allow_test_seams
     memo.policies = PolicySettings(config.network_policies, OperatorPeer(config.operator_namespace))
     if config.allow_test_seams:
@@ -219,7 +221,8 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
     key = (namespace, label_value(name))
     wake = _wakeups.setdefault(key, asyncio.Event())
     ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger,
-                  allow_test_seams=memo.allow_test_seams, policies=memo.policies, loaded=tell_pool)
+                  allow_test_seams=memo.allow_test_seams, policies=memo.policies, loaded=tell_pool,
+                  secrets=memo.secrets)
     mem = _replica_mems[key] = ReplicaMemory()
     try:
         while not stopped:

@@ -19,6 +19,7 @@ from sampler_operator.network_policy import PolicySettings
 from sampler_operator.replica.desired_pod import Owner
 from sampler_operator.replica.fleet import ReplacementSlots
 from sampler_operator.replica.replacement_policy import Decision
+from sampler_operator.secret_keys import SecretKeys
 
 log = logging.getLogger("sampler_operator")
 
@@ -57,6 +58,8 @@ class Context:
     # A declared load the pod took, as its answer names it (the replica, the label): told to the
     # replica's pool loop in this process at once (handlers.tell_pool), before the status write.
     loaded: Callable[[Mapping[str, Any], str], None] = lambda cr, label: None
+    # The admin keys, read once for all the replica loops of this process (secret_keys.py).
+    secrets: SecretKeys = field(default_factory=SecretKeys)
 
 
 async def test_pause(ctx: Context, stage: str) -> None:

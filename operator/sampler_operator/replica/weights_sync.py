@@ -146,7 +146,7 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         raise
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.http_status in (401, 403):
-        mem.admin_key = None   # a rotated or remounted Secret: read it again next time
+        _refused(ctx, cr, spec, mem)
     if answer.outcome is Outcome.TRANSIENT and answer.category == "weights_unavailable":
         await loading
         await _unavailable(ctx, cr, spec, ref, obs, answer.message, mem)
@@ -208,7 +208,7 @@ async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
         answers.append((f"add {adapter['name']}", await call(ctx.session, "POST", pod_ip, spec.port, "/v1/adapters",
                                                              key, adapter, ADAPTER_TIMEOUT_S)))
     if any(a.http_status in (401, 403) for _, a in answers):
-        mem.admin_key = None
+        _refused(ctx, cr, spec, mem)
     if any(a.outcome is Outcome.TRANSIENT for _, a in answers):
         return False  # try the whole set again later
     refused = [f"{what}: {a.message}" for what, a in answers if a.outcome is not Outcome.DONE]
@@ -249,7 +249,15 @@ async def _api_key(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec
     ref = replica_keys(cr["metadata"]["name"], spec).admin
     if mem.admin_key is not None and mem.admin_key[0] == (ref.name, ref.key):
         return mem.admin_key[1]
-    key = await ctx.kube.read_secret_key(cr["metadata"]["namespace"], ref.name, ref.key)
+    # Shared by the replica loops of this process: a pool's replicas all name the pool's one Secret.
+    key = await ctx.secrets.read(ctx.kube.read_secret_key, cr["metadata"]["namespace"], ref.name, ref.key)
     if key is not None:
         mem.admin_key = ((ref.name, ref.key), key)
     return key
+
+
+def _refused(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, mem: ReplicaMemory) -> None:
+    """The pod refused the admin key (401/403): a rotated or remounted Secret. Read it again next time."""
+    mem.admin_key = None
+    ref = replica_keys(cr["metadata"]["name"], spec).admin
+    ctx.secrets.forget(cr["metadata"]["namespace"], ref.name, ref.key)
