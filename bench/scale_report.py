@@ -75,7 +75,9 @@ def row(r: dict[str, Any]) -> dict[str, Any]:
         "replace_s": _replacement(r, "replacement"), "replace_rollout_s": _replacement(r, "keep_replacing.replacement"),
         "adapter_s": _get(r, "adapters", "push_s"), "pick_us": r.get("pick_us"), "error": r.get("error"),
         "load1": r.get("load1"), "keep_gw_cpu": _get(keep, "cpu", "cpu_s", "gateways"),
-        "keep_box_load": _get(keep, "cpu", "box_load"), "replace_box_load": _get(r, "replacement", "cpu", "box_load"),
+        "keep_box_load": _get(keep, "cpu", "box_load"), "keep_op_cpu": _get(keep, "cpu", "cpu_s", "operator"),
+        "drain_box_load": _get(drain, "cpu", "box_load"), "drain_op_cpu": _get(drain, "cpu", "cpu_s", "operator"),
+        "replace_box_load": _get(r, "replacement", "cpu", "box_load"),
         "replace_rollout_box_load": _get(r, "keep_replacing", "replacement", "cpu", "box_load"),
         "replace_rollout_op_cpu": _get(r, "keep_replacing", "replacement", "cpu", "cpu_s", "operator"),
     }
@@ -119,8 +121,20 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     lo, hi, g_lo, g_hi = ns[0], ns[-1], gs[0], gs[-1]
     out = []
 
-    def say(what: str, ok: bool | None, detail: str) -> None:
-        out.append(f"- {what}: **{'met' if ok else 'not met' if ok is not None else 'not measured'}** ({detail})")
+    def say(what: str, ok: bool | None, detail: str, why: str = "") -> None:
+        """`why`: what the run measured beside a missed target (the box's load, the operator's own CPU)."""
+        because = f"; {why}" if why and ok is False else ""
+        out.append(f"- {what}: **{'met' if ok else 'not met' if ok is not None else 'not measured'}** "
+                   f"({detail}{because})")
+
+    def box(n: int, g: int, load: str, op: str | None = None) -> str:
+        """The box's load (and the operator's own CPU) over one phase at one size, for `say`'s why."""
+        busy = _at(rows, n, g, load)
+        if busy is None:
+            return ""
+        cpu = None if op is None else _at(rows, n, g, op)
+        mine = "" if cpu is None else f", the operator's own CPU {cpu:.2f} s"
+        return f"at N={n} G={g} the box was busy {_pct(busy)} of its cores{mine}: see the CPU table below"
 
     ow = [x["op_writes"] for x in rows if x["op_writes"] is not None]
     gw_other = [round((x["gw_writes"] or 0) - (x["gw_lease_writes"] or 0), 1) for x in rows
@@ -138,24 +152,29 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         for g in gs:
             a, b = _at(rows, lo, g, key), _at(rows, hi, g, key)
             say(name.format(hi=hi, lo=lo) + f" (G={g})", None if a is None or b is None else b <= factor * a,
-                f"{_fmt(a)} s -> {_fmt(b)} s")
+                f"{_fmt(a)} s -> {_fmt(b)} s", box(hi, g, "keep_box_load", "keep_op_cpu"))
     for g in gs:
         per = [(n, _at(rows, n, g, "drain_s"), _at(rows, n, g, "drain_loading"), _at(rows, n, g, "drain_batches"))
                for n in ns]
         over = [None if s is None or loads is None else round((s - loads) / b, 3) for n, s, loads, b in per]
         say(f"Drain: no more than 0.1 s of overhead per batch (G={g})",
             None if None in over else max(o for o in over if o is not None) <= 0.1,
-            f"(push -> Complete - the time some load ran) / batches at N={ns}: {over} s")
+            f"(push -> Complete - the time some load ran) / batches at N={ns}: {over} s",
+            box(hi, g, "drain_box_load", "drain_op_cpu"))
     for key in ("fence_s", "open_s"):
         for n in ns:
             a, b = _at(rows, n, g_lo, key), _at(rows, n, g_hi, key)
             say(f"{key[:-2]} at G={g_hi} <= 1.5 x at G={g_lo} (N={n})",
-                None if a is None or b is None or g_lo == g_hi else b <= 1.5 * a, f"{_fmt(a, 3)} -> {_fmt(b, 3)} s")
+                None if a is None or b is None or g_lo == g_hi else b <= 1.5 * a, f"{_fmt(a, 3)} -> {_fmt(b, 3)} s",
+                f"over those Keep pushes the box was busy {_pct(_at(rows, n, g_lo, 'keep_box_load'))} -> "
+                f"{_pct(_at(rows, n, g_hi, 'keep_box_load'))} of its cores and the gateways took "
+                f"{_fmt(_at(rows, n, g_lo, 'keep_gw_cpu'))} -> {_fmt(_at(rows, n, g_hi, 'keep_gw_cpu'))} CPU-s")
     for g in gs:
         for key, what in (("replace_s", "idle"), ("replace_rollout_s", "in a rollout")):
             a, b = _at(rows, lo, g, key), _at(rows, hi, g, key)
+            load = "replace_box_load" if key == "replace_s" else "replace_rollout_box_load"
             say(f"a replacement ({what}) at N={hi} within 2 x at N={lo} (G={g})",
-                None if a is None or b is None else b <= 2 * a, f"{_fmt(a)} -> {_fmt(b)} s")
+                None if a is None or b is None else b <= 2 * a, f"{_fmt(a)} -> {_fmt(b)} s", box(hi, g, load))
     at_hi = [x for x in rows if x["n"] == hi]
     say(f"operator RSS <= 300 MB at N={hi}", all((x["op_rss"] or 1e9) <= 300 for x in at_hi) if at_hi else None,
         f"{[x['op_rss'] for x in at_hi]} MB")

@@ -92,3 +92,15 @@ def test_the_section_carries_the_cpu_table_and_its_reading() -> None:
     text = body(results, 60, 8)
     assert "| N | G | phase | wall s | operator CPU-s |" in text
     assert "the wall time grew" in text
+
+
+def test_a_missed_target_says_what_the_box_and_the_operator_did_meanwhile() -> None:
+    from bench.scale_report import targets
+
+    results = [_result(16, 2.0, 0.4), _result(64, 7.0, 1.6)]   # 7 s > 3 x 2 s
+    keep = next(line for line in targets([row(r) for r in results]) if line.startswith("- Keep push"))
+    assert "**not met** (2.00 s -> 7.00 s; at N=64 G=2 the box was busy 95% of its cores, the operator's own " \
+           "CPU 1.60 s" in keep
+    results[1] = _result(64, 5.0, 1.6)
+    keep = next(line for line in targets([row(r) for r in results]) if line.startswith("- Keep push"))
+    assert keep.endswith("**met** (2.00 s -> 5.00 s)")
