@@ -327,8 +327,9 @@ def _switch_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"at G={gs[-1]} (opening {_fmt(a['open_s'], 3)} -> {_fmt(b['open_s'], 3)} s). During those Keep pushes "
             f"the gateways took {_fmt(a['keep_gw_cpu'])} -> {_fmt(b['keep_gw_cpu'])} CPU-s together, the box was "
             f"busy {_pct(a['keep_box_load'])} -> {_pct(b['keep_box_load'])} of its cores, and its 1-minute load "
-            f"average at the size's start was {_fmt(a['load1'])} -> {_fmt(b['load1'])}: a gateway acknowledges "
-            f"the fence from its own event loop, behind the rollout's replica events it handles.")
+            f"average at the size's start was {_fmt(a['load1'])} -> {_fmt(b['load1'])}. Each gateway watches every "
+            f"replica (sampler_gateway/discovery/kube.py): a rollout's replica writes reach all G of them, and "
+            f"each acknowledges the fence with a Lease write of its own.")
     return out
 
 
