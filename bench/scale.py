@@ -123,7 +123,7 @@ def trace_figures(sp: ScalePool, label: str) -> dict[str, float | None]:
     (Fence(Y) written -> Open(Y) written), the gateways' part of it (Fence(Y) written -> the last
     gateway's acknowledgement written), the opening (Fence(Y) written -> the last gateway enforcing
     Open(Y)), the loads' span (the first load sent -> the last load answered, as the operator saw them)
-    and the time some load ran (their union)."""
+    the time some load ran (their union), and the tail (the last load recorded -> the rollout ended)."""
     deadline = time.monotonic() + 30
     while True:
         found = [r for r in trace_rollouts(read_trace(sp.logs())) if r.label == label]
@@ -151,6 +151,9 @@ def trace_figures(sp: ScalePool, label: str) -> dict[str, float | None]:
             # logs the answer.)
             "open_s": span("Fence(Y) written", "last gateway saw Open"),
             "loads_s": span("first load started", "last load answered"),
+            # The last replica's status write (its load recorded) to the pool's Complete: its watch event
+            # through kopf to the pool's loop, that step, and the pool's status write.
+            "tail_s": span("last load recorded", "rollout ended"),
             "loading_s": busy(spans) if spans else None}
 
 

@@ -69,6 +69,7 @@ def row(r: dict[str, Any]) -> dict[str, Any]:
         "keep_s": keep.get("push_s"), "keep_dip": keep.get("dip_s"), "keep_loads": keep.get("loads_s"),
         "drain_s": drain.get("push_s"), "drain_dip": drain.get("dip_s"), "drain_loads": drain.get("loads_s"),
         "drain_loading": drain.get("loading_s"), "keep_loading": keep.get("loading_s"),
+        "keep_tail": keep.get("tail_s"), "drain_tail": drain.get("tail_s"),
         "drain_batches": batches,
         "fence_s": keep.get("fence_s"), "open_s": keep.get("open_s"), "acks_s": keep.get("acks_s"),
         "drain_fence_s": drain.get("fence_s"),
@@ -271,6 +272,9 @@ def reading(rows: list[dict[str, Any]], cpu: list[dict[str, Any]]) -> str:
             per = f"{1000 * op / hi:.1f} ms per replica, " if phase in ("Keep", "Drain") else ""
             bound = ("CPU-bound on the box" if x["box_load"] >= CPU_BOUND
                      else "not CPU-bound: the box had idle CPU, so part of the time was waiting")
+            if x["box_busy_s"] > 0 and x["rest_s"] > 0.2 * x["box_busy_s"]:
+                bound += (f"; {100 * x['rest_s'] / x['box_busy_s']:.0f}% of the box's busy time was none of this "
+                          f"benchmark's processes: other work on the box")
             out.append(
                 f"- {phase} at N={hi}, G={g}: {_fmt(x['wall_s'])} s of wall time, the box busy "
                 f"{100 * x['box_load']:.0f}% of its {x['cores']} cores ({bound}). The operator's own CPU: "
@@ -279,7 +283,8 @@ def reading(rows: list[dict[str, Any]], cpu: list[dict[str, Any]]) -> str:
                 f"replicas' host, the gateways and the bench's proxies and clients, which a cluster runs on CPUs of "
                 f"their own: {sum(x['cpu'].get(k, 0.0) for k in ('replica host', 'gateways', 'bench')):.2f} s. "
                 f"On such a cluster the operator, one Python process, still spends {op:.2f} s of CPU on this phase: "
-                f"a floor for it at this size, {op / x['wall_s']:.2f} of the wall time measured here.")
+                f"a floor for it at this size, {op / x['wall_s']:.2f} of the wall time measured here."
+                + _trace_note(rows, hi, g, phase))
     out += _keep_target_lines(rows, cpu)
     out += _switch_lines(rows)
     out += _replacement_lines(rows)
@@ -309,6 +314,18 @@ def _keep_target_lines(rows: list[dict[str, Any]], cpu: list[dict[str, Any]]) ->
             f"control plane), and what a cluster runs elsewhere (the replicas, the gateways, this bench) "
             f"{moved:.2f} s. The operator's {op:.2f} s is {verdict}.")
     return out
+
+
+def _trace_note(rows: list[dict[str, Any]], n: int, g: int, phase: str) -> str:
+    """From the rollout trace, where a push's time went besides the loads (Keep and Drain only)."""
+    key = {"Keep": "keep", "Drain": "drain"}.get(phase)
+    x = next((r for r in rows if r["n"] == n and r["g"] == g), None)
+    if key is None or x is None or x[f"{key}_loads"] is None:
+        return ""
+    tail = x[f"{key}_tail"]
+    return (f" The rollout trace: from the first load sent to the last answered {_fmt(x[f'{key}_loads'])} s "
+            f"(some load running {_fmt(x[f'{key}_loading'])} s of it); from the last replica's status write to "
+            f"Complete {_fmt(tail)} s (its watch event through kopf to the pool's loop, and the pool's status write).")
 
 
 def _switch_lines(rows: list[dict[str, Any]]) -> list[str]:

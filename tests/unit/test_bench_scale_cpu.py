@@ -80,7 +80,9 @@ def test_reading_charges_the_growth_per_replica_and_says_whether_the_box_was_the
     # 4 s more wall over 48 more replicas: 83 ms each; the operator's 1.2 s more CPU: 25 ms each.
     assert "Keep at G=2, N=16 -> 64: the wall time grew 83 ms per replica added" in text
     assert "operator 25" in text
-    assert "Keep at N=64, G=2: 6.00 s of wall time, the box busy 95% of its 2 cores (CPU-bound on the box)" in text
+    assert "Keep at N=64, G=2: 6.00 s of wall time, the box busy 95% of its 2 cores (CPU-bound on the box" in text
+    # 11.4 s busy, 7.6 s of it the benchmark's processes: the rest (33%) was other work on the box.
+    assert "CPU-bound on the box; 33% of the box's busy time was none of this benchmark's processes" in text
     assert "the operator, one Python process, still spends 1.60 s of CPU" in text
     # A phase with idle CPU on the box is said to be waiting, not CPU-bound.
     results[1]["keep"]["cpu"] = _cpu(6.0, 1.6, 4.0, 6.0)
