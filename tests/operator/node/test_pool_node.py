@@ -5,9 +5,12 @@
 - Rollout under load (REAL vLLM, pool of 2, maxUnavailable 1, Latest, concurrency 16): step-1 ->
   step-2 -> step-3 with 0 failed requests, every sequence stamped, never an older version after a
   newer one, UPDATED = 2 each time, and greedy prompt logprobs at step-3's reference at the end.
-- Replacement safety (same pool, step-3 -> step-4): the replica not yet updated has a weight write
-  fail midway (the sampler's test seam); its replacement pod admits no request before it reports
-  step-4 (its own admitted counter, read before its /health), and the pool ends at 2/2 on step-4.
+- Keep (same pool and pods, issue #22 acceptance 4, step-3 -> step-4): every replica loads in place,
+  nothing lost, samples in flight continue onto the new weights.
+- Replacement safety (same pool, Drain again, step-4 -> step-5): the replica not yet updated has a
+  weight write fail midway (the sampler's test seam); its replacement pod admits no request before it
+  reports step-5 (its own admitted counter, read before its /health), and the pool ends at 2/2 on step-5.
+  The three rollouts share one pool: its vLLM starts are most of their time.
 - Drain (fake engine, 3 -> 2 under load): no request lost; no request sent more than a second after
   the leaving replica was marked draining reaches it (the gateway names the replica of each answer).
 
@@ -273,12 +276,17 @@ def assert_clean(answers: list[Answer], what: str, gw: Gateway) -> None:
 
 # ------------------------------------------------------------------------------------------ tests
 @pytest.mark.vllm
-@pytest.mark.timeout(1500)  # two vLLM starts (one a replacement) and four loads under load, on 2 cores
-def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns, operator, tiny_model, tmp_path):
+@pytest.mark.timeout(1500)  # three vLLM starts (one a replacement) and five loads under load, on 2 cores
+def test_rollouts_under_load_on_real_vllm_drain_keep_then_a_replacement_mid_rollout(api, ns, operator, tiny_model,
+                                                                                    tmp_path):
+    """One pool of 2 REAL vLLM replicas through three rollouts (its vLLM starts are most of this test's
+    time, so the three share them): Drain step-1 -> step-2 -> step-3 (acceptance 2), Keep step-3 -> step-4
+    (issue #22 acceptance 4, `_keep_rollout`), then Drain step-4 -> step-5 with a replica's write failing
+    midway (acceptance 3, `_replacement_mid_rollout`)."""
     from tests.support.checkpoints import hf_prompt_logprobs
     model = Path(tiny_model)
     root = tmp_path / "checkpoints"
-    _checkpoints(model, root, 1, 2, 3, 4)
+    _checkpoints(model, root, 1, 2, 3, 4, 5)
     base, gw_port = net.free_ports(2), ks.free_port()
     template = _vllm_replica("t", base, model, root)["spec"]
     # Two CPU engines share this node's cores (no exclusive CPUs): vLLM's default binding pins every
@@ -317,37 +325,46 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
         assert code == 200 and out["weights_label"] == "step-3", out
         assert _close(list(out["results"][0]["prompt_logprobs"][1:]), reference), (url, out)
 
-    # --- acceptance 3: a replica's write fails midway while the pool rolls out step-4
+    # --- issue #22 acceptance 4: a Keep rollout to step-4 on the same pods
+    _keep_rollout(api, ns, gw, key)
+
+    # --- acceptance 3: a replica's write fails midway while the pool rolls out step-5 (Drain again)
+    _replacement_mid_rollout(api, ns, gw, key, admin, base)
+
+
+def _replacement_mid_rollout(api: Api, ns: str, gw: Gateway, key: str, admin: str, base: int) -> None:
+    """rl-1's write of step-5 fails midway (the test seam) while the pool rolls out step-5 with Drain: its
+    replacement pod admits nothing before it reports step-5, and the pool ends at 2/2 on step-5."""
     counter = PodCounter(base + 1)
     loop = ClosedLoop(gw.url + "/v1/sample", sample_body(16), 16, key).start()
     try:
-        loop.wait_for(16, 300, "load before step-4")
-        patch_pool(api, ns, "rl", {"weights": weights(4)})
-        # rl-0 is the first batch (given step-4: a fact that stays, unlike its drain mark, which a
+        loop.wait_for(16, 300, "load before step-5")
+        patch_pool(api, ns, "rl", {"rollout": {"mode": "Drain"}, "weights": weights(5)})
+        # rl-0 is the first batch (given step-5: a fact that stays, unlike its drain mark, which a
         # fast load may remove before a poll sees it); rl-1 is still to come when its write fails.
         ks.wait_for(lambda: api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", "rl-0")
-                    ["spec"]["weights"]["versionLabel"] == "step-4", 60, 0.1, "rl-0 given step-4")
+                    ["spec"]["weights"]["versionLabel"] == "step-5", 60, 0.1, "rl-0 given step-5")
         old_pod = api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", "rl-1")["status"]["podName"]
         code, out = post(f"http://127.0.0.1:{base + 1}/v1/checkpoints/load",
-                         {"path": "/checkpoints/step-4", "version_label": "step-4", "test_fail_after_tensors": 1},
+                         {"path": "/checkpoints/step-5", "version_label": "step-5", "test_fail_after_tensors": 1},
                          key=admin)
         failed_at = time.monotonic()
         assert code == 500 and out["error"]["category"] == "weight_write_failed", out
         ks.wait_for(lambda: api.events(ns, "rl-1", "UncertainWeights"), 60, 0.25, "UncertainWeights on rl-1")
         t = time.monotonic()
         try:
-            st = wait_pool(api, ns, "rl", 2, "step-4", timeout=420)
+            st = wait_pool(api, ns, "rl", 2, "step-5", timeout=420)
         except TimeoutError as e:
             raise TimeoutError(f"{e}\n{gw.diagnose()}") from None
-        _log(f"rl-1 uncertain -> pool 2/2 at step-4 in {time.monotonic() - t:.0f}s")
-        loop.wait_for(16, 300, "answers at step-4")
+        _log(f"rl-1 uncertain -> pool 2/2 at step-5 in {time.monotonic() - t:.0f}s")
+        loop.wait_for(16, 300, "answers at step-5")
     finally:
         answers = loop.stop()
         counter.stop()
     rl1 = api.status(ns, "rl-1")
     assert rl1["replacements"] == 1 and rl1["podName"] != old_pod, rl1
     assert rl1["lastReplacement"]["reason"] == "UncertainWeights" and rl1["lastReplacement"]["oldPod"] == old_pod, rl1
-    assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-4", "step-4"], st
+    assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-5", "step-5"], st
     # The old pod: its first readings (the counter started long before the failed write). Every round
     # that began after the failed write returned and reached it reports the uncertain write, never a
     # label it might serve. (The operator may replace it within milliseconds, so a round may not reach it.)
@@ -357,24 +374,75 @@ def test_rollout_under_load_on_real_vllm_then_a_replacement_mid_rollout(api, ns,
     old_start = old.started
     after_failure = [r for r in seen if r.started == old_start and r.at > failed_at and r.status is not None]
     assert all(r.status == "uncertain_weights" for r in after_failure), after_failure[:5]
-    # The replacement pod: the readings of another process. Before its first `ok` at step-4 it admitted
+    # The replacement pod: the readings of another process. Before its first `ok` at step-5 it admitted
     # nothing. (A round whose /health got no answer tells nothing about when its count was taken.)
     new = [r for r in seen if r.started not in (None, old_start)]
     _log(f"rl-1's port read {len(seen)} times: the old pod {sum(r.started == old_start for r in seen)} "
          f"({len(after_failure)} after its failed write), the replacement {len(new)}")
-    first_ok = next((i for i, r in enumerate(new) if r.status == "ok" and r.label == "step-4"), None)
-    assert first_ok is not None, f"the replacement never reported ok at step-4: {new[-5:] or seen[-5:]}"
+    first_ok = next((i for i, r in enumerate(new) if r.status == "ok" and r.label == "step-5"), None)
+    assert first_ok is not None, f"the replacement never reported ok at step-5: {new[-5:] or seen[-5:]}"
     early = [(round(r.at, 2), r.admitted, r.status, r.label) for r in new[:first_ok]
              if r.admitted and r.status is not None]
-    assert not early, f"the replacement admitted requests before it reported step-4: {early}"
+    assert not early, f"the replacement admitted requests before it reported step-5: {early}"
     assert any(r.status == "starting" for r in new[:first_ok]), \
         f"the replacement's start was not observed: {new[:first_ok][:5]}"
     # The client: only clear errors while no replica could take work (both out), never a hang, and no
     # older version after a newer one.
     assert all(a.status != 0 for a in answers), [a.error for a in answers if a.status == 0][:3]
     assert all(a.body.get("error", {}).get("category") for a in answers if a.status != 200)
-    assert older_after_newer(answers, ["step-3", "step-4"]) == []
-    assert [a.label for a in sorted(answers, key=lambda a: a.received) if a.status == 200][-1] == "step-4"
+    assert older_after_newer(answers, ["step-4", "step-5"]) == []
+    assert [a.label for a in sorted(answers, key=lambda a: a.received) if a.status == 200][-1] == "step-5"
+
+
+def _keep_rollout(api: Api, ns: str, gw: Gateway, key: str) -> None:
+    """Issue #22 acceptance 4: `rollout.mode: Keep` (step-3 -> step-4) on the pool of 2 REAL vLLM replicas
+    under a closed loop through the gateway pod: every replica loads in place (none drained, none
+    replaced); 0 failed, 0 samples lost (each has all its tokens); samples in flight continue onto the new
+    weights (two spans, old then new); by the spans' last token no answer is older than one received
+    before it was sent (Latest); the pool reports RolloutComplete at step-4."""
+    from tests.support.spans import by_last_token, crossed, span_problems
+    pods = {n: api.status(ns, n)["podName"] for n in ("rl-0", "rl-1")}
+    max_tokens = 48
+
+    def sample(n: int) -> dict[str, Any]:
+        return {"prompts": [[1, 17, 42, 3 + n % 200]], "sampling_params": {
+            "max_tokens": max_tokens, "temperature": 1.0, "seed": n, "ignore_eos": True}}
+
+    loop = ClosedLoop(gw.url + "/v1/sample", sample, 8, key).start()
+    try:
+        loop.wait_for(16, 300, "load through the gateway at step-3")
+        t = time.monotonic()
+        patch_pool(api, ns, "rl", {"rollout": {"mode": "Keep"}, "weights": weights(4)})
+        st = wait_pool(api, ns, "rl", 2, "step-4", timeout=600)
+        _log(f"keep rollout to step-4 under load: {time.monotonic() - t:.1f}s; {load_log(api, ns, 'rl')}")
+        # The condition names its target: the one of the Drain rollout before (step-3) does not pass.
+        ks.wait_for(lambda: any(c["type"] == "Progressing" and c["reason"] == "RolloutComplete"
+                                and c["message"].endswith("updated to step-4")
+                                for c in pool_status(api, ns, "rl").get("conditions") or []), 60, 0.5,
+                    "RolloutComplete at step-4")
+        loop.wait_for(16, 300, "answers at step-4")
+    finally:
+        answers = loop.stop()
+    order = ["step-3", "step-4"]
+    assert_clean(answers, "keep rollout under load", gw)
+    lost = [(a.replica, p) for a in answers if (p := span_problems(a, order, max_tokens))]
+    assert not lost, f"{len(lost)} answers not whole: {lost[:5]}"
+    labelled = by_last_token(answers, order)
+    assert [a.label for a in labelled] == [a.body["weights_label"] for a in labelled], \
+        "an answer's weights_label is not its last token's"
+    assert older_after_newer(labelled, order) == []
+    assert {a.label for a in labelled} == set(order)
+    continued = [a for a in answers if crossed(a)]
+    _log(f"keep rollout: {len(answers)} answers, {len(continued)} continued across the load")
+    assert continued, "no sample lived through a keep load: nothing was tested"
+    # In place: the same pods (none replaced), each load told Keep.
+    assert {n: api.status(ns, n)["podName"] for n in pods} == pods
+    for pod in pods.values():  # issue #33: the Keep push ran under the restricted contexts (the default)
+        assert_restricted(pod)
+    for n in pods:
+        w = api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", n)["spec"]["weights"]
+        assert (w["inFlight"], w.get("kv")) == ("Keep", "Keep"), w
+    assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-4", "step-4"], st
 
 
 def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api, ns, operator, tiny_model):
@@ -420,69 +488,3 @@ def test_scale_down_under_load_loses_nothing_and_the_leaver_gets_no_new_work(api
     assert not late, f"{len(late)} requests sent > 1 s after the drain mark reached dr-2"
     assert any(a.replica == "dr-2" for a in answers), "dr-2 took no load before the mark: nothing was tested"
     # dr-2 was deleted only after its requests ended: none of them failed (assert_clean above).
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(1500)  # two vLLM starts and a rollout under load, on 2 cores
-def test_keep_rollout_under_load_on_real_vllm_continues_the_samples_in_flight(api, ns, operator, tiny_model, tmp_path):
-    """Issue #22 acceptance 4: `rollout.mode: Keep` on a pool of 2 REAL vLLM replicas under a closed loop
-    through the gateway pod: every replica loads in place (none drained, none replaced); 0 failed, 0
-    samples lost (each has all its tokens); samples in flight continue onto the new weights (two spans,
-    old then new); by the spans' last token no answer is older than one received before it was sent
-    (Latest); the pool reports RolloutComplete."""
-    from tests.support.spans import by_last_token, crossed, span_problems
-    model = Path(tiny_model)
-    root = tmp_path / "checkpoints"
-    _checkpoints(model, root, 1, 2)
-    base, gw_port = net.free_ports(2), ks.free_port()
-    template = _vllm_replica("t", base, model, root)["spec"]
-    template["pod"]["env"] = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]  # as the test above
-    body = pool_body("kp", 2, template, gw_port, weights=weights(1))
-    body["spec"]["rollout"] = {"mode": "Keep"}
-    t0 = time.monotonic()
-    apply_pool(api, ns, body)
-    wait_pool(api, ns, "kp", 2, "step-1", timeout=900)
-    _log(f"pool kp: 2 vLLM replicas at step-1 in {time.monotonic() - t0:.0f}s")
-    gw = Gateway(api, ns, "kp", gw_port)
-    gw.wait(lambda h: eligible_at(h, {"kp-0", "kp-1"}, "step-1"), "both replicas eligible at step-1", 300)
-    key = pool_key(api, ns, "kp")
-    pods = {n: api.status(ns, n)["podName"] for n in ("kp-0", "kp-1")}
-    max_tokens = 48
-
-    def sample(n: int) -> dict[str, Any]:
-        return {"prompts": [[1, 17, 42, 3 + n % 200]], "sampling_params": {
-            "max_tokens": max_tokens, "temperature": 1.0, "seed": n, "ignore_eos": True}}
-
-    loop = ClosedLoop(gw.url + "/v1/sample", sample, 8, key).start()
-    try:
-        loop.wait_for(16, 300, "load through the gateway at step-1")
-        t = time.monotonic()
-        patch_pool(api, ns, "kp", {"weights": weights(2)})
-        st = wait_pool(api, ns, "kp", 2, "step-2", timeout=600)
-        _log(f"keep rollout to step-2 under load: {time.monotonic() - t:.1f}s; {load_log(api, ns, 'kp')}")
-        ks.wait_for(lambda: any(c["type"] == "Progressing" and c["reason"] == "RolloutComplete"
-                                for c in pool_status(api, ns, "kp").get("conditions") or []), 60, 0.5,
-                    "RolloutComplete")
-        loop.wait_for(16, 300, "answers at step-2")
-    finally:
-        answers = loop.stop()
-    order = ["step-1", "step-2"]
-    assert_clean(answers, "keep rollout under load", gw)
-    lost = [(a.replica, p) for a in answers if (p := span_problems(a, order, max_tokens))]
-    assert not lost, f"{len(lost)} answers not whole: {lost[:5]}"
-    labelled = by_last_token(answers, order)
-    assert [a.label for a in labelled] == [a.body["weights_label"] for a in labelled], \
-        "an answer's weights_label is not its last token's"
-    assert older_after_newer(labelled, order) == []
-    assert {a.label for a in labelled} == set(order)
-    continued = [a for a in answers if crossed(a)]
-    _log(f"keep rollout: {len(answers)} answers, {len(continued)} continued across the load")
-    assert continued, "no sample lived through a keep load: nothing was tested"
-    # In place: the same pods (none replaced), each load told Keep.
-    assert {n: api.status(ns, n)["podName"] for n in pods} == pods
-    for pod in pods.values():  # issue #33: the Keep push ran under the restricted contexts (the default)
-        assert_restricted(pod)
-    for n in pods:
-        w = api.custom.get_namespaced_custom_object(G, V, ns, "samplerreplicas", n)["spec"]["weights"]
-        assert (w["inFlight"], w.get("kv")) == ("Keep", "Keep"), w
-    assert [r["weightsLabel"] for r in st["replicaStatus"]] == ["step-2", "step-2"], st
