@@ -21,7 +21,7 @@ import pytest
 from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, perturbed_checkpoint
 from tests.support.inflight import L, N, assert_continued, freeze_mid_generation, prompt, retrieve, submit_all
 from tests.support.metrics import metric, total
-from tests.support.server import RunningServer, run_server
+from tests.support.server import RunningServer, run_servers
 
 
 @dataclass
@@ -32,13 +32,21 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Env]]:
+    """Two servers with the same flags, started at once: "shared" for the loads that go through, and one
+    of its own for the write that fails (it leaves its server uncertain for good)."""
     root = tmp_path_factory.mktemp("inflight") / "checkpoints"
     root.mkdir()
     for step in (1, 2, 3):
         perturbed_checkpoint(tiny_model, root / f"step-{step}", seed=step)
-    with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-test-seams") as s:
-        yield Env(s, root, tiny_model)
+    flags = ["--checkpoint-root", str(root), "--enable-test-seams"]
+    with run_servers(tiny_model, {"shared": flags, "failing": flags}) as s:
+        yield {name: Env(server, root, tiny_model) for name, server in s.items()}
+
+
+@pytest.fixture
+def env(servers: dict[str, Env]) -> Env:
+    return servers["shared"]
 
 
 def label(c: httpx.Client) -> tuple[str, int]:
@@ -110,12 +118,8 @@ def test_no_prompt_reuses_a_prefix_cached_under_other_weights(env: Env) -> None:
     assert again["logprobs"][0] == pytest.approx(after["logprobs"][0], abs=1e-4)
 
 
-def test_a_keep_write_that_fails_midway_ends_every_kept_sample_once(tiny_model: Path, tmp_path: Path) -> None:
-    root = tmp_path / "checkpoints"
-    root.mkdir()
-    perturbed_checkpoint(tiny_model, root / "step-1", seed=1)
-    with run_server(tiny_model, "--checkpoint-root", str(root), "--enable-test-seams") as s, \
-            s.client() as c:
+def test_a_keep_write_that_fails_midway_ends_every_kept_sample_once(servers: dict[str, Env]) -> None:
+    with servers["failing"].server.client() as c:
         rids = submit_all(c)
         freeze_mid_generation(c, rids)
         r = c.post("/v1/checkpoints/load", json={"path": "step-1", "version_label": "step-1", "in_flight": "keep",

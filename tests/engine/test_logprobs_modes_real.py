@@ -28,7 +28,7 @@ from sampler_pod.core.logprobs_mode import HEADER
 from tests.support import logprobs_reference as ref
 from tests.support.bad_requests import GOOD, mode_mismatches
 from tests.support.gateway import RunningGateway, run_gateway
-from tests.support.server import RunningServer, run_server
+from tests.support.server import RunningServer, run_servers
 
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]
 KEY = "tml-logprobs-modes"  # the servers take any key; the Tinker SDK wants one of this shape
@@ -48,13 +48,20 @@ class Stack:
         return self.server.url if via == "replica" else self.gateway.url
 
 
+@pytest.fixture(scope="module")
+def mode_servers(tiny_model: Path) -> Iterator[dict[str, RunningServer]]:
+    """A server per mode but raw_logprobs, the default (the tier's shared server serves it already),
+    all started at once: their starts overlap, and each serves only its mode's tests."""
+    with run_servers(tiny_model, {m: ["--logprobs-mode", m] for m in ref.MODES if m != "raw_logprobs"}) as s:
+        yield s
+
+
 @pytest.fixture(scope="module", params=ref.MODES)
-def stack(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, mode_servers: dict[str, RunningServer]) -> Iterator[Stack]:
     mode: str = request.param
     with contextlib.ExitStack() as es:
-        # raw_logprobs is the default: the tier's shared server serves it already.
         server: RunningServer = (request.getfixturevalue("shared_server") if mode == "raw_logprobs" else
-                                 es.enter_context(run_server(tiny_model, "--logprobs-mode", mode)))
+                                 mode_servers[mode])
         gw = es.enter_context(run_gateway({"r0": server.url}))
         gw.wait_eligible({"r0"}, timeout=60)
         yield Stack(mode, server, gw)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.checkpoints import hf_greedy, hf_prompt_logprobs, perturbed_checkpoint
 from tests.support.metrics import metric
-from tests.support.server import RunningServer, engine_paused, run_server, wait_until
+from tests.support.server import RunningServer, engine_paused, run_servers, wait_until
 
 KEY = "tml-openai-guarantees"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -48,15 +48,36 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def root(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("openai") / "checkpoints"
     root.mkdir()
     for step in (1, 2, 3):
         perturbed_checkpoint(tiny_model, root / f"oa-{step}", seed=10 + step)
-    with run_server(tiny_model, "--api-key", KEY, "--concurrent-task-limit", str(LIMIT), "--enable-test-seams",
-                    "--checkpoint-root", str(root)) as s:
-        name = httpx.get(s.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
-        yield Env(s, root, tiny_model, name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path, root: Path) -> Iterator[dict[str, RunningServer]]:
+    """The module's three servers, started at once: "env" (the `env` fixture's), "fuzz" (a short context, so
+    schema-valid generations stay cheap) and "timeout" (a 3 s --request-timeout-s). Each test uses one."""
+    from tests.support.server import CPU_ENGINE_ARGS
+
+    short = [*CPU_ENGINE_ARGS[:CPU_ENGINE_ARGS.index("--max-model-len")], "--max-model-len", "64",
+             *CPU_ENGINE_ARGS[CPU_ENGINE_ARGS.index("--max-model-len") + 2:]]
+    with run_servers(tiny_model, {
+            "env": ["--api-key", KEY, "--concurrent-task-limit", str(LIMIT), "--enable-test-seams",
+                    "--checkpoint-root", str(root)],
+            "fuzz": ["--api-key", KEY, "--max-inflight-sequences", "16"],
+            "timeout": ["--request-timeout-s", "3", "--enable-test-seams"],
+    }, engine_args={"fuzz": short}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def env(servers: dict[str, RunningServer], root: Path, tiny_model: Path) -> Env:
+    s = servers["env"]
+    name = httpx.get(s.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    return Env(s, root, tiny_model, name)
 
 
 def in_flight(env: Env, n: int) -> None:
@@ -226,7 +247,7 @@ def test_a_keep_load_during_16_streaming_chats_loses_none_and_spans_are_exact(en
 
 
 def test_fuzzed_requests_over_the_openai_routes_get_no_5xx_and_every_admitted_one_ends(
-        tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        servers: dict[str, RunningServer], tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """vLLM's own OpenAPI for the routes the replica serves (built from the same routers), fuzzed with
     schema-valid and schema-breaking cases: never a 5xx or a dropped connection, and admitted = finished.
     A server of its own with a short context, so schema-valid generations stay cheap."""
@@ -236,22 +257,18 @@ def test_fuzzed_requests_over_the_openai_routes_get_no_5xx_and_every_admitted_on
     from sampler_pod.openai.app import build_openai_app
     from tests.support.fuzz import fuzz
     from tests.support.metrics import total
-    from tests.support.server import CPU_ENGINE_ARGS
 
     cfg = ServerConfig(model=str(tiny_model))
     spec = build_openai_app(SamplerCore(cfg), APIKeyAuth(None)).app.openapi()
-    engine_args = [*CPU_ENGINE_ARGS[:CPU_ENGINE_ARGS.index("--max-model-len")], "--max-model-len", "64",
-                   *CPU_ENGINE_ARGS[CPU_ENGINE_ARGS.index("--max-model-len") + 2:]]
-    with run_server(tiny_model, "--api-key", KEY, "--max-inflight-sequences", "16",
-                    engine_args=engine_args) as server:
-        # A batch case is a list of whole chat requests: Hypothesis takes ~1 s to make one (measured),
-        # 40x a single chat's. Fewer of them keeps the run at ~1,100 requests in a third of the time.
-        figures = fuzz(server.url, 110, spec=spec, headers=AUTH, examples_for={"POST /v1/chat/completions/batch": 10})
-        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
-            wait_until(lambda: c.get("/health").json()["in_flight"] == 0, "the fuzzed requests to end")
-            check = c.post("/v1/completions", json={"model": c.get("/v1/models").json()["data"][0]["id"],
-                                                    "prompt": PROMPT, "max_tokens": 2})
-            text = c.get("/metrics").text
+    server = servers["fuzz"]
+    # A batch case is a list of whole chat requests: Hypothesis takes ~1 s to make one (measured),
+    # 40x a single chat's. Fewer of them keeps the run at ~1,100 requests in a third of the time.
+    figures = fuzz(server.url, 110, spec=spec, headers=AUTH, examples_for={"POST /v1/chat/completions/batch": 10})
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        wait_until(lambda: c.get("/health").json()["in_flight"] == 0, "the fuzzed requests to end")
+        check = c.post("/v1/completions", json={"model": c.get("/v1/models").json()["data"][0]["id"],
+                                                "prompt": PROMPT, "max_tokens": 2})
+        text = c.get("/metrics").text
     with capsys.disabled():
         print(f"\n{figures.summary()}")
     assert figures.requests >= 1000, figures.summary()
@@ -261,21 +278,22 @@ def test_fuzzed_requests_over_the_openai_routes_get_no_5xx_and_every_admitted_on
     assert total(text, "sampler_requests_admitted_total") == total(text, "sampler_requests_finished_total") >= 1
 
 
-def test_a_stream_past_its_timeout_ends_with_an_error_event_and_frees_its_slot(tiny_model: Path) -> None:
+def test_a_stream_past_its_timeout_ends_with_an_error_event_and_frees_its_slot(
+        servers: dict[str, RunningServer]) -> None:
     """The stream has started (its first event is in), then the engine is frozen: at --request-timeout-s
     the replica aborts it and ends the stream with an error event, never a silent truncation."""
-    with run_server(tiny_model, "--request-timeout-s", "3", "--enable-test-seams") as server:
-        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        model = sdk.models.list().data[0].id
-        stream = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "go on"}],
-                                             max_tokens=400, temperature=0.0, stream=True,
-                                             extra_body={"ignore_eos": True})
-        chunks = iter(stream)
-        next(chunks)                                        # started: the answer's head and first event are out
-        with engine_paused(server), pytest.raises(openai.APIError) as e:
-            for _ in chunks:
-                pass
-        assert "timed out" in str(e.value.message), e.value.message
-        wait_until(lambda: httpx.get(server.url + "/health").json()["in_flight"] == 0, "the slot freed")
-        text = httpx.get(server.url + "/metrics").text
-        assert metric(text, "sampler_requests_finished_total", 0.0, outcome="timeout") == 1
+    server = servers["timeout"]
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    model = sdk.models.list().data[0].id
+    stream = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "go on"}],
+                                         max_tokens=400, temperature=0.0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)                                        # started: the answer's head and first event are out
+    with engine_paused(server), pytest.raises(openai.APIError) as e:
+        for _ in chunks:
+            pass
+    assert "timed out" in str(e.value.message), e.value.message
+    wait_until(lambda: httpx.get(server.url + "/health").json()["in_flight"] == 0, "the slot freed")
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "sampler_requests_finished_total", 0.0, outcome="timeout") == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import pytest
 
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.metrics import total
-from tests.support.server import RunningServer, run_server
+from tests.support.server import RunningServer, run_servers
 
 NAMES = ("r0", "r1")
 SIBLINGS, BLOCKS, BS = 6, 3, 128
@@ -36,10 +35,8 @@ class Pool:
 
 @pytest.fixture(scope="module")
 def pool(tiny_model: Path) -> Iterator[Pool]:
-    cores = os.cpu_count() or 1
     with contextlib.ExitStack() as stack:
-        servers = {n: stack.enter_context(run_server(tiny_model, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}))
-                   for i, n in enumerate(NAMES)}
+        servers = stack.enter_context(run_servers(tiny_model, {n: [] for n in NAMES}))  # a core each
         urls = {n: s.url for n, s in servers.items()}
         scorer = stack.enter_context(run_gateway(urls))
         least = stack.enter_context(run_gateway(urls, "--picker", "least-loaded"))

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.gateway import Pool, RunningGateway, run_gateway
 from tests.support.metrics import samples
-from tests.support.server import run_server, wait_healthy
+from tests.support.server import run_servers
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY, ADMIN = "tml-rl-key", "rl-admin-key"
@@ -34,10 +34,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     ckpt = tmp_path_factory.mktemp("checkpoints")
     flags = ("--api-key", KEY, "--admin-api-key", ADMIN, "--checkpoint-root", str(ckpt), "--weight-transfer-backend",
              "gloo")
-    with run_server(tiny_model, *flags, wait=False) as r0, run_server(tiny_model, *flags, wait=False) as r1:
-        for s in (r0, r1):
-            wait_healthy(s.url, s.proc, s.log_path)
-        pool = Pool({"r0": r0, "r1": r1})
+    with run_servers(tiny_model, {"r0": [*flags], "r1": [*flags]}) as servers:  # a core each
+        pool = Pool(servers)
         with run_gateway(pool.urls(), "--api-key", KEY, "--admin-api-key", ADMIN) as gw:
             gw.wait_eligible({"r0", "r1"})
             yield pool, gw, ckpt

@@ -27,16 +27,28 @@ import pytest
 from sampler_pod.config import ServerConfig
 from tests.support.checkpoints import perturbed_checkpoint
 from tests.support.metrics import metric
-from tests.support.server import RunningServer, engine_paused, run_server, wait_until
+from tests.support.server import RunningServer, engine_paused, run_servers, wait_until
 
 STALL_S = 5.0
+C = 128
 
 
 @pytest.fixture(scope="module")
-def stall_server(tiny_model: Path) -> Iterator[RunningServer]:
-    with run_server(tiny_model, "--enable-test-seams", "--stall-timeout-s", str(STALL_S),
-                    "--canary-interval-s", "1") as s:
+def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningServer]]:
+    """Both acceptances' servers, started at once: "stall" with a short --stall-timeout-s and a canary every
+    second, "defaults" with the default ones and a checkpoint (step-1) to load under full load."""
+    root = tmp_path_factory.mktemp("stall")
+    perturbed_checkpoint(tiny_model, root / "step-1", seed=1)
+    with run_servers(tiny_model, {
+            "stall": ["--enable-test-seams", "--stall-timeout-s", str(STALL_S), "--canary-interval-s", "1"],
+            "defaults": ["--checkpoint-root", str(root), "--concurrent-task-limit", str(C), "--enable-test-seams"],
+    }) as s:
         yield s
+
+
+@pytest.fixture
+def stall_server(servers: dict[str, RunningServer]) -> RunningServer:
+    return servers["stall"]
 
 
 def status(c: httpx.Client) -> str:
@@ -94,14 +106,10 @@ def test_a_canary_on_the_idle_stalled_engine_reports_engine_stalled(stall_server
 
 # ---------------------------------------------------------------- acceptance 2: defaults never trip
 
-C = 128
-
-
-def test_full_load_at_c128_with_a_keep_load_never_reports_a_stall(tiny_model: Path, tmp_path: Path) -> None:
+def test_full_load_at_c128_with_a_keep_load_never_reports_a_stall(servers: dict[str, RunningServer]) -> None:
     default_timeout = ServerConfig.model_fields["stall_timeout_s"].default
-    perturbed_checkpoint(tiny_model, tmp_path / "step-1", seed=1)
-    with run_server(tiny_model, "--checkpoint-root", str(tmp_path), "--concurrent-task-limit", str(C),
-                    "--enable-test-seams") as s, s.client() as c, ThreadPoolExecutor(C) as pool:
+    s = servers["defaults"]
+    with s.client() as c, ThreadPoolExecutor(C) as pool:
         seen: dict[str, int] = {}
         done = threading.Event()
 

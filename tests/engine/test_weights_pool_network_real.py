@@ -42,6 +42,7 @@ KEY, ADMIN = "tml-sample-pool-net", "tml-admin-pool-net"
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
 CHUNK = 64 << 10  # small chunks: the push of the tiny model is many broadcasts, and can be cut between them
 FLAGS = ("--weight-transfer-backend", "gloo", "--api-key", KEY, "--admin-api-key", ADMIN)
+BIND = {name: {"VLLM_CPU_OMP_THREADS_BIND": name[1]} for name in ("r0", "r1")}
 
 
 @dataclass
@@ -76,7 +77,8 @@ def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         perturbed_checkpoint(tiny_model, root / f"step-{step}", seed=70 + step)
     from sampler_pod.testing.net import free_port
 
-    servers = {name: spawn_server(tiny_model, free_port(), tmp_path_factory.mktemp(name), *FLAGS)
+    # One core each (BIND): vLLM would pin both engines to core 0, where their starts would take turns.
+    servers = {name: spawn_server(tiny_model, free_port(), tmp_path_factory.mktemp(name), *FLAGS, env=BIND[name])
                for name in ("r0", "r1")}
     with contextlib.ExitStack() as stack:
         # Whatever serves each name at the end: a test replaces a killed replica with its restart in this dict.
@@ -154,7 +156,8 @@ def test_a_replica_killed_mid_transfer_ends_the_push_naming_it_the_other_stays_a
     # r1's container comes back (the kubelet's restart: same address, same state file). Its weights were
     # pushed: no durable copy; it waits unready, and a load naming the pool's weights (net-2 now) and its
     # peer catches it up: the copy read out of r0's engine, verified against the digest, written into r1's.
-    revived = spawn_server(env.model, int(killed.url.rsplit(":", 1)[1]), killed.log_path.parent, *FLAGS)
+    revived = spawn_server(env.model, int(killed.url.rsplit(":", 1)[1]), killed.log_path.parent, *FLAGS,
+                           env=BIND["r1"])
     env.servers["r1"] = revived
     wait_healthy(revived.url, revived.proc, revived.log_path, want="starting")
     with env.client("r1") as c:

@@ -98,6 +98,25 @@ def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[s
         stop(server.proc)
 
 
+@contextlib.contextmanager
+def run_servers(model: Path | str, flags: dict[str, list[str]],
+                engine_args: dict[str, list[str]] | None = None) -> Iterator[dict[str, RunningServer]]:
+    """Several vLLM servers, by name (each with its own `flags`, and `engine_args` where given: see
+    run_server), started at once and each ready on return. Most of an engine start is one process at a
+    time importing (one core busy), so starts side by side overlap on a 2-core box. Each engine is pinned
+    to a core of its own, round robin (`VLLM_CPU_OMP_THREADS_BIND`): vLLM's default pins every engine to
+    core 0, where their starts would take turns. Stopped together when the block ends."""
+    cores = os.cpu_count() or 1
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(run_server(model, *extra, wait=False,
+                                                        engine_args=(engine_args or {}).get(name),
+                                                        env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}))
+                   for i, (name, extra) in enumerate(flags.items())}
+        for s in servers.values():
+            wait_healthy(s.url, s.proc, s.log_path)
+        yield servers
+
+
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     """SIGTERM to the server's process group, SIGKILL after `timeout`; returns once every process of
     the group is gone, not just the server: vLLM's engine core and workers outlive their parent by
