@@ -519,20 +519,34 @@ def test_helm_chart_runs_the_operator_in_cluster(api, k8s_node, tiny_model, tmp_
 
 
 @pytest.mark.vllm
-def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(api, ns, operator, tiny_model,
-                                                                               tmp_path):
-    """REAL vLLM engine in a kubelet-run pod. step-1 is loaded straight onto the pod over HTTP (as a trainer
-    does, not via the spec); then a real mid-write failure on step-2 -> uncertain_weights -> the operator
+def test_a_real_vllm_replica_restarted_at_its_weights_then_replaced_after_an_uncertain_write(
+        api, ns, operator, tiny_model, tmp_path):
+    """Two lives of one REAL vLLM replica in kubelet-run pods (its vLLM starts are most of this test's time:
+    the two share its first pod).
+
+    The container restarted: kill the sampler's process after a load; the kubelet restarts the container,
+    which reloads the same weights (the pod's state file on its emptyDir) before /readyz is ok again. Not
+    replaced. Issue #33 acceptance 2, the OpenShift case, on the same pod: it runs under a random uid in
+    group 0 (the documented `spec.pod.securityContext` override), with no passwd entry for it, a read-only
+    root, no capability and no new privileges, and samples, before and after its restart; what the kernel
+    says about the process is checked (/proc/<pid>/status), not the pod spec. (Every other node test runs
+    its pods under the default contexts, uid 1000; the demo story checks its pool's the same way.)
+
+    The pod replaced: step-1 is loaded straight onto the pod over HTTP (as a trainer does, not via the
+    spec); after the restart, a real mid-write failure on step-2 -> uncertain_weights -> the operator
     replaces the pod (Event, replacements == 1, lastReplacement.reason), and the new pod starts at step-2
     (it passed validation: one retry), never at the base model: its prompt logprobs match the Hugging Face
     reference for step-2. The engine startup flock in the pod's emptyDir is exercised for real."""
+    import random
+
     from tests.support.checkpoints import hf_prompt_logprobs
     tiny_model = Path(tiny_model)
     ckpt_root = tmp_path / "checkpoints"
     _checkpoints(tiny_model, ckpt_root, 1, 2)
     port = ks.free_port()
+    uid = random.randrange(1_000_000, 2_000_000_000)   # as OpenShift picks: no passwd entry, no image user
     t0 = time.monotonic()
-    api.apply(ns, _vllm_replica("rv", port, tiny_model, ckpt_root))
+    api.apply(ns, _vllm_replica("rv", port, tiny_model, ckpt_root, pod={"securityContext": {"runAsUser": uid}}))
     st = api.wait_ready(ns, "rv", "rv-0", timeout=600)
     _log(f"vLLM replica rv-0 Ready in {time.monotonic() - t0:.1f}s (weightsVersion {st['weightsVersion']})")
     assert_runs_project_image(api.core.read_namespaced_pod("rv-0", ns), "sampler-cpu", "sampler")
@@ -558,6 +572,10 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(
                          == "step-1", 30, "the pod's intended weights recorded")
     assert st["weights"]["label"] == "step-1"
 
+    # --- the container killed: restarted by the kubelet at step-1, as the random uid
+    _restarted_at_its_weights(api, ns, "rv-0", port, uid, ckpt_root / "step-1")
+
+    # --- then the pod replaced
     # a real mid-write failure in the live replica
     mon = PodMonitor(api.core, ns)
     seen: list[dict] = []
@@ -603,44 +621,26 @@ def test_uncertain_write_on_real_vllm_replaces_the_pod_at_the_failed_checkpoint(
     assert _close(logprobs, hf_prompt_logprobs(ckpt_root / "step-2", PROMPT)), logprobs
 
 
-@pytest.mark.vllm
-def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, operator, tiny_model, tmp_path):
-    """REAL vLLM: kill the sampler's process after a load; the kubelet restarts the container, which reloads
-    the same weights (the pod's state file on its emptyDir) before /readyz is ok again. Not replaced.
-
-    Issue #33 acceptance 2, the OpenShift case, on the same pod: it runs under a random uid in group 0 (the
-    documented `spec.pod.securityContext` override), with no passwd entry for it, a read-only root, no
-    capability and no new privileges, and samples, before and after its restart; what the kernel says about
-    the process is checked (/proc/<pid>/status), not the pod spec. (Every other node test runs its pods
-    under the default contexts, uid 1000; the demo story checks its pool's the same way.)"""
-    import random
+def _restarted_at_its_weights(api: Api, ns: str, pod_name: str, port: int, uid: int, checkpoint: Path) -> None:
+    """`pod_name` runs as `uid` (restricted), serves `checkpoint` (loaded over HTTP); its process killed, the
+    kubelet restarts its container, which is Ready only at those weights, as `uid` again."""
     import subprocess
 
     from tests.support.checkpoints import hf_prompt_logprobs
-    model = Path(tiny_model)
-    root = tmp_path / "checkpoints"
-    _checkpoints(model, root, 3)
-    port = ks.free_port()
-    uid = random.randrange(1_000_000, 2_000_000_000)   # as OpenShift picks: no passwd entry, no image user
-    api.apply(ns, _vllm_replica("dk", port, model, root, pod={"securityContext": {"runAsUser": uid}}))
-    api.wait_ready(ns, "dk", "dk-0", timeout=600)
-    pod = api.core.read_namespaced_pod("dk-0", ns)
+    label = checkpoint.name
+    pod = api.core.read_namespaced_pod(pod_name, ns)
     assert pod.spec.security_context.run_as_user == uid and pod.spec.security_context.run_as_group == 0
     assert pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
-    proc = assert_restricted("dk-0", uid=uid)
-    _log(f"dk-0 runs as uid {proc['Uid'].split()[0]}, gid {proc['Gid'].split()[0]}, seccomp {proc['Seccomp']}")
-    code, out = post(f"http://127.0.0.1:{port}/v1/checkpoints/load", {"path": "/checkpoints/step-3",
-                                                                       "version_label": "step-3"},
-                     key=api.key(ns, "dk", admin=True))
-    assert code == 200, out
-    container = docker_container("dk-0")["Id"]
+    proc = assert_restricted(pod_name, uid=uid)
+    _log(f"{pod_name} runs as uid {proc['Uid'].split()[0]}, gid {proc['Gid'].split()[0]}, seccomp {proc['Seccomp']}")
+    container = docker_container(pod_name)["Id"]
     seen: list[dict] = []
     poller = HealthPoller(port, seen)
     try:
         subprocess.run(["docker", "kill", "--signal", "KILL", container], check=True, capture_output=True)
 
         def restarted_and_ready() -> Any:
-            pod = api.core.read_namespaced_pod("dk-0", ns)
+            pod = api.core.read_namespaced_pod(pod_name, ns)
             cs = (pod.status.container_statuses or [None])[0]
             return cs is not None and cs.restart_count >= 1 and cs.ready and pod
         pod = ks.wait_for(restarted_and_ready, 600, 0.5, "container restarted and ready")
@@ -649,13 +649,13 @@ def test_a_restarted_container_serves_its_weights_before_it_is_ready(api, ns, op
     assert pod.status.container_statuses[0].restart_count == 1
     assert any(not h or h.get("status") == "starting" for h in seen), "the poller saw the restart"
     ok = [h.get("weights_label") for h in seen if h.get("status") == "ok"]
-    assert ok and set(ok) == {"step-3"}, ok
-    logprobs, out = _prompt_logprobs(port, api.key(ns, "dk"))
-    assert out["weights_label"] == "step-3"
-    assert _close(logprobs, hf_prompt_logprobs(root / "step-3", PROMPT))
-    assert [p.metadata.name for p in api.live_pods(ns)] == ["dk-0"], "restarted, not replaced"
-    assert_restricted("dk-0", uid=uid)  # the restarted container too, and it read its state file as that uid
-    log = api.pod_log(ns, "dk-0")
+    assert ok and set(ok) == {label}, ok
+    logprobs, out = _prompt_logprobs(port, api.key(ns, "rv"))
+    assert out["weights_label"] == label
+    assert _close(logprobs, hf_prompt_logprobs(checkpoint, PROMPT))
+    assert [p.metadata.name for p in api.live_pods(ns)] == [pod_name], "restarted, not replaced"
+    assert_restricted(pod_name, uid=uid)  # the restarted container too, and it read its state file as that uid
+    log = api.pod_log(ns, pod_name)
     assert "Permission denied" not in log and "Read-only file system" not in log, log[-3000:]
 
 
