@@ -25,7 +25,7 @@ import tinker
 from tinker import types
 
 from tests.support.checkpoints import hf_greedy, make_lora_adapter
-from tests.support.server import RunningServer, engine_paused, run_server, wait_until
+from tests.support.server import RunningServer, engine_paused, run_servers, wait_until
 from tests.support.twinkle import TwinkleClients
 
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]
@@ -59,9 +59,16 @@ def refs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Referenc
     return References(root, want)
 
 
-def server(tiny_model: Path, refs: References, slots: int) -> Any:
-    return run_server(tiny_model, "--enable-lora", "--max-loras", str(slots), "--checkpoint-root", str(refs.root),
-                      "--api-key", KEY, "--concurrent-task-limit", "64", "--enable-test-seams")
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path, refs: References) -> Iterator[dict[str, RunningServer]]:
+    """A server per test, started at once: "slots-N" with N LoRA slots for the batch test of N adapters,
+    and "sdks" (2 slots) for the SDKs' test. Each test fills every slot of its own server."""
+    def flags(slots: int) -> list[str]:
+        return ["--enable-lora", "--max-loras", str(slots), "--checkpoint-root", str(refs.root),
+                "--api-key", KEY, "--concurrent-task-limit", "64", "--enable-test-seams"]
+
+    with run_servers(tiny_model, {**{f"slots-{n}": flags(n) for n in SLOTS}, "sdks": flags(2)}) as s:
+        yield s
 
 
 def add_adapter(s: RunningServer, name: str, path: str) -> None:
@@ -113,14 +120,14 @@ def native_sample(s: RunningServer, adapter: str | None) -> Callable[[], list[in
 
 
 @pytest.mark.parametrize("slots", SLOTS)
-def test_base_and_every_adapter_in_one_batch_answer_as_hugging_face(tiny_model: Path, refs: References,
-                                                                   slots: int) -> None:
+def test_base_and_every_adapter_in_one_batch_answer_as_hugging_face(servers: dict[str, RunningServer],
+                                                                   refs: References, slots: int) -> None:
     names = [f"lora-{i}" for i in range(slots)]  # as many adapters as LoRA slots: every slot filled
-    with server(tiny_model, refs, slots) as s:
-        for name in names:
-            add_adapter(s, name, name)
-        kinds: list[str | None] = [None, *names] * PER_KIND
-        tokens, trace = one_batch(s, [native_sample(s, k) for k in kinds])
+    s = servers[f"slots-{slots}"]
+    for name in names:
+        add_adapter(s, name, name)
+    kinds: list[str | None] = [None, *names] * PER_KIND
+    tokens, trace = one_batch(s, [native_sample(s, k) for k in kinds])
     wrong = {(k or "base"): t for k, t in zip(kinds, tokens, strict=True) if t != refs.want[k]}
     assert not wrong, f"answers that are not their own model's (max_loras={slots}): {wrong}; want {refs.want}"
     # vLLM's own count: one step ran every base request beside every adapter's requests.
@@ -136,44 +143,45 @@ def twinkle() -> Iterator[TwinkleClients]:
         yield tc
 
 
-def test_tinker_sdk_and_twinkle_client_at_once(tiny_model: Path, refs: References, twinkle: TwinkleClients) -> None:
+def test_tinker_sdk_and_twinkle_client_at_once(servers: dict[str, RunningServer], tiny_model: Path, refs: References,
+                                               twinkle: TwinkleClients) -> None:
     """Two slots, both filled: Tinker's adapter (a `tinker://` model_path naming it) and Twinkle's (added by
     its client), beside base-model requests of both SDKs (`base_model`; no adapter), in one batch."""
     from twinkle_client.http import get_session_id
     from twinkle_client.sampler import vLLMSampler
 
-    with server(tiny_model, refs, 2) as s:
-        add_adapter(s, "tinker-policy", "lora-0")
-        sc = tinker.ServiceClient(base_url=s.url, api_key=KEY)
-        try:
-            tinker_base = sc.create_sampling_client(base_model=str(tiny_model)).result()
-            tinker_lora = sc.create_sampling_client(
-                model_path="tinker://run-a/sampler_weights/tinker-policy").result()
-            twinkle.init(base_url=s.url, api_key=KEY)
-            sampler = vLLMSampler(str(tiny_model))
-            config = json.loads((refs.root / "lora-1" / "adapter_config.json").read_text())
-            sampler.add_adapter_to_sampler("policy", config, adapter_uri="lora-1")
-            twinkle_adapter = f"{get_session_id()}-policy"
+    s = servers["sdks"]
+    add_adapter(s, "tinker-policy", "lora-0")
+    sc = tinker.ServiceClient(base_url=s.url, api_key=KEY)
+    try:
+        tinker_base = sc.create_sampling_client(base_model=str(tiny_model)).result()
+        tinker_lora = sc.create_sampling_client(
+            model_path="tinker://run-a/sampler_weights/tinker-policy").result()
+        twinkle.init(base_url=s.url, api_key=KEY)
+        sampler = vLLMSampler(str(tiny_model))
+        config = json.loads((refs.root / "lora-1" / "adapter_config.json").read_text())
+        sampler.add_adapter_to_sampler("policy", config, adapter_uri="lora-1")
+        twinkle_adapter = f"{get_session_id()}-policy"
 
-            greedy = types.SamplingParams(max_tokens=TOKENS, temperature=0.0, stop=[])
+        greedy = types.SamplingParams(max_tokens=TOKENS, temperature=0.0, stop=[])
 
-            def tinker_call(client: tinker.SamplingClient) -> Callable[[], list[int]]:
-                return lambda: list(client.sample(types.ModelInput.from_ints(PROMPT), 1, greedy)
-                                    .result().sequences[0].tokens)
+        def tinker_call(client: tinker.SamplingClient) -> Callable[[], list[int]]:
+            return lambda: list(client.sample(types.ModelInput.from_ints(PROMPT), 1, greedy)
+                                .result().sequences[0].tokens)
 
-            def twinkle_call(adapter: str | None) -> Callable[[], list[int]]:
-                kw = {"adapter_name": "policy"} if adapter else {}
-                return lambda: list(sampler.sample([{"input_ids": PROMPT}], sampling_params={
-                    "max_tokens": TOKENS, "temperature": 0.0}, **kw)[0].sequences[0].tokens)
+        def twinkle_call(adapter: str | None) -> Callable[[], list[int]]:
+            kw = {"adapter_name": "policy"} if adapter else {}
+            return lambda: list(sampler.sample([{"input_ids": PROMPT}], sampling_params={
+                "max_tokens": TOKENS, "temperature": 0.0}, **kw)[0].sequences[0].tokens)
 
-            calls = {"tinker base": (tinker_call(tinker_base), None),
-                     "tinker lora-0": (tinker_call(tinker_lora), "lora-0"),
-                     "twinkle base": (twinkle_call(None), None),
-                     "twinkle lora-1": (twinkle_call("policy"), "lora-1")}
-            labels = [label for label in calls for _ in range(2)]
-            tokens, trace = one_batch(s, [calls[label][0] for label in labels])
-        finally:
-            sc.close("success").result()
+        calls = {"tinker base": (tinker_call(tinker_base), None),
+                 "tinker lora-0": (tinker_call(tinker_lora), "lora-0"),
+                 "twinkle base": (twinkle_call(None), None),
+                 "twinkle lora-1": (twinkle_call("policy"), "lora-1")}
+        labels = [label for label in calls for _ in range(2)]
+        tokens, trace = one_batch(s, [calls[label][0] for label in labels])
+    finally:
+        sc.close("success").result()
     wrong = {label: t for label, t in zip(labels, tokens, strict=True) if t != refs.want[calls[label][1]]}
     assert not wrong, f"answers that are not their own model's: {wrong}; want {refs.want}"
     assert a_step_ran(trace, 4, {"tinker-policy": 2, twinkle_adapter: 2}), trace
