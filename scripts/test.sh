@@ -5,7 +5,7 @@
 #   tests/operator/unit       the operator's pure logic, the chart, the examples         (seconds)
 #   tests/gateway             the pool's gateway: pure decisions, and a real gateway process
 #                             in front of real fake-engine sampler processes             (a few minutes)
-#   tests/engine              the real vLLM CPU engine behind real HTTP servers          (~28 min)
+#   tests/engine              the real vLLM CPU engine behind real HTTP servers          (~27 min)
 #   tests/operator/envtest    the operator against a real kube-apiserver, etcd and
 #                             controller-manager                                         (~10 min)
 #   tests/operator/node       a real kubelet cluster in a private netns with only lo (scripts/k8s/test-node.sh),
@@ -15,7 +15,7 @@
 # Two chains run side by side, so that a fresh machine takes the longer chain, not their sum:
 #   the node chain  the Kubernetes binaries (a CPU-bound Go compile) and beside them the images (they need the
 #                   venv's pip), the node tier's fake-engine tests (beside the engine tier), then, once the engine tier
-#                   is over, its tests marked `vllm` (~20 min, mostly vLLM starts); its lines start with "[node] ";
+#                   is over, its tests marked `vllm` (~22 min, mostly vLLM starts); its lines start with "[node] ";
 #   this shell      the venv, the engine tier, then lint and the unit, gateway and envtest tiers.
 # vLLM never runs in both chains at once: the engine tier and the node tier's `vllm` tests each run vLLM
 # engines on the same 2 cores. (The one run that had them side by side failed a full-load test whose wait
