@@ -220,6 +220,10 @@ def rollout(s: Stack, mode: str, max_unavailable: int, clients: int,
                            # The operator's API requests during the push, by verb and resource.
                            "operator_api": {f"{verb} {res}": k for (verb, res), k in sorted(api.items())},
                            "failed": sum(1 for r in replies if r.status != 200), "answers": len(replies),
+                           # What each failed answer said (up to 5): a count alone left two failures of the
+                           # G=8 rollouts unexplained.
+                           "failures": [f"{r.status} {r.category}: {r.message[:200]}" for r in replies
+                                        if r.status != 200][:5],
                            **{k: None if v is None else round(v, 3) for k, v in trace_figures(sp, new).items()}}
     if replacement:
         out["replacement"] = replacement[0]
