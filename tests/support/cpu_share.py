@@ -22,19 +22,21 @@ from pathlib import Path
 
 # Fields of /proc/<pid>/stat after the command's closing parenthesis: 0 state, 1 ppid, ... 11 utime,
 # 12 stime, 13 cutime, 14 cstime (proc(5), counted from 0 after the name).
-_PPID, _UTIME, _CSTIME = 1, 11, 14
+_PPID, _UTIME, _STIME, _CSTIME = 1, 11, 12, 14
 
 
 @dataclass(frozen=True)
 class ProcStat:
     ppid: int
     ticks: int   # utime + stime + cutime + cstime
+    own: int     # utime + stime: the process alone, without its reaped children
 
 
 def parse_stat(text: str) -> ProcStat:
     """One /proc/<pid>/stat (pure). The command may hold spaces and parentheses: split after the last ')'."""
     fields = text.rsplit(")", 1)[1].split()
-    return ProcStat(int(fields[_PPID]), sum(int(f) for f in fields[_UTIME:_CSTIME + 1]))
+    return ProcStat(int(fields[_PPID]), sum(int(f) for f in fields[_UTIME:_CSTIME + 1]),
+                    sum(int(f) for f in fields[_UTIME:_STIME + 1]))
 
 
 def parse_box(proc_stat: str) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import os
 import shutil
 import statistics
 import time
@@ -29,6 +30,7 @@ from typing import Any
 from sampler_common.gateway_leases import ROUTING_ACK
 from tests.support import k8s as ks
 from tests.support.api_counts import CountingProxy, Key, apiserver_requests, writes
+from tests.support.cpu_share import parse_stat
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.operator_harness import OperatorProcess
 from tests.support.replica_host import ReplicaHostProcess
@@ -76,8 +78,6 @@ class ScalePool:
     def processes(self) -> dict[str, list[int]]:
         """The box's processes by part (tests/support/cpu_share.py): each gateway's together, and this
         process (the counting proxies, the clients, the trainer) as `bench`."""
-        import os
-
         pids = self.cluster_pids
         return {"operator": [self.op.proc.pid],  # type: ignore[union-attr]
                 "gateways": [gw.proc.pid for gw in self.gateways.values()], "replica host": [self.host.proc.pid],
@@ -210,10 +210,7 @@ def rss_mb(pid: int) -> float:
 
 def cpu_s(pid: int) -> float:
     """utime + stime of one process, in seconds."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return parse_stat(Path(f"/proc/{pid}/stat").read_text()).own / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -11,10 +11,10 @@ from bench.scale_report import body, cpu_rows, cpu_table, reading, row
 from tests.support.cpu_share import CpuSample, ProcStat, between, charge, parse_box, parse_stat
 
 
-def test_parse_stat_reads_ppid_and_all_four_times_past_a_name_with_spaces_and_parens() -> None:
+def test_parse_stat_reads_ppid_all_four_times_and_the_process_own_past_a_name_with_spaces_and_parens() -> None:
     # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime cstime ...
     text = "42 (python (x) y) S 7 42 42 0 -1 4194304 10 0 0 0 150 30 5 2 20 0 1 0 100 0 0"
-    assert parse_stat(text) == ProcStat(ppid=7, ticks=150 + 30 + 5 + 2)
+    assert parse_stat(text) == ProcStat(ppid=7, ticks=150 + 30 + 5 + 2, own=150 + 30)
 
 
 def test_parse_box_counts_busy_against_all_ticks_and_the_cores() -> None:
@@ -29,8 +29,8 @@ def test_parse_box_counts_busy_against_all_ticks_and_the_cores() -> None:
 def test_charge_gives_each_pid_to_its_nearest_named_ancestor() -> None:
     # 1 init; 10 the bench, which started 20 (a gateway) and 30 (a kubectl, unnamed); 20 started 21;
     # 40 is someone else's.
-    table = {1: ProcStat(0, 1000), 10: ProcStat(1, 5), 20: ProcStat(10, 7), 21: ProcStat(20, 3),
-             30: ProcStat(10, 2), 40: ProcStat(1, 99)}
+    table = {pid: ProcStat(ppid, ticks, ticks) for pid, ppid, ticks in
+             ((1, 0, 1000), (10, 1, 5), (20, 10, 7), (21, 20, 3), (30, 10, 2), (40, 1, 99))}
     got = charge({"bench": [10], "gateways": [20], "etcd": []}, table)
     assert got == {"bench": 5 + 2, "gateways": 7 + 3, "etcd": 0}
 
