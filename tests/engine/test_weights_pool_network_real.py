@@ -36,13 +36,13 @@ from tests.support import REPO_ROOT
 from tests.support.checkpoints import hf_greedy, perturbed_checkpoint
 from tests.support.gateway import RunningGateway, run_gateway, write_replicas
 from tests.support.network_push import START_TIMEOUT_S, TrainerProcess, checkpoint_sha256, trainer_process
-from tests.support.server import RunningServer, spawn_server, stop, wait_healthy, wait_until
+from tests.support.server import RunningServer, pinned, spawn_server, stop, wait_healthy, wait_until
 
 KEY, ADMIN = "tml-sample-pool-net", "tml-admin-pool-net"
 PROMPT = [1, 17, 42, 99, 123, 7, 250, 31]
 CHUNK = 64 << 10  # small chunks: the push of the tiny model is many broadcasts, and can be cut between them
 FLAGS = ("--weight-transfer-backend", "gloo", "--api-key", KEY, "--admin-api-key", ADMIN)
-BIND = {name: {"VLLM_CPU_OMP_THREADS_BIND": name[1]} for name in ("r0", "r1")}
+BIND = {name: pinned(i) for i, name in enumerate(("r0", "r1"))}
 
 
 @dataclass

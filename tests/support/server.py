@@ -98,6 +98,12 @@ def run_server(model: Path | str, *extra: str, engine: str = "vllm", env: dict[s
         stop(server.proc)
 
 
+def pinned(i: int) -> dict[str, str]:
+    """The environment that binds the i-th of several engines to a core of its own, round robin over the
+    box's cores: vLLM's default binding pins every engine to core 0, where their starts take turns."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+
+
 @contextlib.contextmanager
 def run_servers(model: Path | str, flags: dict[str, list[str]],
                 engine_args: dict[str, list[str]] | None = None) -> Iterator[dict[str, RunningServer]]:
@@ -106,11 +112,9 @@ def run_servers(model: Path | str, flags: dict[str, list[str]],
     time importing (one core busy), so starts side by side overlap on a 2-core box. Each engine is pinned
     to a core of its own, round robin (`VLLM_CPU_OMP_THREADS_BIND`): vLLM's default pins every engine to
     core 0, where their starts would take turns. Stopped together when the block ends."""
-    cores = os.cpu_count() or 1
     with contextlib.ExitStack() as stack:
         servers = {name: stack.enter_context(run_server(model, *extra, wait=False,
-                                                        engine_args=(engine_args or {}).get(name),
-                                                        env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}))
+                                                        engine_args=(engine_args or {}).get(name), env=pinned(i)))
                    for i, (name, extra) in enumerate(flags.items())}
         for s in servers.values():
             wait_healthy(s.url, s.proc, s.log_path)
