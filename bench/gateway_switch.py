@@ -43,7 +43,6 @@ from typing import Any
 
 import httpx
 
-from bench.load import cpu_times
 from bench.rollout_trace import load_span, pod_loads
 from bench.switch_cost import (
     MODES,
@@ -60,6 +59,7 @@ from bench.switch_cost import (
 )
 from sampler_client import Pool
 from tests.support import k8s as ks
+from tests.support.cpu_share import read_box, steal_share
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.metrics import total
 from tests.support.operator_harness import OperatorProcess, ProcessKubelet, ensure_watched
@@ -393,7 +393,7 @@ def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str
     # clients' own lull is read (switch_cost.lull) spans their rhythm, not one burst of it.
     ks.wait_for(lambda: load.answered_since(steady_from) >= 2 * load.n, 60, 0.02, f"steady answers on {old}")
     set_rollout_mode(s.custom, s.ns, s.trainer, mode)
-    loadavg, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
+    loadavg, box0 = os.getloadavg()[0], read_box()
     withheld0 = _withheld(s.gateways)
     # As a trainer pushes: through a gateway, waiting for Complete (sampler_client's long poll).
     patched = time.monotonic()
@@ -405,9 +405,9 @@ def _rollout(s: Stack, load: Clients, tokens: int, mode: str, old: str, new: str
     stage_write = max(x.get("stage_s", 0.0) + x.get("write_s", 0.0) for x in loads)
     # The gateways' counters are read once the new label answers: what the switch withheld is in.
     ks.wait_for(lambda: load.at(new) >= ANSWERS_AT_NEW, 60, 0.05, f"answers at {new}")
-    steal1, ticks1 = cpu_times()
+    box1 = read_box()
     return Step(tokens, mode, old, new, patched, opened, _withheld(s.gateways) - withheld0, loadavg,
-                (steal1 - steal0) / max(ticks1 - ticks0, 1), push_s, stage_write, busy(map(load_span, loads)),
+                steal_share(box0, box1), push_s, stage_write, busy(map(load_span, loads)),
                 steady_from)
 
 

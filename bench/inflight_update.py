@@ -83,7 +83,7 @@ import httpx
 from bench.gateway import vllm_pool
 from bench.gateway_rollout import checkpoints
 from bench.gateway_switch import G, KubePool, kube_pool, set_rollout_mode
-from bench.load import cpu_times, prompt
+from bench.load import prompt
 from bench.report import RAW, write_section
 from bench.rollout_trace import pod_loads
 from bench.rounds import orders
@@ -92,6 +92,7 @@ from bench.switch_cost import Reply, counts, dip, violations
 from sampler_client import Pool
 from sampler_pod.testing.net import free_port
 from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.cpu_share import read_box, steal_share
 from tests.support.gateway import RunningGateway, fake_replicas, run_gateway, write_replicas
 
 MODES = ("drain", "abort", "keep")
@@ -376,7 +377,7 @@ async def cell(http: aiohttp.ClientSession, topo: Topology, mode: str, length: i
     if topo.kube is not None and topo.trainer is not None:
         await asyncio.to_thread(set_mode, topo.kube, topo.trainer, mode)
     loadavg = os.getloadavg()[0]
-    steal0, ticks0 = cpu_times()
+    box0 = read_box()
     stale0 = await asyncio.to_thread(stale_responses, topo.gateway)
     loop = Loop(http, topo, a.concurrency, length, seed0)
     await asyncio.sleep(a.settle_s)                 # a bench's steady state: measured, not waited on
@@ -387,10 +388,10 @@ async def cell(http: aiohttp.ClientSession, topo: Topology, mode: str, length: i
         loads = await asyncio.to_thread(pod_loads, topo.kube.pods, label)
     await asyncio.sleep(max(0.0, (t0 + t1) / 2 + a.window_s / 2 - time.monotonic()))
     answers = await loop.stop()
-    steal1, ticks1 = cpu_times()
+    box1 = read_box()
     stale = await asyncio.to_thread(stale_responses, topo.gateway) - stale0
     return cell_run(answers, t0, t1, a.window_s, label, loads, in_flight, stale, loadavg,
-                    (steal1 - steal0) / max(ticks1 - ticks0, 1))
+                    steal_share(box0, box1))
 
 
 # ---------------------------------------------------------------------------- rounds and the report

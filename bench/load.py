@@ -4,14 +4,14 @@ workers each sending one request after another, and the server process's own CPU
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
+
+from tests.support.cpu_share import process_cpu_s, read_box, steal_share
 
 PROMPT_LEN = 16
 
@@ -21,19 +21,6 @@ OneRequest = Callable[[int], Awaitable[int]]  # seed -> tokens generated
 def prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 500) for _ in range(PROMPT_LEN)]
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of one process (not its children), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_times() -> tuple[int, int]:
-    """(steal, total) clock ticks of the whole box, from /proc/stat's first line."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    # user nice system idle iowait irq softirq steal (guest and guest_nice are inside user/nice)
-    return ticks[7], sum(ticks[:8])
 
 
 @dataclass(frozen=True)
@@ -64,16 +51,16 @@ async def run_cell(one: OneRequest, concurrency: int, n: int, seed0: int, cpu_pi
                 continue
             total += got
 
-    (steal0, ticks0), cpu0, t0 = cpu_times(), proc_cpu_s(cpu_pid), time.perf_counter()
+    box0, cpu0, t0 = read_box(), process_cpu_s(cpu_pid), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    dt, cpu = time.perf_counter() - t0, proc_cpu_s(cpu_pid) - cpu0
-    steal1, ticks1 = cpu_times()
+    dt, cpu = time.perf_counter() - t0, process_cpu_s(cpu_pid) - cpu0
+    box1 = read_box()
     done = n - failed
     if tokens_per_request is None:
         assert total >= done, f"{done} requests generated only {total} tokens"
     else:
         assert total == done * tokens_per_request, f"expected {done * tokens_per_request} tokens, got {total}"
-    return CellRun(total / dt, cpu / max(total / 1000, 1e-9), failed, (steal1 - steal0) / max(ticks1 - ticks0, 1))
+    return CellRun(total / dt, cpu / max(total / 1000, 1e-9), failed, steal_share(box0, box1))
 
 
 async def post_sample(http: aiohttp.ClientSession, url: str, seed: int, max_tokens: int) -> int:

@@ -65,13 +65,14 @@ import httpx
 from bench.gateway import vllm_pool
 from bench.gateway_rollout import checkpoints
 from bench.inflight_update import Topology, gateway_sees, load, update
-from bench.load import cpu_times, prompt
+from bench.load import prompt
 from bench.report import publish
 from bench.rounds import orders
 from bench.sampling_concurrency import http_session
 from sampler_client.pool import Pool
 from sampler_pod.testing.net import free_port
 from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.cpu_share import read_box, steal_share
 from tests.support.gateway import RunningGateway, fake_replicas, write_replicas
 from tests.support.server import stop
 
@@ -208,7 +209,7 @@ async def push_once(arm: str, topo: Topology, http: aiohttp.ClientSession, arms:
     primed = arm == "adapter-all" and "all" in arms.last
     if primed:
         await asyncio.to_thread(prime, topo, arms, "all")
-    loadavg, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
+    loadavg, box0 = os.getloadavg()[0], read_box()
     seen: float | None = None
     t0 = time.perf_counter()
     if arm.startswith("adapter"):
@@ -231,8 +232,7 @@ async def push_once(arm: str, topo: Topology, http: aiohttp.ClientSession, arms:
             await update(http, topo, checkpoint, label, "drain")
             seconds = time.perf_counter() - t0
         await asyncio.to_thread(check_full, topo, label)
-    steal1, ticks1 = cpu_times()
-    return Push(seconds, seen, loadavg, (steal1 - steal0) / max(ticks1 - ticks0, 1))
+    return Push(seconds, seen, loadavg, steal_share(box0, read_box()))
 
 
 # ---------------------------------------------------------------------------- rounds and the report

@@ -58,12 +58,12 @@ import aiohttp
 
 from bench.gateway import pct, vllm_pool
 from bench.gateway_vs_router import vllm_router
-from bench.load import proc_cpu_s
 from bench.report import publish
 from bench.rounds import orders
 from bench.sampling_concurrency import http_session
 from bench.sessions import TOKENS, TURNS, WORDS, WORDS_PER_TURN, ideal_hits, metrics_of, prefix_counts, word_tokens
 from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.cpu_share import process_cpu_s
 from tests.support.gateway import run_gateway
 from tests.support.metrics import samples
 
@@ -270,14 +270,14 @@ async def run_cell(http: aiohttp.ClientSession, urls: list[str], front: Front, m
     before = await metrics_of(http, urls)
     added0 = await gateway_time(http, front)
     tally = Tally()
-    cpu0, t = proc_cpu_s(front.pid), time.perf_counter()
+    cpu0, t = process_cpu_s(front.pid), time.perf_counter()
     if workload == "grpo":
         ideal = await grpo(http, front, model, cell, sizes, tally)
     elif workload == "multiturn":
         ideal = await multiturn(http, front, model, cell, sizes, tally, chat)
     else:
         ideal = await skewed(http, front, model, cell, sizes, tally)
-    wall, cpu = time.perf_counter() - t, proc_cpu_s(front.pid) - cpu0
+    wall, cpu = time.perf_counter() - t, process_cpu_s(front.pid) - cpu0
     after = await metrics_of(http, urls)
     (hits0, queries0), (hits1, queries1) = prefix_counts(before), prefix_counts(after)
     per_replica = [b - a for a, b in zip(finished(before), finished(after), strict=True)]

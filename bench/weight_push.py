@@ -68,11 +68,12 @@ from typing import Any
 
 import aiohttp
 
-from bench.load import cpu_times, prompt
+from bench.load import prompt
 from bench.report import RAW, publish
 from bench.rounds import orders
 from bench.sampling_concurrency import http_session
 from sampler_pod.testing.tiny_model import cached_tiny_model
+from tests.support.cpu_share import group_cpu_s, read_box, steal_share
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.server import CPU_ENGINE_ARGS, RunningServer, run_server
 
@@ -261,19 +262,6 @@ def engine_set(model: str, path: Path, n: int, root: Path) -> Iterator[EngineSet
         yield EngineSet(model, servers, gw, root)
 
 
-def group_cpu_s(pgid: int) -> float:
-    """utime + stime of every live process in process group `pgid` (a replica: its server and engine core)."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 async def serving(http: aiohttp.ClientSession, urls: Sequence[str], label: str) -> None:
     """Until every replica's /health shows `label` (a push answered once written: the first look, normally)."""
     for url in urls:
@@ -382,7 +370,7 @@ class Run:
         label, seed = self.next_label(arm)
         es, urls = self.es, self.es.urls
         pids = [s.proc.pid for s in es.servers.values()]
-        load, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
+        load, box0 = os.getloadavg()[0], read_box()
         checkpoint = es.root / label
         async with sampling(self.http, es.gateway.url, clients if loaded else 0, self.count * 10_000_000) as sample:
             cpu0 = [group_cpu_s(p) for p in pids]
@@ -396,7 +384,7 @@ class Run:
             await serving(self.http, urls, label)
             done = time.monotonic()
             cpu1 = [group_cpu_s(p) for p in pids]
-        steal1, ticks1 = cpu_times()
+        box1 = read_box()
         if arm == "net":    # every replica took part (a gateway pushes to the replicas it routes to)
             assert len(out["replicas"]) == len(urls), out["replicas"]
         await gateway_sees(es.gateway, len(urls), label)
@@ -406,7 +394,7 @@ class Run:
                  replica_cpu_s=tuple(b - a for a, b in zip(cpu0, cpu1, strict=True)),
                  pause_s=max(float(r["paused_s"]) for r in out["replicas"]),
                  send_s=out.get("send_s", out.get("write_s", 0.0) + out.get("fsync_s", 0.0)),
-                 fsync_s=out.get("fsync_s", 0.0), loadavg=load, steal=(steal1 - steal0) / max(ticks1 - ticks0, 1),
+                 fsync_s=out.get("fsync_s", 0.0), loadavg=load, steal=steal_share(box0, box1),
                  loaded=loaded, ok=sample.ok if sample else 0, lost=sample.lost if sample else 0,
                  failed=sample.failed if sample else 0)
         if arm == "net":
@@ -438,7 +426,7 @@ class Run:
             await self.trainer.call(op="write", name=es.model, seed=seed, dir=str(checkpoint), evict=self.evict)
             body["path"] = str(checkpoint)
         pids = [r0.proc.pid, r1.proc.pid]
-        load, (steal0, ticks0) = os.getloadavg()[0], cpu_times()
+        load, box0 = os.getloadavg()[0], read_box()
         cpu0 = [group_cpu_s(p) for p in pids]
         t0 = time.monotonic()
         async with self.http.post(r1.url + "/v1/checkpoints/load", json=body) as r:
@@ -447,14 +435,14 @@ class Run:
         await serving(self.http, [r1.url], label)
         done = time.monotonic()
         cpu1 = [group_cpu_s(p) for p in pids]
-        steal1, ticks1 = cpu_times()
+        box1 = read_box()
         want = f"peer {r0.url}" if arm == "peer" else "checkpoint"
         assert out["source"] == want, (out["source"], want)
         shutil.rmtree(checkpoint, ignore_errors=True)
         p = Push(arm=f"catch-up {arm}", model=es.model, replicas=2, round=self.rnd, total_s=done - t0,
                  bytes=self.results.bytes[es.model], trainer_cpu_s=0.0,
                  replica_cpu_s=tuple(b - a for a, b in zip(cpu0, cpu1, strict=True)), pause_s=float(out["paused_s"]),
-                 send_s=float(out["stage_s"]), loadavg=load, steal=(steal1 - steal0) / max(ticks1 - ticks0, 1))
+                 send_s=float(out["stage_s"]), loadavg=load, steal=steal_share(box0, box1))
         print(f"  {es.model} catch-up {arm:<4}: {p.total_s:.3f} s  stage {p.send_s:.3f} s  pause "
               f"{p.pause_s * 1000:.1f} ms  cpu r0 {p.replica_cpu_s[0]:.2f} s, r1 {p.replica_cpu_s[1]:.2f} s  "
               f"load {p.loadavg:.2f}", flush=True)

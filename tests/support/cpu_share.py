@@ -9,7 +9,12 @@ phase is charged to its processes: a named process is charged its own time, its 
 its nearest named ancestor). What no named process owns, the box's busy time less theirs, is the rest
 of the box: its kernel, and any other work sharing it.
 
-The parsing and the charging are pure; `sample` alone reads /proc.
+The other benches read the same figures through this module too, so /proc is parsed in one place:
+`process_cpu_s` (one process's own time: a server under load), `group_cpu_s` (a process group's live
+processes: a replica's server and engine core) and `read_box` (the box's ticks, its hypervisor steal
+among them).
+
+The parsing and the charging are pure; `sample` and the `read_*` / `*_cpu_s` functions alone read /proc.
 """
 
 from __future__ import annotations
@@ -20,14 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-# Fields of /proc/<pid>/stat after the command's closing parenthesis: 0 state, 1 ppid, ... 11 utime,
-# 12 stime, 13 cutime, 14 cstime (proc(5), counted from 0 after the name).
-_PPID, _UTIME, _STIME, _CSTIME = 1, 11, 12, 14
+# Fields of /proc/<pid>/stat after the command's closing parenthesis: 0 state, 1 ppid, 2 pgrp, ...
+# 11 utime, 12 stime, 13 cutime, 14 cstime (proc(5), counted from 0 after the name).
+_PPID, _PGRP, _UTIME, _STIME, _CSTIME = 1, 2, 11, 12, 14
 
 
 @dataclass(frozen=True)
 class ProcStat:
     ppid: int
+    pgrp: int
     ticks: int   # utime + stime + cutime + cstime
     own: int     # utime + stime: the process alone, without its reaped children
 
@@ -35,18 +41,38 @@ class ProcStat:
 def parse_stat(text: str) -> ProcStat:
     """One /proc/<pid>/stat (pure). The command may hold spaces and parentheses: split after the last ')'."""
     fields = text.rsplit(")", 1)[1].split()
-    return ProcStat(int(fields[_PPID]), sum(int(f) for f in fields[_UTIME:_CSTIME + 1]),
+    return ProcStat(int(fields[_PPID]), int(fields[_PGRP]), sum(int(f) for f in fields[_UTIME:_CSTIME + 1]),
                     sum(int(f) for f in fields[_UTIME:_STIME + 1]))
 
 
-def parse_box(proc_stat: str) -> tuple[int, int, int]:
-    """(busy ticks, all ticks, cores) of the whole box from /proc/stat (pure). Busy: user, nice, system,
-    irq and softirq (guest time is inside user and nice); all adds idle, iowait and steal."""
+@dataclass(frozen=True)
+class BoxTicks:
+    """The whole box's clock ticks so far, summed over its cores."""
+
+    busy: int    # user, nice, system, irq and softirq (guest time is inside user and nice)
+    all: int     # busy + idle + iowait + steal
+    steal: int   # what the hypervisor gave to other guests: a slow host, not our work
+    cores: int
+
+
+def parse_box(proc_stat: str) -> BoxTicks:
+    """The box's ticks from /proc/stat (pure)."""
     lines = proc_stat.splitlines()
     user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in lines[0].split()[1:9])
     busy = user + nice + system + irq + softirq
     cores = sum(1 for ln in lines if ln.startswith("cpu") and ln[3:4].isdigit())
-    return busy, busy + idle + iowait + steal, cores
+    return BoxTicks(busy, busy + idle + iowait + steal, steal, cores)
+
+
+def steal_share(before: BoxTicks, after: BoxTicks) -> float:
+    """The share of the box's ticks from one read to the next that the hypervisor took (pure)."""
+    return (after.steal - before.steal) / max(after.all - before.all, 1)
+
+
+def group_ticks(pgid: int, table: Mapping[int, ProcStat]) -> int:
+    """utime + stime of every process of `table` in process group `pgid` (pure): the live members' own
+    time (a member that exits between two reads takes its time with it)."""
+    return sum(st.own for st in table.values() if st.pgrp == pgid)
 
 
 def charge(roots: Mapping[str, list[int]], table: Mapping[int, ProcStat]) -> dict[str, int]:
@@ -74,6 +100,20 @@ def _table() -> dict[int, ProcStat]:
     return out
 
 
+def read_box() -> BoxTicks:
+    return parse_box(Path("/proc/stat").read_text())
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of one process (every thread of it, not its children), in seconds."""
+    return parse_stat(Path(f"/proc/{pid}/stat").read_text()).own / os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgid: int) -> float:
+    """utime + stime of every live process in process group `pgid`, in seconds."""
+    return group_ticks(pgid, _table()) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class CpuSample:
     at: float                 # time.monotonic()
@@ -84,8 +124,8 @@ class CpuSample:
 
 
 def sample(roots: Mapping[str, list[int]]) -> CpuSample:
-    busy, all_, cores = parse_box(Path("/proc/stat").read_text())
-    return CpuSample(time.monotonic(), charge(roots, _table()), busy, all_, cores)
+    box = read_box()
+    return CpuSample(time.monotonic(), charge(roots, _table()), box.busy, box.all, box.cores)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any
 from sampler_common.gateway_leases import ROUTING_ACK
 from tests.support import k8s as ks
 from tests.support.api_counts import CountingProxy, Key, apiserver_requests, writes
-from tests.support.cpu_share import parse_stat
+from tests.support.cpu_share import process_cpu_s
 from tests.support.gateway import RunningGateway, run_gateway
 from tests.support.operator_harness import OperatorProcess
 from tests.support.replica_host import ReplicaHostProcess
@@ -208,11 +208,6 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of one process, in seconds."""
-    return parse_stat(Path(f"/proc/{pid}/stat").read_text()).own / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Snapshot:
     at: float
@@ -232,7 +227,8 @@ def snapshot(sp: ScalePool) -> Snapshot:
     pids = {"operator": sp.op.proc.pid, **{n: gw.proc.pid for n, gw in sp.gateways.items()}}  # type: ignore[union-attr]
     counts = sp.host.counts()
     return Snapshot(time.monotonic(), apiserver_requests(sp.kubeconfig), sp.op_proxy.snapshot(),
-                    sp.gw_proxy.snapshot(), counts["replicas"], {n: cpu_s(p) for n, p in pids.items()}, counts["pods"])
+                    sp.gw_proxy.snapshot(), counts["replicas"], {n: process_cpu_s(p) for n, p in pids.items()},
+                    counts["pods"])
 
 
 @dataclass

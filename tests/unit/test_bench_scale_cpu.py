@@ -1,35 +1,67 @@
-"""bench/scale.py's CPU accounting (tests/support/cpu_share.py) and its report (bench/scale_report.py):
-each process charged its own and its unnamed descendants' time, the box's busy share of its cores, and
-the section's CPU table and reading built from a run's figures."""
+"""The benches' CPU accounting (tests/support/cpu_share.py) and bench/scale.py's report (bench/scale_report.py):
+each process charged its own and its unnamed descendants' time, a process group's time, the box's busy
+share of its cores and its steal, the readers against a real process's own count (getrusage), and the
+section's CPU table and reading built from a run's figures."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 from bench.scale_report import body, cpu_rows, cpu_table, reading, row
-from tests.support.cpu_share import CpuSample, ProcStat, between, charge, parse_box, parse_stat
+from tests.support.cpu_share import (
+    BoxTicks,
+    CpuSample,
+    ProcStat,
+    between,
+    charge,
+    group_cpu_s,
+    group_ticks,
+    parse_box,
+    parse_stat,
+    process_cpu_s,
+    read_box,
+    steal_share,
+)
 
 
-def test_parse_stat_reads_ppid_all_four_times_and_the_process_own_past_a_name_with_spaces_and_parens() -> None:
+def test_parse_stat_reads_ppid_pgrp_all_four_times_and_the_process_own_past_a_name_with_spaces_and_parens() -> None:
     # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime cstime ...
-    text = "42 (python (x) y) S 7 42 42 0 -1 4194304 10 0 0 0 150 30 5 2 20 0 1 0 100 0 0"
-    assert parse_stat(text) == ProcStat(ppid=7, ticks=150 + 30 + 5 + 2, own=150 + 30)
+    text = "42 (python (x) y) S 7 40 40 0 -1 4194304 10 0 0 0 150 30 5 2 20 0 1 0 100 0 0"
+    assert parse_stat(text) == ProcStat(ppid=7, pgrp=40, ticks=150 + 30 + 5 + 2, own=150 + 30)
 
 
-def test_parse_box_counts_busy_against_all_ticks_and_the_cores() -> None:
+def test_parse_box_counts_busy_against_all_ticks_the_steal_and_the_cores() -> None:
     text = ("cpu  100 10 50 800 20 5 5 7 0 0\n"
             "cpu0 50 5 25 400 10 2 3 3 0 0\ncpu1 50 5 25 400 10 3 2 4 0 0\nintr 1\n")
-    busy, all_, cores = parse_box(text)
-    assert busy == 100 + 10 + 50 + 5 + 5           # user nice system irq softirq
-    assert all_ == busy + 800 + 20 + 7              # + idle iowait steal
-    assert cores == 2
+    box = parse_box(text)
+    assert box.busy == 100 + 10 + 50 + 5 + 5           # user nice system irq softirq
+    assert box.all == box.busy + 800 + 20 + 7           # + idle iowait steal
+    assert box.steal == 7
+    assert box.cores == 2
+
+
+def test_steal_share_is_the_hypervisor_s_share_of_the_ticks_between_two_reads() -> None:
+    before = BoxTicks(busy=100, all=1000, steal=10, cores=2)
+    assert steal_share(before, BoxTicks(busy=400, all=1400, steal=30, cores=2)) == 20 / 400
+    assert steal_share(before, before) == 0.0          # no tick between the reads: no share, no division by 0
+
+
+def test_group_ticks_sums_the_own_time_of_the_group_s_processes_alone() -> None:
+    # 10 leads group 10 (its reaped children's 50 ticks are not the group's), 11 is in it, 12 is its child
+    # in a group of its own, 20 is someone else's.
+    table = {10: ProcStat(1, 10, ticks=150, own=100), 11: ProcStat(10, 10, ticks=7, own=7),
+             12: ProcStat(10, 12, ticks=40, own=40), 20: ProcStat(1, 20, ticks=99, own=99)}
+    assert group_ticks(10, table) == 100 + 7
+    assert group_ticks(99, table) == 0
 
 
 def test_charge_gives_each_pid_to_its_nearest_named_ancestor() -> None:
     # 1 init; 10 the bench, which started 20 (a gateway) and 30 (a kubectl, unnamed); 20 started 21;
     # 40 is someone else's.
-    table = {pid: ProcStat(ppid, ticks, ticks) for pid, ppid, ticks in
+    table = {pid: ProcStat(ppid, pgrp=1, ticks=ticks, own=ticks) for pid, ppid, ticks in
              ((1, 0, 1000), (10, 1, 5), (20, 10, 7), (21, 20, 3), (30, 10, 2), (40, 1, 99))}
     got = charge({"bench": [10], "gateways": [20], "etcd": []}, table)
     assert got == {"bench": 5 + 2, "gateways": 7 + 3, "etcd": 0}
@@ -45,6 +77,42 @@ def test_between_is_each_process_s_cpu_and_the_box_s_busy_share_of_its_cores() -
     assert share.cpu_s == {"operator": 1.0, "etcd": 2.0}
     assert share.box_busy_s == 6.0 and share.box_load == 0.75
     assert share.rest_s == 3.0
+
+
+# A process that spends its own CPU, says how much (getrusage: every thread, microseconds) and waits,
+# spending none, until its stdin closes; it leads a process group of its own.
+_BURNER = """
+import resource, sys, time
+t = time.process_time()
+while time.process_time() - t < float(sys.argv[1]):
+    pass
+r = resource.getrusage(resource.RUSAGE_SELF)
+print(r.ru_utime + r.ru_stime, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_readers_agree_with_the_process_s_own_count_and_the_box_s_ticks_grow() -> None:
+    hz = os.sysconf("SC_CLK_TCK")
+    box0 = read_box()
+    proc = subprocess.Popen([sys.executable, "-c", _BURNER, "0.3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        own = float(proc.stdout.readline())
+        assert own >= 0.3
+        # /proc counts utime and stime in whole ticks each (getrusage in microseconds): within two ticks.
+        assert abs(process_cpu_s(proc.pid) - own) <= 2 / hz + 1e-6
+        assert group_cpu_s(proc.pid) == process_cpu_s(proc.pid)        # alone in its group
+        assert group_cpu_s(os.getpgrp()) > 0 and group_cpu_s(proc.pid) != group_cpu_s(os.getpgrp())
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait()
+    box1 = read_box()
+    assert box1.cores >= 1 and box1.busy - box0.busy >= 0.3 * hz - box1.cores  # at least the burner's ticks
+    assert box1.all - box0.all >= box1.busy - box0.busy
+    assert 0.0 <= steal_share(box0, box1) <= 1.0
 
 
 def _cpu(wall: float, operator: float, host: float, busy: float) -> dict[str, Any]:
