@@ -171,31 +171,41 @@ def wake_on_pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any
     _wake(namespace, labels.get(LABEL_REPLICA))
 
 
-# Each SamplerReplica's spec generation this process has validated, by uid (validate_spec).
-_validated: dict[str, int | None] = {}
+_REPLICA_MEMORY = "replica_memory"  # set on each replica's memo alone, never on the operator's (configure)
 
 
-def spec_unvalidated(validated: Mapping[str, int | None], uid: str | None, generation: int | None) -> bool:
+def replica_memory(memo: kopf.Memo) -> ReplicaMemory:
+    """One SamplerReplica's notes in this process, in kopf's memo of that object (a copy of the
+    operator's, made at the object's first event): every handler of the replica (validate_spec, its
+    loop) gets the same one, kopf drops it when the replica is deleted, and each operator has its own."""
+    mem = memo.get(_REPLICA_MEMORY)
+    if mem is None:
+        mem = memo[_REPLICA_MEMORY] = ReplicaMemory()
+    return cast(ReplicaMemory, mem)
+
+
+def spec_unvalidated(mem: ReplicaMemory, generation: int | None) -> bool:
     """Pure: is this replica's spec, at this generation, not validated by this process yet? (Its first
-    event after a start, a creation, a spec change.)"""
-    return uid is not None and (uid not in validated or validated[uid] != generation)
+    event after a start, a creation, a spec change.) Without a generation there is nothing to compare:
+    validate."""
+    return generation is None or mem.spec_validated != generation
 
 
 # An event handler, not `on.create`/`on.update(field="spec")`/`on.resume`: kopf keeps the last handled
 # spec of a resource with change handlers in an annotation, written again at every spec change: one
 # more write of every replica at every rollout, and one more watch event for every watcher (issue #53:
-# a sixth of a Keep push's writes at 64 replicas). This one stores nothing: it validates each
-# generation once per process (again after a restart, as `on.resume` did).
+# a sixth of a Keep push's writes at 64 replicas). This one stores nothing in the API: it validates each
+# generation once per process (again after a restart, as `on.resume` did), noting it in the replica's memo.
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def validate_spec(event: Mapping[str, Any], spec: kopf.Spec, name: str, namespace: str | None,
-                        uid: str | None, meta: kopf.Meta, status: kopf.Status, body: kopf.Body, memo: Any,
+                        meta: kopf.Meta, status: kopf.Status, body: kopf.Body, memo: kopf.Memo,
                         logger: kopf.Logger, **_: Any) -> None:
     assert namespace is not None  # SamplerReplica is namespaced
     if event.get("type") == "DELETED":
-        _validated.pop(uid or "", None)
-        return
+        return  # nothing to validate; kopf forgets the replica's memo with it
+    mem = replica_memory(memo)
     generation = meta.get("generation")
-    if not spec_unvalidated(_validated, uid, generation):
+    if not spec_unvalidated(mem, generation):
         return
     try:
         seams.check(parse_spec(dict(spec)), memo.allow_test_seams)
@@ -206,13 +216,13 @@ async def validate_spec(event: Mapping[str, Any], spec: kopf.Spec, name: str, na
         # Once per generation: retrying cannot fix a spec; the next spec change calls us again.
         logger.error(f"invalid spec (generation {generation}), no pod until it changes: {e}")
     # After the writes: a write that failed is tried again at the replica's next event.
-    _validated[uid or ""] = generation
+    mem.spec_validated = generation
     _wake(namespace, label_value(name))
 
 
 # On deletion kopf first raises `stopped` (we exit at once), and cancels us only as a fallback.
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=5.0)
-async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: Any, logger: kopf.Logger,
+async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger,
                        stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
     assert namespace is not None  # SamplerReplica is namespaced
     replica_pods: kopf.Index[tuple[str, str], PodView] = kwargs["replica_pods"]  # kopf passes indices by name
@@ -223,7 +233,7 @@ async def replica_loop(body: kopf.Body, name: str, namespace: str | None, memo: 
     ctx = Context(kube=memo.kube, session=memo.session, emit=_emit, slots=memo.slots, log=logger,
                   allow_test_seams=memo.allow_test_seams, policies=memo.policies, loaded=tell_pool,
                   secrets=memo.secrets)
-    mem = _replica_mems[key] = ReplicaMemory()
+    mem = _replica_mems[key] = replica_memory(memo)
     try:
         while not stopped:
             wake.clear()

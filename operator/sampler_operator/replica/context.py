@@ -28,7 +28,8 @@ EventFn = Callable[[Mapping[str, Any], str, str, str], None]  # (body, type, rea
 
 @dataclass
 class ReplicaMemory:
-    """In-memory notes of one replica's loop. Losing them on restart only resets a counter."""
+    """In-memory notes of one replica (its loop's, validate_spec's), in kopf's memo of the replica
+    (handlers.replica_memory). Losing them on restart only resets a counter, or validates a spec again."""
     consecutive_failures: int = 0
     last_observation: HealthObservation | None = None
     observed_at: float = 0.0                    # when last_observation was probed (ctx.clock)
@@ -43,6 +44,8 @@ class ReplicaMemory:
     unavailable: tuple[dict[str, Any], str] | None = None
     # The pod template's hash for the spec of ((uid, generation)): reconcile.wanted_template_hash.
     template_hash: tuple[tuple[str, int | None], str] | None = None
+    # The spec generation handlers.validate_spec last checked: it checks each one once.
+    spec_validated: int | None = None
 
 
 @dataclass
