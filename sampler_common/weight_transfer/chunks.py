@@ -2,7 +2,9 @@
 
 The sender packs with vLLM's `pack_tensors` (vllm/distributed/weight_transfer/packed_tensor.py); the
 receiver must allocate buffers of exactly those sizes before the bytes arrive, as vLLM's packed NCCL
-consumer does. `chunk_plan` is that cut (pure). `unpack` cuts a received chunk into its tensors.
+consumer does. `chunk_plan` is that cut (pure); `block_bytes` and `chunk_offsets` where the chunks sit in
+the one block of host memory a push lands in (landing.py), whatever its cut. `unpack` cuts a received chunk
+into its tensors.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+# Where a chunk starts in its push's block: a multiple of this (what torch's CPU allocator gives every
+# buffer), so that a tensor at a chunk's start is a view in place whatever its dtype, as in a buffer of its own.
+CHUNK_ALIGN = 64
 
 
 def chunk_plan(sizes: list[int], buffer_size_bytes: int) -> list[range]:
@@ -27,6 +33,23 @@ def chunk_plan(sizes: list[int], buffer_size_bytes: int) -> list[range]:
     if start < len(sizes):
         chunks.append(range(start, len(sizes)))
     return chunks
+
+
+def block_bytes(sizes: list[int]) -> int:
+    """The size of the block a push of tensors of `sizes` lands in, whatever chunks it is cut into (the
+    order the trainer sends them in decides the cut): their bytes, plus room to start every chunk (one per
+    tensor at most) at a multiple of CHUNK_ALIGN. The same for every push of one model."""
+    return sum(sizes) + CHUNK_ALIGN * len(sizes)
+
+
+def chunk_offsets(chunk_bytes: list[int]) -> list[int]:
+    """Where each chunk of these sizes starts in its block: one after the other, each at a multiple of
+    CHUNK_ALIGN. The last ends within `block_bytes` of the push's tensors."""
+    offsets, offset = [], 0
+    for n in chunk_bytes:
+        offsets.append(offset)
+        offset = -(-(offset + n) // CHUNK_ALIGN) * CHUNK_ALIGN
+    return offsets
 
 
 def unpack(chunk: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[int]],

@@ -26,13 +26,14 @@ digests of what it received and names the first tensor that differs. A rank that
 any rank, fails every rank at once; a rank that hangs fails them after `timeout_s` (relay.py says how).
 
 Staged, never direct. The worker receives into host memory, in a thread of its own, while the engine
-keeps stepping; the received chunks ARE the staging (the tensors are views into them), so a push costs
-its model's size in host memory on each receiving worker until it is written or dropped, plus two
-chunks on the trainer (kept from push to push). Chunks the worker no longer reads come back (`recycle`)
-and the next push of the same sizes lands in them, memory already touched. Nothing touches the model
-here: `finish_weight_update` only seals the received tensors, and the replica writes them through its
-ordinary load path (pause or lock, then the engine's in-place reload). A transfer that tears leaves the
-served weights exactly as they were.
+keeps stepping; the received chunks ARE the staging (the tensors are views into them, the chunks views
+into one block of the push's size), so a push costs its model's size in host memory on each receiving
+worker until it is written or dropped, plus two chunks on the trainer (kept from push to push). Where
+it lands is `landing.py`'s: a block made and touched beforehand (`prepare`: when the trainer joins, and
+after a kept write leaves none), or the block of an earlier push the worker no longer reads (`recycle`).
+Nothing touches the model here: `finish_weight_update` only seals the received tensors, and the replica
+writes them through its ordinary load path (pause or lock, then the engine's in-place reload). A transfer
+that tears leaves the served weights exactly as they were.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from . import relay
-from .chunks import chunk_plan, unpack
+from .chunks import block_bytes, chunk_offsets, chunk_plan, unpack
 from .digest import DIGEST_BYTES, model_sha256, records, tensor_sha256
+from .landing import Landing, reuses, to_prepare
 
 BACKEND = "gloo"
 # Smaller than vLLM's NCCL default (1 GiB): on a CPU node a chunk is host memory on both sides, and
@@ -218,11 +220,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._hop: relay.Hop | None = None
         self._info: GlooWeightTransferInitInfo | None = None
         self._received: list[tuple[str, torch.Tensor]] = []
-        self._chunks: list[torch.Tensor] = []  # what `_received` views
-        # Chunk buffers of an earlier push, written and no longer read by anyone (`recycle`): the next push
-        # of the same chunk sizes lands in them. A new buffer costs a page fault per 4 KiB page on its
-        # first touch (0.2 CPU-s per 340 MB, as much as hashing it); these pages are touched already.
-        self._spare: list[torch.Tensor] = []
+        self._block: torch.Tensor | None = None  # what `_received` views
+        # Where the next push lands (landing.py): a block touched beforehand, or an earlier push's block
+        # nobody reads any more. `_target`: the size to keep one ready of (None: keep none).
+        self._spare: Landing | None = None
+        self._target: int | None = None
 
     # -- what the server reads
 
@@ -297,7 +299,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._busy("start_weight_update")
         if self._hop is None:
             raise RuntimeError("start_weight_update: the transfer engine has not joined a trainer")
-        self._received, self._chunks = [], []
+        self._received, self._block = [], None
         self._begin(TransferStatus(phase="joined"))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -316,11 +318,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update_info.shapes, dtypes, strict=True)]
         plan = chunk_plan(sizes, info.packed_buffer_size_bytes)
-        self._received, self._chunks = [], []
-        buffers = self._buffers([sum(sizes[i] for i in span) for span in plan])
+        self._received, self._block = [], None
+        nbytes = block_bytes(sizes)
+        spare = self._take_spare(nbytes)
         epoch = self._begin(TransferStatus(phase="receiving", total_bytes=sum(sizes), tensors=len(sizes)))
 
         def receive() -> None:
+            # Here, not in the caller (the engine's step loop): a block still being touched may take a step
+            # of its touch to stop.
+            block = spare.take() if spare is not None else torch.empty(nbytes, dtype=torch.uint8)
+            chunk_bytes = [sum(sizes[i] for i in span) for span in plan]
+            buffers = [block[at:at + n] for at, n in zip(chunk_offsets(chunk_bytes), chunk_bytes, strict=True)]
             digests: list[bytes] = []
             spans = iter(plan)
 
@@ -345,33 +353,60 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                                            [sizes[i] for i in span])]
             with self._lock:
                 if epoch == self._epoch:
-                    self._received, self._chunks = received, chunks
+                    self._received, self._block = received, block
                     self._status.phase, self._status.sha256 = "received", model
 
         self._run("receive", epoch, receive)
 
-    def _buffers(self, chunk_bytes: list[int]) -> list[torch.Tensor]:
-        """The buffers a push of these chunk sizes lands in: the spare ones when they fit exactly (taken:
-        a push that tears drops them, since a receive gloo did not fail may still hold one), else new ones
-        (the spare ones, of other sizes, are let go first: the model's shapes changed)."""
+    def _take_spare(self, push_bytes: int) -> Landing | None:
+        """The block a push (its `block_bytes`) lands in, if the one held fits (taken: a push that tears drops
+        it, since a receive gloo did not fail may still write into it); one of another size is let go
+        first (the model's shapes changed), and the size to keep ready becomes the push's."""
         with self._lock:
-            spare, self._spare = self._spare, []
-        if [b.numel() for b in spare] == chunk_bytes:
+            spare, self._spare = self._spare, None
+            if self._target is not None:
+                self._target = push_bytes
+        if spare is not None and reuses(spare.nbytes, push_bytes):
             return spare
-        del spare
-        return [torch.empty(n, dtype=torch.uint8) for n in chunk_bytes]
+        if spare is not None:
+            spare.release()
+        return None
 
-    def recycle(self, chunks: list[torch.Tensor]) -> None:
-        """Hand back the chunks of a push taken earlier (`take_staging`) once nothing reads them any more
-        (written, and no longer the kept copy): the next push of the same sizes lands in them. The caller
-        vouches that nothing else holds a view of them."""
+    def prepare(self, nbytes: int | None = None) -> None:
+        """Keep a block of `nbytes` (default: the size set before) ready for the next push, touched in a
+        thread of its own from now (landing.py): the replica keeps pushed weights, and a trainer has joined
+        (or a kept write has just taken the block there was). Does nothing while a push lands, or when a
+        block of that size is held already."""
         with self._lock:
-            self._spare = list(chunks)
+            if nbytes is not None:
+                self._target = nbytes
+            spare = self._spare.nbytes if self._spare is not None else None
+            make = to_prepare(self._target, spare, receiving=self._status.phase == "receiving")
+            if make is None:
+                return
+            before, self._spare = self._spare, Landing(make)
+        if before is not None:
+            before.release()
+
+    def recycle(self, block: torch.Tensor) -> None:
+        """Hand back the block of a push taken earlier (`take_staging`) once nothing reads it any more
+        (written, and no longer the kept copy): the next push of its size lands in it. The caller vouches
+        that nothing else holds a view of it. A block made by `prepare` meanwhile is let go (the one
+        handed back is touched throughout)."""
+        with self._lock:
+            before, self._spare = self._spare, Landing(touched=block)
+        if before is not None:
+            before.release()
 
     def spare_bytes(self) -> int:
-        """Host memory held for the next push (`recycle`)."""
+        """Host memory held for the next push (`prepare`, `recycle`)."""
         with self._lock:
-            return sum(b.numel() for b in self._spare)
+            return self._spare.nbytes if self._spare is not None else 0
+
+    def spare(self) -> Landing | None:
+        """The block held for the next push, if any (for tests and measurements)."""
+        with self._lock:
+            return self._spare
 
     def finish_weight_update(self) -> None:
         """Seals the round; writes nothing (the replica writes the staged tensors itself, under its
@@ -382,15 +417,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """The received, verified tensors, once: they become the worker's staging."""
         return self.take_staging()[0]
 
-    def take_staging(self) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
-        """The received, verified tensors and the chunks they are views into, once: the worker's staging,
-        whose chunks it may `recycle` once it no longer reads them."""
+    def take_staging(self) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+        """The received, verified tensors and the block they are views into, once: the worker's staging,
+        whose block it may `recycle` once it no longer reads it."""
         self._busy("take_received")
-        if self._status.phase != "received":
+        if self._status.phase != "received" or self._block is None:
             raise RuntimeError(f"nothing received to stage (the transfer engine is {self._status.phase})")
-        out, chunks, self._received, self._chunks = self._received, self._chunks, [], []
+        out, block, self._received, self._block = self._received, self._block, [], None
         self._begin(TransferStatus(phase="joined"))
-        return out, chunks
+        return out, block
 
     def discard(self) -> None:
         """A refused or torn push: drop what was received and leave the group (the trainer opens a new
@@ -404,13 +439,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # it at once, rather than at its timeout.
         if self._hop is not None:
             relay.close_connections(self._hop)
-        self._hop, self._info, self._received, self._chunks = None, None, [], []
+        self._hop, self._info, self._received, self._block = None, None, [], None
 
     def shutdown(self) -> None:
-        """Leave the group; the spare buffers go too (the trainer is gone: no push of those sizes is due)."""
+        """Leave the group; the block held for the next push goes too, and none is made again until a
+        trainer joins (the trainer is gone: no push is due)."""
         self._drop()
         with self._lock:
-            self._spare = []
+            spare, self._spare, self._target = self._spare, None, None
+        if spare is not None:
+            spare.release()
         self._begin(TransferStatus())
 
 

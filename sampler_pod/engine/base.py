@@ -172,6 +172,10 @@ class WeightReceiver(Protocol):
     # Join the trainer's group (`init_info`: the backend's own fields). Replaces an idle earlier group.
     async def join(self, init_info: dict[str, Any]) -> None: ...
 
+    # Keep host memory of `nbytes` (a push's size) ready for the pushes to land in, touched from now in
+    # the background (sampler_common/weight_transfer/landing.py); asked once a trainer has joined.
+    async def prepare(self, nbytes: int) -> None: ...
+
     # A new round (vLLM's start_weight_update): drops what an earlier round left unstaged.
     async def begin(self) -> None: ...
 

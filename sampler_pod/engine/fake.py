@@ -124,6 +124,8 @@ class FakeWeightReceiver:
     mismatch_tensor: str | None = None
     receive_gate: asyncio.Event | None = None
     receiving: asyncio.Event = field(default_factory=asyncio.Event)
+    # What each `prepare` asked for, in order (the real engine's memory is checked in tests/engine).
+    prepared: list[int] = field(default_factory=list)
     _received: TransferReceived | None = None
     _tensors: FakeTensors = field(default_factory=list)
     _progress: TransferProgress = field(default_factory=lambda: TransferProgress(0, 0))
@@ -133,6 +135,9 @@ class FakeWeightReceiver:
             self.tear_join = False
             raise TransferTorn("test hook: the trainer's rendezvous refused the connection")
         self.joined, self._received = dict(init_info), None
+
+    async def prepare(self, nbytes: int) -> None:
+        self.prepared.append(nbytes)
 
     async def begin(self) -> None:
         self._received = None

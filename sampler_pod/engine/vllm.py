@@ -208,6 +208,9 @@ class VllmWeightReceiver:
         await self._rpc("sampler_transfer_init", init_info=init_info)
         await self._until("joined")
 
+    async def prepare(self, nbytes: int) -> None:
+        await self._rpc("sampler_transfer_prepare", nbytes=nbytes)
+
     async def begin(self) -> None:
         await self._rpc("sampler_transfer_begin")
 

@@ -87,9 +87,9 @@ class _Stage:
     thread: threading.Thread | None = None
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     error: str | None = None
-    # The transfer engine's chunks the tensors are views into (a push received), handed back to it once
-    # nothing reads them (`_recycle`); None: the tensors own their memory.
-    buffers: list[torch.Tensor] | None = None
+    # The transfer engine's block the tensors are views into (a push received), handed back to it once
+    # nothing reads it (`_after_kept_write`); None: the tensors own their memory.
+    block: torch.Tensor | None = None
 
     @property
     def reading(self) -> bool:
@@ -103,7 +103,7 @@ class _Kept:
 
     sha256: str
     tensors: list[tuple[str, torch.Tensor]]
-    buffers: list[torch.Tensor] | None = None  # as `_Stage.buffers`
+    block: torch.Tensor | None = None  # as `_Stage.block`
     starts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -191,27 +191,31 @@ class WeightLoaderExtension:
             raise RuntimeError(f"staging failed: {stage.error}")
         self.reload_weights(weights_iterator=_failing_after(stage.tensors, fail_after_tensors))
         if keep is not None:
-            # Written: from now on the peers' copy. The one kept before is dropped, its chunks (a push's)
-            # handed back to the transfer engine for the next push to land in.
+            # Written: from now on the peers' copy. The one kept before is dropped.
             before: _Kept | None = getattr(self, "_sampler_kept", None)
-            self._sampler_kept = _Kept(keep, stage.tensors, stage.buffers)
-            if before is not None and before.buffers is not None:
-                self._recycle(before.buffers)
+            self._sampler_kept = _Kept(keep, stage.tensors, stage.block)
+            self._after_kept_write(before.block if before is not None else None)
         return len(stage.tensors)
 
-    def _recycle(self, buffers: list[torch.Tensor]) -> None:
-        """`buffers` (a push's chunks) to the transfer engine as the next push's landing place, unless
-        something still reads them: the kept copy, or a stage not yet written (the kept copy staged again
-        shares its chunks). The model never does: the write copies every tensor into its parameters."""
+    def _after_kept_write(self, replaced: torch.Tensor | None) -> None:
+        """Where the next push lands, once a kept write replaced the copy in `replaced` (a push's block;
+        None: the copy owned its memory, or there was none): that block, handed back to the transfer
+        engine, unless something still reads it (the kept copy, or a stage not yet written: the kept copy
+        staged again shares its block); else a new block the engine touches in the background, if it keeps
+        one ready (sampler_common/weight_transfer/landing.py), but not while a stage holds the replaced
+        copy (there are two copies already). The model never reads a block: the write copies every tensor
+        into its parameters."""
         engine = getattr(self, "weight_transfer_engine", None)
-        if engine is None or not buffers:
+        if engine is None:
             return
-        mine = {b.data_ptr() for b in buffers if b.numel()}
-        kept: _Kept | None = getattr(self, "_sampler_kept", None)
-        users = [kept.buffers if kept is not None else None] + [s.buffers for s in self._stages().values()]
-        if any(u is not None and mine & {b.data_ptr() for b in u if b.numel()} for u in users):
+        if replaced is not None and replaced.numel():
+            kept: _Kept | None = getattr(self, "_sampler_kept", None)
+            readers = [kept.block if kept is not None else None] + [s.block for s in self._stages().values()]
+            if any(r is not None and r.data_ptr() == replaced.data_ptr() for r in readers):
+                return
+            engine.recycle(replaced)
             return
-        engine.recycle(buffers)
+        engine.prepare()
 
     # -- the kept copy (peers catch up from it) and a copy coming from a peer
 
@@ -233,7 +237,7 @@ class WeightLoaderExtension:
 
     def sampler_kept_stage(self, key: str, sha256: str) -> int:
         kept = self._kept(sha256)
-        self._stages()[key] = _Stage(tensors=list(kept.tensors), buffers=kept.buffers)
+        self._stages()[key] = _Stage(tensors=list(kept.tensors), block=kept.block)
         return len(kept.tensors)
 
     def _incoming(self) -> dict[str, _Incoming]:
@@ -285,9 +289,14 @@ class WeightLoaderExtension:
     def sampler_transfer_stage(self, key: str) -> int:
         engine = self._transfer()
         engine.finish_weight_update()
-        tensors, chunks = engine.take_staging()
-        self._stages()[key] = _Stage(tensors=tensors, buffers=chunks)
+        tensors, block = engine.take_staging()
+        self._stages()[key] = _Stage(tensors=tensors, block=block)
         return len(tensors)
+
+    def sampler_transfer_prepare(self, nbytes: int) -> None:
+        """Keep a block of `nbytes` ready for the pushes to land in, touched from now in the background
+        (the server asks once a trainer has joined, unless it keeps no pushed weights)."""
+        self._transfer().prepare(nbytes)
 
     def sampler_transfer_discard(self) -> None:
         self._transfer().discard()

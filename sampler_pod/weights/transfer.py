@@ -33,13 +33,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sampler_common.errors import InvalidRequest, SamplerError
+from sampler_common.weight_transfer.chunks import block_bytes
 
 from ..core.health import TransferReport
 from ..core.sampler import SamplerCore
 from ..engine.base import DigestMismatch, Engine, TransferTorn, WeightReceiver
 from .service import LoadCheckpointResponse, WeightsService, WriteOptions
 from .transfer_session import TransferSession
-from .validation import CODE_SHA256_MISMATCH, CheckpointInvalid, validate_tensor_metadata
+from .validation import CODE_SHA256_MISMATCH, CheckpointInvalid, schema_sizes, validate_tensor_metadata
 
 log = logging.getLogger(__name__)
 
@@ -247,10 +248,21 @@ class WeightTransferService:
             raise
         self.session.enter("joined")
         self._group = (info.world_size, info.rank_offset)
+        await self._prepare_landing(receiver)
         log.info("weight transfer: joined %s:%d (world %d, ranks from %d)", info.master_address, info.master_port,
                  info.world_size, info.rank_offset)
         return InitResponse(message="Weight transfer initialized", phase="joined", backend=receiver.backend,
                             world_size=info.world_size, rank_offset=info.rank_offset, workers=receiver.workers)
+
+    async def _prepare_landing(self, receiver: WeightReceiver) -> None:
+        """Host memory of a push's size for the pushes to land in, touched from now on in the workers'
+        background rather than during the first push (sampler_common/weight_transfer/landing.py): the
+        memory the replica holds from its second push on anyway (the kept copy, and the one it replaced,
+        where the next push lands), held from the trainer's join. Not with --drop-pushed-weights: then
+        nothing is held between pushes, and every push lands in new memory."""
+        if self.core.cfg.drop_pushed_weights or self.core.model_dir is None:
+            return
+        await receiver.prepare(block_bytes(schema_sizes(self.weights.schema(field="init_info"))))
 
     async def start(self) -> TransferAnswer:
         _, receiver = self._receiver()

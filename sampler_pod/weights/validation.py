@@ -654,6 +654,11 @@ def checkpoint_sha256(validated: ValidatedCheckpoint, field: str = "sha256") -> 
     return model_sha256(recs)
 
 
+def schema_sizes(schema: Mapping[str, tuple[tuple[int, ...], str]]) -> list[int]:
+    """The bytes of each tensor of the model: every push sends each once, with the schema's shape and dtype."""
+    return [DTYPE_SIZES[dtype] * math.prod(shape) for shape, dtype in schema.values()]
+
+
 def validate_tensor_metadata(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]],
                              schema: Mapping[str, tuple[tuple[int, ...], str]], *,
                              field: str = "update_info") -> int:

@@ -6,8 +6,9 @@ imports vLLM.
 What it checks: tensors of mixed dtypes and odd sizes arrive bit-exact through many small chunks (tensors
 whose offset torch cannot view in place included), the digests agree with a hash of each tensor computed
 here, the receiver cuts the chunks exactly as vLLM's `pack_tensors` does, and a peer that never comes or
-goes silent fails the other side after the timeout instead of hanging it, and a push lands in the chunks of
-an earlier one handed back (`recycle`), unless its shapes changed or it tears (then they are let go).
+goes silent fails the other side after the timeout instead of hanging it, and a push lands in the block of an
+earlier one handed back (`recycle`) or in one prepared beforehand (`prepare`), unless its size changed or it
+tears (then the block is let go).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import random
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
 from sampler_client.weight_transfer import StateDictSource
 from sampler_common.weight_transfer import gloo
-from sampler_common.weight_transfer.chunks import chunk_plan
+from sampler_common.weight_transfer.chunks import block_bytes, chunk_plan
 from sampler_common.weight_transfer.digest import TensorRecord, model_sha256
 from sampler_pod.testing.net import free_port
 
@@ -173,44 +175,58 @@ def same_bytes(got: list[tuple[str, torch.Tensor]], want: dict[str, torch.Tensor
         g.dtype == want[n].dtype and g.shape == want[n].shape and raw(g) == raw(want[n]) for n, g in got)
 
 
-def test_a_push_lands_in_the_chunks_handed_back_and_a_shape_change_or_a_tear_lets_them_go() -> None:
-    receiver = worker()
+Staged = tuple[list[tuple[str, torch.Tensor]], torch.Tensor]
+
+
+def pushing(receiver: gloo.GlooWeightTransferEngine) -> tuple[gloo.GlooTrainerWeightTransferEngine,
+                                                               Callable[[dict[str, torch.Tensor]], Staged]]:
+    """A trainer joined to `receiver`, and `push(tensors)`: one push of them, taken as the worker stages it."""
     gloo.register_trainer_engine()
     info = gloo.GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, rank=0, packed_buffer_size_bytes=24,
                                     timeout_s=30)
     trainer = gloo.GlooTrainerWeightTransferEngine.trainer_init(info, client=InProcessClient(receiver),
                                                                 source=StateDictSource(mixed(1)))
 
-    def push(tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+    def push(tensors: dict[str, torch.Tensor]) -> Staged:
         trainer.source = StateDictSource(tensors)
         assert trainer.send_weights() is not None
         return receiver.take_staging()
 
-    def ptrs(chunks: list[torch.Tensor]) -> list[int]:
-        return [c.data_ptr() for c in chunks if c.numel()]
+    return trainer, push
 
-    # A, then B: B is "the kept copy", A's chunks are handed back, and C lands in them, bit-exact.
-    _, chunks_a = push(mixed(1))
-    kept_b, chunks_b = push(mixed(2))
-    assert receiver.spare_bytes() == 0  # nothing handed back yet: B landed in new chunks
-    assert not set(ptrs(chunks_a)) & set(ptrs(chunks_b))
-    receiver.recycle(chunks_a)
-    assert receiver.spare_bytes() == sum(c.numel() for c in chunks_a) > 0
-    got_c, chunks_c = push(mixed(3))
-    assert ptrs(chunks_c) == ptrs(chunks_a) and receiver.spare_bytes() == 0
+
+def size_of(tensors: dict[str, torch.Tensor]) -> int:
+    """The block a push of `tensors` lands in (what the replica's server asks the worker to prepare)."""
+    return block_bytes([t.numel() * t.element_size() for t in tensors.values()])
+
+
+def test_a_push_lands_in_the_block_handed_back_and_a_shape_change_or_a_tear_lets_it_go() -> None:
+    receiver = worker()
+    trainer, push = pushing(receiver)
+
+    # A, then B: B is "the kept copy", A's block is handed back, and C lands in it, bit-exact.
+    _, block_a = push(mixed(1))
+    kept_b, block_b = push(mixed(2))
+    assert receiver.spare_bytes() == 0  # nothing handed back yet: B landed in a new block
+    assert block_a.data_ptr() != block_b.data_ptr() and block_a.numel() == size_of(mixed(1))
+    receiver.recycle(block_a)
+    assert receiver.spare_bytes() == block_a.numel() > 0
+    got_c, block_c = push(mixed(3))
+    assert block_c.data_ptr() == block_a.data_ptr() and receiver.spare_bytes() == 0
     assert same_bytes(got_c, mixed(3)) and same_bytes(kept_b, mixed(2))
 
-    # Other shapes: the chunks handed back do not fit; they are let go, the push lands in new ones.
-    receiver.recycle(chunks_b)
-    got_d, chunks_d = push(mixed(4, extra=7))
-    assert receiver.spare_bytes() == 0 and not set(ptrs(chunks_d)) & set(ptrs(chunks_b))
+    # Another size (the shapes changed): the block handed back does not fit; it is let go, the push lands in
+    # a new one.
+    receiver.recycle(block_b)
+    got_d, block_d = push(mixed(4, extra=7))
+    assert receiver.spare_bytes() == 0 and block_d.data_ptr() != block_b.data_ptr()
     assert same_bytes(got_d, mixed(4, extra=7))
 
-    # D2 is kept, D's chunks handed back; E tears while it lands in them: the kept copy is untouched, the
-    # torn push's chunks are let go (a receive gloo did not fail may still hold one), the next push works.
-    kept_d2, chunks_d2 = push(mixed(5, extra=7))
-    receiver.recycle(chunks_d)
-    assert receiver.spare_bytes() == sum(c.numel() for c in chunks_d)
+    # D2 is kept, D's block handed back; E tears while it lands in it: the kept copy is untouched, the torn
+    # push's block is let go (a receive gloo did not fail may still write into it), the next push works.
+    kept_d2, block_d2 = push(mixed(5, extra=7))
+    receiver.recycle(block_d)
+    assert receiver.spare_bytes() == block_d.numel()
     trainer.source = FailingSource(mixed(6, extra=7), after=5)
     with pytest.raises(Exception):  # noqa: B017  # the source's error, or the replica's answer to the tear
         trainer.send_weights()
@@ -220,11 +236,49 @@ def test_a_push_lands_in_the_chunks_handed_back_and_a_shape_change_or_a_tear_let
     receiver.discard()
     assert receiver.spare_bytes() == 0  # and not given back
     assert same_bytes(kept_d2, mixed(5, extra=7))
-    got_f, chunks_f = push(mixed(7, extra=7))
-    assert same_bytes(got_f, mixed(7, extra=7)) and not set(ptrs(chunks_f)) & set(ptrs(chunks_d) + ptrs(chunks_d2))
+    got_f, block_f = push(mixed(7, extra=7))
+    assert same_bytes(got_f, mixed(7, extra=7))
+    assert block_f.data_ptr() not in (block_d.data_ptr(), block_d2.data_ptr())
 
-    # Shutdown (the trainer is gone) lets the spare chunks go.
-    receiver.recycle(chunks_f)
+    # Shutdown (the trainer is gone) lets the spare block go.
+    receiver.recycle(block_f)
     receiver.shutdown()
+    assert receiver.spare_bytes() == 0
+    trainer.shutdown()
+
+
+def test_a_block_prepared_when_the_trainer_joins_is_where_the_first_push_lands() -> None:
+    """What the replica's server asks once a trainer joined (`prepare`, the model's push size), and what its
+    worker asks after a kept write that left no block (`prepare()`): a block touched in the background,
+    where the next push lands; none made twice; the size follows a push of another size; none after
+    shutdown until a trainer joins again."""
+    receiver = worker()
+    trainer, push = pushing(receiver)
+    nbytes = size_of(mixed(1))
+    receiver.prepare(nbytes)
+    prepared = receiver.spare()
+    assert prepared is not None and prepared.nbytes == nbytes and prepared.wait(60)
+    got, block = push(mixed(1))
+    assert block.data_ptr() == prepared.buffer.data_ptr() and same_bytes(got, mixed(1))
+    assert receiver.spare_bytes() == 0  # taken by the push: it is the kept copy now
+
+    receiver.prepare()  # the kept write took it: another, of the size set at the join
+    second = receiver.spare()
+    assert second is not None and second.nbytes == nbytes and second.buffer.data_ptr() != block.data_ptr()
+    receiver.prepare()  # one of that size is held: nothing new
+    assert receiver.spare() is second
+    got2, block2 = push(mixed(2))
+    assert block2.data_ptr() == second.buffer.data_ptr() and same_bytes(got2, mixed(2)) and same_bytes(got, mixed(1))
+
+    # A push of another size lands in a new block; the size kept ready becomes its size.
+    receiver.recycle(block)
+    got3, _ = push(mixed(3, extra=7))
+    assert receiver.spare_bytes() == 0 and same_bytes(got3, mixed(3, extra=7))
+    receiver.prepare()
+    assert receiver.spare_bytes() == size_of(mixed(3, extra=7))
+
+    # Shutdown lets it go, and nothing is made again until a trainer joins (and the server asks).
+    receiver.shutdown()
+    receiver.prepare()
     assert receiver.spare_bytes() == 0
     trainer.shutdown()

@@ -1,12 +1,16 @@
-"""A push's chunks handed back to the transfer engine once nothing reads them (sampler_pod/engine/
-worker_extension.py `_recycle`), in the worker extension's own bookkeeping, with a stub for the model's
-write and the transfer engine: the model is vLLM's, and the write is checked on a real replica by
-tests/engine/test_weights_network_real.py (a torn push into the chunks handed back leaves the weights as
-they were). In the engine tier because the worker extension imports vLLM.
+"""Where the next push lands, in the worker extension's own bookkeeping (sampler_pod/engine/worker_extension.py
+`_after_kept_write`), with a stub for the model's write and the transfer engine: the model is vLLM's, and
+the write is checked on a real replica by tests/engine/test_weights_network_real.py (a torn push into the
+block handed back leaves the weights as they were); the transfer engine's side of it (a push lands in the
+block handed back or prepared) by tests/engine/test_gloo_backend.py. In the engine tier because the worker
+extension imports vLLM.
 
-The rule checked: a written push's chunks go back only when the next kept write replaces them and no
-stage still reads them (the kept copy staged again shares its chunks); with --drop-pushed-weights (no
-`keep`) nothing goes back, so no memory is held between pushes.
+The rule checked: a written push's block goes back only when the next kept write replaces it and no stage
+still reads it (the kept copy staged again shares its block); a kept write that replaced no block (the
+first push, or a copy that owned its memory) asks the engine to prepare one (touched in the background),
+but not while a stage still reads the copy replaced (two copies are held already); with
+--drop-pushed-weights (no `keep`) nothing goes back and nothing is prepared, so no memory is held between
+pushes.
 """
 
 from __future__ import annotations
@@ -20,10 +24,15 @@ from sampler_pod.engine.worker_extension import WeightLoaderExtension, _Stage
 
 class RecordingEngine:
     def __init__(self) -> None:
-        self.recycled: list[list[torch.Tensor]] = []
+        self.recycled: list[torch.Tensor] = []
+        self.prepared = 0
 
-    def recycle(self, chunks: list[torch.Tensor]) -> None:
-        self.recycled.append(chunks)
+    def recycle(self, block: torch.Tensor) -> None:
+        self.recycled.append(block)
+
+    def prepare(self, nbytes: int | None = None) -> None:
+        assert nbytes is None  # after a write: the size the server set at the join
+        self.prepared += 1
 
 
 class Worker(WeightLoaderExtension):
@@ -37,36 +46,48 @@ class Worker(WeightLoaderExtension):
         self.written.append([name for name, _ in weights_iterator])
 
 
-def staged(worker: Worker, key: str) -> list[torch.Tensor]:
-    """A push received into two chunks, staged under `key` as `sampler_transfer_stage` stages one."""
-    chunks = [torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)]
-    worker._stages()[key] = _Stage(tensors=[("a", chunks[0].view(torch.float32)), ("b", chunks[1])], buffers=chunks)
-    return chunks
+def staged(worker: Worker, key: str) -> torch.Tensor:
+    """A push received into one block, staged under `key` as `sampler_transfer_stage` stages one."""
+    block = torch.zeros(12, dtype=torch.uint8)
+    worker._stages()[key] = _Stage(tensors=[("a", block[:8].view(torch.float32)), ("b", block[8:])], block=block)
+    return block
 
 
-def test_a_pushs_chunks_go_back_once_the_next_kept_write_replaces_them_and_no_stage_reads_them() -> None:
+def test_a_pushs_block_goes_back_once_the_next_kept_write_replaces_it_and_no_stage_reads_it() -> None:
     w = Worker()
     engine = w.weight_transfer_engine
     first = staged(w, "p1")
     w.sampler_load_staged("p1", keep="sha-1")
-    assert engine.recycled == []                     # the kept copy reads them
+    assert engine.recycled == [] and engine.prepared == 1  # the kept copy reads it; another is prepared
     second = staged(w, "p2")
     w.sampler_load_staged("p2", keep="sha-2")
-    assert engine.recycled == [first]                # replaced: the next push lands in them
-    # The kept copy staged again (a load by digest) shares its chunks: a write replacing the kept copy
-    # meanwhile does not hand them back, the stage would read the next push's bytes.
+    assert engine.recycled == [first] and engine.prepared == 1  # replaced: the next push lands in it
+    # The kept copy staged again (a load by digest) shares its block: a write replacing the kept copy
+    # meanwhile does not hand it back, the stage would read the next push's bytes; nor is one prepared.
     w.sampler_kept_stage("again", "sha-2")
     third = staged(w, "p3")
     w.sampler_load_staged("p3", keep="sha-3")
-    assert engine.recycled == [first]
-    w.sampler_load_staged("again", keep="sha-2")     # written; the kept copy is second's chunks again
-    assert engine.recycled == [first, third] and w._sampler_kept.buffers is second
+    assert engine.recycled == [first] and engine.prepared == 1
+    w.sampler_load_staged("again", keep="sha-2")     # written; the kept copy is second's block again
+    assert engine.recycled == [first, third] and w._sampler_kept.block is second and engine.prepared == 1
     assert w.written == [["a", "b"]] * 4
 
 
-def test_with_drop_pushed_weights_nothing_is_kept_or_handed_back() -> None:
+def test_a_kept_copy_that_owns_its_memory_replaced_asks_for_a_prepared_block() -> None:
+    w = Worker()
+    engine = w.weight_transfer_engine
+    w._stages()["catch-up"] = _Stage(tensors=[("a", torch.zeros(2))])  # a catch-up's tensors own their memory
+    w.sampler_load_staged("catch-up", keep="sha-0")
+    assert engine.prepared == 1 and engine.recycled == []
+    staged(w, "p1")
+    w.sampler_load_staged("p1", keep="sha-1")
+    assert engine.prepared == 2 and engine.recycled == []
+
+
+def test_with_drop_pushed_weights_nothing_is_kept_handed_back_or_prepared() -> None:
     w = Worker()
     for key in ("p1", "p2", "p3"):
         staged(w, key)
         w.sampler_load_staged(key, keep=None)
-    assert w.weight_transfer_engine.recycled == [] and w.sampler_kept_meta() is None
+    engine = w.weight_transfer_engine
+    assert engine.recycled == [] and engine.prepared == 0 and w.sampler_kept_meta() is None

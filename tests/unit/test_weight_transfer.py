@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sampler_common.weight_transfer.chunks import chunk_plan
+from sampler_common.weight_transfer.chunks import block_bytes, chunk_plan
 from sampler_common.weight_transfer.digest import TensorRecord, is_hex_digest, model_sha256, records
 from sampler_pod.core.sampler import SamplerCore
 from sampler_pod.engine.fake import FakeEngine, FakeWeightReceiver
@@ -204,11 +204,33 @@ async def test_a_torn_push_writes_nothing_and_the_replica_leaves_the_group(repli
     assert (await replica.push("net-2")).status_code == 200
 
 
+async def test_once_a_trainer_joins_the_workers_prepare_a_block_of_the_models_push_size(replica: Replica,
+                                                                                          tiny_model: Path) -> None:
+    """Where the pushes land, touched before the first one (sampler_common/weight_transfer/landing.py): asked
+    at every join, of the size of any push of the model; the real engine's block: tests/engine."""
+    size = block_bytes(v.schema_sizes(v.schema_from_checkpoint_dir(tiny_model)))
+    assert (await replica.c.post("/init_weight_transfer_engine", json=INIT)).status_code == 200
+    assert replica.receiver.prepared == [size]
+    assert (await replica.push("net-1")).status_code == 200  # joins again
+    assert replica.receiver.prepared == [size, size]
+
+
+async def test_with_drop_pushed_weights_no_block_is_prepared(tiny_model: Path) -> None:
+    core, engine = fake_core(weight_transfer_backend="gloo", drop_pushed_weights=True)
+    core.set_model_dir(str(tiny_model))
+    engine.receiver = receiver = FakeWeightReceiver(engine)
+    async with fake_client(core) as c:
+        r = Replica(core, engine, receiver, c, tiny_update(tiny_model))
+        assert (await r.push("net-1")).status_code == 200
+    assert receiver.joined is not None and receiver.prepared == []
+
+
 async def test_a_tear_at_the_join_is_a_502_naming_the_address(replica: Replica) -> None:
     replica.receiver.tear_join = True
     r = await replica.c.post("/init_weight_transfer_engine", json=INIT)
     assert r.status_code == 502 and r.json()["error"]["field"] == "init_info.master_address", r.text
     assert (await replica.health())["weight_transfer"] is None
+    assert replica.receiver.prepared == []  # no trainer joined: no block made for it
 
 
 async def test_bytes_that_differ_from_the_senders_are_refused_naming_the_tensor(replica: Replica) -> None:
