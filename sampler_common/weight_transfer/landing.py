@@ -21,9 +21,11 @@ push's critical path. The memory held is the steady state's from the start: the 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import threading
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -70,25 +72,32 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 _MADVISE = _madvise()
 
 
-def _populate(address: int, length: int) -> bool:
-    """The pages of [address, address + length) faulted in writable, contents unchanged; False when the
-    kernel cannot (older than 5.14, or not Linux)."""
+def _populate(address: int, length: int) -> Literal["done", "unsupported", "failed"]:
+    """The pages of [address, address + length) faulted in writable, contents unchanged (`done`);
+    `unsupported` when the kernel cannot (older than 5.14, not Linux, or less than a page); `failed` when it
+    could not (no memory for them: then writing them would only bring the OOM killer sooner)."""
     page = mmap.PAGESIZE
     start, end = -(-address // page) * page, (address + length) // page * page
     if _MADVISE is None or end <= start:
-        return False
-    return int(_MADVISE(start, end - start, MADV_POPULATE_WRITE)) == 0
+        return "unsupported"
+    if _MADVISE(start, end - start, MADV_POPULATE_WRITE) == 0:
+        return "done"
+    return "unsupported" if ctypes.get_errno() == errno.EINVAL else "failed"
 
 
 def prefault(buffer: torch.Tensor, stop: threading.Event | None = None) -> int:
     """Every page of `buffer` (contiguous uint8, host memory) backed by memory now, step by step until
-    `stop` is set. Returns the bytes done. Its contents are undefined afterwards (a new block's are)."""
+    `stop` is set, or until the kernel has no memory for more (the rest then faults in as a push writes
+    it, as in new memory). Returns the bytes done. Its contents are undefined afterwards (a new block's are)."""
     raw = buffer.numpy()
     done, total = 0, buffer.numel()
     while done < total and not (stop is not None and stop.is_set()):
         n = min(PREFAULT_STEP_BYTES, total - done)
         step = raw[done:done + n]
-        if not _populate(step.ctypes.data, n):
+        populated = _populate(step.ctypes.data, n)
+        if populated == "failed":
+            break
+        if populated == "unsupported":
             step.fill(0)
         else:
             # The partial pages at the step's ends, which madvise (page-aligned) leaves out: a write each.

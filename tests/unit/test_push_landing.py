@@ -7,9 +7,13 @@ its writes: tests/engine/test_push_staging_reuse.py.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import random
 import resource
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -85,6 +89,25 @@ def test_a_block_touched_beforehand_takes_no_page_fault_when_a_push_writes_it(
     faults = faults_writing(touched)
     assert new_faults > 0 and faults * 4 < new_faults, (faults, new_faults)
     assert bool((touched == 1).all())
+
+
+def refusing(code: int) -> Callable[[int, int, int], int]:
+    """A madvise that fails with `code`, as the kernel's does."""
+    def madvise(address: int, length: int, advice: int) -> int:
+        ctypes.set_errno(code)
+        return -1
+    return madvise
+
+
+def test_a_kernel_without_the_advice_gets_zeros_written_and_one_out_of_memory_gets_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(landing, "_MADVISE", refusing(errno.EINVAL))  # a kernel before 5.14
+    block = torch.empty(64 * MB, dtype=torch.uint8)
+    assert prefault(block) == block.numel() and faults_writing(block) * 4 < block.numel() // mmap.PAGESIZE
+    # No memory for the pages: writing them would only call the OOM killer sooner. The push faults them in.
+    monkeypatch.setattr(landing, "_MADVISE", refusing(errno.ENOMEM))
+    block = torch.empty(64 * MB, dtype=torch.uint8)
+    assert prefault(block) == 0 and faults_writing(block) > 0
 
 
 def test_a_touch_stops_when_asked_and_a_block_handed_back_is_touched_already() -> None:
