@@ -19,7 +19,9 @@ session the server tracks itself, and their finish resets the LoRA state althoug
 
 A staged copy written with `keep` (a push over the network, or a catch-up from a peer) is kept after its
 write (`sampler_kept_*`): one copy of the model in host memory, read by the server in slices to serve a
-peer's catch-up (weights/peer_copy.py), or staged again. A catch-up arrives the other way
+peer's catch-up (weights/peer_copy.py), or staged again. The copy it replaces is where the next push
+lands, or, where it replaced none, a block the transfer engine touches in the background
+(`_after_kept_write`; sampler_common/weight_transfer/landing.py says why). A catch-up arrives the other way
 (`sampler_incoming_*`): room for the copy, filled slice by slice, then cut into its tensors.
 
 Why not `model.load_weights()`: on CPU the linear weights are repacked after load, so

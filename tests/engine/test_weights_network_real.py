@@ -124,7 +124,7 @@ def test_a_wrong_name_shape_dtype_or_digest_is_refused_before_any_write_naming_t
 def test_a_trainer_killed_mid_transfer_leaves_the_replica_ready_at_its_old_label_and_the_next_push_works(
         env: Env) -> None:
     with env.client() as c:
-        # Two pushes written first: the doomed one then lands in the chunks of the first of them, which the
+        # Two pushes written first: the doomed one then lands in the block of the first of them, which the
         # replica keeps for the next push once the second is written (its kept copy then the second's).
         for step in (1, 3):
             out = env.trainer.push(env.root / f"step-{step}", label=f"net-{step}-again", step=step)
