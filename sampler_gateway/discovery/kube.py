@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from sampler_common.adapters import AdapterState, adapter_state
 from sampler_common.errors import Conflict
@@ -75,6 +75,8 @@ class _Watch(threading.Thread):
         super().__init__(daemon=True, name=f"watch-{what}")
         self.what, self.on_change, self.list_fn, self.kwargs = what, on_change, list_fn, kwargs
         self.items: dict[str, dict[str, Any]] = {}
+        # The names of the objects an event wrote since `take_dirty`; None: listed again (any of them).
+        self.dirty: set[str] | None = None
         self.synced = threading.Event()
         self._ending = threading.Event()   # not `_stop`: that is Thread.join's own method
         self._retry = threading.Event()   # set: end the wait after a failure (stop, or retry_now)
@@ -83,6 +85,16 @@ class _Watch(threading.Thread):
     def snapshot(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self.items.values())
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self.items.get(name)
+
+    def take_dirty(self) -> set[str] | None:
+        """The names written since the last call (None: listed again since, every name may have moved)."""
+        with self._lock:
+            out, self.dirty = self.dirty, set()
+            return out
 
     def run(self) -> None:
         from kubernetes import watch
@@ -96,6 +108,7 @@ class _Watch(threading.Thread):
                     backoff = self.first_backoff_s
                     with self._lock:
                         self.items = {o["metadata"]["name"]: o for o in listed.get("items", [])}
+                        self.dirty = None
                     version = listed["metadata"]["resourceVersion"]
                     self.synced.set()
                     self.on_change()
@@ -115,6 +128,8 @@ class _Watch(threading.Thread):
                             self.items.pop(name, None)
                         else:
                             self.items[name] = obj
+                        if self.dirty is not None:
+                            self.dirty.add(name)
                     version = obj["metadata"].get("resourceVersion") or version
                     self.on_change()
                     if self._ending.is_set():
@@ -187,20 +202,36 @@ def members_and_revisions(pool: str, replicas: list[dict[str, Any]], pods: list[
     by_name = {p["metadata"]["name"]: p for p in pods}
     out = []
     revisions = {}
-    for cr in sorted((o for o in replicas if in_pool(o, pool)), key=lambda o: o["metadata"]["name"]):
-        name = cr["metadata"]["name"]
-        pod = by_name.get((cr.get("status") or {}).get("podName") or "")
-        if pod is None or pod["metadata"].get("labels", {}).get(REPLICA_LABEL) != name:
-            continue
-        ip = (pod.get("status") or {}).get("podIP")
-        if not ip:
-            continue
-        port = (cr.get("spec") or {}).get("port") or DEFAULT_PORT
-        annotations = cr["metadata"].get("annotations") or {}
-        draining = annotations.get(DRAINING_ANNOTATION) == "true" or bool(pod["metadata"].get("deletionTimestamp"))
-        out.append(Member(name=name, url=f"http://{ip}:{port}", draining=draining))
-        revisions[name] = f"{cr['metadata'].get('resourceVersion')}/{pod['metadata'].get('resourceVersion')}"
+    for cr in sorted(replicas, key=lambda o: o["metadata"]["name"]):
+        found = member_of(pool, cr, by_name.get)
+        if found is not None:
+            out.append(found[0])
+            revisions[found[0].name] = found[1]
     return tuple(out), revisions
+
+
+def pod_name_of(cr: dict[str, Any]) -> str:
+    return (cr.get("status") or {}).get("podName") or ""
+
+
+def member_of(pool: str, cr: dict[str, Any] | None, pod_named: Callable[[str], dict[str, Any] | None],
+              ) -> tuple[Member, str] | None:
+    """Pure: one SamplerReplica as a member of `pool` (None: not one), and its revision; `pod_named`
+    finds a pod of the pool by name."""
+    if cr is None or not in_pool(cr, pool):
+        return None
+    name = cr["metadata"]["name"]
+    pod = pod_named(pod_name_of(cr))
+    if pod is None or pod["metadata"].get("labels", {}).get(REPLICA_LABEL) != name:
+        return None
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    port = (cr.get("spec") or {}).get("port") or DEFAULT_PORT
+    annotations = cr["metadata"].get("annotations") or {}
+    draining = annotations.get(DRAINING_ANNOTATION) == "true" or bool(pod["metadata"].get("deletionTimestamp"))
+    return (Member(name=name, url=f"http://{ip}:{port}", draining=draining),
+            f"{cr['metadata'].get('resourceVersion')}/{pod['metadata'].get('resourceVersion')}")
 
 
 def peers_of(leases: list[dict[str, Any]], now: float) -> dict[str, str]:
@@ -212,6 +243,70 @@ def peers_of(leases: list[dict[str, Any]], now: float) -> dict[str, str]:
         if ack.peer_url is not None and ack.live(now):
             out[ack.name] = ack.peer_url
     return out
+
+
+class Watched(Protocol):
+    """What `MemberIndex` reads of a watch (`_Watch`)."""
+
+    def snapshot(self) -> list[dict[str, Any]]: ...
+
+    def get(self, name: str) -> dict[str, Any] | None: ...
+
+    def take_dirty(self) -> set[str] | None: ...
+
+
+class MemberIndex:
+    """The pool's members and their revisions, worked out again for the replicas the watch events
+    since the last `update` concern (a SamplerReplica written, or a pod that is or was one's), not
+    for every replica of the namespace: a rollout writes each replica's status a few times, and each
+    write reaches every gateway (issue #53). The members' tuple stays the same object while no record
+    moved (a status write): merge.py then works out only the replicas read since."""
+
+    def __init__(self, pool: str, replicas: Watched, pods: Watched) -> None:
+        self.pool, self.replicas, self.pods = pool, replicas, pods
+        self.listed = False
+        self.by_name: dict[str, Member] = {}
+        self.members: tuple[Member, ...] = ()        # in name order
+        self.revisions: dict[str, str] = {}
+        self.pod_of: dict[str, str] = {}             # SamplerReplica -> the pod it names: a pod event's replica
+
+    def update(self) -> tuple[tuple[Member, ...], dict[str, str]]:
+        replicas, pods = self.replicas.take_dirty(), self.pods.take_dirty()
+        if replicas is None or pods is None or not self.listed:  # listed again: every replica may have moved
+            listed = self.replicas.snapshot()
+            self.members, self.revisions = members_and_revisions(self.pool, listed, self.pods.snapshot())
+            self.by_name = {m.name: m for m in self.members}
+            self.pod_of = {cr["metadata"]["name"]: pod_name_of(cr) for cr in listed}
+            self.listed = True
+            return self.members, self.revisions
+        names = set(replicas)
+        owners = {pod: name for name, pod in self.pod_of.items() if pod in pods} if pods else {}
+        for pod_name in pods:
+            names.add(owners.get(pod_name, ""))
+            pod = self.pods.get(pod_name)
+            names.add(((pod or {}).get("metadata", {}).get("labels") or {}).get(REPLICA_LABEL, ""))
+        names.discard("")
+        moved = False
+        revisions = dict(self.revisions)  # a new mapping: the last Membership keeps its own
+        for name in names:
+            cr = self.replicas.get(name)
+            if cr is None:
+                self.pod_of.pop(name, None)
+            else:
+                self.pod_of[name] = pod_name_of(cr)
+            found = member_of(self.pool, cr, self.pods.get)
+            if found is None:
+                moved |= self.by_name.pop(name, None) is not None
+                revisions.pop(name, None)
+                continue
+            member, revisions[name] = found
+            if self.by_name.get(name) != member:
+                self.by_name[name] = member
+                moved = True
+        if moved:
+            self.members = tuple(self.by_name[n] for n in sorted(self.by_name))
+        self.revisions = revisions
+        return self.members, revisions
 
 
 class KubeDiscovery:
@@ -247,6 +342,7 @@ class KubeDiscovery:
             self._watches += (self._leases,)
         self._adapters: AdapterState | None = None
         self._adapters_of: str | None = None  # the pool's resourceVersion they were parsed from
+        self._members = MemberIndex(pool, self._replicas, self._pods)
         for w in self._watches:
             w.start()
 
@@ -259,7 +355,7 @@ class KubeDiscovery:
         version = next((p["metadata"].get("resourceVersion") for p in pools), None)
         if version is None or version != self._adapters_of:
             self._adapters, self._adapters_of = adapters_of(pools, self._adapters), version
-        members, revisions = members_and_revisions(self.pool, self._replicas.snapshot(), self._pods.snapshot())
+        members, revisions = self._members.update()
         out = Membership(members, target_label=target_of(pools), history=history_of(pools), adapters=self._adapters,
                          revisions=revisions)
         self._memo = (seen, out)

@@ -48,6 +48,8 @@ class Reads:
 def merge(membership: Membership, last: PoolView, reads: Reads | None = None) -> PoolView:
     """The view to publish: each member as read, when that read counts, else as much of its last
     view as its current record allows."""
+    if last.members is not None and last.members is membership.members:
+        return _merge_reads(membership, last, reads)
     replicas = []
     for member in membership.members:
         current = last.by_name.get(member.name)
@@ -56,7 +58,33 @@ def merge(membership: Membership, last: PoolView, reads: Reads | None = None) ->
             replicas.append(view)
     return PoolView(tuple(replicas), membership.target_label, membership.min_label,
                     reads.started_at if reads is not None else last.started_at, history=membership.history,
-                    adapters=membership.adapters)
+                    adapters=membership.adapters, members=membership.members)
+
+
+def _merge_reads(membership: Membership, last: PoolView, reads: Reads | None) -> PoolView:
+    """`merge` when `last` was merged from these very members (a watch event that moved no record, a
+    round's reads landing, a peer's readings): every other member's view is what `merge` would leave
+    it (`without_read` of a view it made is that view), so only the replicas read are worked out,
+    and `last` itself comes back when nothing moved. A read of a member `last` does not show yet (a
+    new one) takes the whole merge: it is placed in the members' order."""
+    moved: dict[str, ReplicaView] = {}
+    for read in reads.views if reads is not None else ():
+        member = membership.by_name.get(read.name)
+        if member is None or member != read:
+            continue  # a read of another record of it, or of a member gone: the whole merge ignores it too
+        current = last.by_name.get(member.name)
+        if current is None:
+            return merge(membership, dataclasses.replace(last, members=None), reads)
+        view = _counted(reads, member, current) or without_read(member, current)
+        if view is not current and view is not None:
+            moved[member.name] = view
+    started_at = reads.started_at if reads is not None else last.started_at
+    if (not moved and started_at == last.started_at and membership.target_label == last.target_label
+            and membership.min_label == last.min_label and membership.history == last.history
+            and membership.adapters is last.adapters):
+        return last
+    return last.replaced(moved, target_label=membership.target_label, min_label=membership.min_label,
+                         started_at=started_at, history=membership.history, adapters=membership.adapters)
 
 
 def without_read(member: Member, last: ReplicaView | None) -> ReplicaView | None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from ..replicas.adapter_health import ReplicaLora
 from ..replicas.view import Member, PoolView, ReplicaView
-from ..routing.pool import Pool
+from ..routing.pool import Pool, moves
 from ..upstream.http1 import Http1Client
 from .health import HealthAnswer, fetch_health, view_of
 from .merge import Reads, merge
@@ -64,9 +64,14 @@ class Ledger:
     record: dict[str, tuple[tuple[str, bool], float]] = field(default_factory=dict)
     lora: dict[str, tuple[ReplicaLora, float]] = field(default_factory=dict)
 
+    # The view noted last: the next note looks only at the replicas whose view moved since (pool.moves).
+    noted: PoolView = field(default_factory=PoolView)
+
     def note(self, view: PoolView, now: float) -> None:
         """What moved in the published view since the last note moved at `now` at the latest."""
-        for r in view.replicas:
+        pairs = moves(self.noted, view)
+        self.noted = view
+        for r in view.replicas if pairs is None else [r for _, r in pairs]:
             rec = (r.url, r.draining)
             seen = self.record.get(r.name)
             if seen is None or seen[0] != rec:
@@ -84,7 +89,9 @@ class Ledger:
         failure): when the oldest of the members' newest reads began."""
         if not view.replicas:
             return view.started_at
-        return max(view.started_at, min(self.began.get(r.name, NEVER) for r in view.replicas))
+        if not view.by_name.keys() <= self.began.keys():
+            return view.started_at  # a member never read: the oldest read is NEVER
+        return max(view.started_at, min(map(self.began.__getitem__, view.by_name)))
 
     def counts(self, reading: Reading) -> bool:
         """May a peer's reading count? Not over a read that began later, nor over news of the
@@ -171,7 +178,7 @@ def peer_applier(source: Source, pool: Pool, ledger: Ledger, health_timeout_s: f
 
     async def apply(readings: list[Reading], peer: str) -> None:
         ms = await source.membership()
-        by_name = {m.name: m for m in ms.members}
+        by_name = ms.by_name
         now = time.monotonic()
         ledger.note(pool.view, now)  # news since the last publication (a LoRA load) is dated before judging
         current = pool.view

@@ -5,7 +5,7 @@ on its next poll (refresh.py)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sampler_common.adapters import AdapterState
@@ -26,6 +26,10 @@ class Membership:
     # pod's resourceVersions). A change reads only the members whose revision moved (refresh.py);
     # None: the source cannot tell which changed, and a change reads them all.
     revisions: Mapping[str, str] | None = None
+    by_name: dict[str, Member] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {m.name: m for m in self.members})
 
 
 class Source(Protocol):

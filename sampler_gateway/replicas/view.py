@@ -7,7 +7,10 @@ draining; the replica's own `/health` says whether it is ready and which weights
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from sampler_common.adapters import AdapterState
 
@@ -70,11 +73,33 @@ class PoolView:
     min_label: str | None = None
     # When this refresh started (time.monotonic): a replica marked lost after it stays out.
     started_at: float = 0.0
-    by_name: dict[str, ReplicaView] = field(default_factory=dict, compare=False, repr=False)
+    by_name: dict[str, ReplicaView] = field(init=False, compare=False, repr=False)
+    # Where each replica sits in `replicas` (by name): `replaced` finds the ones it replaces there.
+    positions: dict[str, int] = field(init=False, compare=False, repr=False)
     # The pool's weights history (label, generation), when discovery reads a SamplerPool.
     history: tuple[tuple[str, int], ...] = ()
     # The pool's declared adapters (`spec.adapters`), when discovery knows them; None: none declared.
     adapters: AdapterState | None = None
+    # The members (discovery's records) this view was merged from (discovery/merge.py): while the
+    # next membership carries the very same tuple, only the replicas a read concerns can move, and
+    # the next view is worked out for those alone. None: not from a merge.
+    members: tuple[Member, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_name", {r.name: r for r in self.replicas})
+        object.__setattr__(self, "positions", {r.name: i for i, r in enumerate(self.replicas)})
+
+    def replaced(self, moved: Mapping[str, ReplicaView], **fields: Any) -> PoolView:
+        """This view with each replica named in `moved` (each one of its own) replaced in place, and
+        `fields` changed: in proportion to `moved`, not to the pool. A read or a response concerns one
+        replica, and the gateway publishes a view at each (issue #53: a rollout at 256 replicas
+        behind 8 gateways). The order of the replicas is kept, so are `positions`."""
+        replicas = list(self.replicas)
+        for name, r in moved.items():
+            replicas[self.positions[name]] = r
+        out = object.__new__(PoolView)
+        for f in dataclasses.fields(self):
+            object.__setattr__(out, f.name, fields[f.name] if f.name in fields else getattr(self, f.name))
+        object.__setattr__(out, "replicas", tuple(replicas))
+        object.__setattr__(out, "by_name", {**self.by_name, **moved})
+        return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -68,6 +69,8 @@ class Pool:
         self._names: list[str] = []
         self._positions: dict[str, int] = {}
         metrics.index_blocks.set_function(self.index.size)
+        for state in ("ready", "draining", "not_ready"):
+            metrics.replicas.labels(state=state).set_function(functools.partial(self._count_state, state))
         # Replica -> (when, why) the gateway saw it fail; it stays out until a refresh that started
         # later finds it ready again (a failed connection is fresher news than the last /health).
         self._lost: dict[str, tuple[float, str]] = {}
@@ -108,40 +111,53 @@ class Pool:
                 self._lost_changes += 1
         view = self._newest_adapters(view)
         moved = _serial(view.adapters) != _serial(self.view.adapters)
-        self._track(self.view, view)
+        changed = self._track(self.view, view)
         self.view = view
         if moved and self.on_adapters is not None:
             self.on_adapters()
         self.order.set_history(dict(view.history))
-        self.order.see(((r.weights_label, r.weights_version) for r in view.replicas
+        # The labels and steps of the replicas whose view moved: the others' were seen when they did.
+        self.order.see(((r.weights_label, r.weights_version) for r in changed
                         if r.ready and r.weights_label is not None),
-                       {r.weights_label: r.weights_step for r in view.replicas
+                       {r.weights_label: r.weights_step for r in changed
                         if r.weights_label is not None and r.weights_step is not None})
         if refreshed:
             self.refreshes += 1
-        states = {"ready": 0, "draining": 0, "not_ready": 0}
-        for r in view.replicas:
-            states["draining" if r.draining else "ready" if self._usable(r) else "not_ready"] += 1
-        for state, n in states.items():
-            self.metrics.replicas.labels(state=state).set(n)
         self._notify()
 
-    def _track(self, old: PoolView, new: PoolView) -> None:
+    def _count_state(self, state: str) -> int:
+        """The replicas in `state` now (the `replicas` gauge, counted when scraped, not at each update)."""
+        n = 0
+        for r in self.view.replicas:
+            n += ("draining" if r.draining else "ready" if self._usable(r) else "not_ready") == state
+        return n
+
+    def _track(self, old: PoolView, new: PoolView) -> list[ReplicaView]:
         """The prefix index forgets each replica that left, moved, restarted or changed its weights (its
-        prefix cache is gone); the load cost follows each changed /health read."""
-        for r in old.replicas:
-            now = new.by_name.get(r.name)
-            if now is r:
-                continue
-            if now is None or cache_reset(r, now):
-                self.index.forget(r.name)
-                self.bursts.forget(r.name)
-        for r in new.replicas:
-            if old.by_name.get(r.name) is not r or r.name not in self._load:
-                self._reload_cost(r.name, r.engine)
-        for name in [n for n in self._load if n not in new.by_name]:
-            del self._load[name]
-        self._block_sizes = tuple(sorted({r.engine.block_size for r in new.replicas if r.engine.block_size}))
+        prefix cache is gone); the load cost follows each changed /health read. Returns the views of
+        `new` that are not in `old` (by identity): the work is theirs alone (`moves`), so a read of one
+        replica costs one replica's work, not the pool's."""
+        pairs = moves(old, new)
+        if pairs is None:  # members came or went: the whole pool
+            for r in old.replicas:
+                now = new.by_name.get(r.name)
+                if now is not r and (now is None or cache_reset(r, now)):
+                    self.index.forget(r.name)
+                    self.bursts.forget(r.name)
+            changed = [r for r in new.replicas if old.by_name.get(r.name) is not r or r.name not in self._load]
+            for name in [n for n in self._load if n not in new.by_name]:
+                del self._load[name]
+        else:
+            for before, now in pairs:
+                if cache_reset(before, now):
+                    self.index.forget(now.name)
+                    self.bursts.forget(now.name)
+            changed = [now for _, now in pairs]
+        for r in changed:
+            self._reload_cost(r.name, r.engine)
+        if pairs is None or any(before.engine.block_size != now.engine.block_size for before, now in pairs):
+            self._block_sizes = tuple(sorted({r.engine.block_size for r in new.replicas if r.engine.block_size}))
+        return changed
 
     def _reload_cost(self, name: str, engine: EngineView) -> None:
         self._load[name] = load_cost(engine, self.seqs.get(name, 0), self.tokens.get(name, 0), self.weights,
@@ -317,9 +333,7 @@ class Pool:
         current = self.view.by_name.get(name)
         if current is None:
             return
-        updated = dataclasses.replace(current, lora=lora)
-        self.view = dataclasses.replace(self.view, replicas=tuple(updated if r.name == name else r
-                                                                  for r in self.view.replicas))
+        self.view = self.view.replaced({name: dataclasses.replace(current, lora=lora)})
         self._notify()
 
     def _pick(self, affinity: str | None, exclude: frozenset[str], label: str | None,
@@ -460,8 +474,7 @@ class Pool:
         # New weights: the replica reset its prefix cache with the write.
         self.index.forget(replica.name)
         self.bursts.forget(replica.name)
-        self.view = dataclasses.replace(self.view, replicas=tuple(updated if r.name == replica.name else r
-                                                                  for r in self.view.replicas))
+        self.view = self.view.replaced({replica.name: updated})
 
     @contextlib.contextmanager
     def lease(self, replica: ReplicaView, kind: str, prompt: Prompt | None = None) -> Iterator[None]:
@@ -525,6 +538,21 @@ def cache_reset(old: ReplicaView, new: ReplicaView) -> bool:
         return a is not None and b is not None and a != b
     return (old.url != new.url or changed(old.engine.started_at, new.engine.started_at)
             or changed(old.weights_version, new.weights_version) or changed(old.weights_label, new.weights_label))
+
+
+def moves(old: PoolView, new: PoolView) -> list[tuple[ReplicaView, ReplicaView]] | None:
+    """Pure: each replica whose view is another object in `new` than in `old`, as (old, new) views;
+    None when `new` does not hold the same replicas in the same order (members came or went). A
+    view that did not move is the same object (merge.py keeps it), so an identity test per replica
+    finds what moved: a C-speed pass, not a Python one that compares fields."""
+    if old.replicas is new.replicas:
+        return []
+    if len(old.replicas) != len(new.replicas):
+        return None
+    pairs = [(a, b) for a, b in zip(old.replicas, new.replicas, strict=True) if a is not b]
+    if any(a.name != b.name for a, b in pairs):
+        return None
+    return pairs
 
 
 def _serial(state: AdapterState | None) -> int:
