@@ -16,7 +16,8 @@ order of labels every gateway of the pool shares (versions.LabelOrder), whenever
 
 Three list+watch loops (SamplerReplicas, pods, the SamplerPool) run in threads with the blocking
 kubernetes client and keep the latest objects in memory; `membership()` reads that memory (worked
-out again only after an event, and only for the replicas the events concern: `MemberIndex`). Every event and every (re)list raises a `ChangeSignal`, so the
+out again only after an event, and only for the replicas the events concern: `MemberIndex`). Every
+event and every (re)list raises a `ChangeSignal`, so the
 refresh loop acts on a drain mark as soon as the API server tells of it, not on its next poll; each
 member carries its objects' revision, so the loop reads only the members an event concerns. A
 fourth loop, when the gateway shares its `/health` reads, watches the pool's gateway Leases: where
