@@ -21,17 +21,21 @@ run, pinned the same way.
 
 Fronts, all up at once over the same fakes: `direct` (the client sends group g to replica g mod N: the
 client's own floor), `scorer` (a gateway with its defaults), `least-loaded` (`--picker least-loaded`),
-`cache_aware` (`vllm-router --policy cache_aware`, bench/gateway_vs_router.py). Each burst: GROUPS
-prompts (token ids, PROMPT_BLOCKS whole blocks of 128 and a part, a burst's own) x SIBLINGS requests,
-all sent at once (one `asyncio.gather`, as bench/prefix_routing.py's grpo). Per burst:
+`sticky` (that gateway, each request with its group's `X-Sampler-Affinity`), `cache_aware`
+(`vllm-router --policy cache_aware`, bench/gateway_vs_router.py). Each burst: GROUPS prompts (token
+ids, PROMPT_BLOCKS whole blocks of 128 and a part, a burst's own) x SIBLINGS requests, all sent at once
+(one `asyncio.gather`, as bench/prefix_routing.py's grpo). Per burst:
 - `spread`: first to last arrival at the replicas; `send`: first to last send by the client;
 - `delay p50/p99`: arrival - the client's send time, per request;
-- `per replica`: requests each replica got; `split`: groups whose siblings reached more than one
-  replica, and `prefills`: the (group, replica) pairs (the ideal: one per group);
+- `per replica`: requests each replica got; `lead`: the most requests one replica's arrivals were
+  ahead of another's at any moment (an even spread that is uneven in time shows here); `split`: groups
+  whose siblings reached more than one replica, and `prefills`: the (group, replica) pairs (the ideal:
+  one per group);
 - `CPU/req`: the front's own CPU (utime + stime) over the burst, per request;
 - `wall`: first send to last answer (the hold included).
-Rounds in balanced orders (bench/rounds.py); medians over rounds. Prints only: these are the facts of
-one dispatch path on fakes, not a throughput figure for docs/benchmarks.md.
+Rounds in balanced orders (bench/rounds.py); medians over rounds; `--dump` writes every request's
+(seed, replica, sent, arrived), in seconds from the burst's start, for a closer look. Prints only:
+these are the facts of one dispatch path on fakes, not a throughput figure for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from sampler_pod.testing.net import free_port
 from tests.support.gateway import run_gateway
 from tests.support.server import stop
 
-FRONTS = ("direct", "scorer", "least-loaded", "cache_aware")
+FRONTS = ("direct", "scorer", "least-loaded", "sticky", "cache_aware")
 BLOCK = 128                      # vLLM's CPU block size, said by each fake's /health
 PROMPT_BLOCKS, TAIL = 3, 16      # bench/prefix_routing.py's grpo prompts
 SEED_GROUP = 1000                # seed = group * SEED_GROUP + sibling
@@ -217,6 +221,7 @@ class Front:
     name: str
     url: str | None     # None: direct
     pid: int | None
+    keyed: bool = False  # each request carries its group's X-Sampler-Affinity (the sticky front)
 
 
 @dataclass
@@ -231,6 +236,8 @@ class Burst:
     cpu_ms_per_req: float
     wall_s: float
     failed: int
+    lead: int = 0        # the most requests one replica was ahead of another at any moment of the burst
+    records: list[tuple[int, str, float, float]] = field(default_factory=list)  # seed, replica, sent, arrived
 
 
 def pct(xs: list[float], q: int) -> float:
@@ -252,7 +259,8 @@ async def burst(http: aiohttp.ClientSession, front: Front, urls: dict[str, str],
                 "ignore_eos": True}
         sent[seed] = time.monotonic()
         try:
-            async with http.post(url + "/v1/completions", json=body) as r:
+            headers = {"X-Sampler-Affinity": f"g{g}"} if front.keyed else {}
+            async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
                 assert r.status == 200, await r.text()
                 await r.read()
         except (aiohttp.ClientError, AssertionError):
@@ -276,7 +284,14 @@ async def burst(http: aiohttp.ClientSession, front: Front, urls: dict[str, str],
     for seed, (_, name) in arrivals.items():
         touched[seed // SEED_GROUP].add(name)
     n = groups * siblings
-    return Burst(spread_ms=(max(times) - min(times)) * 1000 if times else float("nan"),
+    counts = dict.fromkeys(urls, 0)
+    lead = 0
+    for _, name in sorted(arrivals.values()):
+        counts[name] += 1
+        lead = max(lead, max(counts.values()) - min(counts.values()))
+    records = [(seed, name, sent[seed] - t0, t - t0) for seed, (t, name) in sorted(arrivals.items())]
+    return Burst(lead=lead, records=records,
+                 spread_ms=(max(times) - min(times)) * 1000 if times else float("nan"),
                  send_ms=(max(sent.values()) - min(sent.values())) * 1000,
                  delay_p50_ms=pct(delays, 50) if delays else float("nan"),
                  delay_p99_ms=pct(delays, 99) if delays else float("nan"),
@@ -290,11 +305,13 @@ def fronts(names: list[str], urls: dict[str, str]) -> Iterator[dict[str, Front]]
     with contextlib.ExitStack() as stack:
         out: dict[str, Front] = {"direct": Front("direct", None, None)}
         for name, flags in (("scorer", ()), ("least-loaded", ("--picker", "least-loaded"))):
-            if name in names:
+            if name in names or (name == "least-loaded" and "sticky" in names):
                 gw = stack.enter_context(run_gateway(urls, *flags))
                 gw.wait(lambda h: sum(r["eligible"] and r["engine"]["block_size"] == BLOCK for r in h["replicas"])
                         == len(urls), "every fake eligible with its block size", timeout=60)
                 out[name] = Front(name, gw.url, gw.proc.pid)
+        if "sticky" in names:
+            out["sticky"] = Front("sticky", out["least-loaded"].url, out["least-loaded"].pid, keyed=True)
         if "cache_aware" in names:
             url, pid = stack.enter_context(vllm_router(list(urls.values()), "cache_aware"))
             out["cache_aware"] = Front("cache_aware", url, pid)
@@ -316,20 +333,25 @@ async def run(args: argparse.Namespace) -> None:
                     results[name].append(b)
                     print(f"  {name:<12} spread {b.spread_ms:6.1f} ms  send {b.send_ms:6.1f} ms  "
                           f"delay p50 {b.delay_p50_ms:6.1f} p99 {b.delay_p99_ms:6.1f} ms  "
-                          f"per replica {b.per_replica}  split {b.split}  prefills {b.prefills}  "
+                          f"per replica {b.per_replica}  lead {b.lead}  split {b.split}  prefills {b.prefills}  "
                           f"CPU/req {b.cpu_ms_per_req:.3f} ms  wall {b.wall_s:.2f} s  failed {b.failed}",
                           flush=True)
+    if args.dump:
+        with open(args.dump, "w") as f:
+            json.dump({name: [b.records for b in bs] for name, bs in results.items()}, f)
     med = statistics.median
     print(f"\n{args.replicas} fake replicas (hold {args.hold_s} s{', engine CPU' if args.engine_cpu else ''}"
           f"{f', {args.hog} hogs' if args.hog else ''}), {args.groups} x {args.siblings} burst, "
           f"{args.rounds} rounds; medians:")
-    print("| front | spread | send | delay p50 | delay p99 | busiest/mean | split groups | prefills | CPU/req | wall |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| front | spread | send | delay p50 | delay p99 | busiest/mean | lead | split groups | prefills | CPU/req "
+          "| wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, bs in results.items():
         busiest = med(max(b.per_replica) / (sum(b.per_replica) / len(b.per_replica)) for b in bs)
         print(f"| {name} | {med(b.spread_ms for b in bs):.1f} ms | {med(b.send_ms for b in bs):.1f} ms | "
               f"{med(b.delay_p50_ms for b in bs):.1f} ms | {med(b.delay_p99_ms for b in bs):.1f} ms | "
-              f"{busiest:.2f} | {med(b.split for b in bs)} | {med(b.prefills for b in bs)} | "
+              f"{busiest:.2f} | {med(b.lead for b in bs)} | {med(b.split for b in bs)} | "
+              f"{med(b.prefills for b in bs)} | "
               f"{med(b.cpu_ms_per_req for b in bs):.3f} ms | {med(b.wall_s for b in bs):.2f} s |")
 
 
@@ -344,6 +366,7 @@ def main() -> None:
     p.add_argument("--engine-cpu", action="store_true", help="fakes burn CPU while they hold requests")
     p.add_argument("--hog", type=int, default=0, help="busy processes for the whole run, pinned core i mod cores")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", help="write every request's (seed, replica, sent, arrived) per front and burst here")
     p.add_argument("--fake-replica", type=int, help=argparse.SUPPRESS)  # run one fake on this port
     args = p.parse_args()
     if args.fake_replica is not None:
