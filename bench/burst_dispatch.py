@@ -49,14 +49,15 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 
 from bench.gateway_vs_router import vllm_router
 from bench.load import proc_cpu_s
@@ -64,7 +65,7 @@ from bench.rounds import orders
 from bench.sampling_concurrency import http_session
 from sampler_pod.testing.net import free_port
 from tests.support.gateway import run_gateway
-from tests.support.server import stop
+from tests.support.server import stop, wait_healthy
 
 FRONTS = ("direct", "scorer", "least-loaded", "sticky", "cache_aware")
 BLOCK = 128                      # vLLM's CPU block size, said by each fake's /health
@@ -177,28 +178,24 @@ def pin(i: int) -> list[str]:
 
 @contextlib.contextmanager
 def fakes(n: int, hold_s: float, engine_cpu: bool) -> Iterator[dict[str, str]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    urls = {}
+    """`n` fake replicas, each its own process (their output in one log), once each answers /health."""
+    log = Path(tempfile.mkdtemp(prefix="bench-fakes-")) / "fakes.log"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        for i in range(n):
-            port = free_port()
-            cmd = [sys.executable, "-m", "bench.burst_dispatch", "--fake-replica", str(port), "--hold-s", str(hold_s)]
-            if engine_cpu:
-                cmd = pin(i) + cmd + ["--engine-cpu"]
-            procs.append(subprocess.Popen(cmd, start_new_session=True))
-            urls[f"f{i}"] = f"http://127.0.0.1:{port}"
-        for url in urls.values():
-            deadline = time.monotonic() + 30
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the fake at {url} never answered")
-                time.sleep(0.05)
-        yield urls
+        with open(log, "wb") as out:
+            for i in range(n):
+                port = free_port()
+                cmd = [sys.executable, "-m", "bench.burst_dispatch", "--fake-replica", str(port),
+                       "--hold-s", str(hold_s)]
+                if engine_cpu:
+                    cmd = pin(i) + cmd + ["--engine-cpu"]
+                procs[f"http://127.0.0.1:{port}"] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                                                     start_new_session=True)
+        for url, proc in procs.items():
+            wait_healthy(url, proc, log, timeout=30)
+        yield {f"f{i}": url for i, url in enumerate(procs)}
     finally:
-        for p in procs:
+        for p in procs.values():
             stop(p)
 
 
