@@ -113,14 +113,17 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
     app.state.board = board
     # Who read each replica last, and when (discovery/refresh.py): the refresh loop's, kept here to be looked at.
     app.state.ledger = Ledger()
+    # The generating routes first: Starlette tries the routes in order, one regex each, on every request,
+    # and a burst of samples crosses this list once per request (bench/burst_dispatch.py). No two of
+    # these routers share a path, so the order decides nothing else.
+    auth = [Depends(APIKeyAuth(cfg.api_key, cfg.admin_api_key).sampling)]
+    for router in (openai.router, native.router, tinker.router, twinkle.router, weight_transfer.router,
+                   peer_routes.router):
+        app.include_router(router, dependencies=auth)
     app.include_router(health.router)
     admin = [Depends(pool_routes.PoolAdminAuth(cfg.api_key, cfg.admin_api_key))]
     for admin_router in (pool_routes.router, adapter_push.router, weight_transfer.admin_router):
         app.include_router(admin_router, dependencies=admin)
-    auth = [Depends(APIKeyAuth(cfg.api_key, cfg.admin_api_key).sampling)]
-    for router in (native.router, tinker.router, twinkle.router, openai.router, weight_transfer.router,
-                   peer_routes.router):
-        app.include_router(router, dependencies=auth)
     # Last: whatever else is under /api/v1 goes to any replica unchanged.
     app.add_api_route("/api/v1/{path:path}", tinker.anywhere, methods=ANY_METHOD, dependencies=auth,
                       include_in_schema=False)
