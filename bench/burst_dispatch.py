@@ -2,22 +2,28 @@
 which replica gets which sibling group (issue #52: the scorer's grpo tok/s was 0.84x `cache_aware`'s on
 4 replicas, 0.89x on 2, at equal prefix-cache hits and an even spread).
 
-    python -m bench.burst_dispatch [--replicas 4] [--rounds 3] [--fronts direct scorer cache_aware]
-                                   [--hold-s 1.0] [--engine-cpu] [--hog 0] [--groups 32] [--siblings 8]
+    python -m bench.burst_dispatch [--replicas 4] [--rounds 3] [--fronts direct scorer sticky cache_aware]
+                                   [--fake-mode hold|hold-cpu|steps] [--hold-s 1.0] [--hog 0]
+                                   [--groups 32] [--siblings 8] [--dump FILE]
 
 Two explanations it tells apart: the burst passes through the gateway's one Python event loop
 (CPU per request, competing for the box's cores with the engines), so its requests reach the replicas
 spread over time where the Rust router sends them at once; or the scorer places the siblings unlike
-`cache_aware` (a group split over replicas: more prefills; an uneven spread).
+`cache_aware` (a group split over replicas: more prefills; an uneven spread, in count or in time).
 
 The replicas are fakes (`fake_replica`, each its own process on 127.0.0.1): vLLM's routes as far as a
 front needs them (`/health` with the prefix cache's block size, `/v1/models`, `/v1/completions`). Each
-holds a request `--hold-s` seconds, then answers; it records when the request's body had arrived
-(`time.monotonic`, one clock for every process of the box) and its `seed`, which names the group and
-the sibling (`seed = group * 1000 + sibling`; the prompt is the group's, the same for its siblings).
-`--engine-cpu`: a fake burns CPU while it holds requests, as a busy engine does, replica i pinned to
-core i mod the cores (bench/prefix_routing.py's engines); `--hog N`: N busy processes for the whole
-run, pinned the same way.
+records when a request's body had arrived (`time.monotonic`, one clock for every process of the box)
+and its `seed`, which names the group and the sibling (`seed = group * 1000 + sibling`; the prompt is
+the group's, the same for its siblings). How a fake serves (`--fake-mode`):
+- `hold`: it holds each request `--hold-s` seconds, idle, then answers (dispatch alone);
+- `hold-cpu`: the same, burning CPU while it holds any, as a busy engine does;
+- `steps`: a toy engine: one token per step for every sequence in its batch, each step STEP_MS of CPU
+  plus SEQ_MS per sequence plus PREFILL_MS_PER_TOKEN per prompt token prefilled (a prompt the replica
+  prefilled before costs its tail only: the prefix cache); a request is answered after `max_tokens`
+  steps. Its `wall` then follows both the dispatch and the placement, in count and in time.
+In `hold-cpu` and `steps`, replica i is pinned to core i mod the cores (bench/prefix_routing.py's
+engines); `--hog N`: N busy processes for the whole run, pinned the same way.
 
 Fronts, all up at once over the same fakes: `direct` (the client sends group g to replica g mod N: the
 client's own floor), `scorer` (a gateway with its defaults), `least-loaded` (`--picker least-loaded`),
@@ -76,14 +82,33 @@ SEED_GROUP = 1000                # seed = group * SEED_GROUP + sibling
 # ---------------------------------------------------------------------------- the fake replica
 
 
+# How a fake serves a request (module docstring): held `--hold-s` idle, held while burning CPU, or
+# generated in engine steps.
+MODES = ("hold", "hold-cpu", "steps")
+# The stepped engine's costs, in ms of CPU: a step, plus per sequence in it, plus per prompt token it
+# prefills (a prompt's whole blocks are cached once the replica has prefilled it: only its tail then).
+STEP_MS, SEQ_MS, PREFILL_MS_PER_TOKEN = 12.0, 0.05, 0.05
+
+
+@dataclass
+class Seq:
+    prompt: int              # its prompt's hash: what the replica's prefix cache would hold
+    tokens: int              # its prompt's length
+    left: int                # tokens still to generate (one per step)
+    done: asyncio.Future[None]
+    prefilled: bool = False
+
+
 @dataclass
 class Fake:
     name: str
     hold_s: float
-    engine_cpu: bool
+    mode: str
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, seed)
     holding: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    running: list[Seq] = field(default_factory=list)   # the stepped engine's batch
+    cached: set[int] = field(default_factory=set)      # prompts it prefilled
 
 
 def _response(status: int, body: Any) -> bytes:
@@ -135,13 +160,19 @@ async def _answer(fake: Fake, path: str, body: bytes, arrived: float) -> bytes:
         return _response(404, {"error": {"message": f"no route {path}", "type": "NotFoundError", "code": 404}})
     req = json.loads(body)
     fake.arrivals.append((arrived, int(req.get("seed", -1))))
+    n = int(req.get("max_tokens", 1))
     fake.holding += 1
     fake.wake.set()
     try:
-        await asyncio.sleep(fake.hold_s)
+        if fake.mode == "steps":
+            prompt = req.get("prompt", [])
+            seq = Seq(hash(tuple(prompt)), len(prompt), n, asyncio.get_running_loop().create_future())
+            fake.running.append(seq)
+            await seq.done
+        else:
+            await asyncio.sleep(fake.hold_s)
     finally:
         fake.holding -= 1
-    n = int(req.get("max_tokens", 1))
     return _response(200, {"id": "cmpl-fake", "object": "text_completion", "model": "tiny",
                            "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length",
                                         "weights_spans": [{"label": "w", "version": 1, "start": 0, "end": n}]}],
@@ -149,22 +180,54 @@ async def _answer(fake: Fake, path: str, body: bytes, arrived: float) -> bytes:
                                      "total_tokens": n + len(req.get("prompt", []))}})
 
 
+async def _spin(ms: float) -> None:
+    """`ms` of CPU in slices of ~1 ms, the loop served between them (arrivals are recorded on time, as
+    vLLM's API server process records them while its engine core computes)."""
+    end = time.thread_time() + ms / 1000
+    while time.thread_time() < end:
+        stop = time.perf_counter() + 0.001
+        while time.perf_counter() < stop:
+            pass
+        await asyncio.sleep(0)
+
+
 async def _burn(fake: Fake) -> None:
-    """While it holds requests, a busy engine: CPU in slices of ~1 ms, the loop served between them."""
+    """hold-cpu: while it holds requests, a busy engine."""
     while True:
         await fake.wake.wait()
         while fake.holding:
-            end = time.perf_counter() + 0.001
-            while time.perf_counter() < end:
-                pass
-            await asyncio.sleep(0)
+            await _spin(1.0)
         fake.wake.clear()
 
 
-async def fake_replica(name: str, port: int, hold_s: float, engine_cpu: bool) -> None:
-    fake = Fake(name, hold_s, engine_cpu)
+async def _steps(fake: Fake) -> None:
+    """steps: an engine that generates one token per step for every sequence in its batch; a sequence
+    joins at the next step after its arrival, and its first step prefills its prompt (its tail only
+    when the replica has prefilled that prompt before: vLLM's prefix cache, whole blocks)."""
+    while True:
+        await fake.wake.wait()
+        while fake.running:
+            batch = list(fake.running)
+            cost = STEP_MS + SEQ_MS * len(batch)
+            for seq in batch:
+                if not seq.prefilled:
+                    cached = seq.prompt in fake.cached
+                    cost += PREFILL_MS_PER_TOKEN * (seq.tokens % BLOCK if cached else seq.tokens)
+                    fake.cached.add(seq.prompt)
+                    seq.prefilled = True
+            await _spin(cost)
+            for seq in batch:
+                seq.left -= 1
+                if seq.left <= 0:
+                    fake.running.remove(seq)
+                    seq.done.set_result(None)
+        fake.wake.clear()
+
+
+async def fake_replica(name: str, port: int, hold_s: float, mode: str) -> None:
+    fake = Fake(name, hold_s, mode)
     server = await asyncio.start_server(lambda r, w: _serve(fake, r, w), "127.0.0.1", port, backlog=1024)
-    burner = asyncio.create_task(_burn(fake)) if engine_cpu else None
+    burner = asyncio.create_task(_burn(fake) if mode == "hold-cpu" else _steps(fake)) if mode != "hold" else None
     async with server:
         await server.serve_forever()
     if burner is not None:
@@ -177,7 +240,7 @@ def pin(i: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def fakes(n: int, hold_s: float, engine_cpu: bool) -> Iterator[dict[str, str]]:
+def fakes(n: int, hold_s: float, mode: str) -> Iterator[dict[str, str]]:
     """`n` fake replicas, each its own process (their output in one log), once each answers /health."""
     log = Path(tempfile.mkdtemp(prefix="bench-fakes-")) / "fakes.log"
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -186,9 +249,9 @@ def fakes(n: int, hold_s: float, engine_cpu: bool) -> Iterator[dict[str, str]]:
             for i in range(n):
                 port = free_port()
                 cmd = [sys.executable, "-m", "bench.burst_dispatch", "--fake-replica", str(port),
-                       "--hold-s", str(hold_s)]
-                if engine_cpu:
-                    cmd = pin(i) + cmd + ["--engine-cpu"]
+                       "--hold-s", str(hold_s), "--fake-mode", mode]
+                if mode != "hold":
+                    cmd = pin(i) + cmd
                 procs[f"http://127.0.0.1:{port}"] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                                      start_new_session=True)
         for url, proc in procs.items():
@@ -318,7 +381,7 @@ def fronts(names: list[str], urls: dict[str, str]) -> Iterator[dict[str, Front]]
 async def run(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     results: dict[str, list[Burst]] = {n: [] for n in args.fronts}
-    with hogs(args.hog), fakes(args.replicas, args.hold_s, args.engine_cpu) as urls, \
+    with hogs(args.hog), fakes(args.replicas, args.hold_s, args.fake_mode) as urls, \
             fronts(args.fronts, urls) as by_name:
         async with http_session() as http:
             for front in by_name.values():                      # warm-up (connections), not counted
@@ -337,7 +400,9 @@ async def run(args: argparse.Namespace) -> None:
         with open(args.dump, "w") as f:
             json.dump({name: [b.records for b in bs] for name, bs in results.items()}, f)
     med = statistics.median
-    print(f"\n{args.replicas} fake replicas (hold {args.hold_s} s{', engine CPU' if args.engine_cpu else ''}"
+    serving = f"{args.fake_mode}, hold {args.hold_s} s" if args.fake_mode != "steps" else \
+        f"steps of {STEP_MS} ms + {SEQ_MS} ms per sequence + {PREFILL_MS_PER_TOKEN} ms per prompt token prefilled"
+    print(f"\n{args.replicas} fake replicas ({serving}"
           f"{f', {args.hog} hogs' if args.hog else ''}), {args.groups} x {args.siblings} burst, "
           f"{args.rounds} rounds; medians:")
     print("| front | spread | send | delay p50 | delay p99 | busiest/mean | lead | split groups | prefills | CPU/req "
@@ -359,15 +424,15 @@ def main() -> None:
     p.add_argument("--fronts", nargs="+", default=["direct", "scorer", "cache_aware"], choices=FRONTS)
     p.add_argument("--groups", type=int, default=32)
     p.add_argument("--siblings", type=int, default=8)
-    p.add_argument("--hold-s", type=float, default=1.0, help="how long a fake holds each request")
-    p.add_argument("--engine-cpu", action="store_true", help="fakes burn CPU while they hold requests")
+    p.add_argument("--fake-mode", choices=MODES, default="hold", help="how a fake serves (module docstring)")
+    p.add_argument("--hold-s", type=float, default=1.0, help="how long a fake holds each request (hold, hold-cpu)")
     p.add_argument("--hog", type=int, default=0, help="busy processes for the whole run, pinned core i mod cores")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", help="write every request's (seed, replica, sent, arrived) per front and burst here")
     p.add_argument("--fake-replica", type=int, help=argparse.SUPPRESS)  # run one fake on this port
     args = p.parse_args()
     if args.fake_replica is not None:
-        asyncio.run(fake_replica(f"p{args.fake_replica}", args.fake_replica, args.hold_s, args.engine_cpu))
+        asyncio.run(fake_replica(f"p{args.fake_replica}", args.fake_replica, args.hold_s, args.fake_mode))
         return
     asyncio.run(run(args))
 
