@@ -66,11 +66,12 @@ from typing import Any
 import aiohttp
 
 from bench.gateway_vs_router import vllm_router
-from bench.load import proc_cpu_s
 from bench.rounds import orders
 from bench.sampling_concurrency import http_session
 from sampler_pod.testing.net import free_port
+from tests.support.cpu_share import process_cpu_s
 from tests.support.gateway import run_gateway
+from tests.support.raw_http import read_head
 from tests.support.server import stop, wait_healthy
 
 FRONTS = ("direct", "scorer", "least-loaded", "sticky", "cache_aware")
@@ -132,10 +133,7 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> b
 async def _serve(fake: Fake, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            _, path, _ = lines[0].split(" ", 2)
-            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+            _, path, headers = await read_head(reader)
             body = await _read_body(reader, headers)
             arrived = time.monotonic()
             writer.write(await _answer(fake, path, body, arrived))
@@ -326,11 +324,11 @@ async def burst(http: aiohttp.ClientSession, front: Front, urls: dict[str, str],
         except (aiohttp.ClientError, AssertionError):
             failed += 1
 
-    cpu0 = proc_cpu_s(front.pid) if front.pid else 0.0
+    cpu0 = process_cpu_s(front.pid) if front.pid else 0.0
     t0 = time.monotonic()
     await asyncio.gather(*(one(g, s) for g in range(groups) for s in range(siblings)))
     wall = time.monotonic() - t0
-    cpu = (proc_cpu_s(front.pid) - cpu0) if front.pid else float("nan")
+    cpu = (process_cpu_s(front.pid) - cpu0) if front.pid else float("nan")
     arrivals: dict[int, tuple[float, str]] = {}
     for name, url in urls.items():
         async with http.get(url + "/bench/arrivals") as r:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sampler_pod.testing.net import free_port
+from tests.support.raw_http import read_head
 
 
 @dataclass
@@ -89,10 +90,7 @@ def _spans(label: str, n: int) -> list[dict[str, Any]]:
 async def _serve(pool: StubPool, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, path, _ = lines[0].split(" ", 2)
-            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+            method, path, headers = await read_head(reader)
             body = await reader.readexactly(int(headers.get("content-length", "0")))
             if path != "/health":
                 with pool.lock:
