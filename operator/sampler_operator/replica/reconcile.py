@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sampler_common.rollout_trace import trace
 from sampler_operator import metrics
 from sampler_operator.api_keys import (
     fresh_values,
@@ -66,7 +67,7 @@ from sampler_operator.replica.weights_intent import (
     startup_weights,
     weights_synced,
 )
-from sampler_operator.replica.weights_sync import sync_weights
+from sampler_operator.replica.weights_sync import LoadOutcome, sync_weights
 
 REASON_UNCERTAIN = "UncertainWeights"
 REASON_SPEC_CHANGED = "SpecChanged"
@@ -333,8 +334,10 @@ def _outcome(status: Mapping[str, Any], *, old_pod: str, reason: str, message: s
 
 
 async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pods: list[PodView],
-                  mem: ReplicaMemory) -> Decision | None:
-    """Probe the current pod, update status, and return the replacement decision."""
+                  mem: ReplicaMemory, loaded: LoadOutcome | None = None) -> Decision | None:
+    """Probe the current pod, update status, and return the replacement decision. `loaded`: a declared
+    load's outcome the pod just answered (weights_sync.LoadOutcome), written in the same status write
+    as what this probe says: one write per load, not the outcome's and then the next look's."""
     status = cr.get("status") or {}
     pod = pick_current([p for p in pods if not p.deleting], status)
     obs: HealthObservation | None = None
@@ -347,14 +350,18 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
     history = [parse_iso(t) for t in status.get("replacementHistory") or []]
     decision = _fleet_capped(ctx, cr, decide(obs, history, spec.replacement, now), spec, obs, pod)
     mem.last_decision = decision
-    weights = observed_weights(obs, pod.name if pod else None, status.get("weights") or {})
+    weights = observed_weights(obs, pod.name if pod else None,
+                               {**(status.get("weights") or {}), **(loaded.weights if loaded else {})})
+    synced = weights_synced(spec, weights, obs, unavailable=_unavailable(spec, mem))
+    if synced is None and loaded is not None:
+        synced = loaded.synced   # the pod did not answer this look: the load's own answer says it
     new_status = runtime_status(pod=pod, observation=obs, consecutive_failures=mem.consecutive_failures,
                                 failure_threshold=spec.health.failure_threshold, decision=decision,
                                 replacing=decision.action is Action.REPLACE, old_status=status,
-                                generation=cr["metadata"].get("generation"), now=now,
-                                weights_synced=(synced := weights_synced(spec, weights, obs,
-                                                                         unavailable=_unavailable(spec, mem))))
+                                generation=cr["metadata"].get("generation"), now=now, weights_synced=synced)
     new_status["weights"] = weights
+    if loaded is not None:
+        new_status.update(load_columns(new_status, loaded, obs))
     if status.get("replacing") and not ctx.slots.holds(owner_key(cr)):
         new_status["replacing"] = False  # the new pod is ok (or the replica gave up): slot freed
     if pod is None:
@@ -374,7 +381,23 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
         if (obs is not None and obs.state is HealthState.ENGINE_STALLED
                 and _condition_status(status, ENGINE_PROGRESSING) != "False"):
             ctx.emit(event_target(cr), "Warning", ENGINE_STALLED, stall_event_message(pod.name if pod else "?", obs))
+    if loaded is not None:
+        meta = cr["metadata"]
+        trace("operator", "load.recorded", replica=f"{meta.get('namespace')}/{meta.get('name')}", label=loaded.label,
+              result=loaded.result)
+        if loaded.event is not None:
+            ctx.emit(event_target(cr), *loaded.event)   # after the write: it tells of a status the API server has
     return decision
+
+
+def load_columns(new_status: Mapping[str, Any], loaded: LoadOutcome,
+                 obs: HealthObservation | None) -> dict[str, Any]:
+    """Pure: the printed columns (weightsLabel, weightsVersion) after a load, when the look that writes its
+    outcome got no weights from the pod: what the load's answer proves it serves, as status.weights says."""
+    served = loaded.weights
+    if (obs is not None and obs.answered and obs.weights_version is not None) or "label" not in served:
+        return {}
+    return {"weightsLabel": served["label"], "weightsVersion": served.get("version")}
 
 
 def _unavailable(spec: SamplerReplicaSpec, mem: ReplicaMemory) -> str | None:
@@ -440,8 +463,17 @@ async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable
         pod = pick_current([p for p in pods if not p.deleting], cr.get("status") or {})
         if pod is not None and pod.pod_ip:
             after = await sync_weights(ctx, newest(cr, mem), spec, pod.pod_ip, obs, mem)
-            if after is not None:
-                return min(after, period)  # a load changed the pod: look at it again soon (weights_sync.py)
+            if isinstance(after, LoadOutcome):
+                # A look at the pod now, written with the load's outcome: the status says at once what the
+                # pod serves (the pool's rollout waits for it), in one write. Under the spec the load was
+                # sent for (`cr`'s generation), with the status our own writes left.
+                decision = await observe(ctx, {**cr, "status": newest(cr, mem).get("status") or {}}, spec, pods,
+                                         mem, loaded=after)
+                if decision is not None and decision.action is Action.REPLACE:
+                    await converge(ctx, namespace, name, spec, mem, replace=decision)
+                    return min(1.0, period)
+            elif after is not None:
+                return min(after, period)  # it changed the pod: look at it again soon (weights_sync.py)
     if decision is not None and decision.retry_after is not None:
         return max(0.1, min(period, decision.retry_after))
     return period

@@ -3,11 +3,15 @@
 Called by the replica loop only while the pod reports `ok`. Steps, each recorded in status so a
 restarted operator neither repeats a finished load nor forgets an unfinished one:
   1. spec.weights changed since the operator last acted on it (`status.weights.declared`):
-     WeightsSynced=False/Loading, then `POST /v1/checkpoints/load` with the replica's admin key
-     (`in_flight: abort` when spec.weights.inFlight is Abort: the pod aborts its samples in flight
-     instead of waiting for them, once the checkpoint has passed validation);
-     the outcome (Loaded | InvalidCheckpoint | WriteFailed) goes to status with the spec it was
-     for. A checkpoint the pod refuses leaves the pod serving its current, certain weights.
+     `POST /v1/checkpoints/load` with the replica's admin key (`in_flight: abort` when
+     spec.weights.inFlight is Abort: the pod aborts its samples in flight instead of waiting for
+     them, once the checkpoint has passed validation); a load still running after
+     LOADING_SHOWN_AFTER_S shows WeightsSynced=False/Loading meanwhile. The outcome (Loaded |
+     InvalidCheckpoint | WriteFailed), with the spec it was for, is not written here: it goes back to
+     the replica loop (`LoadOutcome`), whose look at the pod right after writes it together with what
+     the pod's /health says then, in ONE status write (reconcile.observe): a Keep push costs each
+     replica one status write, not an outcome write and a look's write after it. A checkpoint the pod
+     refuses leaves the pod serving its current, certain weights.
      Busy/unreachable/timed out: nothing is recorded and the next loop tries again.
      Weights pushed over the network (spec.weights.sha256) are loaded by their digest, the load naming
      the pool's ready replicas serving them as `peers` (`peer_urls`): a pod that holds the push writes
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sampler_common.rollout_trace import trace
@@ -60,16 +65,33 @@ LOAD_TIMEOUT_S = 1800.0
 ADAPTER_TIMEOUT_S = 600.0
 # After a change on the pod: look at it again this soon (its /health says what it serves now).
 LOOK_AGAIN_S = 1.0
-# After a declared load the pod took: at once. The load's answer already put the new label in the
-# status (loaded_weights); that look confirms it from /health and fills in the rest (the pool's
-# routing switch waits for the label: the rollout trace once showed a whole second of every rollout
-# there, inside Keep's capacity dip). Once: the next step finds the load recorded.
-AFTER_LOAD_S = 0.0
+# A load still running after this long is shown in status (WeightsSynced=False/Loading) until it
+# answers. One that answers sooner (a Keep push of a trainer's step usually does) costs no write of
+# its own: until the outcome's write, the status keeps its older observedGeneration, which says the
+# controller has not acted on the new spec yet. A write per replica per push is what a pool's
+# rollout pays for at scale (every gateway and the operator's own watch read each one, issue #53).
+LOADING_SHOWN_AFTER_S = 5.0
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """A declared load's outcome, for the replica loop to write with its look at the pod right after
+    (reconcile.observe): the label loaded and the result (LOADED, INVALID, WRITE_FAILED); `weights`,
+    the status.weights fields it records (the spec acted on, and what the load's answer proves served:
+    weights_intent.loaded_weights); `synced`, the WeightsSynced condition when that look says nothing
+    (the pod did not answer it); `event`, (type, reason, message) to post once written, or None."""
+    label: str
+    result: str
+    weights: dict[str, Any]
+    synced: Synced | None
+    event: tuple[str, str, str] | None
 
 
 async def sync_weights(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
-                       obs: HealthObservation, mem: ReplicaMemory) -> float | None:
-    """One sync step; when it changed something on the pod, how soon to look at it again (else None)."""
+                       obs: HealthObservation, mem: ReplicaMemory) -> float | LoadOutcome | None:
+    """One sync step: None when it changed nothing on the pod; after a declared load the pod answered,
+    its outcome, which the caller's look at the pod writes (LoadOutcome); after any other change, how
+    soon to look at the pod again."""
     weights = (cr.get("status") or {}).get("weights") or {}
     if checkpoint_missing(obs) is not None:
         if not load_while_waiting(spec, weights):
@@ -119,7 +141,7 @@ async def _peers(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, 
 
 
 async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, pod_ip: str,
-                         obs: HealthObservation, mem: ReplicaMemory) -> float | None:
+                         obs: HealthObservation, mem: ReplicaMemory) -> LoadOutcome | None:
     ref = declared_ref(spec)
     assert ref is not None
     if serving(obs, ref):
@@ -131,54 +153,59 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.source}) in place"
                  + (f", peers {peers}" if ref.sha256 is not None else ""))
     who = f"{cr['metadata'].get('namespace')}/{cr['metadata'].get('name')}"
-    # The status says Loading while the load runs, written beside it: every pool rollout waits for
-    # its slowest replica's load to start. Only the outcome below moves status.weights.declared, so
-    # an operator restarted between the two finds the load still to do (the pod then answers that
-    # it serves those weights already, or loads them).
-    loading = asyncio.ensure_future(_record(
-        ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.source}"), mem))
     trace("operator", "load.started", replica=who, label=ref.version_label)
+    load = asyncio.ensure_future(call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
+                                      declared_load_request(spec, peers), LOAD_TIMEOUT_S))
+    # A long load shows Loading while it runs, written beside it (never in front of it: every pool
+    # rollout waits for its slowest replica's load to start). Only the outcome moves
+    # status.weights.declared, so an operator restarted in between finds the load still to do (the pod
+    # then answers that it serves those weights already, or loads them).
+    loading: asyncio.Future[None] | None = None
     try:
-        answer = await call(ctx.session, "POST", pod_ip, spec.port, "/v1/checkpoints/load", key,
-                            declared_load_request(spec, peers), LOAD_TIMEOUT_S)
+        done, _ = await asyncio.wait({load}, timeout=LOADING_SHOWN_AFTER_S)
+        if not done:
+            loading = asyncio.ensure_future(_record(
+                ctx, cr, {}, Synced(False, "Loading", f"loading {ref.version_label!r} from {ref.source}"), mem))
+        answer = await load
     except BaseException:
-        await asyncio.gather(loading, return_exceptions=True)
+        load.cancel()
+        if loading is not None:
+            await asyncio.gather(loading, return_exceptions=True)
         raise
     trace("operator", "load.answered", replica=who, label=ref.version_label, outcome=answer.outcome.name)
     if answer.http_status in (401, 403):
         _refused(ctx, cr, spec, mem)
-    if answer.outcome is Outcome.TRANSIENT and answer.category == "weights_unavailable":
-        await loading
-        await _unavailable(ctx, cr, spec, ref, obs, answer.message, mem)
-        return None
     if answer.outcome is Outcome.TRANSIENT:
-        await loading
-        ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
+        if loading is not None:
+            await loading   # what is written next lands after it, never under it
+        if answer.category == "weights_unavailable":
+            await _unavailable(ctx, cr, spec, ref, obs, answer.message, mem)
+        else:
+            ctx.log.warning(f"load of {ref.version_label} did not happen, will retry: {answer.message}")
         return None
     mem.unavailable = None
     result, event_type = {Outcome.DONE: (LOADED, "Normal"), Outcome.INVALID: (INVALID, "Warning"),
                           Outcome.WRITE_FAILED: (WRITE_FAILED, "Warning")}[answer.outcome]
     synced = (Synced(False, INVALID, answer.message) if answer.outcome is Outcome.INVALID else None)
     served = loaded_weights(answer.body, ref) if result == LOADED else {}
-    observed = None
     if served:
-        # The pool's switch may fence now, before either status write (the Loading one may still
-        # be on its way: on a busy API server it has taken longer than the load).
+        # The pool's switch may fence now, before the status write (a look at the pod, then the write).
         ctx.loaded(cr, ref.version_label)
-        # This write tells all the pool waits for: the label, and that this controller acted on the
-        # spec of this generation (it loads only under a spec whose template its pod has). The pool's
-        # rollout completes on it, not on the next look's write one probe and one watch event later.
-        source = (answer.body or {}).get("source") or ref.source
+        # Worded as the loop's later looks word it (weights_intent.weights_synced): the condition is
+        # not written again at the next probe for its message alone.
         synced = Synced(True, "Synced", f"serving {ref.version_label!r} (version {served['version']}): "
-                                        f"loaded from {source}")
-        observed = observed_generation(cr)
-    await loading   # the outcome's write lands after it, never under it
-    await _record(ctx, cr, {**declared_outcome(spec, result, answer.message), **served}, synced, mem, observed)
-    trace("operator", "load.recorded", replica=who, label=ref.version_label, result=result)
+                                        f"declared in spec.weights")
     verb = {LOADED: "loaded", INVALID: "refused", WRITE_FAILED: "failed midway"}[result]
-    ctx.emit(event_target(cr), event_type, f"Weights{result}",
-             f"declared weights {ref.version_label!r} {verb}: {answer.message}"[:1000])
-    return AFTER_LOAD_S if result == LOADED else LOOK_AGAIN_S
+    # A pool's replica: its pool's Events tell of the rollout (RolloutStarted, BatchUpdating,
+    # RolloutComplete); an Event per replica per push would be N more writes for what they say. A load
+    # that failed is told on the replica whatever it belongs to, and a lone replica's load is its rollout.
+    routine = result == LOADED and LABEL_POOL in (cr["metadata"].get("labels") or {})
+    event = None if routine else (event_type, f"Weights{result}",
+                                  f"declared weights {ref.version_label!r} {verb}: {answer.message}"[:1000])
+    if loading is not None:
+        await loading   # the outcome's write lands after it, never under it
+    return LoadOutcome(ref.version_label, result, {**declared_outcome(spec, result, answer.message), **served},
+                       synced, event)
 
 
 async def _unavailable(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec, ref: WeightsRef,
@@ -218,22 +245,10 @@ async def _sync_adapters(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     return True
 
 
-def observed_generation(cr: Mapping[str, Any]) -> int | None:
-    """The generation a load under `cr` shows observed, when its status says an older one (never
-    moved back: the loop's own look may have written a newer one since)."""
-    generation = (cr.get("metadata") or {}).get("generation")
-    before = (cr.get("status") or {}).get("observedGeneration")
-    if not isinstance(generation, int) or (isinstance(before, int) and before >= generation):
-        return None
-    return generation
-
-
 async def _record(ctx: Context, cr: Mapping[str, Any], weights_fields: Mapping[str, Any], synced: Synced | None,
-                  mem: ReplicaMemory, observed: int | None = None) -> None:
+                  mem: ReplicaMemory) -> None:
     status = (mem.newest_body or cr).get("status") or {}
     patch: dict[str, Any] = {}
-    if observed is not None:
-        patch["observedGeneration"] = observed
     if weights_fields:
         patch["weights"] = {**(status.get("weights") or {}), **weights_fields}
     if synced is not None:

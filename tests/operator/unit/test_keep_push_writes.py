@@ -1,0 +1,215 @@
+"""What a push costs the API server per replica (issue #53): the replica loop's real steps
+(`reconcile.step`) against a real sampler app on the fake engine over HTTP on 127.0.0.1, with an API
+server stand-in that applies each status write as a merge patch and counts it.
+
+A Keep push is one spec write of each replica by its pool, then each replica's load. Every write of a
+replica is an event for the operator's own watch and for every gateway watching the pool's replicas: at
+256 replicas each write per replica per push is 256 x (1 + G) watch events. The replica's loop writes
+ONE status per push: the load's outcome together with what its look at the pod right after says (the
+label, the version, the conditions, the spec observed), no `Loading` write for a load that answers
+within `LOADING_SHOWN_AFTER_S`, and no second write at its next probe. A pool's replica posts no Event
+for a routine load (its pool's rollout Events tell of it); a lone replica posts one, and a refused
+checkpoint a Warning, each still in one status write.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import uvicorn
+
+from sampler_operator.replica.context import Context, ReplicaMemory
+from sampler_operator.replica.desired_pod import LABEL_POOL, pod_template, template_hash
+from sampler_operator.replica.pod_view import PodView
+from sampler_operator.replica.reconcile import hear_of, step
+from sampler_operator.replica.spec import parse_spec
+from sampler_pod.http.app import create_app
+from sampler_pod.testing.net import free_port
+from tests.support import corrupt_checkpoints as cc
+from tests.support.inproc import until
+from tests.unit.test_weights_restore import Ckpts, inproc, variant
+
+NS, UID = "ns", "uid-1"
+
+
+def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386, as the API server applies a merge patch: a null removes its key."""
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+    return target
+
+
+@dataclass
+class Api:
+    """The API server, for one SamplerReplica: status writes applied and counted, Events kept."""
+    obj: dict[str, Any]
+    status_writes: list[dict[str, Any]] = field(default_factory=list)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def _bump(self) -> None:
+        meta = self.obj["metadata"]
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+
+    async def patch_replica_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        self.status_writes.append(copy.deepcopy(status))
+        self.obj["status"] = merge(self.obj.get("status") or {}, status)
+        self._bump()
+        return copy.deepcopy(self.obj)
+
+    async def get_replica(self, namespace: str, name: str) -> dict[str, Any]:
+        return copy.deepcopy(self.obj)
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        return None   # the pod runs without keys
+
+    async def list_replicas(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return [copy.deepcopy(self.obj)]
+
+    async def apply(self, namespace: str, body: dict[str, Any]) -> None:
+        return None   # a lone replica's NetworkPolicy: not a write of the replica
+
+    def emit(self, target: Any, type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+    def push(self, weights: dict[str, Any]) -> None:
+        """The pool's write of the replica's spec.weights (a new generation), handed to the loop as
+        handlers.hand_to_replica does."""
+        self.obj["spec"]["weights"] = weights
+        self.obj["metadata"]["generation"] += 1
+        self._bump()
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
+    root = tmp_path_factory.mktemp("push-writes") / "checkpoints"
+    variant(tiny_model, root / "step-1", seed=1)
+    variant(tiny_model, root / "step-2", seed=2)
+    cc.build_case("wrong_shape", tiny_model, root=root, outside=root.parent / "outside", name="bad-shape")
+    return Ckpts(tiny_model, root)
+
+
+@contextlib.asynccontextmanager
+async def pod(ck: Ckpts, tmp_path: Path) -> AsyncIterator[int]:
+    """The sampler app on the fake engine, on 127.0.0.1: its port."""
+    core, _ = inproc(ck, tmp_path)
+
+    async def no_start(_core: Any) -> None:
+        return None
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(core.cfg, no_start, core=core), host="127.0.0.1", port=port,
+                                           log_config=None, access_log=False, lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        await until(lambda: server.started or serving.done())
+        assert server.started, "the pod's app did not start"
+        yield port
+    finally:
+        server.should_exit = True
+        await serving
+
+
+@dataclass
+class Replica:
+    api: Api
+    ctx: Context
+    mem: ReplicaMemory
+    pods: list[PodView]
+
+    async def settle(self) -> None:
+        """Steps until one writes nothing (a start's writes are not a push's)."""
+        for _ in range(5):
+            before = len(self.api.status_writes)
+            await step(self.ctx, copy.deepcopy(self.api.obj), self.pods, self.mem)
+            if len(self.api.status_writes) == before:
+                return
+        raise AssertionError(f"the replica's status never settled: {self.api.status_writes}")
+
+    async def push(self, weights: dict[str, Any], looks: int = 3) -> tuple[list[dict[str, Any]], list[Any]]:
+        """A push, then the step it wakes and `looks` more (each probes the pod): the status writes and
+        Events they made."""
+        writes, events = len(self.api.status_writes), len(self.api.events)
+        self.api.push(weights)
+        hear_of(self.mem, copy.deepcopy(self.api.obj))
+        for _ in range(1 + looks):
+            await step(self.ctx, copy.deepcopy(self.api.obj), self.pods, self.mem)
+        return self.api.status_writes[writes:], self.api.events[events:]
+
+
+@contextlib.asynccontextmanager
+async def replica(ck: Ckpts, tmp_path: Path, in_pool: bool) -> AsyncIterator[Replica]:
+    async with pod(ck, tmp_path) as port, aiohttp.ClientSession() as session:
+        raw = {"model": str(ck.model), "image": "img", "engine": "fake", "port": port, "pool": "p" if in_pool else None,
+               "checkpoints": {"allowedRoots": [str(ck.root)]}, "health": {"periodSeconds": 60}}
+        raw = {k: v for k, v in raw.items() if v is not None}
+        spec = parse_spec(raw)
+        labels = {LABEL_POOL: "p"} if in_pool else {}
+        api = Api({"metadata": {"name": "r", "namespace": NS, "uid": UID, "generation": 1, "resourceVersion": "1",
+                                "labels": labels}, "spec": raw, "status": {}})
+        view = PodView(name="r-0", uid="pod-uid", phase="Running", pod_ip="127.0.0.1", ready=True, deleting=False,
+                       template_hash=template_hash(pod_template("r", spec)), generation=0, owner_uids=(UID,))
+        ctx = Context(kube=api, session=session, emit=api.emit, log=logging.getLogger("test"))  # type: ignore[arg-type]
+        r = Replica(api, ctx, ReplicaMemory(), [view])
+        await r.settle()
+        assert r.api.obj["status"]["phase"] == "Ready", r.api.obj["status"]
+        yield r
+
+
+def condition(status: dict[str, Any], type_: str) -> tuple[str, str]:
+    c = next(c for c in status["conditions"] if c["type"] == type_)
+    return c["status"], c["reason"]
+
+
+def keep(ck: Ckpts, label: str) -> dict[str, Any]:
+    return {"checkpoint": str(ck.root / label), "versionLabel": label, "inFlight": "Keep"}
+
+
+async def test_a_keep_push_writes_a_pool_replica_once_and_posts_no_event(ck: Ckpts, tmp_path: Path) -> None:
+    async with replica(ck, tmp_path, in_pool=True) as r:
+        for version, label in enumerate(("step-1", "step-2"), start=1):
+            writes, events = await r.push(keep(ck, label))
+            assert len(writes) == 1, f"{label}: {len(writes)} status writes per replica: {writes}"
+            assert events == [], events
+            # That one write says everything the pool, the gateways and kubectl read, at once.
+            st = r.api.obj["status"]
+            assert (st["weightsLabel"], st["weightsVersion"], st["phase"]) == (label, version, "Ready")
+            assert (st["weights"]["label"], st["weights"]["version"]) == (label, version)
+            assert st["weights"]["declared"] == {"checkpoint": str(ck.root / label), "versionLabel": label}
+            assert st["weights"]["declaredResult"] == "Loaded"
+            assert st["weights"]["intended"]["versionLabel"] == label and st["weights"]["loadedAt"]
+            assert st["observedGeneration"] == r.api.obj["metadata"]["generation"]
+            assert condition(st, "WeightsSynced") == ("True", "Synced")
+            assert condition(st, "Ready") == ("True", "Healthy") and condition(st, "WeightsCertain")[0] == "True"
+
+
+async def test_a_lone_replica_keeps_its_load_event_in_one_status_write(ck: Ckpts, tmp_path: Path) -> None:
+    async with replica(ck, tmp_path, in_pool=False) as r:
+        writes, events = await r.push(keep(ck, "step-1"))
+        assert len(writes) == 1, writes
+        assert [e[:2] for e in events] == [("Normal", "WeightsLoaded")], events
+        assert r.api.obj["status"]["weightsLabel"] == "step-1"
+
+
+async def test_a_refused_checkpoint_is_one_write_and_a_warning(ck: Ckpts, tmp_path: Path) -> None:
+    async with replica(ck, tmp_path, in_pool=True) as r:
+        writes, events = await r.push(keep(ck, "bad-shape"))
+        assert len(writes) == 1, writes
+        assert [e[:2] for e in events] == [("Warning", "WeightsInvalidCheckpoint")], events
+        st = r.api.obj["status"]
+        assert condition(st, "WeightsSynced") == ("False", "InvalidCheckpoint")
+        assert st["weights"]["declaredResult"] == "InvalidCheckpoint"
+        # The pod serves its certain weights, and says so.
+        assert (st["weightsLabel"], st["phase"]) == ("base", "Ready") and condition(st, "Ready")[0] == "True"
