@@ -11,8 +11,8 @@ Two halves:
       4. record the outcome (replacements, lastReplacement) and clear the intent in ONE patch.
     A restart in between re-reads the intent and repeats the missing steps; a repeated create
     hits AlreadyExists, a repeated delete hits NotFound. So there are never two live pods.
-  * `observe` probes /health and reports status; it only asks `converge` to act when the
-    replacement policy says so.
+  * `observe` probes /health and reports status (after a declared load, with the load's outcome, in
+    one write); it only asks `converge` to act when the replacement policy says so.
 """
 from __future__ import annotations
 
@@ -337,7 +337,8 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
                   mem: ReplicaMemory, loaded: LoadOutcome | None = None) -> Decision | None:
     """Probe the current pod, update status, and return the replacement decision. `loaded`: a declared
     load's outcome the pod just answered (weights_sync.LoadOutcome), written in the same status write
-    as what this probe says: one write per load, not the outcome's and then the next look's."""
+    as what this probe says: one write per load (each write of a replica is a watch event for this
+    operator and every gateway of its pool), and nothing left for the next probe to write."""
     status = cr.get("status") or {}
     pod = pick_current([p for p in pods if not p.deleting], status)
     obs: HealthObservation | None = None

@@ -15,8 +15,8 @@ Three views of a replica's weights, all kept in `status.weights`:
 
 | event | status.weights | WeightsSynced |
 |---|---|---|
-| spec.weights changed | -- | False, Loading |
-| load passed | declared = spec, label = spec's | True |
+| spec.weights changed, the load still running after 5 s | -- | False, Loading |
+| load passed | declared = spec, label = spec's (one write, with the look at the pod after it) | True |
 | load refused by validation | declared = spec, result InvalidCheckpoint | False, InvalidCheckpoint (file, tensor) |
 | write failed midway | failedWrite {checkpoint, pods} | False, Uncertain (pod replaced at intended) |
 | a trainer loaded step-N on the pod | intended = step-N (from /health) | True |

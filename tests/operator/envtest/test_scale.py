@@ -17,7 +17,9 @@ counting proxy in front of the API server:
   second here); the bound is 1.5 / interval (one reader per interval, with room for a reader's
   fallback reads of a replica it heard nothing of).
 Then a Keep push through a gateway, as a trainer pushes: Complete, every replica at the new label (its
-status and its pod's own `/health`), and every gateway routing to all 32 on it.
+status and its pod's own `/health`), and every gateway routing to all 32 on it; the operator wrote each
+replica's spec once and its status once (the load's outcome with the look at the pod after it, issue #53:
+three times before), and posted no Event per replica.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ import pytest
 
 from sampler_gateway.config import GatewayConfig
 from tests.support import k8s as ks
+from tests.support.api_counts import writes
 from tests.support.scale_pool import HEALTH_PERIOD_S, G, ScalePool, V, scale_pool, snapshot, window
 
 pytestmark = pytest.mark.envtest
 
 N, GATEWAYS = 32, 4
+# A Keep push's Events, all on the pool: RolloutStarted, BatchUpdating (its replicas loading in place),
+# RoutingFence, RoutingOpen and RolloutComplete; none per replica.
+POOL_EVENTS = 5
 WINDOW_S = 30.0
 DEFAULTS = GatewayConfig(pool="p")
 
@@ -106,8 +112,25 @@ def test_at_steady_state_nothing_is_written_and_health_reads_do_not_grow_with_ga
 
         # A Keep push: every replica at the new label, every gateway routing to all of them on it.
         label = "step-2"
+        before = snapshot(sp)
         sp.trainer().push(sp.checkpoint(label), label, wait=True, timeout=300, progress=False)
         ks.wait_for(lambda: sp.open_on(label), 60, 0.2, f"the pool open on {label}")
+        # What the push cost the operator's writes, once each replica's loop has looked at its pod twice
+        # more (a write its looks would still make after the rollout is counted): each replica's spec
+        # (the pool's write) and ONE status write per replica (its load's outcome with the look after
+        # it), and no Event per replica (the pool's own rollout Events only).
+        pods = [p for p in sp.host.pods() if p != lone_pod]
+        done = snapshot(sp)
+
+        def looked_twice_more() -> bool:
+            now = snapshot(sp)
+            return all(now.health_of(p) >= done.health_of(p) + 2 for p in pods)
+        ks.wait_for(looked_twice_more, 60, 0.5, "two more probes of every replica")
+        pushed = writes(snapshot(sp).operator - before.operator)
+        print(f"the operator's writes in a Keep push at {N} replicas: {dict(pushed)}")
+        assert pushed[("patch", "samplerreplicas")] == N, pushed
+        assert pushed[("patch", "samplerreplicas/status")] <= N, f"more than one status write per replica: {pushed}"
+        assert pushed[("create", "events")] <= POOL_EVENTS, f"Events per replica in a Keep push: {pushed}"
         statuses = {name: (r.get("status") or {}).get("weightsLabel") for name, r in sp.replicas().items()
                     if name != "lone"}
         assert statuses == dict.fromkeys(statuses, label) and len(statuses) == N, statuses
