@@ -158,12 +158,14 @@ def needs_declared_load(spec: SamplerReplicaSpec, weights: Mapping[str, Any]) ->
 def load_without_probe(spec: SamplerReplicaSpec, weights: Mapping[str, Any], obs: HealthObservation | None,
                        observed_at: float, now: float) -> bool:
     """A declared load goes out on the pod's last answer, without probing it again first: the spec
-    asks for one and the pod said `ok` within the last health period. A trainer's push waits on
-    every step before the load, and the replacement decision acts on an answer that old anyway; the
-    pod's load route validates the checkpoint and refuses what it cannot take, and the step after
-    the load probes the pod again."""
+    asks for one and the pod said `ok` at the loop's last probe (within two health periods: the loop
+    probes once a period, and its own steps and wake-ups make the last answer older than one). A
+    trainer's push waits on every step before the load, and the replacement decision acts on an
+    answer that old anyway; the pod's load route validates the checkpoint and refuses what it cannot
+    take, and the loop probes the pod again right after the load, writing both in one status write: a
+    probe before the load would write a status of its own (a push's second write of the replica)."""
     return (needs_declared_load(spec, weights) and obs is not None and obs.state is HealthState.OK
-            and 0.0 <= now - observed_at < float(spec.health.period_seconds))
+            and 0.0 <= now - observed_at < 2 * float(spec.health.period_seconds))
 
 
 def adapter_changes(spec: SamplerReplicaSpec, weights: Mapping[str, Any],

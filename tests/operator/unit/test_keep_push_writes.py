@@ -38,6 +38,7 @@ from tests.support.inproc import until
 from tests.unit.test_weights_restore import Ckpts, inproc, variant
 
 NS, UID = "ns", "uid-1"
+PERIOD_S = 60
 
 
 def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +129,7 @@ class Replica:
     ctx: Context
     mem: ReplicaMemory
     pods: list[PodView]
+    clock: list[float]   # ctx.clock's time
 
     async def settle(self) -> None:
         """Steps until one writes nothing (a start's writes are not a push's)."""
@@ -138,10 +140,12 @@ class Replica:
                 return
         raise AssertionError(f"the replica's status never settled: {self.api.status_writes}")
 
-    async def push(self, weights: dict[str, Any], looks: int = 3) -> tuple[list[dict[str, Any]], list[Any]]:
-        """A push, then the step it wakes and `looks` more (each probes the pod): the status writes and
-        Events they made."""
+    async def push(self, weights: dict[str, Any], looks: int = 3,
+                   since_probe_s: float = 0.0) -> tuple[list[dict[str, Any]], list[Any]]:
+        """A push `since_probe_s` after the loop's last probe, then the step it wakes and `looks` more
+        (each probes the pod): the status writes and Events they made."""
         writes, events = len(self.api.status_writes), len(self.api.events)
+        self.clock[0] += since_probe_s
         self.api.push(weights)
         hear_of(self.mem, copy.deepcopy(self.api.obj))
         for _ in range(1 + looks):
@@ -153,7 +157,7 @@ class Replica:
 async def replica(ck: Ckpts, tmp_path: Path, in_pool: bool) -> AsyncIterator[Replica]:
     async with pod(ck, tmp_path) as port, aiohttp.ClientSession() as session:
         raw = {"model": str(ck.model), "image": "img", "engine": "fake", "port": port, "pool": "p" if in_pool else None,
-               "checkpoints": {"allowedRoots": [str(ck.root)]}, "health": {"periodSeconds": 60}}
+               "checkpoints": {"allowedRoots": [str(ck.root)]}, "health": {"periodSeconds": PERIOD_S}}
         raw = {k: v for k, v in raw.items() if v is not None}
         spec = parse_spec(raw)
         labels = {LABEL_POOL: "p"} if in_pool else {}
@@ -161,8 +165,10 @@ async def replica(ck: Ckpts, tmp_path: Path, in_pool: bool) -> AsyncIterator[Rep
                                 "labels": labels}, "spec": raw, "status": {}})
         view = PodView(name="r-0", uid="pod-uid", phase="Running", pod_ip="127.0.0.1", ready=True, deleting=False,
                        template_hash=template_hash(pod_template("r", spec)), generation=0, owner_uids=(UID,))
-        ctx = Context(kube=api, session=session, emit=api.emit, log=logging.getLogger("test"))  # type: ignore[arg-type]
-        r = Replica(api, ctx, ReplicaMemory(), [view])
+        clock = [1_000_000.0]
+        ctx = Context(kube=api, session=session, emit=api.emit, log=logging.getLogger("test"),  # type: ignore[arg-type]
+                      clock=lambda: clock[0])
+        r = Replica(api, ctx, ReplicaMemory(), [view], clock)
         await r.settle()
         assert r.api.obj["status"]["phase"] == "Ready", r.api.obj["status"]
         yield r
@@ -179,8 +185,10 @@ def keep(ck: Ckpts, label: str) -> dict[str, Any]:
 
 async def test_a_keep_push_writes_a_pool_replica_once_and_posts_no_event(ck: Ckpts, tmp_path: Path) -> None:
     async with replica(ck, tmp_path, in_pool=True) as r:
-        for version, label in enumerate(("step-1", "step-2"), start=1):
-            writes, events = await r.push(keep(ck, label))
+        # Pushed right after a probe, and more than a health period after one (the loop probes once a
+        # period; its steps and wake-ups make its last answer older than that when a push comes).
+        for version, (label, since) in enumerate((("step-1", 0.0), ("step-2", 1.2 * PERIOD_S)), start=1):
+            writes, events = await r.push(keep(ck, label), since_probe_s=since)
             assert len(writes) == 1, f"{label}: {len(writes)} status writes per replica: {writes}"
             assert events == [], events
             # That one write says everything the pool, the gateways and kubectl read, at once.

@@ -274,11 +274,13 @@ def test_status_keeps_each_adapters_name_and_path_not_its_use_counts() -> None:
 # ------------------------------------------------------------------------------- load without a probe
 
 
-def test_a_push_is_loaded_on_the_pods_last_ok_within_the_health_period() -> None:
+def test_a_push_is_loaded_on_the_pods_last_ok_from_the_loops_last_probe() -> None:
     pushed = spec(weights=step(1))                      # health period: 10 s (the default)
     assert load_without_probe(pushed, {}, health(), observed_at=100.0, now=109.0)
+    # The loop's last probe, a step and a wake-up more than one period ago.
+    assert load_without_probe(pushed, {}, health(), observed_at=100.0, now=110.5)
     # The answer is too old, says anything but ok, or there is none: probe first.
-    assert not load_without_probe(pushed, {}, health(), observed_at=100.0, now=110.5)
+    assert not load_without_probe(pushed, {}, health(), observed_at=100.0, now=120.5)
     assert not load_without_probe(pushed, {}, health(status="uncertain_weights", reason="write failed"),
                                   observed_at=100.0, now=101.0)
     assert not load_without_probe(pushed, {}, None, observed_at=0.0, now=1.0)
