@@ -372,6 +372,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             spare.release()
         return None
 
+    def take_spare(self, nbytes: int) -> torch.Tensor | None:
+        """The block held for the next push, for a copy of the model arriving the other way (a catch-up
+        from a peer, worker_extension's `sampler_incoming_*`) to land in, if it is of `nbytes` (the
+        model's `block_bytes`): touched already, where new memory would first-touch every page as the copy
+        arrives. None: none held, or one of another size (kept: it is the push's). Not while a push lands."""
+        with self._lock:
+            spare = self._spare
+            if spare is None or not reuses(spare.nbytes, nbytes) or self._status.phase == "receiving":
+                return None
+            self._spare = None
+        return spare.take()
+
     def prepare(self, nbytes: int | None = None) -> None:
         """Keep a block of `nbytes` (default: the size set before) ready for the next push, touched in a
         thread of its own from now (landing.py): the replica keeps pushed weights, and a trainer has joined

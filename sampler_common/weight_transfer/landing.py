@@ -85,21 +85,23 @@ def _populate(address: int, length: int) -> Literal["done", "unsupported", "fail
     return "unsupported" if ctypes.get_errno() == errno.EINVAL else "failed"
 
 
-def prefault(buffer: torch.Tensor, stop: threading.Event | None = None) -> int:
+def prefault(buffer: torch.Tensor, stop: threading.Event | None = None, writes: bool = True) -> int:
     """Every page of `buffer` (contiguous uint8, host memory) backed by memory now, step by step until
     `stop` is set, or until the kernel has no memory for more (the rest then faults in as a push writes
-    it, as in new memory). Returns the bytes done. Its contents are undefined afterwards (a new block's are)."""
+    it, as in new memory). Returns the bytes done. Its contents are undefined afterwards (a new block's are).
+    `writes=False`: the buffer is being written meanwhile (a catch-up landing as it is touched), so not a
+    byte is written here: only the kernel's advice, on whole pages; without it, nothing is touched."""
     raw = buffer.numpy()
     done, total = 0, buffer.numel()
     while done < total and not (stop is not None and stop.is_set()):
         n = min(PREFAULT_STEP_BYTES, total - done)
         step = raw[done:done + n]
         populated = _populate(step.ctypes.data, n)
-        if populated == "failed":
+        if populated == "failed" or (populated == "unsupported" and not writes):
             break
         if populated == "unsupported":
             step.fill(0)
-        else:
+        elif writes:
             # The partial pages at the step's ends, which madvise (page-aligned) leaves out: a write each.
             step[:1] = 0
             step[-1:] = 0
@@ -111,12 +113,13 @@ class Landing:
     """A block of host memory for one push, being touched in a thread of its own (`prefault`) until a push
     takes it; or, handed back by a write, touched already."""
 
-    def __init__(self, nbytes: int | None = None, *, touched: torch.Tensor | None = None) -> None:
+    def __init__(self, nbytes: int | None = None, *, touched: torch.Tensor | None = None, writes: bool = True) -> None:
+        """`writes`: as `prefault`'s (False: the block is written while it is touched)."""
         self.buffer = touched if touched is not None else torch.empty(nbytes or 0, dtype=torch.uint8)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if touched is None and self.buffer.numel():
-            self._thread = threading.Thread(target=prefault, args=(self.buffer, self._stop),
+            self._thread = threading.Thread(target=prefault, args=(self.buffer, self._stop, writes),
                                             name="weight-transfer-prefault", daemon=True)
             self._thread.start()
 

@@ -22,7 +22,8 @@ write (`sampler_kept_*`): one copy of the model in host memory, read by the serv
 peer's catch-up (weights/peer_copy.py), or staged again. The copy it replaces is where the next push
 lands, or, where it replaced none, a block the transfer engine touches in the background
 (`_after_kept_write`; sampler_common/weight_transfer/landing.py says why). A catch-up arrives the other way
-(`sampler_incoming_*`): room for the copy, filled slice by slice, then cut into its tensors.
+(`sampler_incoming_*`): room for the copy (the transfer engine's block, when it holds one: touched already,
+and the next push's once replaced, as a push's), filled slice by slice, then cut into its tensors.
 
 Why not `model.load_weights()`: on CPU the linear weights are repacked after load, so
 only `reload_weights` (which restores checkpoint layout, loads, and re-runs weight
@@ -42,7 +43,8 @@ import numpy
 import torch
 
 from sampler_common.weight_transfer import gloo
-from sampler_common.weight_transfer.chunks import unpack
+from sampler_common.weight_transfer.chunks import block_bytes, unpack
+from sampler_common.weight_transfer.landing import Landing
 
 from . import lora_isolation, seeded_chunks
 
@@ -136,6 +138,8 @@ class _Incoming:
 
     tensors: list[tuple[str, str, list[int], int]]
     buffer: torch.Tensor
+    block: torch.Tensor  # the block `buffer` is the start of, as `_Stage.block`: `block_bytes` of the model
+    touching: Landing | None = None  # new memory being touched meanwhile (stopped once the copy is all here)
 
 
 def _failing_after(items: list[tuple[str, torch.Tensor]],
@@ -248,7 +252,20 @@ class WeightLoaderExtension:
         return self._sampler_incoming
 
     def sampler_incoming_begin(self, key: str, tensors: list[tuple[str, str, list[int], int]]) -> None:
-        self._incoming()[key] = _Incoming(tensors, torch.empty(sum(t[3] for t in tensors), dtype=torch.uint8))
+        sizes = [t[3] for t in tensors]
+        engine = getattr(self, "weight_transfer_engine", None)
+        # The block the transfer engine holds for the next push, when it holds one: the copy lands in touched
+        # memory (new memory first-touches every page as the copy arrives: most of a catch-up's CPU), and,
+        # once written and kept, is handed back as the next push's block as a push's is (`_after_kept_write`).
+        block = engine.take_spare(block_bytes(sizes)) if engine is not None else None
+        touching = None
+        if block is None:
+            # None held (a replica that no trainer has joined: a replacement catching up). New memory,
+            # touched by the kernel's advice in a thread from now, ahead of the copy as it arrives (a page
+            # fault per page otherwise); the thread writes nothing, the copy lands as it comes.
+            touching = Landing(block_bytes(sizes), writes=False)
+            block = touching.buffer
+        self._incoming()[key] = _Incoming(tensors, block[:sum(sizes)], block, touching)
 
     def sampler_incoming_write(self, key: str, offset: int, data: bytes) -> None:
         buf = self._incoming()[key].buffer
@@ -256,15 +273,20 @@ class WeightLoaderExtension:
 
     def sampler_incoming_seal(self, key: str) -> int:
         incoming = self._incoming().pop(key)
+        if incoming.touching is not None:
+            incoming.touching.release()
         names = [t[0] for t in incoming.tensors]
         dtypes = [getattr(torch, t[1]) for t in incoming.tensors]
         shapes = [t[2] for t in incoming.tensors]
         sizes = [t[3] for t in incoming.tensors]
-        self._stages()[key] = _Stage(tensors=unpack(incoming.buffer, names, shapes, dtypes, sizes))
+        tensors = unpack(incoming.buffer, names, shapes, dtypes, sizes)
+        self._stages()[key] = _Stage(tensors=tensors, block=incoming.block)
         return len(names)
 
     def sampler_incoming_discard(self, key: str) -> None:
-        self._incoming().pop(key, None)
+        incoming = self._incoming().pop(key, None)
+        if incoming is not None and incoming.touching is not None:
+            incoming.touching.release()
         self._stages().pop(key, None)
 
     # -- weights over the network: each call returns at once (the transfer engine works in a thread)

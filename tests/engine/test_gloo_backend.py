@@ -282,3 +282,20 @@ def test_a_block_prepared_when_the_trainer_joins_is_where_the_first_push_lands()
     receiver.prepare()
     assert receiver.spare_bytes() == 0
     trainer.shutdown()
+
+
+def test_a_catch_up_takes_the_block_held_for_the_next_push_only_when_it_fits() -> None:
+    """A copy arriving from a peer (worker_extension `sampler_incoming_begin`) lands in the block held for the
+    next push when it is of the model's `block_bytes`: touched already. One of another size stays the
+    push's; with none held (no trainer joined) it gets nothing, and lands in new memory."""
+    receiver = worker()
+    nbytes = size_of(mixed(1))
+    assert receiver.take_spare(nbytes) is None  # nothing held
+    receiver.prepare(nbytes)
+    held = receiver.spare()
+    assert held is not None and held.wait(60)
+    assert receiver.take_spare(nbytes + 64) is None and receiver.spare() is held  # another size: kept
+    block = receiver.take_spare(nbytes)
+    assert block is not None and block.data_ptr() == held.buffer.data_ptr() and block.numel() == nbytes
+    assert receiver.spare_bytes() == 0  # taken: the next push (or a kept write's prepare) makes another
+    receiver.shutdown()

@@ -19,13 +19,21 @@ from typing import Any
 
 import torch
 
+from sampler_common.weight_transfer.chunks import block_bytes
 from sampler_pod.engine.worker_extension import WeightLoaderExtension, _Stage
 
 
 class RecordingEngine:
-    def __init__(self) -> None:
+    def __init__(self, spare: torch.Tensor | None = None) -> None:
         self.recycled: list[torch.Tensor] = []
         self.prepared = 0
+        self.spare = spare  # the block held for the next push (`take_spare`)
+
+    def take_spare(self, nbytes: int) -> torch.Tensor | None:
+        spare, fits = self.spare, self.spare is not None and self.spare.numel() == nbytes
+        if fits:
+            self.spare = None
+        return spare if fits else None
 
     def recycle(self, block: torch.Tensor) -> None:
         self.recycled.append(block)
@@ -91,3 +99,47 @@ def test_with_drop_pushed_weights_nothing_is_kept_handed_back_or_prepared() -> N
         w.sampler_load_staged(key, keep=None)
     engine = w.weight_transfer_engine
     assert engine.recycled == [] and engine.prepared == 0 and w.sampler_kept_meta() is None
+
+
+def catch_up(w: Worker, key: str, values: list[float]) -> None:
+    """A copy from a peer, as weights/peer_copy.py feeds it: begun, written in two slices, sealed."""
+    data = torch.tensor(values, dtype=torch.float32).numpy().tobytes()
+    w.sampler_incoming_begin(key, [("a", "float32", [len(values)], len(data))])
+    w.sampler_incoming_write(key, 0, data[:4])
+    w.sampler_incoming_write(key, 4, data[4:])
+    w.sampler_incoming_seal(key)
+
+
+def test_a_catch_up_lands_in_the_block_held_for_the_next_push_and_hands_it_back_once_replaced() -> None:
+    """A catch-up from a peer lands in the transfer engine's block when it holds one of the model's size
+    (touched already: new memory first-touches every page as the copy arrives), and, kept once written, is
+    a push's copy like any other: handed back once the next kept write replaces it."""
+    block = torch.full((block_bytes([8]),), 255, dtype=torch.uint8)
+    w = Worker()
+    w.weight_transfer_engine = engine = RecordingEngine(spare=block)
+    catch_up(w, "c1", [1.5, -2.0])
+    stage = w._stages()["c1"]
+    assert stage.block is block and stage.tensors[0][1].data_ptr() == block.data_ptr()
+    assert stage.tensors[0][1].tolist() == [1.5, -2.0]
+    w.sampler_load_staged("c1", keep="sha-c1")
+    assert w._sampler_kept.block is block and engine.prepared == 1  # no block replaced: one is prepared
+    staged(w, "p1")
+    w.sampler_load_staged("p1", keep="sha-1")
+    assert engine.recycled == [block]  # replaced: the next push lands where the catch-up did
+
+
+def test_a_catch_up_with_no_block_held_lands_in_a_new_block_that_the_next_push_reuses() -> None:
+    """No block held (a replacement no trainer has joined): a new one of the model's block size, touched
+    while the copy lands (its touch stopped once sealed), and a push's like any other once replaced."""
+    w = Worker()
+    engine = w.weight_transfer_engine
+    catch_up(w, "c1", [3.0, 4.0])
+    stage = w._stages()["c1"]
+    assert stage.block is not None and stage.block.numel() == block_bytes([8])
+    assert stage.tensors[0][1].data_ptr() == stage.block.data_ptr() and stage.tensors[0][1].tolist() == [3.0, 4.0]
+    assert not w._incoming()  # sealed: nothing left touching it
+    block = stage.block
+    w.sampler_load_staged("c1", keep="sha-c1")
+    staged(w, "p1")
+    w.sampler_load_staged("p1", keep="sha-1")
+    assert engine.recycled == [block]

@@ -20,7 +20,7 @@ import torch
 
 from sampler_common.weight_transfer import landing
 from sampler_common.weight_transfer.chunks import CHUNK_ALIGN, block_bytes, chunk_offsets, chunk_plan
-from sampler_common.weight_transfer.landing import Landing, prefault, reuses, to_prepare
+from sampler_common.weight_transfer.landing import PREFAULT_STEP_BYTES, Landing, prefault, reuses, to_prepare
 from sampler_pod.weights import validation as v
 
 MB = 1 << 20
@@ -119,3 +119,17 @@ def test_a_touch_stops_when_asked_and_a_block_handed_back_is_touched_already() -
     handed_back = torch.empty(MB, dtype=torch.uint8)
     again = Landing(touched=handed_back)
     assert again.wait(0) and again.take() is handed_back
+
+
+def test_a_block_touched_while_a_copy_lands_in_it_never_has_a_byte_written_by_the_touch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catch-up lands in new memory as it is touched (worker_extension `sampler_incoming_begin`,
+    `writes=False`): the touch only advises the kernel, so what the copy wrote stays, whatever the step
+    edges; and with a kernel that cannot take the advice it touches nothing rather than write zeros."""
+    block = torch.empty(3 * PREFAULT_STEP_BYTES + 5, dtype=torch.uint8)
+    block.numpy()[:] = 7  # the copy, landed before (and during) the touch
+    assert prefault(block, writes=False) >= 3 * PREFAULT_STEP_BYTES  # the tail, less than a page: left to the copy
+    assert bool((block == 7).all())
+    monkeypatch.setattr(landing, "_MADVISE", refusing(errno.EINVAL))
+    fresh = torch.empty(64 * MB, dtype=torch.uint8)
+    assert prefault(fresh, writes=False) == 0 and faults_writing(fresh) > 0
