@@ -35,22 +35,11 @@ from sampler_pod.http.app import create_app
 from sampler_pod.testing.net import free_port
 from tests.support import corrupt_checkpoints as cc
 from tests.support.inproc import until
+from tests.support.memory_pool import merge
 from tests.unit.test_weights_restore import Ckpts, inproc, variant
 
 NS, UID = "ns", "uid-1"
 PERIOD_S = 60
-
-
-def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """RFC 7386, as the API server applies a merge patch: a null removes its key."""
-    for k, v in patch.items():
-        if v is None:
-            target.pop(k, None)
-        elif isinstance(v, dict) and isinstance(target.get(k), dict):
-            merge(target[k], v)
-        else:
-            target[k] = copy.deepcopy(v)
-    return target
 
 
 @dataclass
@@ -66,7 +55,7 @@ class Api:
 
     async def patch_replica_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         self.status_writes.append(copy.deepcopy(status))
-        self.obj["status"] = merge(self.obj.get("status") or {}, status)
+        merge(self.obj.setdefault("status", {}), status)
         self._bump()
         return copy.deepcopy(self.obj)
 
