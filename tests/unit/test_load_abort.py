@@ -16,10 +16,9 @@ import httpx
 import pytest
 
 from sampler_pod.core.aborts import AbortBoard
-from tests.support import corrupt_checkpoints as cc
 from tests.support.inproc import fake_client, outcomes, until
 from tests.unit.test_protocols_tinker import sample_body as tinker_body
-from tests.unit.test_weights_restore import PROMPT, Ckpts, inproc, variant
+from tests.unit.test_weights_restore import PROMPT, Ckpts, checkpoints, inproc
 
 LONG = {"prompts": [PROMPT], "sampling_params": {"max_tokens": 50, "temperature": 0.0}}
 TWINKLE = "/api/v1/sampler/fake/twinkle/sample"
@@ -27,10 +26,7 @@ TWINKLE = "/api/v1/sampler/fake/twinkle/sample"
 
 @pytest.fixture(scope="module")
 def ck(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
-    root = tmp_path_factory.mktemp("abort") / "checkpoints"
-    variant(tiny_model, root / "step-1", seed=1)
-    cc.build_case("wrong_shape", tiny_model, root=root, outside=root.parent / "outside", name="bad-shape")
-    return Ckpts(tiny_model, root)
+    return checkpoints(tiny_model, tmp_path_factory.mktemp("abort") / "checkpoints", steps=1)
 
 
 def load(path: str, label: str, **kw: Any) -> dict[str, Any]:

@@ -17,11 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import corrupt_checkpoints as cc
 from tests.support.inproc import fake_client, outcomes, until
 from tests.unit.test_load_abort import is_aborted, retrieve, submit
 from tests.unit.test_protocols_tinker import sample_body as tinker_body
-from tests.unit.test_weights_restore import PROMPT, Ckpts, inproc, variant
+from tests.unit.test_weights_restore import PROMPT, Ckpts, checkpoints, inproc
 
 MAX_TOKENS = 200
 LONG = {"prompts": [PROMPT], "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0}}
@@ -30,11 +29,7 @@ TWINKLE = "/api/v1/sampler/fake/twinkle/sample"
 
 @pytest.fixture(scope="module")
 def ck(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
-    root = tmp_path_factory.mktemp("keep") / "checkpoints"
-    variant(tiny_model, root / "step-1", seed=1)
-    variant(tiny_model, root / "step-2", seed=2)
-    cc.build_case("wrong_shape", tiny_model, root=root, outside=root.parent / "outside", name="bad-shape")
-    return Ckpts(tiny_model, root)
+    return checkpoints(tiny_model, tmp_path_factory.mktemp("keep") / "checkpoints", steps=2)
 
 
 def keep(path: str, label: str, **kw: Any) -> dict[str, Any]:

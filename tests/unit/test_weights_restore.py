@@ -51,14 +51,20 @@ def variant(model: Path, out: Path, seed: int) -> Path:
     return out
 
 
+def checkpoints(model: Path, root: Path, steps: int) -> Ckpts:
+    """The load tests' checkpoints under `root`: `step-1` .. `step-<steps>` (variants of seed k) and
+    `bad-shape` (a tensor of the wrong shape, refused by validation)."""
+    for k in range(1, steps + 1):
+        variant(model, root / f"step-{k}", seed=k)
+    cc.build_case("wrong_shape", model, root=root, outside=root.parent / "outside", name="bad-shape")
+    return Ckpts(model, root)
+
+
 @pytest.fixture(scope="module")
 def ck(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
-    root = tmp_path_factory.mktemp("restore") / "checkpoints"
-    variant(tiny_model, root / "step-1", seed=1)
-    variant(tiny_model, root / "step-2", seed=2)
-    make_lora_adapter(tiny_model, root / "lora-a", seed=1)
-    cc.build_case("wrong_shape", tiny_model, root=root, outside=root.parent / "outside", name="bad-shape")
-    return Ckpts(tiny_model, root)
+    ckpts = checkpoints(tiny_model, tmp_path_factory.mktemp("restore") / "checkpoints", steps=2)
+    make_lora_adapter(tiny_model, ckpts.root / "lora-a", seed=1)
+    return ckpts
 
 
 def greedy_body(adapter: str | None = None) -> dict[str, Any]:

@@ -33,10 +33,9 @@ from sampler_operator.replica.reconcile import hear_of, step
 from sampler_operator.replica.spec import parse_spec
 from sampler_pod.http.app import create_app
 from sampler_pod.testing.net import free_port
-from tests.support import corrupt_checkpoints as cc
 from tests.support.inproc import until
 from tests.support.memory_pool import merge
-from tests.unit.test_weights_restore import Ckpts, inproc, variant
+from tests.unit.test_weights_restore import Ckpts, checkpoints, inproc
 
 NS, UID = "ns", "uid-1"
 PERIOD_S = 60
@@ -84,11 +83,7 @@ class Api:
 
 @pytest.fixture(scope="module")
 def ck(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
-    root = tmp_path_factory.mktemp("push-writes") / "checkpoints"
-    variant(tiny_model, root / "step-1", seed=1)
-    variant(tiny_model, root / "step-2", seed=2)
-    cc.build_case("wrong_shape", tiny_model, root=root, outside=root.parent / "outside", name="bad-shape")
-    return Ckpts(tiny_model, root)
+    return checkpoints(tiny_model, tmp_path_factory.mktemp("push-writes") / "checkpoints", steps=2)
 
 
 @contextlib.asynccontextmanager
