@@ -45,8 +45,11 @@ def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @pytest.fixture
-def env(servers: dict[str, Env]) -> Env:
-    return servers["shared"]
+def env(servers: dict[str, Env]) -> Iterator[Env]:
+    yield servers["shared"]
+    # A test that failed with the engine frozen must not leave the next one waiting on it.
+    with servers["shared"].server.client() as c:
+        assert c.post("/v1/test/engine/resume").status_code == 200
 
 
 def label(c: httpx.Client) -> tuple[str, int]:

@@ -1,13 +1,14 @@
-"""Samples provably in flight at a weights write, on a real engine with the test seams: N futures run until
-the engine reports a token for each (`GET /v1/test/engine/progress`), then the engine is frozen (the pause
-seam) and each one's token count read, so a keep-mode write's boundary is known per sample. Used by the
-keep-mode tests of checkpoint loads and of pushes over the network. Nothing here sleeps."""
+"""Samples provably in flight at a weights write, on a real engine with the test seams: N futures are
+submitted to a frozen engine (so they start in one step), then run until the engine reports a token for
+each and frozen again by the server itself (`POST /v1/test/engine/run-until-started`), and each one's
+token count read, so a keep-mode write's boundary is known per sample. A freeze decided by polling over
+HTTP raced the samples: on a loaded box the first of 16 samples submitted one by one could end (L tokens)
+before the last one's first token was seen. Used by the keep-mode tests of checkpoint loads and of pushes
+over the network. Nothing here sleeps."""
 
 from __future__ import annotations
 
 import httpx
-
-from tests.support.server import wait_until
 
 L = 480           # tokens per sample: the prompt (8) + L fit --max-model-len 512
 N = 16            # samples in flight
@@ -18,6 +19,8 @@ def prompt(i: int) -> list[int]:
 
 
 def submit_all(c: httpx.Client) -> list[str]:
+    """N samples queued in a frozen engine: `freeze_mid_generation` starts them together."""
+    assert c.post("/v1/test/engine/pause").status_code == 200
     rids = []
     for i in range(N):
         r = c.post("/v1/sample/submit", json={"prompts": [prompt(i)], "sampling_params": {
@@ -28,16 +31,10 @@ def submit_all(c: httpx.Client) -> list[str]:
 
 
 def freeze_mid_generation(c: httpx.Client, rids: list[str]) -> dict[str, int]:
-    """Every sample has produced a token: freeze the engine and return each one's token count."""
-    ids = [f"{rid}-0" for rid in rids]
-
-    def all_started() -> bool:
-        got = c.get("/v1/test/engine/progress").json()["tokens"]
-        return all(got.get(i, 0) >= 1 for i in ids)
-
-    wait_until(all_started, "every sample's first token")
-    assert c.post("/v1/test/engine/pause").status_code == 200
-    got = c.get("/v1/test/engine/progress").json()["tokens"]
+    """Run the engine until every sample has produced a token, freeze it, and return each one's count."""
+    r = c.post("/v1/test/engine/run-until-started", json={"ids": [f"{rid}-0" for rid in rids]})
+    assert r.status_code == 200, r.text
+    got = r.json()["tokens"]
     counts = {rid: got[f"{rid}-0"] for rid in rids}
     assert all(1 <= n < L for n in counts.values()), counts   # mid-generation, each of them
     return counts

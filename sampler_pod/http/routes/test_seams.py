@@ -7,7 +7,11 @@ engine with their own requests. `GET /v1/test/engine/held` says how many request
 holds: an abort can only reach a request vLLM has registered, which happens a moment after the
 server hands it over. `GET /v1/test/engine/progress` says how many tokens each of them has produced
 so far (engine request ids: `<request_id>-<prompt index>`): with the engine paused, that is where a
-keep-mode load will change the weights under each of them. `GET /v1/test/engine/steps` is the make-up
+keep-mode load will change the weights under each of them. `POST /v1/test/engine/run-until-started`
+(`{"ids": [...]}`, those engine ids) thaws the engine and freezes it again as soon as each of them has a
+token: the server, not the test, watches the counts, so the freeze lands within a few engine steps of
+the last first token on a box of any speed (a test polling over HTTP could see a short sample end first).
+`GET /v1/test/engine/steps` is the make-up
 of the engine's last batches, from vLLM's own per-step stats (requests running, and of them how many
 per LoRA adapter): proof that requests shared a batch, which no timing can give.
 
@@ -36,7 +40,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from sampler_common.errors import InvalidRequest
+from sampler_common.errors import InvalidRequest, RequestTimedOut
 
 from ...engine.fake import FakeWeightReceiver
 from ...weights.service import WeightsService
@@ -70,6 +74,35 @@ async def stall_engine(request: Request) -> EnginePaused:
     await core.require_engine().pause()
     core.seam_hold = False
     return EnginePaused(paused=True)
+
+
+class StartedIds(BaseModel):
+    ids: list[str]
+    timeout_s: float = 120.0
+
+
+class EngineStarted(BaseModel):
+    paused: bool
+    tokens: dict[str, int]
+
+
+@router.post("/engine/run-until-started", response_model=EngineStarted)
+async def run_until_started(body: StartedIds, request: Request) -> EngineStarted:
+    core = core_of(request)
+    engine = core.require_engine()
+    await core.seam_resume(engine)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + body.timeout_s
+    try:
+        # The output processor's counts move once per engine step; a millisecond's look is well inside one.
+        while not all(engine.progress().get(i, 0) >= 1 for i in body.ids):
+            if loop.time() > deadline:
+                missing = [i for i in body.ids if engine.progress().get(i, 0) < 1]
+                raise RequestTimedOut(f"no token after {body.timeout_s:g}s for {missing[:4]}")
+            await asyncio.sleep(0.001)
+    finally:
+        await core.seam_pause(engine)
+    return EngineStarted(paused=True, tokens=engine.progress())
 
 
 class EngineHeld(BaseModel):
