@@ -212,8 +212,8 @@ def stream_chat(env: Env, i: int) -> dict[str, Any]:
 
 
 def test_a_keep_load_during_16_streaming_chats_loses_none_and_spans_are_exact(env: Env) -> None:
-    """16 streamed chats, each provably mid-generation (the engine reports a token for each, then is
-    frozen and their counts read), a keep-mode load, and every stream finishes with all its tokens
+    """16 streamed chats, each provably mid-generation (the engine runs until it reports a token for
+    each, then is frozen and their counts read), a keep-mode load, and every stream finishes with all its tokens
     and the exact boundary in its `weights_spans`."""
     old_label, v0 = env.health()["weights_label"], env.health()["weights_version"]
     ok_before = metric(env.metrics(), "sampler_requests_finished_total", 0.0, outcome="ok")
@@ -223,14 +223,11 @@ def test_a_keep_load_during_16_streaming_chats_loses_none_and_spans_are_exact(en
         with engine_paused(env.server, AUTH):
             streams = [pool.submit(stream_chat, env, i) for i in range(N)]
             in_flight(env, N)
-
-        def all_started() -> bool:
-            tokens = h.get("/v1/test/engine/progress").json()["tokens"]
-            return len(tokens) == N and all(n >= 1 for n in tokens.values())
-
-        wait_until(all_started, "every chat's first token")
-        assert h.post("/v1/test/engine/pause").status_code == 200
-        counts = h.get("/v1/test/engine/progress").json()["tokens"]
+        # Thawed until every chat has a token, and frozen by the server itself (a poll over HTTP could
+        # see the first chats end before it saw the last first token).
+        started = h.post("/v1/test/engine/run-until-started", json={"count": N})
+        assert started.status_code == 200, started.text
+        counts = started.json()["tokens"]
         assert len(counts) == N and all(1 <= n < L for n in counts.values()), counts
         r = h.post("/v1/checkpoints/load", json={"path": "oa-3", "version_label": "oa-3", "in_flight": "keep"})
         # The engine is frozen: a load that waited for these chats would never have returned.

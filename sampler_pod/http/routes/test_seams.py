@@ -8,10 +8,10 @@ holds: an abort can only reach a request vLLM has registered, which happens a mo
 server hands it over. `GET /v1/test/engine/progress` says how many tokens each of them has produced
 so far (engine request ids: `<request_id>-<prompt index>`): with the engine paused, that is where a
 keep-mode load will change the weights under each of them. `POST /v1/test/engine/run-until-started`
-(`{"ids": [...]}`, those engine ids) thaws the engine and freezes it again as soon as each of them has a
-token: the server, not the test, watches the counts, so the freeze lands within a few engine steps of
-the last first token on a box of any speed (a test polling over HTTP could see a short sample end first).
-`GET /v1/test/engine/steps` is the make-up
+(`{"ids": [...]}` engine ids, and/or `{"count": n}`) thaws the engine and freezes it again as soon as
+each of those ids (and at least n of the requests it holds) has a token: the server, not the test,
+watches the counts, so the freeze lands within a few engine steps of the last first token on a box of
+any speed (a test polling over HTTP could see a short sample end first). `GET /v1/test/engine/steps` is the make-up
 of the engine's last batches, from vLLM's own per-step stats (requests running, and of them how many
 per LoRA adapter): proof that requests shared a batch, which no timing can give.
 
@@ -77,8 +77,13 @@ async def stall_engine(request: Request) -> EnginePaused:
 
 
 class StartedIds(BaseModel):
-    ids: list[str]
+    ids: list[str] = []     # these engine ids each have a token ...
+    count: int = 0          # ... and at least this many of the requests the engine holds have one
     timeout_s: float = 120.0
+
+    def met(self, tokens: dict[str, int]) -> bool:
+        return (all(tokens.get(i, 0) >= 1 for i in self.ids)
+                and sum(1 for n in tokens.values() if n >= 1) >= self.count)
 
 
 class EngineStarted(BaseModel):
@@ -95,10 +100,10 @@ async def run_until_started(body: StartedIds, request: Request) -> EngineStarted
     deadline = loop.time() + body.timeout_s
     try:
         # The output processor's counts move once per engine step; a millisecond's look is well inside one.
-        while not all(engine.progress().get(i, 0) >= 1 for i in body.ids):
+        while not body.met(engine.progress()):
             if loop.time() > deadline:
-                missing = [i for i in body.ids if engine.progress().get(i, 0) < 1]
-                raise RequestTimedOut(f"no token after {body.timeout_s:g}s for {missing[:4]}")
+                raise RequestTimedOut(f"after {body.timeout_s:g}s the engine's token counts are still "
+                                      f"{engine.progress()}, short of ids {body.ids[:4]}, count {body.count}")
             await asyncio.sleep(0.001)
     finally:
         await core.seam_pause(engine)
