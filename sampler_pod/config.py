@@ -137,8 +137,9 @@ class ServerConfig(BaseModel):
                            "once they are written; by default it is kept (one copy of the model in host memory) so "
                            "that a peer created or restarted later can catch up from this replica (GET "
                            "/v1/weights/staged), and beside it a second copy's worth of host memory, touched in the "
-                           "background from the trainer's join on (after a write: the copy it replaced), is where "
-                           "the next push lands; with this flag neither is kept, and each push lands in new memory")
+                           "background from the engine's start (after a write: the copy it replaced), is where "
+                           "the next push or catch-up lands; with this flag neither is kept, and each push lands in "
+                           "new memory")
     enable_lora: bool = Field(False, description="serve LoRA adapters")
     max_loras: int = Field(4, ge=1, description="adapters one engine step may batch (vLLM's LoRA slots)")
     max_cpu_loras: int | None = Field(

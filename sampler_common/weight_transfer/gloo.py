@@ -29,8 +29,9 @@ Staged, never direct. The worker receives into host memory, in a thread of its o
 keeps stepping; the received chunks ARE the staging (the tensors are views into them, the chunks views
 into one block of the push's size), so a push costs its model's size in host memory on each receiving
 worker until it is written or dropped, plus two chunks on the trainer (kept from push to push). Where
-it lands is `landing.py`'s: a block made and touched beforehand (`prepare`: when the trainer joins, and
-after a kept write leaves none), or the block of an earlier push the worker no longer reads (`recycle`).
+it lands is `landing.py`'s: a block made and touched beforehand (`prepare`: once the engine is up, when
+a trainer joins, and after a kept write leaves none), or the block of an earlier push the worker no
+longer reads (`recycle`).
 Nothing touches the model here: `finish_weight_update` only seals the received tensors, and the replica
 writes them through its ordinary load path (pause or lock, then the engine's in-place reload). A transfer
 that tears leaves the served weights exactly as they were.
@@ -386,9 +387,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def prepare(self, nbytes: int | None = None) -> None:
         """Keep a block of `nbytes` (default: the size set before) ready for the next push, touched in a
-        thread of its own from now (landing.py): the replica keeps pushed weights, and a trainer has joined
-        (or a kept write has just taken the block there was). Does nothing while a push lands, or when a
-        block of that size is held already."""
+        thread of its own from now (landing.py): the replica keeps pushed weights, and its engine has just
+        started or a trainer has joined (or a kept write has just taken the block there was). Does nothing
+        while a push lands, or when a block of that size is held already."""
         with self._lock:
             if nbytes is not None:
                 self._target = nbytes
@@ -454,13 +455,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._hop, self._info, self._received, self._block = None, None, [], None
 
     def shutdown(self) -> None:
-        """Leave the group; the block held for the next push goes too, and none is made again until a
-        trainer joins (the trainer is gone: no push is due)."""
+        """Leave the group. The block held for the next push stays: a catch-up from a peer, or the next
+        trainer's push, lands in it (the replica holds it from its engine's start, landing.py)."""
         self._drop()
-        with self._lock:
-            spare, self._spare, self._target = self._spare, None, None
-        if spare is not None:
-            spare.release()
         self._begin(TransferStatus())
 
 

@@ -8,10 +8,11 @@ same size.
 Why touch it first. New host memory costs a page fault per 4 KiB page the first time it is written: 0.24
 s on one core for 340 MB written into new memory against 0.03 s into memory already touched, inside the
 receive, on the push's critical path. So a worker that keeps pushed weights (the default: the kept copy
-serves peers' catch-ups) keeps one block ready for the next push while a trainer is joined: made and
-touched in a thread of its own as soon as the trainer joins, and again once a kept write leaves none (the
-first push's block becomes the kept copy); from then on the copy each kept write replaces is handed back
-and is the next push's block. Touching it first costs 0.12 CPU-s per 340 MB (`MADV_POPULATE_WRITE`: the
+serves peers' catch-ups) keeps one block ready for the next push or catch-up: made and touched in a thread
+of its own as soon as its engine is up (a replacement's first load is a catch-up from a peer), again when
+a trainer joins if a push of another size let it go, and again once a kept write leaves none (the first
+push's block becomes the kept copy); from then on the copy each kept write replaces is handed back and is
+the next push's block. Touching it first costs 0.12 CPU-s per 340 MB (`MADV_POPULATE_WRITE`: the
 kernel's page faults without the trap per page; 0.19 CPU-s writing zeros where that is missing), off the
 push's critical path. The memory held is the steady state's from the start: the kept copy and one block.
 
@@ -42,8 +43,8 @@ MADV_POPULATE_WRITE = 23
 def to_prepare(target_bytes: int | None, spare_bytes: int | None, receiving: bool) -> int | None:
     """How many bytes to allocate and touch now so that the next push lands in touched memory, or None.
 
-    `target_bytes`: the size of a push, set while a trainer is joined to a replica that keeps pushed
-    weights (None: the replica keeps nothing between pushes, `--drop-pushed-weights`, or no trainer).
+    `target_bytes`: the size of a push, set once the engine of a replica that keeps pushed weights is up
+    (None: the replica keeps nothing between pushes, `--drop-pushed-weights`, or takes no network weights).
     `spare_bytes`: the block held already (None: none). `receiving`: a push is landing now, in the block
     there was (a second one beside it would be a third copy of the model while it lands)."""
     if target_bytes is None or target_bytes <= 0 or receiving:

@@ -173,7 +173,8 @@ class WeightReceiver(Protocol):
     async def join(self, init_info: dict[str, Any]) -> None: ...
 
     # Keep host memory of `nbytes` (a push's size) ready for the pushes to land in, touched from now in
-    # the background (sampler_common/weight_transfer/landing.py); asked once a trainer has joined.
+    # the background (sampler_common/weight_transfer/landing.py); asked once the engine is up, and at
+    # each trainer's join.
     async def prepare(self, nbytes: int) -> None: ...
 
     # A new round (vLLM's start_weight_update): drops what an earlier round left unstaged.

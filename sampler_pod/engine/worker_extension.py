@@ -260,7 +260,7 @@ class WeightLoaderExtension:
         block = engine.take_spare(block_bytes(sizes)) if engine is not None else None
         touching = None
         if block is None:
-            # None held (a replica that no trainer has joined: a replacement catching up). New memory,
+            # None held (--drop-pushed-weights, one of another size, or a push landing in it). New memory,
             # touched by the kernel's advice in a thread from now, ahead of the copy as it arrives (a page
             # fault per page otherwise); the thread writes nothing, the copy lands as it comes.
             touching = Landing(block_bytes(sizes), writes=False)
@@ -319,7 +319,8 @@ class WeightLoaderExtension:
 
     def sampler_transfer_prepare(self, nbytes: int) -> None:
         """Keep a block of `nbytes` ready for the pushes to land in, touched from now in the background
-        (the server asks once a trainer has joined, unless it keeps no pushed weights)."""
+        (the server asks once the engine is up and at each trainer's join, unless it keeps no pushed
+        weights)."""
         self._transfer().prepare(nbytes)
 
     def sampler_transfer_discard(self) -> None:

@@ -39,6 +39,7 @@ from ..core.sampler import SamplerCore
 from ..core.startup import EngineStarter
 from .service import AddAdapterRequest, LoadCheckpointRequest, WeightsService, WeightWriteFailed
 from .state_file import PersistedAdapter, PersistedWeights, read_state
+from .transfer import prepare_landing
 from .validation import CheckpointInvalid
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,20 @@ async def restore(service: WeightsService, target: PersistedWeights) -> None:
     await asyncio.to_thread(service.persist_state)
 
 
+async def _prepare_landing(service: WeightsService) -> None:
+    """A replica that takes network weights holds the block the next one lands in from its engine's start:
+    a replacement's first load is a catch-up from a peer, which then lands in memory touched meanwhile
+    (about 0.1 CPU-s per 340 MB in the background, against page faults inside the copy)."""
+    core = service.core
+    receiver = core.engine.weight_receiver if core.engine is not None else None
+    if receiver is None:
+        return
+    try:
+        await prepare_landing(core, service, receiver)
+    except Exception:  # only memory touched ahead of time: a push or catch-up lands in new memory without it
+        log.exception("could not prepare the block where network weights land; they will land in new memory")
+
+
 def with_initial_weights(cfg: ServerConfig, service: WeightsService, start_engine: EngineStarter,
                          on_fatal: Callable[[], None]) -> EngineStarter:
     """`start_engine`, then the restore of the intended weights, before the replica reports ready."""
@@ -114,6 +129,8 @@ def with_initial_weights(cfg: ServerConfig, service: WeightsService, start_engin
             core.restoring = f"loading {_what(target)}"
         try:
             await start_engine(core)
+            if core.engine is not None and core.startup_error is None:
+                await _prepare_landing(service)
             if target is None or core.engine is None or core.startup_error is not None:
                 return  # nothing to restore, or engine startup failed (already recorded, on_fatal called)
             await restore(service, target)

@@ -166,6 +166,18 @@ def default_label(sha256: str) -> str:
 # ---------------------------------------------------------------------------- the service
 
 
+async def prepare_landing(core: SamplerCore, weights: WeightsService, receiver: WeightReceiver) -> None:
+    """Host memory of a push's size for the next push or catch-up to land in, touched from now on in the
+    workers' background rather than while the bytes arrive (sampler_common/weight_transfer/landing.py):
+    the memory a replica that takes network weights holds from its second push on anyway (the kept copy,
+    and the one it replaced, where the next push lands). Asked once the engine is up (a replacement's
+    catch-up from a peer is its first load) and at each trainer's join. Not with --drop-pushed-weights:
+    then nothing is held between pushes, and every push lands in new memory."""
+    if core.cfg.drop_pushed_weights or core.model_dir is None:
+        return
+    await receiver.prepare(block_bytes(schema_sizes(weights.schema(field="init_info"))))
+
+
 class WeightTransferService:
     def __init__(self, core: SamplerCore, weights: WeightsService) -> None:
         self.core, self.weights = core, weights
@@ -255,14 +267,8 @@ class WeightTransferService:
                             world_size=info.world_size, rank_offset=info.rank_offset, workers=receiver.workers)
 
     async def _prepare_landing(self, receiver: WeightReceiver) -> None:
-        """Host memory of a push's size for the pushes to land in, touched from now on in the workers'
-        background rather than during the first push (sampler_common/weight_transfer/landing.py): the
-        memory the replica holds from its second push on anyway (the kept copy, and the one it replaced,
-        where the next push lands), held from the trainer's join. Not with --drop-pushed-weights: then
-        nothing is held between pushes, and every push lands in new memory."""
-        if self.core.cfg.drop_pushed_weights or self.core.model_dir is None:
-            return
-        await receiver.prepare(block_bytes(schema_sizes(self.weights.schema(field="init_info"))))
+        # Made at the engine's start already; again here in case a push of another size let it go.
+        await prepare_landing(self.core, self.weights, receiver)
 
     async def start(self) -> TransferAnswer:
         _, receiver = self._receiver()

@@ -240,18 +240,18 @@ def test_a_push_lands_in_the_block_handed_back_and_a_shape_change_or_a_tear_lets
     assert same_bytes(got_f, mixed(7, extra=7))
     assert block_f.data_ptr() not in (block_d.data_ptr(), block_d2.data_ptr())
 
-    # Shutdown (the trainer is gone) lets the spare block go.
+    # Shutdown (the trainer is gone) keeps the spare block: a catch-up or the next trainer lands in it.
     receiver.recycle(block_f)
     receiver.shutdown()
-    assert receiver.spare_bytes() == 0
+    assert receiver.spare() is not None and receiver.spare().buffer.data_ptr() == block_f.data_ptr()
     trainer.shutdown()
 
 
-def test_a_block_prepared_when_the_trainer_joins_is_where_the_first_push_lands() -> None:
-    """What the replica's server asks once a trainer joined (`prepare`, the model's push size), and what its
-    worker asks after a kept write that left no block (`prepare()`): a block touched in the background,
-    where the next push lands; none made twice; the size follows a push of another size; none after
-    shutdown until a trainer joins again."""
+def test_a_block_prepared_ahead_is_where_the_first_push_lands() -> None:
+    """What the replica's server asks once its engine is up and at a join (`prepare`, the model's push
+    size), and what its worker asks after a kept write that left no block (`prepare()`): a block touched in
+    the background, where the next push lands; none made twice; the size follows a push of another size;
+    the one held stays through a shutdown, where the next push or a catch-up lands."""
     receiver = worker()
     trainer, push = pushing(receiver)
     nbytes = size_of(mixed(1))
@@ -277,10 +277,11 @@ def test_a_block_prepared_when_the_trainer_joins_is_where_the_first_push_lands()
     receiver.prepare()
     assert receiver.spare_bytes() == size_of(mixed(3, extra=7))
 
-    # Shutdown lets it go, and nothing is made again until a trainer joins (and the server asks).
+    # Shutdown keeps it, and asks for nothing more (one of the size set is held).
+    held = receiver.spare()
     receiver.shutdown()
     receiver.prepare()
-    assert receiver.spare_bytes() == 0
+    assert receiver.spare() is held and receiver.spare_bytes() == size_of(mixed(3, extra=7))
     trainer.shutdown()
 
 

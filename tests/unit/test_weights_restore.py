@@ -20,10 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sampler_common.weight_transfer.chunks import block_bytes
 from sampler_pod.core.sampler import SamplerCore
-from sampler_pod.engine.fake import FakeEngine
+from sampler_pod.engine.fake import FakeEngine, FakeWeightReceiver
 from sampler_pod.weights.service import WeightsService
 from sampler_pod.weights.startup import with_initial_weights
+from sampler_pod.weights.validation import schema_from_checkpoint_dir, schema_sizes
 from tests.support import corrupt_checkpoints as cc
 from tests.support.checkpoints import make_lora_adapter
 from tests.support.inproc import fake_client, fake_core
@@ -444,3 +446,22 @@ async def test_a_load_that_cannot_be_recorded_is_refused_before_any_write(ck: Ck
         h = (await c.get("/health")).json()
         assert h["status"] == "ok" and h["weights_version"] == 0 and h["intended"] is None
     assert not engine.write_started.is_set()
+
+
+@pytest.mark.parametrize("flags,blocks", [
+    ({"weight_transfer_backend": "gloo"}, 1),                               # holds one from the start
+    ({"weight_transfer_backend": "gloo", "drop_pushed_weights": True}, 0),  # keeps nothing between pushes
+    ({}, 0),                                                                # takes no network weights
+])
+async def test_a_replica_that_takes_network_weights_holds_where_they_land_from_its_engines_start(
+        ck: Ckpts, tmp_path: Path, flags: dict[str, Any], blocks: int) -> None:
+    """A replacement of a pool pushed over the network starts waiting for a load that names a peer; the
+    block that catch-up lands in is asked for once the engine is up, before that load, so it is touched
+    by the time the copy arrives (sampler_common/weight_transfer/landing.py). Its size is any push's."""
+    r = restoring(ck, tmp_path, initial_version_label="net-1", initial_sha256="ab" * 32, **flags)
+    receiver = FakeWeightReceiver(r.engine) if flags else None
+    r.engine.receiver = receiver
+    await r.start(r.core)
+    assert r.core.awaiting_weights is not None and not r.fatal  # waiting for the peer, unready
+    size = block_bytes(schema_sizes(schema_from_checkpoint_dir(ck.model)))
+    assert (receiver.prepared if receiver is not None else []) == [size] * blocks
