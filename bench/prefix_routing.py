@@ -20,12 +20,13 @@ Workloads, each cell with prompts of its own (a cell-unique seed: no cell reuses
 - `grpo`: GROUPS prompts x SIBLINGS samples, every sample its own `/v1/completions` request (token
   ids, PROMPT_BLOCKS whole blocks of 128 and a part), all sent at once as one GRPO step's rollouts;
   the ideal: each group on one replica, every sibling after the first hitting every whole block;
-- `multiturn`: bench/sessions.py's episodes (EPISODES at once, 8 chat turns of growing context, text
-  prompts: `/v1/chat/completions`); the ideal: every turn hits the whole blocks of the previous turn's
-  prompt and answer. `cache_aware` gets the same turns as token ids on `/v1/completions`, rendered by
-  the model's chat template here: on chat, vllm-router asks each worker to render the messages
-  (`/v1/chat/completions/render`), a route the replicas do not serve (sampler_pod/openai/paths.py);
-  the engines see the same tokens either way;
+- `multiturn`: bench/sessions.py's episodes (EPISODES at once, 8 chat turns of growing context); the
+  ideal: every turn hits the whole blocks of the previous turn's prompt and answer. Every front gets
+  the same requests: each turn's conversation rendered here by the model's chat template into token
+  ids, on `/v1/completions` (as RL rollouts that keep their own token ids send turns). Not chat
+  messages: on chat, vllm-router asks each worker to render them (`/v1/chat/completions/render`), a
+  route the replicas do not serve (sampler_pod/openai/paths.py), so it could only be given token ids;
+  and a chat front would spend the replicas' CPU on rendering that the router's rendered turns do not;
 - `skewed`: a closed loop at concurrency SKEW_CONCURRENCY, SKEW_REQUESTS requests, half of them of one
   prompt family (a shared PROMPT_BLOCKS-block prefix, then a question of its own), the rest spread
   over SKEW_FAMILIES other families; the ideal: each family on one replica (its prefix prefilled once).
@@ -116,7 +117,7 @@ class Front:
     url: str
     pid: int
     headers: bool             # sends each request's key (the sticky front)
-    render: bool = False      # a chat turn goes as token ids on /v1/completions (cache_aware: module docstring)
+    gateway: bool = True      # this project's gateway (its /metrics has the added latency); False: vllm-router
 
 
 @dataclass
@@ -177,7 +178,7 @@ async def multiturn(http: aiohttp.ClientSession, front: Front, model: str, cell:
 @dataclass
 class Chat:
     """The tiny model's whole-word tokens (bench/sessions.py says why answers are drawn from them) and its
-    tokenizer, to render a conversation as the replica would (for `cache_aware`)."""
+    tokenizer, to render a conversation as the replica's chat route would (module docstring: why here)."""
 
     words: list[int]
     tokenizer: Any
@@ -210,21 +211,16 @@ async def turns(http: aiohttp.ClientSession, front: Front, model: str, cell: int
         body: dict[str, Any] = {"model": model, "max_tokens": TOKENS, "temperature": 1.0,
                                 "seed": cell * 100_000 + e * 100 + turn, "ignore_eos": True,
                                 "allowed_token_ids": chat.words}
-        if front.render:
-            path = "/v1/completions"
-            body["prompt"] = chat.render(messages)
-        else:
-            path, body["messages"] = "/v1/chat/completions", messages
+        body["prompt"] = chat.render(messages)
         t = time.perf_counter()
-        async with http.post(front.url + path, json=body, headers=headers) as r:
+        async with http.post(front.url + "/v1/completions", json=body, headers=headers) as r:
             assert r.status == 200, await r.text()
             out = await r.json()
         tally.latencies.append((time.perf_counter() - t) * 1000)
         tally.tokens += int(out["usage"]["completion_tokens"])
         usage.append((int(out["usage"]["prompt_tokens"]), int(out["usage"]["completion_tokens"])))
         choice = out["choices"][0]
-        messages.append({"role": "assistant", "content": (choice["text"] if front.render
-                                                          else choice["message"]["content"]) or ""})
+        messages.append({"role": "assistant", "content": choice["text"] or ""})
     return usage
 
 
@@ -256,7 +252,7 @@ def finished(texts: list[str]) -> list[float]:
 
 async def gateway_time(http: aiohttp.ClientSession, front: Front) -> tuple[float, float]:
     """(seconds, requests) of the gateway's added-latency histogram so far; (nan, nan) for vllm-router."""
-    if front.render:
+    if not front.gateway:
         return float("nan"), float("nan")
     async with http.get(front.url + "/metrics") as r:
         text = await r.text()
@@ -307,7 +303,7 @@ def fronts(urls: dict[str, str], scorer_flags: list[str], names: list[str]) -> I
                "sticky": Front(least.url, least.proc.pid, True),
                "scorer": Front(scorer.url, scorer.proc.pid, False),
                "scorer-aa": Front(scorer.url, scorer.proc.pid, False),
-               "cache_aware": Front(router_url, router_pid, False, render=True)}
+               "cache_aware": Front(router_url, router_pid, False, gateway=False)}
         yield {n: out[n] for n in names}
 
 
@@ -383,8 +379,9 @@ def describe(workload: str, sizes: Sizes) -> str:
     if workload == "grpo":
         return f"{sizes.groups} prompts x {sizes.siblings} siblings as separate requests, all at once, {tokens_}"
     if workload == "multiturn":
-        return (f"{sizes.episodes} episodes at once, {TURNS} chat turns each (bench/sessions.py), no header but the "
-                "sticky front's X-Session-ID")
+        return (f"{sizes.episodes} episodes at once, {TURNS} chat turns each (bench/sessions.py), every front given "
+                "the same turns as token ids rendered by the chat template, no header but the sticky front's "
+                "X-Session-ID")
     return (f"closed loop at concurrency {sizes.skew_concurrency}, {sizes.skew_requests} requests, half of one "
             f"family, the rest over {sizes.skew_families} others, {tokens_}")
 
