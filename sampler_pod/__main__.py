@@ -7,7 +7,7 @@ import sys
 
 import uvicorn
 
-from sampler_common import rollout_trace
+from sampler_common import heap, rollout_trace
 
 from .config import parse_config
 from .core.sampler import SamplerCore
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
+    if cfg.weight_transfer_backend is not None:
+        heap.keep_stream_buffers()  # a catch-up from a peer streams the model through this process
     core = SamplerCore(cfg)
     weights = WeightsService(core)
     # The engine first, then the weights the replica must serve, and only then ready.

@@ -50,6 +50,8 @@ def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineSta
                     cfg.startup_lock_path, cfg.startup_lock_timeout_s,
                     lambda: asyncio.to_thread(VllmEngine.create, model_dir, cfg))
                 try:
+                    if cfg.weight_transfer_backend is not None:
+                        await engine.keep_stream_buffers()  # the worker's side of a catch-up (sampler_common/heap.py)
                     await engine.require_seeded_chunks()
                     if cfg.enable_lora:
                         await engine.require_lora_isolation()

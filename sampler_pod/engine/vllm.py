@@ -328,6 +328,11 @@ class VllmEngine:
         if problems:
             raise RuntimeError(f"--enable-lora refused: {problems[0]}")
 
+    async def keep_stream_buffers(self) -> None:
+        """Fix each worker process's malloc thresholds (sampler_common/heap.py): a catch-up's slices pass
+        through them."""
+        await self.llm.collective_rpc("sampler_keep_stream_buffers")
+
     async def require_seeded_chunks(self) -> None:
         """Refuse to serve where a seeded request prefilled in chunks would kill the engine
         (`seeded_chunks`): every worker must report its generators' rewind safe."""

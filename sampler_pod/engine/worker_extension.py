@@ -42,6 +42,7 @@ from typing import Any
 import numpy
 import torch
 
+from sampler_common import heap
 from sampler_common.weight_transfer import gloo
 from sampler_common.weight_transfer.chunks import block_bytes, unpack
 from sampler_common.weight_transfer.landing import Landing
@@ -340,6 +341,9 @@ class WeightLoaderExtension:
 
         self.reload_weights(weights_iterator=counted())
         return count
+
+    def sampler_keep_stream_buffers(self) -> bool:
+        return heap.keep_stream_buffers()
 
     def sampler_lora_isolation(self) -> str | None:
         return lora_isolation.status()
