@@ -54,7 +54,8 @@ def test_the_targets_bounds() -> None:
 
 
 def results(one: list[float], two: list[float], peer: list[float], *, lost: int = 0) -> Results:
-    r = Results(bytes={"340mb": 340 * MB}, floor_s={"340mb": [0.2, 0.3, 0.1]})   # median 0.2 s: 1.7 GB/s
+    r = Results(bytes={"340mb": 340 * MB}, floor_s={"340mb": [0.2, 0.3, 0.1]},   # median 0.2 s: 1.7 GB/s
+                floor_round_s={("340mb", rnd): [0.1, 0.2, 0.3] for rnd in range(3)})
     for i, t in enumerate(one):
         r.pushes += [push("net", t, rnd=i), push("disk", 3.0, rnd=i)]
     for i, t in enumerate(two):
@@ -69,10 +70,11 @@ def results(one: list[float], two: list[float], peer: list[float], *, lost: int 
 
 def test_each_target_holds_only_if_every_push_meets_it() -> None:
     good = "\n".join(wp.target_lines(results([0.6, 0.7], [1.0, 1.6], [1.5, 2.2]), ["340mb"], [1, 2]))
-    assert ("340mb, push to 1 ≤ 1.5 × bytes / floor + pause + 0.3 s: median 0.650 s against 0.700 s: holds (2/2)"
-            in good)
+    assert ("340mb, push to 1 ≤ 1.5 × bytes / floor + pause + 0.3 s: median 0.650 s against 0.700 s: holds (2/2); "
+            "against the run's median floor 2/2" in good)
     assert "340mb, push to 2 ≤ 2.5 × to 1 (per round, the medians' ratio): 1.67, 2.29: holds (2/2)" in good
-    assert "340mb, catch-up ≤ bytes / floor + 2 s = 2.200 s: median 1.850 s: holds (2/2)" in good
+    assert ("340mb, catch-up ≤ bytes / floor + 2 s (run's median floor: 2.200 s): median 1.850 s: holds (2/2); "
+            "against the run's median floor 2/2" in good)
     assert "0 samples lost under Keep: 20 answered, 0 lost, 0 failed over 2 pushes under load: holds" in good
     bad = "\n".join(wp.target_lines(results([0.6, 0.71], [1.0, 1.8], [2.3], lost=1), ["340mb"], [1, 2]))
     assert "median 0.655 s against 0.700 s: does NOT hold (1/2)" in bad
@@ -81,8 +83,21 @@ def test_each_target_holds_only_if_every_push_meets_it() -> None:
     assert "1 lost, 0 failed over 2 pushes under load: does NOT hold" in bad
 
 
+def test_each_push_is_held_to_the_floor_measured_in_its_own_round() -> None:
+    """The box's loopback rate moves between rounds (measured at each round's start, no engine alive): a
+    round whose floor took twice as long gives its pushes twice the wire time, and one that would fail
+    against the run's median floor is counted there apart."""
+    r = results([0.6, 0.9], [1.0, 1.6], [1.5, 2.3])
+    r.floor_round_s[("340mb", 1)] = [0.4]                        # round 2: 0.85 GB/s
+    lines = "\n".join(wp.target_lines(r, ["340mb"], [1, 2]))
+    # round 1: 1.5 x 0.2 + 0.1 + 0.3 = 0.7 s; round 2: 1.5 x 0.4 + 0.1 + 0.3 = 1.0 s.
+    assert "median 0.750 s against 0.850 s: holds (2/2); against the run's median floor 1/2" in lines
+    # Both catch-ups ran in round 1 (push()'s default): 0.2 + 2 = 2.2 s, so 2.3 s fails either way.
+    assert "median 1.900 s: does NOT hold (1/2); against the run's median floor 1/2" in lines
+
+
 def test_the_report_opens_with_the_paired_table_and_lists_every_push() -> None:
-    r = Results(bytes={"340mb": 340 * MB}, floor_s={"340mb": [0.2]})
+    r = Results(bytes={"340mb": 340 * MB}, floor_s={"340mb": [0.2]}, floor_round_s={("340mb", 0): [0.2]})
     # Two blocks, ABBA then BAAB: net / disk 0.25, 0.25, 0.5, 0.5 (median 0.375); A/A 0.8 four times.
     r.pushes = [push("net", 1.0), push("disk", 4.0), push("disk", 5.0), push("net", 1.25),
                 push("disk", 2.0), push("net", 1.0), push("net", 1.25), push("disk", 2.5)]
