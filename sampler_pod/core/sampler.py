@@ -265,15 +265,7 @@ class SamplerCore:
             if self.mutations.locked():
                 return
             async with self.mutations:
-                failure: str | None = None
-                try:
-                    async with asyncio.timeout(self.cfg.stall_timeout_s):
-                        await engine.generate(f"canary-{uuid.uuid4().hex}", [0],
-                                              GenerationSpec(n=1, max_tokens=1, temperature=0.0), None)
-                except TimeoutError:
-                    failure = f"no token within {self.cfg.stall_timeout_s:g}s (--stall-timeout-s)"
-                except Exception as e:
-                    failure = f"{type(e).__name__}: {e}"
+                failure = await self._one_token(engine)
                 self.metrics.canaries.labels(outcome="ok" if failure is None else "failed").inc()
                 if self._progress is not None:
                     self._progress = stall.canary_done(self._progress, failure)
@@ -281,6 +273,28 @@ class SamplerCore:
         finally:
             self._last_canary_at = time.monotonic()
             self._canary = None
+
+    async def _one_token(self, engine: Engine) -> str | None:
+        """A 1-token generation; None, or why it failed."""
+        try:
+            async with asyncio.timeout(self.cfg.stall_timeout_s):
+                await engine.generate(f"canary-{uuid.uuid4().hex}", [0],
+                                      GenerationSpec(n=1, max_tokens=1, temperature=0.0), None)
+        except TimeoutError:
+            return f"no token within {self.cfg.stall_timeout_s:g}s (--stall-timeout-s)"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    async def warm_up(self, engine: Engine) -> None:
+        """One token from a started engine before the replica reports ready. A fresh vLLM engine's first
+        generation pays first-use costs (the sampler's path runs for the first time); paid here, they
+        are not paid by the first client, nor by the first canary, whose step holds up the engine's
+        RPCs (a push's status polls) while it runs. Raises if the engine cannot produce it."""
+        failure = await self._one_token(engine)
+        if failure is not None:
+            raise RuntimeError(f"the engine's first token failed: {failure}")
+        self._last_canary_at = time.monotonic()  # as good as a canary: the engine is proven now
 
     def require_engine(self) -> Engine:
         """The engine, if it is up, alive and its weights certain; else the 503 that says why.

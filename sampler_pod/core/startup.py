@@ -55,6 +55,7 @@ def engine_starter(cfg: ServerConfig, on_fatal: Callable[[], None]) -> EngineSta
                     await engine.require_seeded_chunks()
                     if cfg.enable_lora:
                         await engine.require_lora_isolation()
+                    await core.warm_up(engine)
                 except Exception:
                     await engine.shutdown()
                     raise
