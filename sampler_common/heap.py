@@ -14,8 +14,8 @@ landing blocks, the kept copy: landing.py) are mapped apart and go back to the k
 `TRIM_THRESHOLD_BYTES`: up to that much free heap stays in each process after a catch-up, ready for
 the next, instead of being returned and faulted in again.
 
-Called once at start by the sampler's server and in its engine's worker process. Not on glibc (musl,
-macOS): nothing to set.
+Called once at start by the server of a replica that takes network weights (`--weight-transfer-backend`),
+in its own process and in its engine's worker. Not on glibc (musl, macOS): nothing to set.
 """
 
 from __future__ import annotations

@@ -260,15 +260,12 @@ class WeightTransferService:
             raise
         self.session.enter("joined")
         self._group = (info.world_size, info.rank_offset)
-        await self._prepare_landing(receiver)
+        # Made at the engine's start already; again here in case a torn push, or one of another size, let it go.
+        await prepare_landing(self.core, self.weights, receiver)
         log.info("weight transfer: joined %s:%d (world %d, ranks from %d)", info.master_address, info.master_port,
                  info.world_size, info.rank_offset)
         return InitResponse(message="Weight transfer initialized", phase="joined", backend=receiver.backend,
                             world_size=info.world_size, rank_offset=info.rank_offset, workers=receiver.workers)
-
-    async def _prepare_landing(self, receiver: WeightReceiver) -> None:
-        # Made at the engine's start already; again here in case a push of another size let it go.
-        await prepare_landing(self.core, self.weights, receiver)
 
     async def start(self) -> TransferAnswer:
         _, receiver = self._receiver()

@@ -213,18 +213,19 @@ def stream_chat(env: Env, i: int) -> dict[str, Any]:
 
 def test_a_keep_load_during_16_streaming_chats_loses_none_and_spans_are_exact(env: Env) -> None:
     """16 streamed chats, each provably mid-generation (the engine runs until it reports a token for
-    each, then is frozen and their counts read), a keep-mode load, and every stream finishes with all its tokens
-    and the exact boundary in its `weights_spans`."""
+    each, then is frozen and their counts read), a keep-mode load, and every stream finishes with all its
+    tokens and the exact boundary in its `weights_spans`."""
     old_label, v0 = env.health()["weights_label"], env.health()["weights_version"]
     ok_before = metric(env.metrics(), "sampler_requests_finished_total", 0.0, outcome="ok")
     with env.http() as h, ThreadPoolExecutor(N) as pool:
         # All 16 are admitted with the engine frozen, so they run in one batch: on a busy box the client
-        # took longer to open 16 streams than the engine took to finish the first ones.
-        with engine_paused(env.server, AUTH):
-            streams = [pool.submit(stream_chat, env, i) for i in range(N)]
-            in_flight(env, N)
-        # Thawed until every chat has a token, and frozen by the server itself (a poll over HTTP could
-        # see the first chats end before it saw the last first token).
+        # took longer to open 16 streams than the engine took to finish the first ones. The engine stays
+        # frozen until the seam below thaws it, runs it until every chat has a token and freezes it
+        # again from inside the server (a poll over HTTP could see the first chats end before it saw the
+        # last first token).
+        assert h.post("/v1/test/engine/pause").status_code == 200
+        streams = [pool.submit(stream_chat, env, i) for i in range(N)]
+        in_flight(env, N)
         started = h.post("/v1/test/engine/run-until-started", json={"count": N})
         assert started.status_code == 200, started.text
         counts = started.json()["tokens"]

@@ -11,9 +11,9 @@ keep-mode load will change the weights under each of them. `POST /v1/test/engine
 (`{"ids": [...]}` engine ids, and/or `{"count": n}`) thaws the engine and freezes it again as soon as
 each of those ids (and at least n of the requests it holds) has a token: the server, not the test,
 watches the counts, so the freeze lands within a few engine steps of the last first token on a box of
-any speed (a test polling over HTTP could see a short sample end first). `GET /v1/test/engine/steps` is the make-up
-of the engine's last batches, from vLLM's own per-step stats (requests running, and of them how many
-per LoRA adapter): proof that requests shared a batch, which no timing can give.
+any speed (a test polling over HTTP could see a short sample end first). `GET /v1/test/engine/steps`
+is the make-up of the engine's last batches, from vLLM's own per-step stats (requests running, and of
+them how many per LoRA adapter): proof that requests shared a batch, which no timing can give.
 
 The stall watch (`core/stall.py`) is suspended from `pause` to `resume`: a freeze the server asked
 for is not a stall. `POST /v1/test/engine/stall` is the other kind: it pauses the engine's scheduler
