@@ -224,16 +224,21 @@ def test_a_keep_load_during_16_streaming_chats_loses_none_and_spans_are_exact(en
         # again from inside the server (a poll over HTTP could see the first chats end before it saw the
         # last first token).
         assert h.post("/v1/test/engine/pause").status_code == 200
-        streams = [pool.submit(stream_chat, env, i) for i in range(N)]
-        in_flight(env, N)
-        started = h.post("/v1/test/engine/run-until-started", json={"count": N})
-        assert started.status_code == 200, started.text
-        counts = started.json()["tokens"]
-        assert len(counts) == N and all(1 <= n < L for n in counts.values()), counts
-        r = h.post("/v1/checkpoints/load", json={"path": "oa-3", "version_label": "oa-3", "in_flight": "keep"})
-        # The engine is frozen: a load that waited for these chats would never have returned.
-        assert r.status_code == 200, r.text
-        answers = [s.result() for s in streams]
+        try:
+            streams = [pool.submit(stream_chat, env, i) for i in range(N)]
+            in_flight(env, N)
+            started = h.post("/v1/test/engine/run-until-started", json={"count": N})
+            assert started.status_code == 200, started.text
+            counts = started.json()["tokens"]
+            assert len(counts) == N and all(1 <= n < L for n in counts.values()), counts
+            r = h.post("/v1/checkpoints/load", json={"path": "oa-3", "version_label": "oa-3", "in_flight": "keep"})
+            # The engine is frozen: a load that waited for these chats would never have returned.
+            assert r.status_code == 200, r.text
+            answers = [s.result() for s in streams]
+        finally:
+            # The keep load resumed it; a failure before the load must not leave the streams (and the
+            # module's next tests) waiting on a frozen engine, as `engine_paused` guaranteed before.
+            assert h.post("/v1/test/engine/resume").status_code == 200
     for a in answers:
         b = counts[a["id"]]
         assert len(a["token_ids"]) == L and a["finish_reason"] == "length", a["id"]
