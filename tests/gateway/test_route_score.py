@@ -109,10 +109,12 @@ def test_a_prefix_holder_wins_until_it_is_hot_and_the_gate_needs_both_thresholds
     pr = prompt(1)
     warm(p, "a", pr)
     # Each request its own last block (not a burst of one prompt: bursts join past the gate).
-    for i, (a_load, b_load, winner) in enumerate(((8, 0, "a"),   # 8 above: not past --score-imbalance 8
-                                                  (9, 0, "b"),   # 9 above and more than 1.5 x 0: hot
-                                                  (27, 18, "a"),  # 9 above, but not more than 1.5 x 18
-                                                  (28, 18, "b"))):  # 10 above and more than 27
+    gate = Weights().imbalance   # the default --score-imbalance; the ratio's default 1.5
+    for i, (a_load, b_load, winner) in enumerate((
+            (gate, 0, "a"),                              # `gate` above: not past it
+            (gate + 1, 0, "b"),                          # past it, and more than 1.5 x 0: hot
+            (3 * (gate + 1), 2 * (gate + 1), "a"),       # past it, but not more than 1.5 x the least
+            (3 * (gate + 1) + 1, 2 * (gate + 1), "b"))):  # past both
         held = hold(p, a=a_load, b=b_load)
         assert p.choose(prompt=prompt(1, own=10 + i)).name == winner, (a_load, b_load)
         held.close()
@@ -192,7 +194,7 @@ def test_an_affinity_key_prefers_its_rendezvous_replica_and_spills_over_when_it_
     pr = prompt(6)
     p.choose(affinity="group-1", prompt=pr)
     assert pr.decision is not None and pr.decision.rule == "affinity"
-    held = hold(p, **{home: 9})  # 9 above the others (past --score-imbalance 8), and past 1.5 x 0
+    held = hold(p, **{home: Weights().imbalance + 1})  # past --score-imbalance above the others, and 1.5 x 0
     spilled = p.choose(affinity="group-1", prompt=prompt(99))
     assert spilled.name != home
     held.close()

@@ -9,6 +9,7 @@ from sampler_gateway.config import GatewayConfig
 from sampler_gateway.metrics.registry import GatewayMetrics
 from sampler_gateway.replicas.view import PoolView, ReplicaView
 from sampler_gateway.routing.pool import Pool
+from sampler_gateway.routing.score import Weights
 from sampler_gateway.routing.sessions import SessionTable
 from tests.support.pool_load import hold
 
@@ -82,20 +83,21 @@ def test_first_turns_go_least_loaded_and_later_turns_stay_until_their_replica_is
     held = hold(p, r1=5)
     assert turn(p, t, "s2", 1) == ("r0", False)
     held.close()
-    # Loads flip within the gate (--score-imbalance 8 sequences): the sessions do not move.
+    # Loads flip within the gate (--score-imbalance sequences): the sessions do not move.
+    gate = Weights().imbalance
     for i in range(4):
-        held = hold(p, r0=i % 2 * 8, r1=(i + 1) % 2 * 8)
+        held = hold(p, r0=i % 2 * gate, r1=(i + 1) % 2 * gate)
         assert turn(p, t, "s1", 2 + i) == ("r1", False)
         assert turn(p, t, "s2", 2 + i) == ("r0", False)
         held.close()
-    # r1 hot (9 sequences, the least loaded 0: past 8 above it and 1.5 times it): s1 spills over, moves
+    # r1 hot (one past the gate, the least loaded 0: and more than 1.5 times it): s1 spills over, moves
     # once, and stays on its new replica, r1 cool again notwithstanding.
-    held = hold(p, r1=9)
+    held = hold(p, r1=gate + 1)
     assert turn(p, t, "s1", 10) == ("r0", True)
     held.close()
     assert turn(p, t, "s1", 11) == ("r0", False)
-    # The ratio counts too: 27 against 18 is 9 above it, but not more than 1.5 times it.
-    held = hold(p, r0=27, r1=18)
+    # The ratio counts too: past the gate above the least loaded, but not more than 1.5 times it.
+    held = hold(p, r0=3 * (gate + 1), r1=2 * (gate + 1))
     assert turn(p, t, "s1", 12) == ("r0", False)
     held.close()
 
