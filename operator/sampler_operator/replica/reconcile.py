@@ -62,6 +62,7 @@ from sampler_operator.replica.weights_intent import (
     checkpoint_missing,
     declared_ref,
     load_without_probe,
+    needs_declared_load,
     observed_weights,
     startup_adapters,
     startup_weights,
@@ -73,6 +74,11 @@ REASON_UNCERTAIN = "UncertainWeights"
 REASON_SPEC_CHANGED = "SpecChanged"
 REASON_POD_FINISHED = "PodFinished"
 REASON_POD_DELETED = "PodDeleted"
+# The look at a pod right after its load: probes until one answers, at most this many. The pod has just
+# answered the load, so a miss is noise (a busy node, a busy operator); a look that wrote without the pod's
+# answer would leave its next answered probe a second write (the Ready and WeightsCertain conditions name
+# the weights version the pod serves), the push's second write of the replica (issue #53).
+LOOKS_AFTER_LOAD = 3
 
 @dataclass(frozen=True)
 class Reason:
@@ -343,7 +349,11 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
     pod = pick_current([p for p in pods if not p.deleting], status)
     obs: HealthObservation | None = None
     if pod is not None and pod.phase == "Running" and pod.pod_ip:
-        obs = await probe(ctx.session, pod.pod_ip, spec.port, spec.health.timeout_seconds)
+        for _ in range(LOOKS_AFTER_LOAD if loaded is not None else 1):
+            obs = await probe(ctx.session, pod.pod_ip, spec.port, spec.health.timeout_seconds)
+            if obs.answered:
+                break
+        assert obs is not None
         mem.consecutive_failures = 0 if obs.answered else mem.consecutive_failures + 1
         mem.last_observation = obs
         mem.observed_at = ctx.clock()
@@ -356,10 +366,21 @@ async def observe(ctx: Context, cr: Mapping[str, Any], spec: SamplerReplicaSpec,
     synced = weights_synced(spec, weights, obs, unavailable=_unavailable(spec, mem))
     if synced is None and loaded is not None:
         synced = loaded.synced   # the pod did not answer this look: the load's own answer says it
+    # The spec is observed once its weights are acted on: a look before the load they ask for keeps the
+    # older observedGeneration (the pool reads a replica at the new generation as having acted on it), and,
+    # when the pod is ok (the load goes out in this very step), the older WeightsSynced: the outcome's write
+    # says both. So it writes nothing when nothing else changed. Else a probe taken before a push's load
+    # (the last answer too old, or a miss: weights_intent.load_without_probe) wrote the generation and a
+    # Loading condition, then the load's outcome wrote again: a push's second write of the replica.
+    generation = cr["metadata"].get("generation")
+    if loaded is None and needs_declared_load(spec, status.get("weights") or {}):
+        generation = status.get("observedGeneration")
+        if obs is not None and obs.state is HealthState.OK:
+            synced = None
     new_status = runtime_status(pod=pod, observation=obs, consecutive_failures=mem.consecutive_failures,
                                 failure_threshold=spec.health.failure_threshold, decision=decision,
                                 replacing=decision.action is Action.REPLACE, old_status=status,
-                                generation=cr["metadata"].get("generation"), now=now, weights_synced=synced)
+                                generation=generation, now=now, weights_synced=synced)
     new_status["weights"] = weights
     if loaded is not None:
         new_status.update(load_columns(new_status, loaded, obs))

@@ -145,9 +145,11 @@ async def _load_declared(ctx: Context, cr: Mapping[str, Any], spec: SamplerRepli
     ref = declared_ref(spec)
     assert ref is not None
     if serving(obs, ref):
-        # The pod started at these weights (a new pod loads undeclared-yet weights at startup).
-        await _record(ctx, cr, declared_outcome(spec, LOADED, "loaded at pod startup"), None, mem)
-        return None
+        # The pod started at these weights (a new pod loads undeclared-yet weights at startup): nothing to
+        # send, an outcome all the same, written with the loop's look at the pod as a load's is (the look
+        # before it kept the older observedGeneration: reconcile.observe).
+        return LoadOutcome(ref.version_label, LOADED, declared_outcome(spec, LOADED, "loaded at pod startup"),
+                           None, None)
     key = await _api_key(ctx, cr, spec, mem)
     peers = await _peers(ctx, cr, spec, ref)
     ctx.log.info(f"loading declared weights {ref.version_label} ({ref.source}) in place"

@@ -26,6 +26,8 @@ import aiohttp
 import pytest
 import uvicorn
 
+from sampler_operator.health_probe import HealthObservation, HealthState
+from sampler_operator.replica import reconcile, weights_sync
 from sampler_operator.replica.context import Context, ReplicaMemory
 from sampler_operator.replica.desired_pod import LABEL_POOL, pod_template, template_hash
 from sampler_operator.replica.pod_view import PodView
@@ -185,6 +187,60 @@ async def test_a_keep_push_writes_a_pool_replica_once_and_posts_no_event(ck: Ckp
             assert st["observedGeneration"] == r.api.obj["metadata"]["generation"]
             assert condition(st, "WeightsSynced") == ("True", "Synced")
             assert condition(st, "Ready") == ("True", "Healthy") and condition(st, "WeightsCertain")[0] == "True"
+
+
+@pytest.mark.parametrize("before", ["stale", "missed"])
+async def test_a_push_after_a_stale_or_missed_probe_is_still_one_write(
+        ck: Ckpts, tmp_path: Path, before: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop probes before the load when its last answer is too old (two health periods) or was no
+    answer: that look writes nothing (it keeps the older observedGeneration, the load being still to
+    do), and the load's outcome is the push's one write."""
+    async with replica(ck, tmp_path, in_pool=True) as r:
+        since = 2.5 * PERIOD_S if before == "stale" else 0.0
+        if before == "missed":
+            r.mem.last_observation = HealthObservation(HealthState.UNREACHABLE, reason="TimeoutError: ")
+        calls = pod_calls(monkeypatch)
+        writes, _ = await r.push(keep(ck, "step-1"), since_probe_s=since)
+        assert len(writes) == 1, writes
+        assert calls[:3] == ["probe", "load", "probe"], calls
+        st = r.api.obj["status"]
+        assert (st["weightsLabel"], st["observedGeneration"]) == ("step-1", r.api.obj["metadata"]["generation"])
+
+
+async def test_a_missed_look_after_the_load_is_taken_again_not_written_twice(
+        ck: Ckpts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look right after a load whose probe gets no answer probes again before it writes: written
+    without the pod's answer, its next answered probe would write again (the Ready and WeightsCertain
+    conditions name the version served)."""
+    async with replica(ck, tmp_path, in_pool=True) as r:
+        calls = pod_calls(monkeypatch, misses=1)
+        writes, _ = await r.push(keep(ck, "step-1"))
+        assert len(writes) == 1, writes
+        assert calls[:3] == ["load", "missed probe", "probe"], calls
+        st = r.api.obj["status"]
+        assert condition(st, "WeightsCertain") == ("True", "WeightsConsistent")
+        assert next(c for c in st["conditions"] if c["type"] == "Ready")["message"] == "serving weights version 1"
+
+
+def pod_calls(monkeypatch: pytest.MonkeyPatch, misses: int = 0) -> list[str]:
+    """The loop's calls to the pod from now on, in order ("probe", "missed probe", "load"); the first
+    `misses` probes get no answer, as a probe that timed out."""
+    calls: list[str] = []
+    real_probe, real_call = reconcile.probe, weights_sync.call
+
+    async def probe(*args: Any, **kwargs: Any) -> HealthObservation:
+        if calls.count("missed probe") < misses:
+            calls.append("missed probe")
+            return HealthObservation(HealthState.UNREACHABLE, reason="TimeoutError: ")
+        calls.append("probe")
+        return await real_probe(*args, **kwargs)
+
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append("load" if "/v1/checkpoints/load" in args else "call")
+        return await real_call(*args, **kwargs)
+    monkeypatch.setattr(reconcile, "probe", probe)
+    monkeypatch.setattr(weights_sync, "call", call)
+    return calls
 
 
 async def test_a_lone_replica_keeps_its_load_event_in_one_status_write(ck: Ckpts, tmp_path: Path) -> None:
