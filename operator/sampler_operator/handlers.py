@@ -41,6 +41,7 @@ from sampler_operator.replica.reconcile import hear_of, step
 from sampler_operator.replica.spec import InvalidSpec, parse_spec
 from sampler_operator.replica.status import invalid_spec_status
 from sampler_operator.secret_keys import SecretKeys
+from sampler_operator.views import plain as _plain
 
 OUR_PODS: Mapping[str, Any] = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_REPLICA: kopf.PRESENT}
 # SamplerReplicas a pool may own (which pool: the controller ownerReference, read by ReplicaState).
@@ -85,15 +86,6 @@ def hand_to_replica(namespace: str) -> Handed:
             hear_of(mem, body)
             _wake(namespace, label_value(replica))
     return hand
-
-
-def _plain(value: Any) -> Any:
-    """kopf's views of an object as plain dicts and lists (what the pure modules take)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _wake(namespace: str | None, replica: str | None) -> None:

@@ -69,6 +69,7 @@ from sampler_operator.replica.weights_intent import (
     weights_synced,
 )
 from sampler_operator.replica.weights_sync import LoadOutcome, sync_weights
+from sampler_operator.views import plain
 
 REASON_UNCERTAIN = "UncertainWeights"
 REASON_SPEC_CHANGED = "SpecChanged"
@@ -455,8 +456,11 @@ def _fleet_capped(ctx: Context, cr: Mapping[str, Any], decision: Decision, spec:
 
 async def step(ctx: Context, live_body: Mapping[str, Any], cached_pods: Iterable[PodView],
                mem: ReplicaMemory) -> float:
-    """One loop iteration; returns how long to sleep (unless a pod/spec event wakes us first)."""
-    cr = newest(live_body, mem)
+    """One loop iteration; returns how long to sleep (unless a pod/spec event wakes us first). On a
+    snapshot of the replica taken now: kopf updates a daemon's body in place at every watch event, and a
+    step that read the spec before its probe and the generation after it wrote a new observedGeneration
+    for a spec whose weights it had not looked at (then the load's outcome: a push's second write)."""
+    cr = plain(newest(live_body, mem))
     try:
         spec = parse_spec(cr.get("spec") or {})
         seams.check(spec, ctx.allow_test_seams)   # a refused replica gets no pod

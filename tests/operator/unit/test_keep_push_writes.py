@@ -222,6 +222,35 @@ async def test_a_missed_look_after_the_load_is_taken_again_not_written_twice(
         assert next(c for c in st["conditions"] if c["type"] == "Ready")["message"] == "serving weights version 1"
 
 
+async def test_a_push_landing_while_a_step_awaits_the_pod_is_one_write(
+        ck: Ckpts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf hands the loop a live body, changed in place by each watch event. A push whose event lands
+    while a step awaits its probe is not half seen: a step that read the spec before the probe and the
+    generation after it wrote the new observedGeneration alone, then the load's outcome (CI's flaky
+    test_scale: 33 status writes for 32 replicas)."""
+    async with replica(ck, tmp_path, in_pool=True) as r:
+        live = r.api.obj   # as kopf's body: every write the API stand-in takes lands in it
+        real = reconcile.probe
+        landed: list[bool] = []
+
+        async def probe(*args: Any, **kwargs: Any) -> HealthObservation:
+            obs = await real(*args, **kwargs)
+            if not landed:
+                landed.append(True)
+                r.api.push(keep(ck, "step-1"))   # the spec's watch event, during the step's probe
+            return obs
+        monkeypatch.setattr(reconcile, "probe", probe)
+        writes = len(r.api.status_writes)
+        r.clock[0] += 2.5 * PERIOD_S   # the step probes (its last answer too old to load on)
+        for _ in range(4):
+            await step(r.ctx, live, r.pods, r.mem)
+        assert landed
+        new = r.api.status_writes[writes:]
+        assert len(new) == 1, new
+        st = live["status"]
+        assert (st["weightsLabel"], st["observedGeneration"]) == ("step-1", live["metadata"]["generation"])
+
+
 def pod_calls(monkeypatch: pytest.MonkeyPatch, misses: int = 0) -> list[str]:
     """The loop's calls to the pod from now on, in order ("probe", "missed probe", "load"); the first
     `misses` probes get no answer, as a probe that timed out."""
