@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,30 +230,24 @@ async def test_a_push_landing_while_a_step_awaits_the_pod_is_one_write(
     test_scale: 33 status writes for 32 replicas)."""
     async with replica(ck, tmp_path, in_pool=True) as r:
         live = r.api.obj   # as kopf's body: every write the API stand-in takes lands in it
-        real = reconcile.probe
-        landed: list[bool] = []
-
-        async def probe(*args: Any, **kwargs: Any) -> HealthObservation:
-            obs = await real(*args, **kwargs)
-            if not landed:
-                landed.append(True)
-                r.api.push(keep(ck, "step-1"))   # the spec's watch event, during the step's probe
-            return obs
-        monkeypatch.setattr(reconcile, "probe", probe)
+        # The spec's watch event, during the step's first probe.
+        calls = pod_calls(monkeypatch, after_first_probe=lambda: r.api.push(keep(ck, "step-1")))
         writes = len(r.api.status_writes)
         r.clock[0] += 2.5 * PERIOD_S   # the step probes (its last answer too old to load on)
         for _ in range(4):
             await step(r.ctx, live, r.pods, r.mem)
-        assert landed
+        assert calls[:3] == ["probe", "load", "probe"], calls   # the push seen whole, by the next step
         new = r.api.status_writes[writes:]
         assert len(new) == 1, new
         st = live["status"]
         assert (st["weightsLabel"], st["observedGeneration"]) == ("step-1", live["metadata"]["generation"])
 
 
-def pod_calls(monkeypatch: pytest.MonkeyPatch, misses: int = 0) -> list[str]:
+def pod_calls(monkeypatch: pytest.MonkeyPatch, misses: int = 0,
+              after_first_probe: Callable[[], None] | None = None) -> list[str]:
     """The loop's calls to the pod from now on, in order ("probe", "missed probe", "load"); the first
-    `misses` probes get no answer, as a probe that timed out."""
+    `misses` probes get no answer, as a probe that timed out; `after_first_probe` runs once the first
+    answered probe is back, before the loop reads it (what lands while a step awaits the pod)."""
     calls: list[str] = []
     real_probe, real_call = reconcile.probe, weights_sync.call
 
@@ -262,7 +256,10 @@ def pod_calls(monkeypatch: pytest.MonkeyPatch, misses: int = 0) -> list[str]:
             calls.append("missed probe")
             return HealthObservation(HealthState.UNREACHABLE, reason="TimeoutError: ")
         calls.append("probe")
-        return await real_probe(*args, **kwargs)
+        obs = await real_probe(*args, **kwargs)
+        if after_first_probe is not None and calls.count("probe") == 1:
+            after_first_probe()
+        return obs
 
     async def call(*args: Any, **kwargs: Any) -> Any:
         calls.append("load" if "/v1/checkpoints/load" in args else "call")
