@@ -94,7 +94,10 @@ def with_startup_deadline(cfg: ServerConfig, start: EngineStarter, on_fatal: Cal
         if not done:
             task.cancel()
             core.startup_error = f"startup did not finish within --startup-timeout-s={deadline_s:g}s"
-            log.error("%s; exiting so the container is restarted", core.startup_error)
+            # The process's age says how late the loop answered the deadline: on a starved node the
+            # imports alone can outlast it, and then the deadline is acted on as soon as the loop runs.
+            log.error("%s (process age %.2fs); exiting so the container is restarted",
+                      core.startup_error, time.monotonic() - STARTED_AT)
             on_fatal()
 
     return bounded

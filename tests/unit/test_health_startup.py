@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -56,6 +57,8 @@ def test_a_start_past_startup_timeout_exits_1_so_the_container_restarts(tiny_mod
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "startup did not finish within --startup-timeout-s=1s" in p.stderr
+    age = re.search(r"process age ([0-9.]+)s", p.stderr)   # what the node tier times the deadline by
+    assert age is not None and float(age.group(1)) >= 1, p.stderr[-2000:]
     assert time.monotonic() - t0 < 30
 
 

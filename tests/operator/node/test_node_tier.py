@@ -22,12 +22,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ NS_PREFIX = "nt-"            # namespaces of the shared operator (it watches "nt
 # ran scripts/setup.sh last: name THIS checkout explicitly for the operator processes (the pods run images).
 SRC_PATH = f"{REPO_ROOT}:{REPO_ROOT / 'operator'}"
 PERIOD = 2                   # health.periodSeconds of every replica here (kubelet probes + operator probe)
+CLOCK_TICK_S = 0.02          # the kernel's process start is in 10 ms ticks; the server rounds its age to 10 ms
 
 
 def _log(msg: str) -> None:
@@ -666,7 +668,10 @@ def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, op
 
     The deadline is timed by the server's own log line, not by the container's lifetime: after the
     decision the process still shuts down (uvicorn, then the interpreter's teardown), which on this
-    loaded 2-core box has taken seconds, and that is not what the deadline bounds."""
+    loaded 2-core box has taken seconds, and that is not what the deadline bounds. The line says the
+    process's age at the decision; how late past the deadline that is belongs to the box (a starved
+    node's imports alone have outlasted it), so the test checks the deadline's origin and value, not
+    the loop's promptness to the second."""
     port = ks.free_port()
     timeout_s = 12
     api.apply(ns, replica("dh", port, Path(tiny_model),
@@ -682,13 +687,20 @@ def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, op
     log = api.core.read_namespaced_pod_log("dh-0", ns, previous=True, timestamps=True)
     said = [line for line in log.splitlines() if "startup did not finish within --startup-timeout-s" in line]
     assert len(said) == 1, log[-3000:]
-    decided = _log_stamp(said[0])
+    decided, age = _decision(said[0])
     events = [(e.reason, e.message, e.count) for e in api.core.list_namespaced_event(ns).items
               if e.involved_object.name == "dh-0"]
-    # The kubelet's started_at is truncated to the second (the process started in the second after
-    # it), and the server's loop may answer its timer late by up to a probe period on this box.
-    after_start = (decided - term.started_at).total_seconds()
-    assert timeout_s <= after_start <= timeout_s + 1 + PERIOD, (after_start, said, term)
+    # Never early, by the server's own clock.
+    assert age >= timeout_s, said
+    # Counted from the process's start: the start the server used agrees with the kubelet's started_at.
+    # The runtime records started_at just after the process is forked, truncated to the second, so
+    # the process started before started_at + 1; an origin taken later (at an import, at the app's
+    # start) lands past it by the imports' seconds.
+    origin_after_started_at = (decided - timedelta(seconds=age) - term.started_at).total_seconds()
+    assert origin_after_started_at < 1 + CLOCK_TICK_S, (origin_after_started_at, said, term)
+    # The server's decision, not the kubelet's probe sync (up to a minute on kubelets before 1.21), nor
+    # a deadline counted twice: those are a timeout late or more. A starved loop here has answered nearly 4 s late.
+    assert age < 2 * timeout_s, said
     assert term.exit_code == 1, term
     # Its shutdown is bounded by uvicorn's graceful timeout (10 s, sampler_pod/__main__.py).
     assert (term.finished_at - decided).total_seconds() <= 10 + 1, (term, said)
@@ -696,12 +708,14 @@ def test_a_hung_engine_start_is_restarted_within_the_startup_timeout(api, ns, op
     assert api.status(ns, "dh").get("replacements") in (None, 0), "restarted by the kubelet, not replaced"
 
 
-def _log_stamp(line: str) -> datetime:
-    """The container runtime's stamp of a `timestamps=True` log line: RFC 3339 with up to 9 digits of
-    fraction and trailing zeros dropped (`2026-12-03T18:57:05.0351Z`); Python reads 6 at most."""
-    stamp = line.split(" ", 1)[0].removesuffix("Z")
-    whole, _, frac = stamp.partition(".")
-    return datetime.fromisoformat(f"{whole}.{(frac + '000000')[:6]}+00:00")
+def _decision(line: str) -> tuple[datetime, float]:
+    """When the server decided, by its own logging clock (the runtime's stamp, first on a
+    `timestamps=True` line, is when the runtime read the line: later under load), and the process's
+    age it reported. The pod has no TZ, so its `asctime` is UTC: `<stamp> 2026-12-03 18:57:05,035 ERROR ...`."""
+    _, day, clock, _ = line.split(" ", 3)
+    age = re.search(r"process age ([0-9.]+)s", line)
+    assert age is not None, line
+    return datetime.fromisoformat(f"{day} {clock.replace(',', '.')}+00:00"), float(age.group(1))
 
 
 # ------------------------------------------------------------------------------------------ declared weights
