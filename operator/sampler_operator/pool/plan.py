@@ -253,11 +253,11 @@ class ReplicaState:
     version: int | None = field(default=None, compare=False)
 
     @classmethod
-    def from_object(cls, obj: dict[str, Any]) -> ReplicaState:
+    def from_object(cls, obj: Mapping[str, Any]) -> ReplicaState:
+        """The SamplerReplica object's state (only read: kopf's view of it will do, no copy)."""
         meta = obj.get("metadata") or {}
         ann = meta.get("annotations") or {}
-        owner = next((o.get("uid") for o in meta.get("ownerReferences") or []
-                      if o.get("kind") == POOL_KIND and o.get("controller")), None)
+        owner = pool_owner_uid(meta)
         status = obj.get("status") or {}
         weights = status.get("weights") or {}
         label = weights.get("label") or status.get("weightsLabel")
@@ -279,6 +279,12 @@ class ReplicaState:
                    adapters=tuple(a for a in status.get("adapters") or () if isinstance(a, str)),
                    generation=generation if isinstance(generation, int) else None,
                    unavailable=unavailable, version=_version(meta.get("resourceVersion")))
+
+
+def pool_owner_uid(meta: Mapping[str, Any]) -> str | None:
+    """The uid of the SamplerPool that controls the object of this metadata, if one does."""
+    return next((o.get("uid") for o in meta.get("ownerReferences") or []
+                 if o.get("kind") == POOL_KIND and o.get("controller")), None)
 
 
 def _version(raw: Any) -> int | None:

@@ -52,8 +52,8 @@ def test_a_gateways_acknowledgement_wakes_the_pool_loop_that_awaits_it(monkeypat
         body = {"metadata": {"name": gateway, "labels": labels, "annotations": ann},
                 "spec": {"holderIdentity": gateway, "leaseDurationSeconds": 3,
                          "renewTime": "2026-12-05T00:00:00.000000Z"}}
-        handlers.wake_pool_on_ack(event={"type": type_, "object": body}, name=gateway, body=body,
-                                  namespace=namespace, labels=labels, annotations=ann)
+        asyncio.run(handlers.wake_pool_on_ack(event={"type": type_, "object": body}, name=gateway, body=body,
+                                              namespace=namespace, labels=labels, annotations=ann))
 
     for namespace, pool, gen in (("ns", "pool", "3"), ("ns", "pool", None), ("other", "pool", "4"),
                                  ("ns", "other", "4")):
