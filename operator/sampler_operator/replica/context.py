@@ -19,6 +19,7 @@ from sampler_operator.network_policy import PolicySettings
 from sampler_operator.replica.desired_pod import Owner
 from sampler_operator.replica.fleet import ReplacementSlots
 from sampler_operator.replica.replacement_policy import Decision
+from sampler_operator.replica.spec import SamplerReplicaSpec
 from sampler_operator.secret_keys import SecretKeys
 
 log = logging.getLogger("sampler_operator")
@@ -42,6 +43,8 @@ class ReplicaMemory:
     # Why the last load of the declared weights by digest found them nowhere (the pod's 409
     # `weights_unavailable`), with the declaration it was for: shown in WeightsSynced until a load works.
     unavailable: tuple[dict[str, Any], str] | None = None
+    # The spec of ((uid, generation)), validated: reconcile.parsed_spec.
+    spec: tuple[tuple[str, int | None], SamplerReplicaSpec] | None = None
     # The pod template's hash for the spec of ((uid, generation)): reconcile.wanted_template_hash.
     template_hash: tuple[tuple[str, int | None], str] | None = None
     # The spec generation handlers.validate_spec last checked: it checks each one once.
