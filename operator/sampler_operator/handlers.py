@@ -168,13 +168,13 @@ def replica_loops(**_: Any) -> int:
 
 @kopf.index("pods", labels=OUR_PODS)
 async def replica_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body,
-                 **_: Any) -> dict[tuple[str, str], PodView]:
+                       **_: Any) -> dict[tuple[str, str], PodView]:
     return {(namespace or "", labels[LABEL_REPLICA]): PodView.from_pod(body)}
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
 async def replica_fleet(namespace: str | None, name: str | None, status: kopf.Status,
-                  **_: Any) -> dict[tuple[str, str], bool]:
+                        **_: Any) -> dict[tuple[str, str], bool]:
     return {(namespace or "", name or ""): bool(status.get("replacing"))}
 
 
@@ -306,7 +306,7 @@ async def wake_pool_on_spec(uid: str | None, **_: Any) -> None:
 # waits for without listing the Leases first (routing.needs_acknowledgements).
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={LABEL_GATEWAY: kopf.PRESENT})
 async def wake_pool_on_ack(event: Mapping[str, Any], name: str | None, body: kopf.Body, namespace: str | None,
-                     labels: Mapping[str, str], annotations: Mapping[str, str], **_: Any) -> None:
+                           labels: Mapping[str, str], annotations: Mapping[str, str], **_: Any) -> None:
     loop = _pool_awaits.get((namespace or "", labels.get(LABEL_GATEWAY, "")))
     if loop is None:
         return
