@@ -23,6 +23,7 @@ Two halves, so that a read another gateway of the pool made counts as this gatew
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,9 +59,10 @@ async def fetch_health(client: Http1Client, url: str, timeout_s: float) -> Healt
 
 
 def view_of(member: Member, answer: HealthAnswer, last: ReplicaView | None = None, failure_threshold: int = 1,
-            serving: Callable[[], bool] = lambda: False) -> ReplicaView:
+            serving: Callable[[], bool] = lambda: False, started: float | None = None) -> ReplicaView:
     """Pure: `member` as `answer` shows it, after `last` (its view before this read). `serving()`,
-    asked when the read timed out: has the replica answered a request lately?"""
+    asked when the read timed out: has the replica answered a request lately? `started`: when the
+    read began (the adapters' in-flight counts are as of some moment since: lora/router.py)."""
     label = last.weights_label if last is not None else None
     version = last.weights_version if last is not None else None
     step = last.weights_step if last is not None else None
@@ -92,15 +94,17 @@ def view_of(member: Member, answer: HealthAnswer, last: ReplicaView | None = Non
                        weights_step=stp if isinstance(stp, int) and not isinstance(stp, bool) else
                        (step if not isinstance(lbl, str) else None),
                        reason=None if status == "ok" else f"{status}: {body.get('reason')}",
-                       model=body["model"] if isinstance(body.get("model"), str) else model, lora=lora_of(body),
-                       engine=engine_of(body))
+                       model=body["model"] if isinstance(body.get("model"), str) else model,
+                       lora=lora_of(body, started), engine=engine_of(body))
 
 
 async def read_health(client: Http1Client, member: Member, timeout_s: float,
                       last: ReplicaView | None = None, failure_threshold: int = 1,
                       serving: Callable[[], bool] = lambda: False) -> ReplicaView:
     """`serving()`, asked when a read times out: has the replica answered a request lately?"""
-    return view_of(member, await fetch_health(client, member.url, timeout_s), last, failure_threshold, serving)
+    started = time.monotonic()
+    return view_of(member, await fetch_health(client, member.url, timeout_s), last, failure_threshold, serving,
+                   started)
 
 
 def _positive(value: Any) -> int | None:

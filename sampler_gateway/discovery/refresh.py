@@ -160,7 +160,7 @@ async def refresh_once(source: Source, pool: Pool, client: Http1Client, health_t
                 ledger.began[m.name], ledger.by[m.name] = started, ""
                 # "Serving": answered a request since one read-timeout before this round began.
                 views[m] = view_of(m, answer, against.by_name.get(m.name), failure_threshold,
-                                   _serving(pool, m.name, started - health_timeout_s))
+                                   _serving(pool, m.name, started - health_timeout_s), started)
             # The membership again: what changed during the reads is not undone by them.
             reads = Reads(views, against, ledger.started_at(pool.view))
             pool.update(merge(await source.membership(), pool.view, reads), refreshed=False)
@@ -188,7 +188,8 @@ def peer_applier(source: Source, pool: Pool, ledger: Ledger, health_timeout_s: f
             if m is None or m.url != r.url or not ledger.counts(r):
                 continue
             last = current.by_name.get(m.name)
-            view = view_of(m, r.answer, last, failure_threshold, _serving(pool, m.name, r.started - health_timeout_s))
+            view = view_of(m, r.answer, last, failure_threshold, _serving(pool, m.name, r.started - health_timeout_s),
+                           r.started)
             if last is not None and ledger.lora_since(m.name) >= r.started:
                 view = dataclasses.replace(view, lora=last.lora)  # the gateway's own load since: newer news
             views[m] = view

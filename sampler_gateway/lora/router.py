@@ -7,9 +7,12 @@ replica's last `/health` (adapter_health.py) with this gateway's own news on top
 
 - **in flight**, per replica and engine name: this gateway's own requests (counted from the moment
   a request is placed, before its load, so a second placement never picks it as a victim), plus the
-  others the replica counted at its last read (its own count then, less this gateway's then: other
-  gateways' requests, futures). So a version this gateway alone kept busy is idle the moment its
-  last request here ends, not one `/health` read later;
+  others the replica counted at its last read: its count less every request of this gateway's it
+  may have counted, those in flight now and those that ended since the read began (other gateways'
+  requests, futures). So a version this gateway alone kept busy is idle the moment its last request
+  here ends, not one `/health` read later: a read that began while that request ran, landing after
+  it ended, does not keep the version busy (it made a closed loop's just-used version the victim
+  instead of one idle since). An undercount of the others is caught by the replica's own 409;
 - **last use**: the later of the replica's and this gateway's;
 - **loading**: a version being loaded for one request is held there for every other (they wait for
   that one load: no duplicate loads), and a version being unloaded is held nowhere.
@@ -56,8 +59,10 @@ loads, waits and counts through a gateway process in front of fake-engine replic
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -82,17 +87,25 @@ from .placement import Placement, ReplicaAdapters, place, to_close
 
 Key = tuple[str, str]  # (replica, engine name)
 EMPTY = AdapterState()
+# How long, and how many, of this gateway's request ends are kept per replica and version, to tell
+# its own requests from the others in a replica's count (`placement_inputs`). A read older than that
+# (its replica unreachable since) counts the others as it said; past `ENDS_KEPT` ends within the read
+# the others are undercounted, which the replica's 409 to an unload catches. 128 floats per version
+# used in the last 30 s: a few MB at most for 256 replicas of 8 slots.
+ENDS_KEPT_S = 30.0
+ENDS_KEPT = 128
 
 
 def placement_inputs(replicas: Sequence[ReplicaView], *, default_slots: int, load: Mapping[str, int],
                      in_flight: Mapping[Key, int], last_used: Mapping[Key, float],
                      loading: Collection[Key], unloading: Collection[Key], closing: Collection[Key] = (),
-                     no_loads: Collection[str] = (), ours_at_read: Mapping[Key, int] | None = None
+                     no_loads: Collection[str] = (), ended: Mapping[Key, Sequence[float]] | None = None
                      ) -> list[ReplicaAdapters]:
     """Pure: what `lora.placement.place` reads of each replica (module docstring). `closing`: the
     versions closed for the request whose turn it is; `no_loads`: replicas whose view was proven wrong
-    since their last `/health` read (holders only); `ours_at_read`: this gateway's own in-flight
-    counts when each replica's last read landed (None: the replica's count and ours, the larger)."""
+    since their last `/health` read (holders only); `ended`: when this gateway's requests ended, per
+    replica and version (monotonic, oldest first; None, or a read whose start is not known: the
+    replica's count and ours, the larger)."""
     out = []
     for r in replicas:
         slots = r.lora.slots if r.lora.slots is not None else default_slots
@@ -104,15 +117,23 @@ def placement_inputs(replicas: Sequence[ReplicaView], *, default_slots: int, loa
             a = reported.get(e)
             held[e] = max((a.last_used_at or 0.0) if a is not None else 0.0, last_used.get((r.name, e), 0.0))
             counted, ours = (a.in_flight if a is not None else 0), in_flight.get((r.name, e), 0)
-            if ours_at_read is None:
+            if ended is None or r.lora.read_at is None:
                 n = max(counted, ours)
             else:
-                n = ours + max(0, counted - ours_at_read.get((r.name, e), 0))
+                # Of ours, the replica may have counted those in flight now and those ended since its
+                # read began; what it counted beyond them is the others'.
+                mine = ours + ends_since(ended.get((r.name, e), ()), r.lora.read_at)
+                n = ours + max(0, counted - mine)
             if n > 0:
                 flying[e] = n
         shut = frozenset(e for (rn, e) in closing if rn == r.name)
         out.append(ReplicaAdapters(r.name, slots, load.get(r.name, 0), held, flying, shut, r.name not in no_loads))
     return out
+
+
+def ends_since(ends: Sequence[float], t: float) -> int:
+    """Pure: how many of `ends` (ascending) are at or after `t`."""
+    return len(ends) - bisect.bisect_left(ends, t)
 
 
 def unknown_adapter(reply: Reply, fieldname: str) -> bool:
@@ -196,10 +217,9 @@ class AdapterRouter:
     # Replica -> when its answer proved the gateway's view of it wrong: no loads there until a /health
     # read that started later (pool.clock).
     unsure: dict[str, float] = field(default_factory=dict)
-    # Each replica's last read (its lora, by identity) and this gateway's in-flight counts there when
-    # it landed: what the replica counted beyond them is other gateways' (module docstring).
-    _read: dict[str, ReplicaLora] = field(default_factory=dict)
-    _ours_at_read: dict[Key, int] = field(default_factory=dict)
+    # When this gateway's requests ended, per replica and version (the last ENDS_KEPT within
+    # ENDS_KEPT_S): what a replica counted beyond them is other gateways' (module docstring).
+    ended: dict[Key, deque[float]] = field(default_factory=dict)
     _ties: itertools.count[int] = field(default_factory=itertools.count)
     _declared: tuple[AdapterState | None, dict[str, tuple[str, AdapterVersion]]] = (None, {})
 
@@ -255,25 +275,10 @@ class AdapterRouter:
         started = self.pool.view.started_at
         for name in [n for n, at in self.unsure.items() if started > at]:
             del self.unsure[name]  # read again since: its view is news again
-        self._note_reads(replicas)
         return placement_inputs(replicas, default_slots=self.cfg.lora_slots, load=self.pool.in_flight,
                                 in_flight=self.in_flight, last_used=self.last_used, loading=self.loading,
                                 unloading=self.unloading, closing=self.closing, no_loads=self.unsure,
-                                ours_at_read=self._ours_at_read)
-
-    def _note_reads(self, replicas: Sequence[ReplicaView]) -> None:
-        """A replica read since the last placement (a new lora object: a /health read, or the
-        gateway's own news): this gateway's in-flight counts there as of now stand for those at the
-        read. Placements follow every change, so "now" is the read's landing but for what ended or
-        began since: an overcount of the others only delays a victim to the next read; an
-        undercount is caught by the replica's own 409 to the unload."""
-        for r in replicas:
-            if self._read.get(r.name) is r.lora:
-                continue
-            self._read[r.name] = r.lora
-            for key in [k for k in self._ours_at_read if k[0] == r.name]:
-                del self._ours_at_read[key]
-            self._ours_at_read.update({k: n for k, n in self.in_flight.items() if k[0] == r.name})
+                                ended=self.ended)
 
     def _why_none(self, engine: str, replicas: Sequence[ReplicaView], waited_s: float) -> str:
         if not replicas:
@@ -456,6 +461,13 @@ class AdapterRouter:
         else:
             self.in_flight.pop(key, None)
         self.last_used[key] = self.clock()
+        now = time.monotonic()
+        ends = self.ended.get(key)
+        if ends is None:
+            ends = self.ended[key] = deque(maxlen=ENDS_KEPT)
+        ends.append(now)
+        while ends[0] < now - ENDS_KEPT_S:
+            ends.popleft()
         self._prune()
         self.pool.notify()  # a request waiting for a slot may have one now
 
@@ -464,7 +476,7 @@ class AdapterRouter:
         current = self.pool.view.by_name.get(replica)
         if current is not None and engine in current.lora.names():
             self.pool.set_lora(replica, ReplicaLora(current.lora.slots, tuple(
-                a for a in current.lora.adapters if a.name != engine)))
+                a for a in current.lora.adapters if a.name != engine), current.lora.read_at))
 
     # ------------------------------------------------------------------ loads and unloads
 
@@ -482,7 +494,8 @@ class AdapterRouter:
         adapters = [a for a in current.lora.adapters if a.name != remove and a.name != add]
         if add is not None:
             adapters.append(HeldAdapter(add, 0, self.clock()))
-        self.pool.set_lora(replica, ReplicaLora(current.lora.slots, tuple(adapters)))
+        # The others' counts are still the last read's: so is the moment they were counted at.
+        self.pool.set_lora(replica, ReplicaLora(current.lora.slots, tuple(adapters), current.lora.read_at))
 
     async def _load(self, replica: ReplicaView, target: VersionTarget, evict: tuple[str, ...]) -> None:
         engine = target.engine_name
@@ -571,6 +584,7 @@ class AdapterRouter:
             return
         for key in [k for k in self.last_used if k[1] not in declared and k not in self.in_flight]:
             del self.last_used[key]
+            self.ended.pop(key, None)
 
     # ------------------------------------------------------------------ answers
 

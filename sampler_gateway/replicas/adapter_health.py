@@ -17,7 +17,7 @@ adapter in front of either.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sampler_common.timestamps import epoch_seconds
@@ -34,6 +34,10 @@ class HeldAdapter:
 class ReplicaLora:
     slots: int | None  # None: the replica does not say (an older sampler)
     adapters: tuple[HeldAdapter, ...] = ()
+    # When the read that counted these `in_flight` began (the gateway's monotonic clock; for another
+    # gateway's read, the earliest it can have begun). None: not known. Not part of what the replica
+    # holds: two reads saying the same compare equal.
+    read_at: float | None = field(default=None, compare=False)
 
     def names(self) -> frozenset[str]:
         return frozenset(a.name for a in self.adapters)
@@ -43,8 +47,8 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def lora_of(health: Mapping[str, Any]) -> ReplicaLora:
-    """The LoRA part of a replica's `/health` body (module docstring: the defaults)."""
+def lora_of(health: Mapping[str, Any], read_at: float | None = None) -> ReplicaLora:
+    """The LoRA part of a replica's `/health` body (module docstring: the defaults), read from `read_at` on."""
     slots = _int(health.get("lora_slots"))
     if slots is None:
         slots = _int(health.get("max_loras"))
@@ -55,4 +59,4 @@ def lora_of(health: Mapping[str, Any]) -> ReplicaLora:
         if not isinstance(name, str) or not name:
             continue
         held.append(HeldAdapter(name, _int(entry.get("in_flight")) or 0, epoch_seconds(entry.get("last_used_at"))))
-    return ReplicaLora(slots, tuple(held))
+    return ReplicaLora(slots, tuple(held), read_at)

@@ -81,6 +81,37 @@ def test_placement_inputs_put_the_gateways_news_on_the_replicas_last_health() ->
     assert (b.name, b.slots, b.load, dict(b.loaded), dict(b.in_flight)) == ("r1", 3, 0, {}, {})
 
 
+def read_at(t: float, name: str, *held: HeldAdapter) -> ReplicaView:
+    return ReplicaView(name, "http://127.0.0.1:1", True, False, "base", 0, lora=ReplicaLora(2, held, read_at=t))
+
+
+def test_a_request_ended_after_the_read_began_is_not_counted_again_as_another_gateways() -> None:
+    """The read began at t=10 while this gateway's one request on a.1.1 ran; it ended at t=11; the read
+    landed after. The replica's 1 is that request: the version is idle now, not busy until the next
+    read (a closed loop's just-used version was unloaded instead of this idle one)."""
+    r0 = read_at(10.0, "r0", HeldAdapter("a.1.1", in_flight=1), HeldAdapter("b.1.2", in_flight=0))
+    common = dict(default_slots=2, load={}, last_used={}, loading=(), unloading=())
+    [idle] = placement_inputs([r0], in_flight={}, ended={("r0", "a.1.1"): [4.0, 11.0]}, **common)
+    assert dict(idle.in_flight) == {}
+    # Ended before the read began: the replica's 1 is another gateway's (or a future), kept busy.
+    [busy] = placement_inputs([r0], in_flight={}, ended={("r0", "a.1.1"): [4.0, 9.0]}, **common)
+    assert dict(busy.in_flight) == {"a.1.1": 1}
+    # Ours in flight now (since before the read) and 3 counted: 2 are the others', on top of our 1.
+    r1 = read_at(10.0, "r1", HeldAdapter("a.1.1", in_flight=3))
+    [mixed] = placement_inputs([r1], in_flight={("r1", "a.1.1"): 1}, ended={}, **common)
+    assert dict(mixed.in_flight) == {"a.1.1": 3}
+    # A read of unknown start (none said): the larger of the two counts, as without `ended`.
+    [unknown] = placement_inputs([view("r2", 2, HeldAdapter("a.1.1", in_flight=1))], in_flight={},
+                                 ended={("r2", "a.1.1"): [11.0]}, **common)
+    assert dict(unknown.in_flight) == {"a.1.1": 1}
+
+
+def test_a_read_says_when_it_began_and_two_reads_of_the_same_compare_equal() -> None:
+    body = {"lora_slots": 2, "adapters": [{"name": "a.1.1", "in_flight": 1}]}
+    assert lora_of(body, 5.0).read_at == 5.0 and lora_of(body).read_at is None
+    assert lora_of(body, 5.0) == lora_of(body, 6.0)   # what the replica holds, not when it was read
+
+
 def reply(status: int, body: object) -> Reply:
     return Reply(status, (("content-type", "application/json"),), orjson.dumps(body))
 

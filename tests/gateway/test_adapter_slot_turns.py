@@ -12,6 +12,7 @@ the queue; from then on the runs backlogged take one turn each per round.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import pytest
@@ -135,3 +136,39 @@ async def test_a_request_out_of_turn_runs_where_its_version_is_loaded_but_takes_
         task.cancel()
     await asyncio.gather(first, again, return_exceptions=True)
     assert not rt.waiters and rt.turn is None and not rt.closing
+
+
+class Unloads(Loads):
+    """The upstream, recording the unloads too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unloaded: list[str] = []
+
+    async def send(self, replica: ReplicaView, out: Outgoing) -> Reply:
+        if out.method == "DELETE":
+            self.unloaded.append(out.path.rsplit("/", 1)[1])
+        return await super().send(replica, out)
+
+
+@pytest.mark.asyncio
+async def test_a_read_that_began_while_our_request_ran_does_not_keep_its_version_busy_after_it() -> None:
+    """A `/health` read begins while this gateway's one request on a.1.1 runs, and lands after it ended,
+    counting it. b.1.5 is used next. A version then needing a slot unloads a.1.1, the least recently
+    used, both being idle: not b.1.5 because the replica's stale 1 was taken for another gateway's
+    request (seen as CI's flake of tests/gateway/test_lora_slot_contention.py: the version just used
+    unloaded, and the one idle since the previous test kept)."""
+    rt, _ = router()
+    upstream = Unloads()
+    rt.upstream = upstream
+    _, key = await rt.acquire(target(rt, "a@1"), frozenset(), None)
+    began = time.monotonic()
+    rt.release(key)
+    read = ReplicaLora(2, (HeldAdapter("a.1.1", in_flight=1), HeldAdapter("b.1.5")), read_at=began)
+    rt.pool.update(PoolView((ReplicaView("r0", "http://127.0.0.1:1", True, False, "base", 0, lora=read),),
+                            adapters=rt.pool.view.adapters, started_at=2.0))
+    _, key = await rt.acquire(target(rt, "b@1"), frozenset(), None)
+    rt.release(key)
+    _, key = await rt.acquire(target(rt, "c@1"), frozenset(), None)
+    rt.release(key)
+    assert (upstream.unloaded, upstream.loaded) == (["a.1.1"], ["c.1.6"])
