@@ -16,9 +16,9 @@ Two halves:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sampler_common.rollout_trace import trace
 from sampler_operator import metrics
@@ -70,6 +70,9 @@ from sampler_operator.replica.weights_intent import (
 )
 from sampler_operator.replica.weights_sync import LoadOutcome, sync_weights
 from sampler_operator.views import plain
+
+T = TypeVar("T")
+SpecKey = tuple[str, int | None]  # a replica's (uid, generation): what ReplicaMemory keeps per spec
 
 REASON_UNCERTAIN = "UncertainWeights"
 REASON_SPEC_CHANGED = "SpecChanged"
@@ -132,30 +135,34 @@ def pick_current(live: list[PodView], status: Mapping[str, Any]) -> PodView | No
     return max(live, key=lambda p: (p.generation or -1, p.name))
 
 
+def _per_generation(cr: Mapping[str, Any], kept: tuple[SpecKey, T] | None,
+                    build: Callable[[], T]) -> tuple[tuple[SpecKey, T], T]:
+    """What `build` makes of the replica's spec, kept for its (uid, generation): `kept` when it is that
+    generation's, else built anew (returned with what to keep). Not kept without a generation; a
+    `build` that raises keeps nothing."""
+    meta = cr["metadata"]
+    key = (str(meta.get("uid")), meta.get("generation"))
+    if kept is not None and kept[0] == key and key[1] is not None:
+        return kept, kept[1]
+    value = build()
+    return (key, value), value
+
+
 def parsed_spec(cr: Mapping[str, Any], mem: ReplicaMemory) -> SamplerReplicaSpec:
     """The replica's spec, validated once per generation of it rather than at every step (a step runs at
     every probe and every event of every replica: the validation was a ninth of the operator's CPU in a
     rollout at 256 replicas, issue #53's profile). The model is frozen, so the one kept is never changed.
-    Not kept without a generation; an invalid spec raises InvalidSpec every time."""
-    meta = cr["metadata"]
-    key = (str(meta.get("uid")), meta.get("generation"))
-    if mem.spec is not None and mem.spec[0] == key and key[1] is not None:
-        return mem.spec[1]
-    spec = parse_spec(cr.get("spec") or {})
-    mem.spec = (key, spec)
+    An invalid spec raises InvalidSpec every time."""
+    mem.spec, spec = _per_generation(cr, mem.spec, lambda: parse_spec(cr.get("spec") or {}))
     return spec
 
 
 def wanted_template_hash(cr: Mapping[str, Any], spec: SamplerReplicaSpec, mem: ReplicaMemory) -> str:
     """The hash of the pod template `spec` wants, built once per generation of the replica's spec rather
     than at every step: building the template was a tenth of the operator's CPU in a rollout (issue #53's
-    profile), and a step runs at every probe of every replica. Not kept without a generation."""
-    meta = cr["metadata"]
-    key = (str(meta.get("uid")), meta.get("generation"))
-    if mem.template_hash is not None and mem.template_hash[0] == key and key[1] is not None:
-        return mem.template_hash[1]
-    want = template_hash(pod_template(meta["name"], spec))
-    mem.template_hash = (key, want)
+    profile), and a step runs at every probe of every replica."""
+    mem.template_hash, want = _per_generation(
+        cr, mem.template_hash, lambda: template_hash(pod_template(cr["metadata"]["name"], spec)))
     return want
 
 
