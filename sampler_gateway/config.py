@@ -120,7 +120,7 @@ class GatewayConfig(BaseModel):
     score_kv_weight: float = Field(
         1.0, ge=0, description="weight of a replica's KV-cache usage (its /health kv_cache_usage, 0..1)")
     score_imbalance: int = Field(
-        6, ge=0, description="a replica more than this many sequences above the least loaded one (and past "
+        64, ge=0, description="a replica more than this many sequences above the least loaded one (and past "
                              "--score-imbalance-ratio) is hot: its cached prefix, a session or an affinity key "
                              "no longer keeps requests on it")
     score_imbalance_ratio: float = Field(

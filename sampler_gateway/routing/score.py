@@ -60,7 +60,7 @@ class Weights:
     tokens: float = 1.0
     queue: float = 1.0
     kv: float = 1.0
-    imbalance: int = 6
+    imbalance: int = 64
     imbalance_ratio: float = 1.5
 
 

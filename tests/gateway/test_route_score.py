@@ -105,11 +105,13 @@ def test_with_equal_prefixes_the_less_loaded_replica_wins(loads: list[int], bloc
 
 
 def test_a_prefix_holder_wins_until_it_is_hot_and_the_gate_needs_both_thresholds() -> None:
-    p = pool([rv("a"), rv("b")])
+    # A gate of 6 sequences, so that loads past it (and 1.5 times them) stay under --replica-capacity;
+    # the ratio at its default, 1.5.
+    gate = 6
+    p = pool([rv("a"), rv("b")], score_imbalance=gate)
     pr = prompt(1)
     warm(p, "a", pr)
     # Each request its own last block (not a burst of one prompt: bursts join past the gate).
-    gate = Weights().imbalance   # the default --score-imbalance; the ratio's default 1.5
     for i, (a_load, b_load, winner) in enumerate((
             (gate, 0, "a"),                              # `gate` above: not past it
             (gate + 1, 0, "b"),                          # past it, and more than 1.5 x 0: hot
@@ -173,7 +175,7 @@ def test_a_burst_window_closes_and_a_burst_of_a_prompt_shorter_than_a_block_spre
     p.update(PoolView((rv("a"), rv("b"))))
     first = p.choose(prompt=prompt(4)).name
     other = "b" if first == "a" else "a"
-    held = hold(p, **{first: 9})             # hot
+    held = hold(p, **{first: Weights().imbalance + 1})   # hot
     now[0] += 1.0
     assert p.choose(prompt=prompt(4)).name == first   # within the window: the burst, hot or not
     now[0] += 1.5

@@ -9,7 +9,6 @@ from sampler_gateway.config import GatewayConfig
 from sampler_gateway.metrics.registry import GatewayMetrics
 from sampler_gateway.replicas.view import PoolView, ReplicaView
 from sampler_gateway.routing.pool import Pool
-from sampler_gateway.routing.score import Weights
 from sampler_gateway.routing.sessions import SessionTable
 from tests.support.pool_load import hold
 
@@ -61,9 +60,9 @@ def rv(name: str, label: str = "step-1", draining: bool = False) -> ReplicaView:
     return ReplicaView(name, f"http://{name}", True, draining, label, 1)
 
 
-def pool(replicas: list[ReplicaView], policy: str = "Latest", picker: str = "score") -> Pool:
+def pool(replicas: list[ReplicaView], policy: str = "Latest", picker: str = "score", **flags: object) -> Pool:
     cfg = GatewayConfig.model_validate({"pool": "p", "discovery": "static", "replicas": ["a=http://a"],
-                                        "version_policy": policy, "picker": picker})
+                                        "version_policy": policy, "picker": picker, **flags})
     p = Pool(cfg, GatewayMetrics())
     p.update(PoolView(tuple(replicas)))
     return p
@@ -76,7 +75,9 @@ def turn(p: Pool, table: SessionTable, session: str, now: float) -> tuple[str, b
 
 
 def test_first_turns_go_least_loaded_and_later_turns_stay_until_their_replica_is_hot() -> None:
-    p, t = pool([rv("r0"), rv("r1")]), SessionTable(100, 600)
+    # A gate of 6 sequences, so that loads past it (and 1.5 times them) stay under --replica-capacity.
+    gate = 6
+    p, t = pool([rv("r0"), rv("r1")], score_imbalance=gate), SessionTable(100, 600)
     held = hold(p, r0=5)
     assert turn(p, t, "s1", 0) == ("r1", False)   # the least loaded
     held.close()
@@ -84,7 +85,6 @@ def test_first_turns_go_least_loaded_and_later_turns_stay_until_their_replica_is
     assert turn(p, t, "s2", 1) == ("r0", False)
     held.close()
     # Loads flip within the gate (--score-imbalance sequences): the sessions do not move.
-    gate = Weights().imbalance
     for i in range(4):
         held = hold(p, r0=i % 2 * gate, r1=(i + 1) % 2 * gate)
         assert turn(p, t, "s1", 2 + i) == ("r1", False)
