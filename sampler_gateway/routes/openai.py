@@ -23,11 +23,13 @@ on these paths (`install_error_shape`), as the replicas' answers do, so one clie
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from sampler_common.adapters import ADAPTER_HEADER
@@ -118,9 +120,6 @@ async def tokens(request: Request) -> Response:
     return respond(replica, reply)
 
 
-@router.post("/v1/completions")
-@router.post("/v1/chat/completions")
-@router.post("/inference/v1/generate")
 async def generate(request: Request) -> Response:
     gw, raw = gateway_of(request), await request.body()
     session = request.headers.get(gw.cfg.session_header) or None
@@ -232,7 +231,24 @@ class Relay(Response):
                            "(a stream the client has part of is not run again)", "replica_lost", 502)
 
 
-PATHS = frozenset(getattr(route, "path", "") for route in router.routes)
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+
+
+def generating_routes(auth: Callable[[Request], Awaitable[None]]) -> list[Route]:
+    """`generate` on its paths as plain Starlette routes, the API key checked first (`auth`: what
+    `Depends` runs on the other routes). Not FastAPI's routes: their dependency solving and exit stack,
+    for an endpoint that takes only the Request, were a fifth of the gateway's CPU per request in a
+    GRPO burst, and a burst's requests queue behind that CPU on the gateway's one loop
+    (bench/burst_dispatch.py). Left out of the gateway's OpenAPI schema: vLLM's own documents them."""
+
+    async def endpoint(request: Request) -> Response:
+        await auth(request)
+        return await generate(request)
+
+    return [Route(path, endpoint, methods=["POST"], name="generate", include_in_schema=False) for path in GENERATING]
+
+
+PATHS = frozenset(getattr(route, "path", "") for route in router.routes) | frozenset(GENERATING)
 
 
 def install_error_shape(app: FastAPI) -> None:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from sampler_gateway.routes.openai import GENERATING
 from tests.support.gateway import RunningGateway, run_gateway, write_replicas
 from tests.support.metrics import metric
 from tests.support.openai_stub import StubPool, stub_replicas
@@ -77,10 +78,13 @@ def test_bodies_pass_through_both_ways_and_every_answer_names_its_replica(gw: Ru
     # The replicas' own refusals pass as they are; the gateway's own take vLLM's shape on these paths.
     r = httpx.post(gw.url + "/v1/completions", json={"stub_status": 429}, headers=AUTH, timeout=30)
     assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 429
-    r = httpx.post(gw.url + "/v1/completions", json={}, timeout=30)
-    assert r.status_code == 401
-    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "unauthorized", "param": None,
-                                 "code": 401}
+    # The generating routes are plain Starlette routes (openai.generating_routes): the key is checked there too.
+    for path in GENERATING:
+        for headers in ({}, {"X-API-Key": "tml-wrong"}):
+            r = httpx.post(gw.url + path, json={}, headers=headers, timeout=30)
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "unauthorized",
+                                         "param": None, "code": 401}
     assert httpx.post(gw.url + "/v1/sample", json={}, timeout=30).json()["error"]["category"] == "unauthorized"
 
 
