@@ -3,7 +3,8 @@
 The gateway's services (pool, upstream client, metrics) live on `app.state.gateway`; the refresh
 loop that keeps the pool's view current starts and stops with the app. Authentication (the same
 API key as the replicas, forwarded to them as sent) is applied here once, to every router but
-the probes; the replicas check it again.
+the probes, and handed to the generating routes, which check it themselves (plain Starlette routes:
+routes/openai.py says why); the replicas check it again.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def create_app(cfg: GatewayConfig, source: Source, pool_object: PoolObject | Non
         gc.freeze()
         # Most of what a request allocates dies with it. At the default young generation (700 objects)
         # the collector ran every few requests of a burst and re-scanned the bodies still in flight:
-        # the gateway's CPU per request fell by about a tenth with a larger one (bench/burst_dispatch.py).
+        # the gateway's CPU per request fell by 5-10% with a larger one (bench/burst_dispatch.py's burst).
         gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
         sharing = app.state.sharing = None
         if peers is not None:
