@@ -175,7 +175,7 @@ def test_a_burst_window_closes_and_a_burst_of_a_prompt_shorter_than_a_block_spre
     p.update(PoolView((rv("a"), rv("b"))))
     first = p.choose(prompt=prompt(4)).name
     other = "b" if first == "a" else "a"
-    held = hold(p, **{first: Weights().imbalance + 1})   # hot
+    held = hold(p, **{first: p.weights.imbalance + 1})   # hot: past the gate the pool runs with
     now[0] += 1.0
     assert p.choose(prompt=prompt(4)).name == first   # within the window: the burst, hot or not
     now[0] += 1.5
@@ -196,7 +196,7 @@ def test_an_affinity_key_prefers_its_rendezvous_replica_and_spills_over_when_it_
     pr = prompt(6)
     p.choose(affinity="group-1", prompt=pr)
     assert pr.decision is not None and pr.decision.rule == "affinity"
-    held = hold(p, **{home: Weights().imbalance + 1})  # past --score-imbalance above the others, and 1.5 x 0
+    held = hold(p, **{home: p.weights.imbalance + 1})  # past --score-imbalance above the others, and 1.5 x 0
     spilled = p.choose(affinity="group-1", prompt=prompt(99))
     assert spilled.name != home
     held.close()
